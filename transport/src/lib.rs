@@ -1,0 +1,18 @@
+//! Ibex transport: an adaptive eager/rendezvous message transport for parameter-server
+//! training (the AR-gRPC design), with pluggable providers.
+//!
+//! Layers, bottom up:
+//! - [`link`]: the provider contract; [`shm`] and [`tcp`] implement it.
+//! - [`proto`]: the sans-IO protocol core.
+//! - [`conn`]: the tokio driver binding a core to a link, and the user-facing API
+//!   ([`Connection`], [`listen`], [`connect`], [`connect_auto`]).
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod error;
+pub mod link;
+pub mod pool;
+pub mod proto;
+
+pub use config::Config;
+pub use error::{Error, Result};

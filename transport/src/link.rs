@@ -1,0 +1,192 @@
+//! The provider contract (s2n-quic style: one small trait per concern).
+//!
+//! A provider (`shm`, `tcp`, later `verbs`) sets up a connection and hands the connection
+//! driver a [`Link`]. The driver owns the link exclusively and calls it only from its own
+//! task, so implementations need no internal locking for the link itself. A link does five
+//! things: deliver an eager frame into the peer's slots ([`Link::poll_send`]), hand over
+//! inbound frames and read completions ([`Link::poll_event`]), expose a local buffer for
+//! one-sided reads ([`Link::expose`]), read a described remote region into local memory
+//! ([`Link::post_read`]), and, where memory is shared, map a peer buffer with no copy at all
+//! ([`Link::map_remote`]).
+//!
+//! Frames are opaque to providers: the sans-IO core in [`crate::proto`] encodes and decodes
+//! them. Descriptors are opaque to the core: each provider defines and validates its own.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+
+use crate::error::Error;
+use crate::pool::Pool;
+
+/// Something the link has for the driver.
+#[derive(Debug)]
+pub enum LinkEvent {
+    /// A whole frame arrived from the peer, in the order the peer sent it.
+    Frame(Bytes),
+    /// A read posted with [`Link::post_read`] finished (successfully or not).
+    ReadDone {
+        /// The id given to `post_read`.
+        id: u64,
+        /// `Err` if the region could not be read (peer gone, descriptor refused, ...).
+        result: Result<(), Error>,
+    },
+}
+
+/// What a link tells the driver about itself once it is set up.
+#[derive(Debug, Clone)]
+pub struct LinkInfo {
+    /// `"shm"`, `"tcp"` or `"verbs"`.
+    pub provider: &'static str,
+    /// The largest frame `poll_send` accepts (the peer's slot size).
+    pub max_frame: usize,
+    /// How arbitrary (non-pool) buffers move in rendezvous, for stats and logs:
+    /// e.g. `"cma"`, `"bounce"`, `"tcp-stream"`, `"rdma-read"`.
+    pub rendezvous_path: String,
+    /// Reads are served without the peer's CPU (true for CMA and RDMA READ).
+    pub one_sided: bool,
+    /// Human-readable peer identity for logs (`pid 1234`, `10.0.0.2:7000`).
+    pub peer: String,
+}
+
+/// A local buffer exposed to the peer for one-sided reads.
+#[derive(Debug)]
+pub struct Exposure {
+    /// Handle to withdraw it with.
+    pub id: u64,
+    /// Provider-specific descriptor that travels in the RTS frame.
+    pub descriptor: Bytes,
+    /// True when the peer can map this buffer directly (registered pool): no copy at all.
+    pub zero_copy: bool,
+}
+
+/// Destination memory for rendezvous data. The owner keeps the memory alive; the pointer
+/// stays valid and fixed for as long as the `RecvBuf` lives.
+pub struct RecvBuf {
+    ptr: *mut u8,
+    len: usize,
+    owner: Box<dyn Send + Sync>,
+}
+
+// SAFETY: `ptr` points into memory kept alive by `owner`, which is `Send + Sync`; the buffer
+// is only written through `&mut self` or by reads whose lifetime the driver bounds.
+unsafe impl Send for RecvBuf {}
+// SAFETY: shared access only reads `ptr`/`len`; writes need `&mut self` or the driver's
+// exclusive read protocol.
+unsafe impl Sync for RecvBuf {}
+
+impl std::fmt::Debug for RecvBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecvBuf").field("len", &self.len).finish()
+    }
+}
+
+impl RecvBuf {
+    /// A zero-filled heap buffer (large ones come from fresh, lazily zeroed pages).
+    pub fn heap(len: usize) -> RecvBuf {
+        let mut v = bytes::BytesMut::zeroed(len);
+        let ptr = v.as_mut_ptr();
+        RecvBuf { ptr, len, owner: Box::new(v) }
+    }
+
+    /// Wraps memory owned by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for writes, not aliased by anyone else, and stay valid
+    /// and fixed while `owner` lives.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize, owner: Box<dyn Send + Sync>) -> RecvBuf {
+        RecvBuf { ptr, len, owner }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Start of the memory, for posting reads.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The bytes written so far (all of them, once every read completed).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr..ptr+len is valid for reads while `owner` lives (constructor contract).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// Mutable view for local copies (eager data, bounce fallbacks).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Turns the buffer into `Bytes` without copying.
+    pub fn into_bytes(self) -> Bytes {
+        Bytes::from_owner(self)
+    }
+}
+
+impl AsRef<[u8]> for RecvBuf {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+/// One end of a connection, as a provider sets it up. See the module docs.
+pub trait Link: Send + 'static {
+    /// Facts about this link.
+    fn info(&self) -> LinkInfo;
+
+    /// Offers one encoded frame (at most `info().max_frame` bytes) for delivery into the
+    /// peer's slots. `Ready(Ok)` means it was taken (copied or queued) and `frame` may be
+    /// reused. `Pending` means no room now; `cx`'s waker is woken when there may be.
+    fn poll_send(&mut self, cx: &mut Context<'_>, frame: &[u8]) -> Poll<Result<(), Error>>;
+
+    /// Pushes out whatever was taken but not yet written (a socket's write buffer, pending
+    /// read responses). `Ready(Ok)` when nothing is left.
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>>;
+
+    /// The next inbound frame or read completion. Also where a provider does the work it
+    /// owes the peer (serving emulated reads, for instance). `Pending` registers `cx`.
+    /// An `Err` is fatal: the link is dead.
+    fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Result<LinkEvent, Error>>;
+
+    /// Exposes `buf` for one-sided reads by the peer until [`Link::withdraw`].
+    fn expose(&mut self, buf: Bytes) -> Result<Exposure, Error>;
+
+    /// Withdraws an exposure (the peer's later reads of it fail) and gives the buffer back.
+    fn withdraw(&mut self, id: u64) -> Option<Bytes>;
+
+    /// If `descriptor` names memory this side can see directly (a shared pool segment),
+    /// a view of those `len` bytes; `Ok(None)` if it must be read. `Err` if the
+    /// descriptor is invalid (out of bounds, wrong length, unknown segment).
+    fn map_remote(&mut self, descriptor: &[u8], len: u64) -> Result<Option<Bytes>, Error>;
+
+    /// Destination memory for `len` bytes of rendezvous data (registered where needed).
+    fn alloc_recv(&mut self, len: usize) -> Result<RecvBuf, Error> {
+        Ok(RecvBuf::heap(len))
+    }
+
+    /// Starts reading `len` bytes at `offset` of the peer region `descriptor` into `dst`.
+    /// Completion comes back as [`LinkEvent::ReadDone`] with `id`. An invalid descriptor or
+    /// range may fail here or in the completion.
+    ///
+    /// # Safety
+    /// `dst..dst+len` must stay valid and untouched by anyone else until the `ReadDone`
+    /// for `id` has been returned by `poll_event`, or until the link is dropped.
+    unsafe fn post_read(&mut self, id: u64, descriptor: &[u8], offset: u64, dst: *mut u8, len: usize) -> Result<(), Error>;
+
+    /// The registered pool for zero-copy sends, if this provider has one.
+    fn pool(&self) -> Option<Arc<Pool>> {
+        None
+    }
+
+    /// Starts closing: the peer sees end of stream once what was sent is delivered.
+    fn close(&mut self);
+}

@@ -1,0 +1,4 @@
+//! The wire format. (Being written.)
+
+/// Bytes of every frame header.
+pub const HEADER_LEN: usize = 12;
