@@ -60,6 +60,8 @@ impl Connection {
     pub fn eager_threshold(&self) -> usize { todo!() }
     /// True once [`Action::Closed`] has been emitted.
     pub fn is_closed(&self) -> bool { todo!() }
+    /// Application messages queued but not yet put into a frame (send backpressure).
+    pub fn queued_data_frames(&self) -> usize { todo!() }
     /// True once the peer's `Hello` arrived.
     pub fn is_established(&self) -> bool { todo!() }
 }
