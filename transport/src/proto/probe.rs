@@ -92,7 +92,7 @@ pub(crate) struct Probe {
     desc: Bytes,
     pad: Bytes,
     pub(crate) deadline: Instant,
-    /// Stop taking samples (timed out or closing); finish once nothing is in flight.
+    /// Stop taking samples (timed out or closing); finish once no rendezvous sample is out.
     pub(crate) abandoned: bool,
 }
 
@@ -186,7 +186,10 @@ impl Probe {
 
     fn progress(&self) -> Progress {
         if self.abandoned {
-            return if self.in_flight.is_some() { Progress::Running } else { Progress::Abandoned };
+            // The peer may be reading the probe buffer: the driver must not withdraw it
+            // before the answer. An eager sample in flight holds nothing of ours.
+            let rts_out = matches!(self.in_flight, Some((_, Protocol::Rendezvous, _)));
+            return if rts_out { Progress::Running } else { Progress::Abandoned };
         }
         if self.next_step < self.steps.len() {
             return Progress::Running;
@@ -275,13 +278,25 @@ mod tests {
     }
 
     #[test]
-    fn abandoning_waits_for_the_sample_in_flight() {
+    fn abandoning_waits_for_a_rendezvous_sample_in_flight() {
         let t0 = Instant::now();
-        let mut p = Probe::new(ProbePlan { sizes: vec![100], reps: 1 }, Bytes::new(), t0);
+        let mut p = Probe::new(ProbePlan { sizes: vec![100], reps: 0 }, Bytes::new(), t0);
         assert!(matches!(p.next_sample(), Some(Sample::Eager { probe_id: 0, .. })));
+        p.sent(t0);
+        assert_eq!(p.answered(t0, 0, Protocol::Eager), Progress::Running);
+        assert!(matches!(p.next_sample(), Some(Sample::Rts { probe_id: 1, len: 100, .. })));
         p.sent(t0);
         assert_eq!(p.abandon(), Progress::Running);
         assert!(p.next_sample().is_none());
-        assert_eq!(p.answered(t0, 0, Protocol::Eager), Progress::Abandoned);
+        assert_eq!(p.answered(t0, 1, Protocol::Rendezvous), Progress::Abandoned);
+    }
+
+    #[test]
+    fn abandoning_with_an_eager_sample_out_is_immediate() {
+        let t0 = Instant::now();
+        let mut p = Probe::new(ProbePlan { sizes: vec![100], reps: 1 }, Bytes::new(), t0);
+        assert!(p.next_sample().is_some());
+        p.sent(t0);
+        assert_eq!(p.abandon(), Progress::Abandoned);
     }
 }
