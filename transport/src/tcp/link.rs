@@ -630,6 +630,9 @@ impl Link for TcpLink {
         if let Some(e) = &self.dead {
             return Err(e.clone());
         }
+        if self.closing {
+            return Err(Error::LocallyClosed);
+        }
         let (region_id, region_len) = wire::parse_descriptor(descriptor)?;
         if len > wire::MAX_READ {
             return Err(Error::TooLarge {
