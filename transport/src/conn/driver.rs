@@ -98,7 +98,6 @@ enum Dest {
 
 struct PendingSend {
     exposure: u64,
-    len: u64,
     done: Option<oneshot::Sender<Result<(), Error>>>,
 }
 
@@ -242,7 +241,7 @@ impl State {
                 }
                 match self.core.send_rendezvous(now, len, exposure.descriptor) {
                     Ok(id) => {
-                        self.sends.insert(id, PendingSend { exposure: exposure.id, len, done });
+                        self.sends.insert(id, PendingSend { exposure: exposure.id, done });
                     }
                     Err(e) => {
                         link.withdraw(exposure.id);
@@ -415,9 +414,10 @@ impl State {
                     if let Some(link) = self.link.as_mut() {
                         link.withdraw(s.exposure);
                     }
-                    let _ = s.len;
                     if let Some(tx) = s.done {
-                        let r = if self.core.is_closed() { Err(self.closed_error_or_core()) } else { Ok(()) };
+                        // The core emits `Closed` before the releases it forces on close, so a
+                        // release seen before `Closed` is the peer's real `RndvDone`.
+                        let r = if self.closed.is_some() { Err(self.closed_error_or_core()) } else { Ok(()) };
                         let _ = tx.send(r);
                     }
                 }
@@ -435,7 +435,7 @@ impl State {
                     link.withdraw(id);
                 }
                 tracing::info!(threshold, provider = self.info.provider, "eager threshold chosen by probe");
-                false
+                true
             }
             Action::Closed { error } => {
                 tracing::debug!(%error, "connection closed");

@@ -494,7 +494,7 @@ pub async fn listen(uri: &str, config: Config) -> Result<Listener> {
 pub async fn listen_auto(host_port: &str, config: Config) -> Result<Listener> {
     config.validate()?;
     let tcp = crate::tcp::listen(host_port, &config).await?;
-    let port = tcp.local_addr().map_err(|e| Error::io("reading the tcp listener's address", e))?.port();
+    let port = tcp.local_addr()?.port();
     let path = auto_shm_path(port);
     let shm = crate::shm::listen(&path, &config).await?;
     Ok(Listener { inner: ListenerInner::Auto { shm, shm_uri: format!("shm://{}", path.display()), tcp }, config })
