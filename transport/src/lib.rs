@@ -13,6 +13,7 @@ pub mod error;
 pub mod link;
 pub mod pool;
 pub mod proto;
+pub mod shm;
 
 pub use config::Config;
 pub use error::{Error, Result};
