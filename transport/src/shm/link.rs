@@ -46,7 +46,7 @@ const CLOSE_BYTE: u8 = b'C';
 const D_POOL: u8 = 1;
 const D_REGION: u8 = 2;
 const POOL_DESC_LEN: usize = 24;
-const REGION_DESC_LEN: usize = 40;
+const REGION_DESC_LEN: usize = 32;
 
 /// A parsed rendezvous descriptor. Wire format (little endian):
 /// `POOL: [1, 0 x7][offset u64][len u64]`,

@@ -110,10 +110,21 @@ pub async fn listen(path: &Path, config: &Config) -> Result<ShmListener> {
 
 impl ShmListener {
     /// Waits for the next peer and sets its link up.
+    ///
+    /// A connection that closes before sending anything (such as the liveness check of
+    /// another process's [`listen`] on the same path) is skipped, not reported.
     pub async fn accept(&self) -> Result<ShmLink> {
-        let (stream, _) =
-            self.listener.accept().await.map_err(|e| Error::io(format!("accepting on {}", self.path.display()), e))?;
-        establish(stream, &self.config, &self.path).await
+        loop {
+            let (stream, _) = self
+                .listener
+                .accept()
+                .await
+                .map_err(|e| Error::io(format!("accepting on {}", self.path.display()), e))?;
+            match establish(stream, &self.config, &self.path).await? {
+                Some(link) => return Ok(link),
+                None => tracing::debug!(path = %self.path.display(), "skipped a connection that closed before its hello"),
+            }
+        }
     }
 
     /// The socket path.
@@ -141,10 +152,13 @@ pub async fn connect(path: &Path, config: &Config) -> Result<ShmLink> {
         };
         Error::io(format!("connecting to shm socket {}{hint}", path.display()), e)
     })?;
-    establish(stream, config, path).await
+    establish(stream, config, path).await?.ok_or_else(|| {
+        Error::Handshake(format!("the listener on {} closed the connection before its hello", path.display()))
+    })
 }
 
-async fn establish(stream: UnixStream, config: &Config, path: &Path) -> Result<ShmLink> {
+/// `Ok(None)`: the peer hung up before sending a single byte.
+async fn establish(stream: UnixStream, config: &Config, path: &Path) -> Result<Option<ShmLink>> {
     match tokio::time::timeout(SETUP_TIMEOUT, handshake(stream, config)).await {
         Ok(r) => r,
         Err(_) => Err(Error::Timeout(format!(
@@ -323,7 +337,23 @@ fn socket_peer_pid(stream: &UnixStream) -> Result<i32> {
     Ok(cred.pid)
 }
 
-async fn handshake(mut stream: UnixStream, config: &Config) -> Result<ShmLink> {
+/// Reads the fixed part of the hello. `Ok(None)` if the peer closed before its first byte.
+async fn read_hello_fixed(stream: &mut UnixStream) -> Result<Option<[u8; HELLO_FIXED]>> {
+    let mut fixed = [0u8; HELLO_FIXED];
+    let mut got = 0;
+    while got < HELLO_FIXED {
+        match stream.read(&mut fixed[got..]).await {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(setup_io("reading the hello")(io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if got == 0 && e.kind() == io::ErrorKind::ConnectionReset => return Ok(None),
+            Err(e) => return Err(setup_io("reading the hello")(e)),
+        }
+    }
+    Ok(Some(fixed))
+}
+
+async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<ShmLink>> {
     cma::allow_peer_reads();
     let peer_pid = socket_peer_pid(&stream)?;
     let probe = Box::new(random_word());
@@ -339,9 +369,10 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<ShmLink> {
         probe_value: *probe,
         token: config.auth_token.clone(),
     };
-    stream.write_all(&me.encode()).await.map_err(setup_io("sending the hello"))?;
-    let mut fixed = [0u8; HELLO_FIXED];
-    stream.read_exact(&mut fixed).await.map_err(setup_io("reading the hello"))?;
+    // A peer that hung up at once makes this write fail; its reason shows in the read.
+    let sent = stream.write_all(&me.encode()).await;
+    let Some(fixed) = read_hello_fixed(&mut stream).await? else { return Ok(None) };
+    sent.map_err(setup_io("sending the hello"))?;
     let (mut peer, token_len) = Hello::decode_fixed(&fixed)?;
     if peer.token.is_some() {
         let mut t = vec![0u8; token_len];
@@ -408,7 +439,7 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<ShmLink> {
         return Err(Error::Handshake(format!("unexpected setup acknowledgement byte {:#x}", ack[0])));
     }
 
-    ShmLink::new(Parts {
+    let link = ShmLink::new(Parts {
         sock: stream,
         peer_pid,
         peer_hello_pid: peer.pid,
@@ -429,7 +460,8 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<ShmLink> {
         peer_space_efd,
         cma: cma.is_ok(),
         probe,
-    })
+    })?;
+    Ok(Some(link))
 }
 
 /// Control buffer big enough for more descriptors than we expect, so extra ones are seen
