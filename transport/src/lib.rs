@@ -13,6 +13,7 @@ pub mod error;
 pub mod link;
 pub mod pool;
 pub mod proto;
+pub mod shm;
 pub mod tcp;
 
 pub use config::Config;
