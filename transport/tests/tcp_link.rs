@@ -346,6 +346,35 @@ async fn peer_dropped_mid_read_fails_every_read_then_the_link() {
     assert!(unsafe { c.post_read(3, &exp.descriptor, 0, p, 16) }.is_err());
 }
 
+/// Counts wake-ups.
+struct CountingWaker(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test]
+async fn a_frame_left_unwritten_wakes_the_sender_and_goes_out_with_the_next_poll() {
+    let (mut s, mut c) = pair().await;
+    let counter = std::sync::Arc::new(CountingWaker(0.into()));
+    let waker = std::task::Waker::from(counter.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(c.poll_send(&mut cx, b"small").is_ready());
+    assert_eq!(c.bytes_queued(), 5 + 5, "a small frame waits to share a writev");
+    assert!(counter.0.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the sender's task was woken");
+    // The sender only ever waits for events: that alone must push the frame out.
+    assert!(c.poll_event(&mut cx).is_pending());
+    assert_eq!(c.bytes_queued(), 0);
+    let mut ignored = Vec::new();
+    let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else { panic!() };
+    assert_eq!(&f[..], b"small");
+}
+
 #[tokio::test]
 async fn close_delivers_what_was_sent_then_end_of_stream() {
     let (mut s, mut c) = pair().await;
