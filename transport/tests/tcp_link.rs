@@ -393,6 +393,22 @@ async fn close_delivers_what_was_sent_then_end_of_stream() {
 }
 
 #[tokio::test]
+async fn reads_unanswered_by_a_closing_peer_fail_at_end_of_stream() {
+    let (mut s, mut c) = pair().await;
+    let exp = s.expose(Bytes::from(vec![1u8; 1000])).unwrap();
+    let mut dst = c.alloc_recv(1000).unwrap();
+    // SAFETY: `dst` outlives `c`.
+    unsafe { c.post_read(1, &exp.descriptor, 0, dst.as_mut_ptr(), 1000) }.unwrap();
+    s.close();
+    let mut s_events = Vec::new();
+    let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
+    assert!(matches!(ev, LinkEvent::ReadDone { id: 1, result: Err(Error::PeerGone(_)) }), "{ev:?}");
+    let e = next_event(&mut c, &mut s, &mut s_events).await.unwrap_err();
+    assert!(matches!(e, Error::PeerGone(_)), "{e}");
+    assert!(s_events.is_empty());
+}
+
+#[tokio::test]
 async fn pool_is_plain_memory_of_the_configured_size() {
     let (s, _c) = pair().await;
     let pool = s.pool().expect("tcp offers a heap pool");

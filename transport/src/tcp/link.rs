@@ -472,6 +472,11 @@ impl TcpLink {
     /// error text. A bad request is the peer's mistake about one region, not a broken
     /// stream, so it fails only that read.
     fn serve(&mut self, req: ReadRequest) -> Result<()> {
+        if self.closing {
+            // Our write side is (about to be) shut: the peer learns from end of stream that
+            // this read will never be answered, and fails it then.
+            return Ok(());
+        }
         if self.serves.len() >= MAX_SERVES_QUEUED {
             return Err(Error::Protocol(format!(
                 "{} keeps more than {MAX_SERVES_QUEUED} tcp reads outstanding without reading the responses",
