@@ -2,7 +2,7 @@
 //!
 //! Write side: an ordered queue of `Bytes` chunks (read-response payloads, sent straight from
 //! the exposed buffers) followed by a staging `BytesMut` (record headers, frames, requests),
-//! drained with vectored writes. Nothing is ever written partially out of order, so a
+//! drained with vectored writes. Chunks leave strictly in queue order, so a
 //! partial write only moves the queue's head.
 //!
 //! Read side: a record parser over a `BytesMut`; frames are split out of it without a copy,
