@@ -511,3 +511,70 @@ async fn refused_connection_names_the_address() {
     let e = tcp::connect("no-port-here", &config()).await.unwrap_err();
     assert!(matches!(e, Error::Address { .. }), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_on_separate_tasks_serve_and_read() {
+    let (mut s, mut c) = pair().await;
+    let region = big_region(8 << 20, 11);
+    let exp = s.expose(region.clone()).unwrap();
+    // The server is a driver that only waits for events: serving happens inside them.
+    let server = tokio::spawn(async move {
+        let mut frames = Vec::new();
+        let end = poll_fn(|cx| loop {
+            match s.poll_event(cx) {
+                Poll::Ready(Ok(LinkEvent::Frame(f))) => frames.push(f),
+                Poll::Ready(Ok(other)) => panic!("unexpected {other:?}"),
+                Poll::Ready(Err(e)) => return Poll::Ready(e),
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await;
+        (frames, end)
+    });
+    let dst = tokio::time::timeout(GUARD, async {
+        let mut dst = c.alloc_recv(region.len()).unwrap();
+        let frag = 512 << 10;
+        let n = region.len() / frag;
+        let (mut posted, mut done) = (0, 0);
+        poll_fn(|cx| {
+            loop {
+                while posted < n && posted - done < 8 {
+                    // SAFETY: `dst` outlives every read; fragments do not overlap.
+                    unsafe {
+                        let p = dst.as_mut_ptr().add(posted * frag);
+                        c.post_read(posted as u64, &exp.descriptor, (posted * frag) as u64, p, frag).unwrap();
+                    }
+                    posted += 1;
+                }
+                match c.poll_event(cx) {
+                    Poll::Ready(Ok(LinkEvent::ReadDone { id, result })) => {
+                        result.unwrap();
+                        assert_eq!(id, done as u64);
+                        done += 1;
+                        if done == n {
+                            return Poll::Ready(());
+                        }
+                    }
+                    Poll::Ready(other) => panic!("unexpected {other:?}"),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+        })
+        .await;
+        for i in 0..100 {
+            poll_fn(|cx| c.poll_send(cx, &pattern(i, i * 10))).await.unwrap();
+        }
+        poll_fn(|cx| c.poll_flush(cx)).await.unwrap();
+        c.close();
+        dst
+    })
+    .await
+    .expect("hang guard");
+    assert!(dst.as_slice() == &region[..]);
+    let (frames, end) = tokio::time::timeout(GUARD, server).await.expect("hang guard").unwrap();
+    assert_eq!(frames.len(), 100);
+    for (i, f) in frames.iter().enumerate() {
+        assert_eq!(f[..], pattern(i, i * 10)[..]);
+    }
+    assert!(matches!(end, Error::PeerGone(_)), "{end}");
+}
