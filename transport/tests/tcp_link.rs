@@ -346,6 +346,35 @@ async fn peer_dropped_mid_read_fails_every_read_then_the_link() {
     assert!(unsafe { c.post_read(3, &exp.descriptor, 0, p, 16) }.is_err());
 }
 
+/// Counts wake-ups.
+struct CountingWaker(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test]
+async fn a_frame_left_unwritten_wakes_the_sender_and_goes_out_with_the_next_poll() {
+    let (mut s, mut c) = pair().await;
+    let counter = std::sync::Arc::new(CountingWaker(0.into()));
+    let waker = std::task::Waker::from(counter.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(c.poll_send(&mut cx, b"small").is_ready());
+    assert_eq!(c.bytes_queued(), 5 + 5, "a small frame waits to share a writev");
+    assert!(counter.0.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the sender's task was woken");
+    // The sender only ever waits for events: that alone must push the frame out.
+    assert!(c.poll_event(&mut cx).is_pending());
+    assert_eq!(c.bytes_queued(), 0);
+    let mut ignored = Vec::new();
+    let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else { panic!() };
+    assert_eq!(&f[..], b"small");
+}
+
 #[tokio::test]
 async fn close_delivers_what_was_sent_then_end_of_stream() {
     let (mut s, mut c) = pair().await;
@@ -361,6 +390,22 @@ async fn close_delivers_what_was_sent_then_end_of_stream() {
     }
     let e = next_event(&mut s, &mut c, &mut ignored).await.unwrap_err();
     assert!(matches!(e, Error::PeerGone(ref m) if m.contains("closed the connection")), "{e}");
+}
+
+#[tokio::test]
+async fn reads_unanswered_by_a_closing_peer_fail_at_end_of_stream() {
+    let (mut s, mut c) = pair().await;
+    let exp = s.expose(Bytes::from(vec![1u8; 1000])).unwrap();
+    let mut dst = c.alloc_recv(1000).unwrap();
+    // SAFETY: `dst` outlives `c`.
+    unsafe { c.post_read(1, &exp.descriptor, 0, dst.as_mut_ptr(), 1000) }.unwrap();
+    s.close();
+    let mut s_events = Vec::new();
+    let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
+    assert!(matches!(ev, LinkEvent::ReadDone { id: 1, result: Err(Error::PeerGone(_)) }), "{ev:?}");
+    let e = next_event(&mut c, &mut s, &mut s_events).await.unwrap_err();
+    assert!(matches!(e, Error::PeerGone(_)), "{e}");
+    assert!(s_events.is_empty());
 }
 
 #[tokio::test]
@@ -465,4 +510,71 @@ async fn refused_connection_names_the_address() {
     assert!(m.contains(&addr) && m.contains("nothing listens") && m.contains("is the server running"), "{m}");
     let e = tcp::connect("no-port-here", &config()).await.unwrap_err();
     assert!(matches!(e, Error::Address { .. }), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_on_separate_tasks_serve_and_read() {
+    let (mut s, mut c) = pair().await;
+    let region = big_region(8 << 20, 11);
+    let exp = s.expose(region.clone()).unwrap();
+    // The server is a driver that only waits for events: serving happens inside them.
+    let server = tokio::spawn(async move {
+        let mut frames = Vec::new();
+        let end = poll_fn(|cx| loop {
+            match s.poll_event(cx) {
+                Poll::Ready(Ok(LinkEvent::Frame(f))) => frames.push(f),
+                Poll::Ready(Ok(other)) => panic!("unexpected {other:?}"),
+                Poll::Ready(Err(e)) => return Poll::Ready(e),
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await;
+        (frames, end)
+    });
+    let dst = tokio::time::timeout(GUARD, async {
+        let mut dst = c.alloc_recv(region.len()).unwrap();
+        let frag = 512 << 10;
+        let n = region.len() / frag;
+        let (mut posted, mut done) = (0, 0);
+        poll_fn(|cx| {
+            loop {
+                while posted < n && posted - done < 8 {
+                    // SAFETY: `dst` outlives every read; fragments do not overlap.
+                    unsafe {
+                        let p = dst.as_mut_ptr().add(posted * frag);
+                        c.post_read(posted as u64, &exp.descriptor, (posted * frag) as u64, p, frag).unwrap();
+                    }
+                    posted += 1;
+                }
+                match c.poll_event(cx) {
+                    Poll::Ready(Ok(LinkEvent::ReadDone { id, result })) => {
+                        result.unwrap();
+                        assert_eq!(id, done as u64);
+                        done += 1;
+                        if done == n {
+                            return Poll::Ready(());
+                        }
+                    }
+                    Poll::Ready(other) => panic!("unexpected {other:?}"),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+        })
+        .await;
+        for i in 0..100 {
+            poll_fn(|cx| c.poll_send(cx, &pattern(i, i * 10))).await.unwrap();
+        }
+        poll_fn(|cx| c.poll_flush(cx)).await.unwrap();
+        c.close();
+        dst
+    })
+    .await
+    .expect("hang guard");
+    assert!(dst.as_slice() == &region[..]);
+    let (frames, end) = tokio::time::timeout(GUARD, server).await.expect("hang guard").unwrap();
+    assert_eq!(frames.len(), 100);
+    for (i, f) in frames.iter().enumerate() {
+        assert_eq!(f[..], pattern(i, i * 10)[..]);
+    }
+    assert!(matches!(end, Error::PeerGone(_)), "{end}");
 }

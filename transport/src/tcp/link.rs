@@ -2,7 +2,7 @@
 //!
 //! Write side: an ordered queue of `Bytes` chunks (read-response payloads, sent straight from
 //! the exposed buffers) followed by a staging `BytesMut` (record headers, frames, requests),
-//! drained with vectored writes. Nothing is ever written partially out of order, so a
+//! drained with vectored writes. Chunks leave strictly in queue order, so a
 //! partial write only moves the queue's head.
 //!
 //! Read side: a record parser over a `BytesMut`; frames are split out of it without a copy,
@@ -32,6 +32,11 @@ use crate::pool::Pool;
 /// How much to read ahead into the record buffer at once. Small enough that a large read
 /// response is mostly read straight into its destination rather than copied from here.
 const READ_CHUNK: usize = 64 << 10;
+/// `poll_send` writes at once only when this much is queued; below it, frames of one
+/// burst share a `writev` at the next `poll_flush`/`poll_event`. One syscall per small
+/// frame would cap the small-message rate (measured on loopback: 0.34 M vs 7.6 M 64-byte
+/// frames per second).
+const SEND_BATCH: usize = 64 << 10;
 /// Most chunks handed to one `writev`.
 const MAX_IOVECS: usize = 64;
 /// Responses we queue for a peer that does not read them before calling it a violation.
@@ -467,6 +472,11 @@ impl TcpLink {
     /// error text. A bad request is the peer's mistake about one region, not a broken
     /// stream, so it fails only that read.
     fn serve(&mut self, req: ReadRequest) -> Result<()> {
+        if self.closing {
+            // Our write side is (about to be) shut: the peer learns from end of stream that
+            // this read will never be answered, and fails it then.
+            return Ok(());
+        }
         if self.serves.len() >= MAX_SERVES_QUEUED {
             return Err(Error::Protocol(format!(
                 "{} keeps more than {MAX_SERVES_QUEUED} tcp reads outstanding without reading the responses",
@@ -564,6 +574,12 @@ impl Link for TcpLink {
         wire::put_record_header(&mut self.staging, wire::T_FRAME, frame.len() as u32);
         self.staging.put_slice(frame);
         self.staged(wire::RECORD_HEADER + frame.len());
+        if self.queued < SEND_BATCH {
+            // Leave it for `poll_flush`/`poll_event`, which the driver's task reaches before
+            // it sleeps: this wake makes sure it does even if it calls neither right away.
+            cx.waker().wake_by_ref();
+            return Poll::Ready(Ok(()));
+        }
         if let Poll::Ready(Err(e)) = self.poll_write_out(Some(cx)) {
             self.die(e.clone());
             return Poll::Ready(Err(e));
