@@ -258,10 +258,10 @@ impl Hello {
         if ring::max_payload(self.rx_ring as usize) < self.slot_size as usize {
             return bad(format!("ring of {} bytes cannot hold a {}-byte frame", self.rx_ring, self.slot_size));
         }
-        if self.pool_size == 0 || self.pool_size % 4096 != 0 || self.pool_size > 1 << 40 {
+        if self.pool_size == 0 || !self.pool_size.is_multiple_of(4096) || self.pool_size > 1 << 40 {
             return bad(format!("pool size {} is not a page multiple within 4 KiB..=1 TiB", self.pool_size));
         }
-        if !(4096..=16 << 20).contains(&self.bounce_slot) || self.bounce_slot % 4096 != 0 {
+        if !(4096..=16 << 20).contains(&self.bounce_slot) || !self.bounce_slot.is_multiple_of(4096) {
             return bad(format!("bounce slot of {} bytes", self.bounce_slot));
         }
         if !(1..=64).contains(&self.bounce_slots) {
