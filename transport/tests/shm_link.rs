@@ -310,6 +310,18 @@ async fn dropped_peer_is_peer_gone() {
     drop(a);
     let e = tokio::time::timeout(Duration::from_secs(10), event(&mut b)).await.expect("no hang").unwrap_err();
     assert!(matches!(e, Error::PeerGone(_)), "{e}");
+    // A sender facing a gone peer fills the ring, then fails instead of waiting forever.
+    let (mut c, d) = pair("drop-send", &cfg, &cfg).await;
+    drop(d);
+    let fill = async {
+        loop {
+            if let Err(e) = send(&mut c, &[1u8; 4096]).await {
+                return e;
+            }
+        }
+    };
+    let e = tokio::time::timeout(Duration::from_secs(10), fill).await.expect("no hang");
+    assert!(matches!(e, Error::PeerGone(_)), "{e}");
 }
 
 #[test]

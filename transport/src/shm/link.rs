@@ -636,14 +636,20 @@ impl ShmLink {
         self.poll_space_for(len, cx)
     }
 
-    /// Common guard of the sending side: a dead or closed link refuses work.
-    fn check_usable(&mut self, cx: &mut Context<'_>) -> Result<()> {
+    /// Common guard of the sending side: a closed or dead link refuses work.
+    fn check_usable(&self) -> Result<()> {
         if self.closed {
             return Err(Error::LocallyClosed);
         }
-        if let Some(e) = self.dead_error() {
-            return Err(e);
+        match self.dead_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
+    }
+
+    /// Before a sender sleeps for space: a peer that is gone will never make any.
+    /// Registers `cx` on the socket so its death wakes the sender.
+    fn check_peer(&mut self, cx: &mut Context<'_>) -> Result<()> {
         self.poll_socket(cx)?;
         if self.peer_eof {
             // Frames sent now would never be read.
@@ -670,7 +676,7 @@ impl Link for ShmLink {
                 which: "the peer's slot size (Config::slot_size on the peer)",
             }));
         }
-        if let Err(e) = self.check_usable(cx) {
+        if let Err(e) = self.check_usable() {
             return Poll::Ready(Err(e));
         }
         let mut spun = false;
@@ -687,6 +693,9 @@ impl Link for ShmLink {
                     std::hint::spin_loop();
                 }
                 continue;
+            }
+            if let Err(e) = self.check_peer(cx) {
+                return Poll::Ready(Err(e));
             }
             match self.poll_space_for(frame.len(), cx) {
                 Poll::Ready(Ok(())) => continue,
@@ -706,7 +715,7 @@ impl Link for ShmLink {
                 Ok(false) => {}
                 Err(e) => return Poll::Ready(Err(e)),
             }
-            if let Err(e) = self.check_usable(cx) {
+            if let Err(e) = self.check_peer(cx) {
                 return Poll::Ready(Err(e));
             }
             match self.poll_space(cx) {
