@@ -346,6 +346,22 @@ async fn bounce_child() {
     // Unaligned, spanning several slots, one read at a time.
     let got = read_all(&mut b, &exp.descriptor, 123_457, 1_000_001, 1_000_001, 1).await.unwrap();
     assert!(got.as_slice() == &data[123_457..123_457 + 1_000_001]);
+    // Frames do not starve reads: with frames queued behind a request, the owner serves
+    // it while handing out those frames (its driver may never see an empty ring).
+    stop.send(()).unwrap();
+    let (mut a, _) = owner.await.unwrap();
+    let mut small = vec![0u8; 4096];
+    // SAFETY: `small` outlives the read, which completes below before it is dropped.
+    unsafe { b.post_read(7, &exp.descriptor, 4096, small.as_mut_ptr(), 4096) }.unwrap();
+    send(&mut b, b"f1").await.unwrap();
+    send(&mut b, b"f2").await.unwrap();
+    assert_eq!(&frame(&mut a).await[..], b"f1");
+    assert_eq!(&frame(&mut a).await[..], b"f2");
+    match tokio::time::timeout(Duration::from_secs(10), event(&mut b)).await.expect("read served") {
+        Ok(LinkEvent::ReadDone { id: 7, result: Ok(()) }) => assert_eq!(small[..], data[4096..8192]),
+        other => panic!("{other:?}"),
+    }
+    let (stop, owner) = drive(a);
     // Out of range is refused locally.
     let mut dst = vec![0u8; 16];
     // SAFETY: refused before anything is written.

@@ -152,14 +152,6 @@ struct Serve {
     done: u64,
 }
 
-/// Why the link is dead, once it is.
-#[derive(Clone)]
-enum Dead {
-    /// Reported to the driver on the next `poll_event` after pending completions.
-    Pending(Error),
-    Reported(Error),
-}
-
 /// One end of an shm connection. See the module docs of [`crate::shm`].
 pub struct ShmLink {
     sock: UnixStream,
@@ -193,7 +185,9 @@ pub struct ShmLink {
     peer_closing: bool,
     peer_eof: bool,
     closed: bool,
-    dead: Option<Dead>,
+    /// Why the link is dead, once it is: reported by `poll_event` after the pending
+    /// completions, and on every call after that.
+    dead: Option<Error>,
     // Kept last so they are dropped after the producer/consumer that point into them.
     _tx_map: Mapping,
     _rx_map: Mapping,
@@ -292,14 +286,11 @@ impl ShmLink {
         for id in ids {
             self.completions.push_back((id, Err(e.clone())));
         }
-        self.dead = Some(Dead::Pending(e));
+        self.dead = Some(e);
     }
 
     fn dead_error(&self) -> Option<Error> {
-        match &self.dead {
-            Some(Dead::Pending(e) | Dead::Reported(e)) => Some(e.clone()),
-            None => None,
-        }
+        self.dead.clone()
     }
 
     /// Pushes one record, waking the peer if it sleeps. `Ok(false)`: no room now.
@@ -510,12 +501,16 @@ impl ShmLink {
         }
     }
 
-    /// One pass of the work `poll_event` does without waiting: pending completions, then
-    /// records, then bounce serving. `Some` when there is an event for the driver.
+    /// One pass of the work `poll_event` does without waiting: pending completions, the
+    /// work owed to the peer (bounce serving, control records), then the ring. The peer's
+    /// work comes before frames so a steady stream of frames cannot starve its reads.
+    /// `Some` when there is an event for the driver.
     fn step(&mut self) -> Result<Option<LinkEvent>> {
         if let Some((id, result)) = self.completions.pop_front() {
             return Ok(Some(LinkEvent::ReadDone { id, result }));
         }
+        self.serve_bounce();
+        self.flush_outbox()?;
         if let Some(frame) = self.drain_rx()? {
             return Ok(Some(LinkEvent::Frame(frame)));
         }
@@ -542,14 +537,10 @@ impl ShmLink {
                     Err(e) => self.fail(e),
                 }
             }
-            if let Some(dead) = self.dead.clone() {
+            if let Some(e) = self.dead_error() {
                 if let Some((id, result)) = self.completions.pop_front() {
                     return Poll::Ready(Ok(LinkEvent::ReadDone { id, result }));
                 }
-                let e = match dead {
-                    Dead::Pending(e) | Dead::Reported(e) => e,
-                };
-                self.dead = Some(Dead::Reported(e.clone()));
                 return Poll::Ready(Err(e));
             }
             // Nothing to hand out. Is the peer still there?
