@@ -31,8 +31,8 @@ use crate::pool::Pool;
 
 /// How long `poll_event`/`poll_send` spin before going to sleep on an eventfd: long
 /// enough to catch a reply from a busy peer without a syscall, short enough to be noise
-/// for an idle connection.
-const SPIN: Duration = Duration::from_micros(30);
+/// next to the work that produced the last event. `IBEX_SHM_SPIN_US` overrides it.
+pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(30);
 /// Bounce requests one peer may have queued at us; more is a protocol violation.
 const MAX_SERVE_QUEUE: usize = 4096;
 
@@ -129,6 +129,7 @@ pub(crate) struct Parts {
     pub peer_space_efd: OwnedFd,
     pub cma: bool,
     pub probe: Box<u64>,
+    pub spin: Duration,
 }
 
 /// A read this side posted on the bounce path, waiting for chunks.
@@ -161,6 +162,12 @@ pub struct ShmLink {
     tx: Producer,
     rx: Consumer,
     rx_sleeping: bool,
+    /// Spin budget before sleeping. A side spins only once after each bit of progress
+    /// (an event handed out, a frame sent), so a driver polling a quiet direction again
+    /// and again is not held up, and an idle link goes straight back to sleep.
+    spin: Duration,
+    rx_hot: bool,
+    tx_hot: bool,
     pool: Arc<Pool>,
     peer_pool: Arc<Mapping>,
     bounce: Mapping,
@@ -240,6 +247,9 @@ impl ShmLink {
             tx,
             rx,
             rx_sleeping: false,
+            spin: p.spin,
+            rx_hot: true,
+            tx_hot: true,
             pool,
             peer_pool: Arc::new(p.peer_pool),
             bounce: p.bounce,
@@ -528,11 +538,13 @@ impl ShmLink {
 
     fn poll_event_inner(&mut self, cx: &mut Context<'_>) -> Poll<Result<LinkEvent>> {
         self.wake_rx();
-        let mut spun = false;
         loop {
             if self.dead.is_none() {
                 match self.step() {
-                    Ok(Some(ev)) => return Poll::Ready(Ok(ev)),
+                    Ok(Some(ev)) => {
+                        self.rx_hot = true;
+                        return Poll::Ready(Ok(ev));
+                    }
                     Ok(None) => {}
                     Err(e) => self.fail(e),
                 }
@@ -561,10 +573,10 @@ impl ShmLink {
                 self.fail(e);
                 continue;
             }
-            if !spun {
-                spun = true;
+            if self.rx_hot {
+                self.rx_hot = false;
                 let start = Instant::now();
-                while self.rx.is_empty() && start.elapsed() < SPIN {
+                while self.rx.is_empty() && start.elapsed() < self.spin {
                     std::hint::spin_loop();
                 }
                 if !self.rx.is_empty() {
@@ -670,17 +682,19 @@ impl Link for ShmLink {
         if let Err(e) = self.check_usable() {
             return Poll::Ready(Err(e));
         }
-        let mut spun = false;
         loop {
             match self.flush_outbox().and_then(|_| self.push(T_FRAME, frame)) {
-                Ok(true) => return Poll::Ready(Ok(())),
+                Ok(true) => {
+                    self.tx_hot = true;
+                    return Poll::Ready(Ok(()));
+                }
                 Ok(false) => {}
                 Err(e) => return Poll::Ready(Err(e)),
             }
-            if !spun {
-                spun = true;
+            if self.tx_hot {
+                self.tx_hot = false;
                 let start = Instant::now();
-                while !matches!(self.tx.has_room(frame.len()), Ok(true) | Err(_)) && start.elapsed() < SPIN {
+                while !matches!(self.tx.has_room(frame.len()), Ok(true) | Err(_)) && start.elapsed() < self.spin {
                     std::hint::spin_loop();
                 }
                 continue;
