@@ -29,9 +29,10 @@ use crate::error::{Error, Result};
 use crate::link::{Exposure, Link, LinkEvent, LinkInfo};
 use crate::pool::Pool;
 
-/// How long `poll_event`/`poll_send` spin before going to sleep on an eventfd: long
-/// enough to catch a reply from a busy peer without a syscall, short enough to be noise
-/// next to the work that produced the last event. `IBEX_SHM_SPIN_US` overrides it.
+/// How long `poll_send` spins for ring space before sleeping on an eventfd (the consumer
+/// is another process, usually draining right now). Receive-side spinning is the
+/// driver's (`Link::try_event`), since only it knows whether other work is waiting.
+/// `IBEX_SHM_SPIN_US` overrides it.
 pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(30);
 /// Bounce requests one peer may have queued at us; more is a protocol violation.
 const MAX_SERVE_QUEUE: usize = 4096;
@@ -166,7 +167,6 @@ pub struct ShmLink {
     /// (an event handed out, a frame sent), so a driver polling a quiet direction again
     /// and again is not held up, and an idle link goes straight back to sleep.
     spin: Duration,
-    rx_hot: bool,
     tx_hot: bool,
     pool: Arc<Pool>,
     peer_pool: Arc<Mapping>,
@@ -248,7 +248,6 @@ impl ShmLink {
             rx,
             rx_sleeping: false,
             spin: p.spin,
-            rx_hot: true,
             tx_hot: true,
             pool,
             peer_pool: Arc::new(p.peer_pool),
@@ -541,10 +540,7 @@ impl ShmLink {
         loop {
             if self.dead.is_none() {
                 match self.step() {
-                    Ok(Some(ev)) => {
-                        self.rx_hot = true;
-                        return Poll::Ready(Ok(ev));
-                    }
+                    Ok(Some(ev)) => return Poll::Ready(Ok(ev)),
                     Ok(None) => {}
                     Err(e) => self.fail(e),
                 }
@@ -572,16 +568,6 @@ impl ShmLink {
                 };
                 self.fail(e);
                 continue;
-            }
-            if self.rx_hot {
-                self.rx_hot = false;
-                let start = Instant::now();
-                while self.rx.is_empty() && start.elapsed() < self.spin {
-                    std::hint::spin_loop();
-                }
-                if !self.rx.is_empty() {
-                    continue;
-                }
             }
             match self.rx.prepare_sleep() {
                 Ok(true) => self.rx_sleeping = true,
@@ -733,6 +719,25 @@ impl Link for ShmLink {
 
     fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Result<LinkEvent>> {
         self.poll_event_inner(cx)
+    }
+
+    fn try_event(&mut self) -> Option<Result<LinkEvent>> {
+        // A dead link is reported by `poll_event`, which the driver calls next.
+        if self.dead.is_some() {
+            return None;
+        }
+        self.wake_rx();
+        match self.step() {
+            Ok(ev) => ev.map(Ok),
+            Err(e) => {
+                self.fail(e);
+                None
+            }
+        }
+    }
+
+    fn busy_poll(&self) -> bool {
+        true
     }
 
     fn expose(&mut self, buf: Bytes) -> Result<Exposure> {
