@@ -127,13 +127,13 @@ impl http_body::Body for IncomingBody {
                 Poll::Ready(Some(Err(this.lost.clone())))
             }
             Poll::Pending => {
-                if let Some(d) = this.deadline.as_mut() {
-                    if d.as_mut().poll(cx).is_ready() {
-                        // Leave the guard armed: dropping it resets the call on the server.
-                        this.done = true;
-                        this.guard = None;
-                        return Poll::Ready(Some(Err(Status::deadline_exceeded("Deadline exceeded (grpc-timeout) while receiving the response"))));
-                    }
+                if let Some(d) = this.deadline.as_mut()
+                    && d.as_mut().poll(cx).is_ready()
+                {
+                    // Leave the guard armed: dropping it resets the call on the server.
+                    this.done = true;
+                    this.guard = None;
+                    return Poll::Ready(Some(Err(Status::deadline_exceeded("Deadline exceeded (grpc-timeout) while receiving the response"))));
                 }
                 Poll::Pending
             }

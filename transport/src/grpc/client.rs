@@ -103,10 +103,10 @@ impl Shared {
         if let Some(w) = p.window {
             c.shared.grant(w);
         }
-        if let Some(Head::Response { status, headers }) = p.head {
-            if let Some(h) = c.head.take() {
-                let _ = h.send(Ok((status, headers)));
-            }
+        if let Some(Head::Response { status, headers }) = p.head
+            && let Some(h) = c.head.take()
+        {
+            let _ = h.send(Ok((status, headers)));
         }
         if let Some(d) = data {
             if !c.shared.received(d.len()) {
@@ -128,13 +128,13 @@ impl Shared {
             }
             let _ = c.body.send(Inbound::Error(s));
         }
-        if p.end || p.reset {
-            if let Some(mut c) = calls.map.remove(&p.call) {
-                if let Some(h) = c.head.take() {
-                    let _ = h.send(Err(Status::internal("the server ended the call without a response head")));
-                }
-                c.shared.finish();
+        if (p.end || p.reset)
+            && let Some(mut c) = calls.map.remove(&p.call)
+        {
+            if let Some(h) = c.head.take() {
+                let _ = h.send(Err(Status::internal("the server ended the call without a response head")));
             }
+            c.shared.finish();
         }
     }
 
@@ -143,9 +143,7 @@ impl Shared {
         if let Some(c) = calls.map.remove(&id) {
             c.shared.finish();
             if calls.closed.is_none() {
-                let mut p = Packet::new(id);
-                p.reset = true;
-                self.mux.send_detached(p);
+                self.mux.reset_detached(id, c.shared);
             }
         }
     }

@@ -102,6 +102,25 @@ impl Mux {
         Ok(())
     }
 
+    /// Resets call `id` on the peer from a context that cannot wait (a drop), once the
+    /// call's head has gone out; nothing if it never will.
+    fn reset_detached(self: &Arc<Self>, id: u32, call: Arc<CallShared>) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let mux = self.clone();
+            rt.spawn(async move {
+                call.head_sent.wait().await;
+                if call.head_skipped.load(Ordering::Acquire) {
+                    return;
+                }
+                let mut p = Packet::new(id);
+                p.reset = true;
+                if let Err(e) = mux.send(p, None).await {
+                    tracing::debug!(%e, "gRPC reset not sent: the connection is closing");
+                }
+            });
+        }
+    }
+
     /// Sends a packet from a context that cannot wait (drops, poll functions).
     fn send_detached(self: &Arc<Self>, pkt: Packet) {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
@@ -154,6 +173,10 @@ pub(crate) struct CallShared {
     send_space: Notify,
     /// Bytes received but not yet granted back; the peer never lets this pass `WINDOW`.
     recv_outstanding: AtomicI64,
+    /// The call's first packet went out, or never will (`head_skipped`): a cancel must not
+    /// overtake the head, or the peer would see a reset for a call it does not know yet.
+    head_sent: Flag,
+    head_skipped: AtomicBool,
 }
 
 impl CallShared {
@@ -163,6 +186,8 @@ impl CallShared {
             send_window: std::sync::Mutex::new(WINDOW),
             send_space: Notify::new(),
             recv_outstanding: AtomicI64::new(0),
+            head_sent: Flag::default(),
+            head_skipped: AtomicBool::new(false),
         })
     }
 
@@ -188,11 +213,11 @@ impl CallShared {
             if self.done.is_set() {
                 return false;
             }
-            if let Ok(mut w) = self.send_window.lock() {
-                if *w > 0 {
-                    *w -= cost(len);
-                    return true;
-                }
+            if let Ok(mut w) = self.send_window.lock()
+                && *w > 0
+            {
+                *w -= cost(len);
+                return true;
             }
             n.await;
         }

@@ -37,8 +37,19 @@ pub(crate) enum Pumped {
     Failed(Status),
 }
 
+/// Marks the head as out when pumping moves past it (or gives up), whichever way it ends.
+struct HeadOut<'a>(&'a CallShared);
+
+impl Drop for HeadOut<'_> {
+    fn drop(&mut self) {
+        self.0.head_sent.set();
+    }
+}
+
+type Polled<B> = Option<Result<Frame<<B as Body>::Data>, <B as Body>::Error>>;
+
 /// The next frame if the body has one ready now; `None` if it would wait.
-fn ready_now<B: Body + ?Sized>(body: &mut Pin<Box<B>>) -> Option<Option<Result<Frame<B::Data>, B::Error>>> {
+fn ready_now<B: Body + ?Sized>(body: &mut Pin<Box<B>>) -> Option<Polled<B>> {
     let mut cx = Context::from_waker(Waker::noop());
     match body.as_mut().poll_frame(&mut cx) {
         Poll::Ready(x) => Some(x),
@@ -64,6 +75,12 @@ where
     B::Error: Into<BoxError>,
 {
     let mut body = Box::pin(body);
+    let _head_out = HeadOut(call);
+    if call.done.is_set() {
+        // Cancelled before anything went out: the peer never hears of this call.
+        call.head_skipped.store(true, std::sync::atomic::Ordering::Release);
+        return Pumped::Stopped;
+    }
     // The packet being filled, and its body frame.
     let mut pending: Option<(Packet, Option<Bytes>)> = Some((head, None));
     loop {
@@ -71,10 +88,10 @@ where
             Some(_) => match ready_now(&mut body).map(|item| item.map(|r| r.map_err(Into::<BoxError>::into))) {
                 Some(item) => item,
                 None => {
-                    if let Some((p, d)) = pending.take() {
-                        if mux.send(p, d).await.is_err() {
-                            return Pumped::Stopped;
-                        }
+                    if let Some((p, d)) = pending.take()
+                        && mux.send(p, d).await.is_err()
+                    {
+                        return Pumped::Stopped;
                     }
                     continue;
                 }

@@ -95,19 +95,26 @@ impl Builder {
         let routes = self.routes.unwrap_or_default().prepare();
         let shutdown = Arc::new(Flag::default());
         let mut conns = JoinSet::new();
+        let mut backoff = std::time::Duration::ZERO;
         tokio::pin!(signal);
         loop {
             tokio::select! {
                 _ = &mut signal => break,
                 r = listener.accept() => match r {
                     Ok(conn) => {
+                        backoff = std::time::Duration::ZERO;
                         conns.spawn(serve_conn(conn, routes.clone(), shutdown.clone()));
                     }
-                    // One peer failing its handshake must not stop the server.
-                    Err(e @ (Error::Handshake(_) | Error::Timeout(_) | Error::Protocol(_) | Error::PeerGone(_) | Error::PeerClosed(_))) => {
-                        tracing::warn!(%e, "gRPC server: a connection attempt failed");
+                    // A peer failing its setup must not stop the server; the pause keeps a
+                    // persistent listener failure from spinning.
+                    Err(e) => {
+                        tracing::warn!(%e, "gRPC server: accepting a connection failed");
+                        backoff = (backoff * 2).clamp(std::time::Duration::from_millis(5), std::time::Duration::from_secs(1));
+                        tokio::select! {
+                            _ = &mut signal => break,
+                            _ = tokio::time::sleep(backoff) => {}
+                        }
                     }
-                    Err(e) => return Err(e),
                 },
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
             }
