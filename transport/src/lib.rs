@@ -13,6 +13,17 @@ pub mod error;
 pub mod link;
 pub mod pool;
 pub mod proto;
+pub mod shm;
+pub mod tcp;
 
 pub use config::Config;
 pub use error::{Error, Result};
+pub mod conn;
+
+pub use conn::{
+    Addr, ConnStats, Connection, Listener, RemoteBuf, choose_auto, connect, connect_auto, listen, listen_auto,
+};
+pub use link::RecvBuf;
+pub use pool::{Pool, PoolBufMut};
+#[cfg(feature = "grpc")]
+pub mod grpc;

@@ -12,6 +12,7 @@
 //! Frames are opaque to providers: the sans-IO core in [`crate::proto`] encodes and decodes
 //! them. Descriptors are opaque to the core: each provider defines and validates its own.
 
+use std::any::Any;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -66,7 +67,7 @@ pub struct Exposure {
 pub struct RecvBuf {
     ptr: *mut u8,
     len: usize,
-    owner: Box<dyn Send + Sync>,
+    owner: Box<dyn Any + Send + Sync>,
 }
 
 // SAFETY: `ptr` points into memory kept alive by `owner`, which is `Send + Sync`; the buffer
@@ -95,7 +96,7 @@ impl RecvBuf {
     /// # Safety
     /// `ptr..ptr+len` must be valid for writes, not aliased by anyone else, and stay valid
     /// and fixed while `owner` lives.
-    pub unsafe fn from_raw(ptr: *mut u8, len: usize, owner: Box<dyn Send + Sync>) -> RecvBuf {
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize, owner: Box<dyn Any + Send + Sync>) -> RecvBuf {
         RecvBuf { ptr, len, owner }
     }
 
@@ -124,6 +125,11 @@ impl RecvBuf {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` guarantees exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Gives back whatever owns the memory (a caller's own buffer, for `recv_into`).
+    pub fn into_owner(self) -> Box<dyn Any + Send + Sync> {
+        self.owner
     }
 
     /// Turns the buffer into `Bytes` without copying.

@@ -1,65 +1,924 @@
-//! The protocol state machine of one connection. (API fixed; body being written.)
+//! The protocol state machine of one connection.
+//!
+//! Two independent directions share one `Connection`: the send side numbers application
+//! messages, queues them (eager payloads or RTS announcements) and turns the queue into
+//! frames as credits allow; the receive side mirrors the numbering, pulls rendezvous data
+//! with fragmented reads and delivers strictly in order. The threshold probe rides on the
+//! same frames without touching message numbering. `docs/protocol.md` walks through the
+//! state machines.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::{Action, MsgId, Protocol, ProtoStats, RecvMode};
+use super::frame::{Body, Frame, HEADER_LEN, MAX_DESC_LEN, truncate_utf8};
+use super::probe::{Probe, ProbePlan, Progress, Sample};
+use super::{Action, Delivery, EAGER_OVERHEAD, MsgId, PROBE_MSG_BIT, Protocol, ProtoStats, RecvMode};
 use crate::config::Config;
 use crate::error::Error;
 
-/// One connection's protocol state. See the module docs of [`crate::proto`].
-pub struct Connection {
-    _p: (),
+/// Close codes on the wire.
+const CLOSE_GRACEFUL: u32 = 0;
+const CLOSE_PROTOCOL: u32 = 1;
+const CLOSE_LOCAL_ERROR: u32 = 2;
+/// Close reasons are cut to this so a `Close` fits the smallest legal slot (1 KiB).
+const MAX_REASON: usize = 512;
+/// The smallest slot a peer may announce; matches `Config::validate`.
+const MIN_PEER_SLOT: usize = 1024;
+
+/// What the peer announced in its `Hello`.
+#[derive(Debug, Clone, Copy)]
+struct Peer {
+    slot_size: usize,
+    max_message: u64,
 }
 
-#[allow(unused_variables, missing_docs)]
+/// A queued outgoing message, in send order.
+#[derive(Debug)]
+enum Out {
+    Eager(Bytes),
+    Rts { seq: MsgId, len: u64, desc: Bytes },
+}
+
+/// Progress of an incoming rendezvous message (or probe sample).
+#[derive(Debug, PartialEq, Eq)]
+enum RndvState {
+    /// `BeginRecv` emitted; waiting for the driver's `accept_rendezvous`.
+    Announced,
+    /// Fragments being read.
+    Reading,
+    /// All bytes are in place (or mapped): deliverable.
+    Complete,
+}
+
+#[derive(Debug)]
+struct RndvIn {
+    len: u64,
+    desc: Bytes,
+    probe: bool,
+    state: RndvState,
+    /// Offset of the next fragment to issue.
+    next_offset: u64,
+    reads_out: usize,
+}
+
+/// A received message not yet delivered (or a probe sample not yet finished).
+#[derive(Debug)]
+enum InMsg {
+    /// Payload, and the first message number of its frame if it shared the frame.
+    Eager(Bytes, Option<MsgId>),
+    Rndv(RndvIn),
+}
+
+/// Whose credit a delivered-but-unconsumed message holds.
+#[derive(Debug, Clone, Copy)]
+enum CreditTag {
+    /// The message had a frame to itself.
+    Single,
+    /// The message shared an eager frame whose first message is this one.
+    Group(MsgId),
+}
+
+/// One connection's protocol state. See the module docs of [`crate::proto`].
+pub struct Connection {
+    cfg: Config,
+    peer: Option<Peer>,
+    stats: ProtoStats,
+    actions: VecDeque<Action>,
+
+    // Send side.
+    /// Control frames (`Hello`, `RndvDone`, `ProbeAck`): they take no credit and go first.
+    control: VecDeque<Body>,
+    /// Application messages waiting for a credit, in message order.
+    data: VecDeque<Out>,
+    next_send_seq: MsgId,
+    /// Credits we hold: data frames we may still send.
+    send_credits: u32,
+    /// Data frames sent whose credit has not come back.
+    data_out: u32,
+    /// A data frame is waiting for credits (one stall episode counts once).
+    stalled: bool,
+    /// Rendezvous sends not yet released (queued or announced).
+    unreleased: BTreeSet<MsgId>,
+    /// Rendezvous sends announced to the peer and not yet released.
+    rts_sent: BTreeSet<MsgId>,
+
+    // Receive side.
+    next_recv_seq: MsgId,
+    next_deliver: MsgId,
+    /// Received, not yet delivered; probe samples (keys with [`PROBE_MSG_BIT`]) until read.
+    recv: BTreeMap<MsgId, InMsg>,
+    /// Accepted messages with fragments still to issue; reads go out in message order.
+    read_queue: BTreeSet<MsgId>,
+    /// Reads in flight: id -> message.
+    reads: HashMap<u64, MsgId>,
+    next_read_id: u64,
+    /// Delivered messages whose credit waits for `consumed`.
+    unconsumed: HashMap<MsgId, CreditTag>,
+    /// Coalesced frames not yet fully consumed: first message -> messages left.
+    groups: HashMap<MsgId, u16>,
+    /// Mapped messages whose `RndvDone` waits for `release_recv`.
+    mapped_unreleased: BTreeSet<MsgId>,
+    /// Credits owed to the peer (sent in the next frame's header).
+    owed: u32,
+    /// Data frames the peer may still send before it must wait for credits from us.
+    recv_window: u32,
+
+    // Threshold and probe.
+    probe: Option<Probe>,
+    /// `start_probe` before the handshake: descriptor, length, when.
+    pending_probe: Option<(Bytes, usize, Instant)>,
+    /// Probe ids issued so far (answers to higher ids are forged).
+    probe_issued: u32,
+    probe_verdict: Option<usize>,
+
+    // Closing.
+    /// Graceful close requested with this reason.
+    closing: Option<String>,
+    /// Set once `Action::Closed` was queued.
+    close_error: Option<Error>,
+    /// The last frame to hand out after closing (`Close`), once.
+    final_frame: Option<Bytes>,
+}
+
 impl Connection {
     /// A new connection. It queues its `Hello` at once; data frames wait for the peer's.
-    pub fn new(config: &Config, now: Instant) -> Self { todo!() }
+    pub fn new(config: &Config, now: Instant) -> Self {
+        let _ = now;
+        let hello = Body::Hello {
+            slots: config.credits,
+            slot_size: u32::try_from(config.slot_size).unwrap_or(u32::MAX),
+            max_message: config.max_message_size,
+            fragment_size: u32::try_from(config.fragment_size).unwrap_or(u32::MAX),
+            ext: Bytes::new(),
+        };
+        let mut c = Connection {
+            cfg: config.clone(),
+            peer: None,
+            stats: ProtoStats::default(),
+            actions: VecDeque::new(),
+            control: VecDeque::from([hello]),
+            data: VecDeque::new(),
+            next_send_seq: 0,
+            send_credits: 0,
+            data_out: 0,
+            stalled: false,
+            unreleased: BTreeSet::new(),
+            rts_sent: BTreeSet::new(),
+            next_recv_seq: 0,
+            next_deliver: 0,
+            recv: BTreeMap::new(),
+            read_queue: BTreeSet::new(),
+            reads: HashMap::new(),
+            next_read_id: 0,
+            unconsumed: HashMap::new(),
+            groups: HashMap::new(),
+            mapped_unreleased: BTreeSet::new(),
+            owed: 0,
+            recv_window: config.credits,
+            probe: None,
+            pending_probe: None,
+            probe_issued: 0,
+            probe_verdict: None,
+            closing: None,
+            close_error: None,
+            final_frame: None,
+        };
+        c.refresh_threshold();
+        c
+    }
+
     /// A frame arrived from the peer. Protocol violations close the connection
     /// (a `Close` frame to the peer, then [`Action::Closed`]); they never panic.
-    pub fn handle_frame(&mut self, now: Instant, frame: Bytes) { todo!() }
+    pub fn handle_frame(&mut self, now: Instant, frame: Bytes) {
+        if self.is_closed() {
+            return;
+        }
+        self.stats.frames_recv += 1;
+        if frame.len() > self.cfg.slot_size {
+            return self.violation(format!(
+                "frame of {} bytes exceeds our slot size of {} bytes",
+                frame.len(),
+                self.cfg.slot_size
+            ));
+        }
+        let Frame { credits, body } = match Frame::decode(&frame) {
+            Ok(f) => f,
+            Err(e) => return self.violation(format!("malformed frame: {e}")),
+        };
+        if credits > self.data_out {
+            return self.violation(format!(
+                "peer returned {credits} credits but only {} of our data frames are outstanding",
+                self.data_out
+            ));
+        }
+        self.data_out -= credits;
+        self.send_credits += credits;
+
+        match (&body, self.peer) {
+            (Body::Hello { .. }, Some(_)) => return self.violation("second Hello".into()),
+            (Body::Hello { slots, slot_size, max_message, .. }, None) => {
+                return self.on_hello(now, *slots, *slot_size as usize, *max_message);
+            }
+            (Body::Close { code, reason }, _) => {
+                let reason = if *code == CLOSE_GRACEFUL { reason.clone() } else { format!("error {code}: {reason}") };
+                return self.shut(Error::PeerClosed(reason), None);
+            }
+            (_, None) => {
+                return self.violation(format!("frame of kind {} arrived before the peer's Hello", body.kind()));
+            }
+            (_, Some(_)) => {}
+        }
+        if body.is_data() {
+            if self.recv_window == 0 {
+                return self.violation(format!(
+                    "peer sent a data frame with no credit left (our window is {} frames)",
+                    self.cfg.credits
+                ));
+            }
+            self.recv_window -= 1;
+        }
+        match body {
+            Body::Hello { .. } | Body::Close { .. } | Body::Credit => {}
+            Body::Eager { msgs } => self.on_eager(msgs),
+            Body::Rts { seq, len, desc } => self.on_rts(seq, len, desc),
+            Body::RndvDone { seq, probe: false } => {
+                if self.rts_sent.remove(&seq) {
+                    self.unreleased.remove(&seq);
+                    self.actions.push_back(Action::Release { msg: seq });
+                } else {
+                    self.violation(format!("RndvDone for message {seq}, which is not an outstanding rendezvous"));
+                }
+            }
+            Body::RndvDone { seq, probe: true } => match u32::try_from(seq) {
+                Ok(id) => self.on_probe_answer(now, id, Protocol::Rendezvous),
+                Err(_) => self.violation(format!("probe RndvDone with id {seq}, beyond any probe id")),
+            },
+            Body::ProbeEager { probe_id, .. } => {
+                // Probe frames never reach the application: their slot is free at once.
+                self.owed += 1;
+                self.control.push_back(Body::ProbeAck { probe_id });
+            }
+            Body::ProbeAck { probe_id } => self.on_probe_answer(now, probe_id, Protocol::Eager),
+            Body::ProbeRts { probe_id, len, desc } => {
+                self.owed += 1;
+                let msg = PROBE_MSG_BIT | u64::from(probe_id);
+                if len > self.cfg.max_message_size {
+                    return self.violation(format!(
+                        "probe of {len} bytes exceeds our max_message_size of {} bytes",
+                        self.cfg.max_message_size
+                    ));
+                }
+                if self.recv.contains_key(&msg) {
+                    return self.violation(format!("probe id {probe_id} reused while still in progress"));
+                }
+                self.begin_recv(msg, len, desc, true);
+            }
+        }
+    }
+
     /// A read issued as [`Action::Read`] finished.
-    pub fn read_completed(&mut self, now: Instant, id: u64, result: Result<(), Error>) { todo!() }
+    pub fn read_completed(&mut self, now: Instant, id: u64, result: Result<(), Error>) {
+        let _ = now;
+        if self.is_closed() {
+            return;
+        }
+        let Some(msg) = self.reads.remove(&id) else {
+            tracing::debug!(id, "completion of an unknown read ignored");
+            return;
+        };
+        if let Err(e) = result {
+            return self.shut(e.clone(), Some((CLOSE_LOCAL_ERROR, format!("reading message {msg} failed: {e}"))));
+        }
+        let done = match self.recv.get_mut(&msg) {
+            Some(InMsg::Rndv(r)) => {
+                r.reads_out -= 1;
+                r.reads_out == 0 && r.next_offset == r.len
+            }
+            _ => false,
+        };
+        if done {
+            self.complete(msg);
+        }
+        self.pump_reads();
+    }
+
     /// Time has reached `now` (drives the probe's bookkeeping and any deadlines).
-    pub fn handle_timeout(&mut self, now: Instant) { todo!() }
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.is_closed() {
+            return;
+        }
+        let expired = match &mut self.probe {
+            Some(p) if !p.abandoned && now >= p.deadline => Some(p.abandon()),
+            _ => None,
+        };
+        if let Some(progress) = expired {
+            tracing::info!("threshold probe timed out; keeping the default eager threshold");
+            self.probe_progress(progress);
+        }
+    }
+
     /// When the core next wants `handle_timeout`.
-    pub fn poll_timeout(&self) -> Option<Instant> { todo!() }
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match &self.probe {
+            Some(p) if !p.abandoned && !self.is_closed() => Some(p.deadline),
+            _ => None,
+        }
+    }
+
     /// Which protocol a message of `len` bytes would use now; `Err(TooLarge)` if either
     /// side's `max_message_size` forbids it.
-    pub fn classify(&self, len: u64) -> Result<Protocol, Error> { todo!() }
+    pub fn classify(&self, len: u64) -> Result<Protocol, Error> {
+        self.check_size(len)?;
+        Ok(if len <= self.eager_threshold() as u64 { Protocol::Eager } else { Protocol::Rendezvous })
+    }
+
     /// Queues an eager message (`data.len()` must be within the threshold / slot).
-    pub fn send_eager(&mut self, now: Instant, data: Bytes) -> Result<MsgId, Error> { todo!() }
+    ///
+    /// Anything that fits one of the peer's slots is accepted, so a message classified
+    /// eager stays valid if the probe lowers the threshold meanwhile.
+    pub fn send_eager(&mut self, now: Instant, data: Bytes) -> Result<MsgId, Error> {
+        let _ = now;
+        self.check_open()?;
+        let len = data.len() as u64;
+        self.check_size(len)?;
+        let cap = self.eager_cap();
+        if data.len() > cap {
+            return Err(Error::TooLarge { len, limit: cap as u64, which: "eager capacity of the peer's slot" });
+        }
+        let seq = self.next_send_seq;
+        self.next_send_seq += 1;
+        self.data.push_back(Out::Eager(data));
+        Ok(seq)
+    }
+
     /// Queues the RTS of a rendezvous message whose buffer the driver exposed as `descriptor`.
-    pub fn send_rendezvous(&mut self, now: Instant, len: u64, descriptor: Bytes) -> Result<MsgId, Error> { todo!() }
+    pub fn send_rendezvous(&mut self, now: Instant, len: u64, descriptor: Bytes) -> Result<MsgId, Error> {
+        let _ = now;
+        self.check_open()?;
+        self.check_size(len)?;
+        if descriptor.len() > MAX_DESC_LEN {
+            return Err(Error::Config(format!(
+                "the provider's rendezvous descriptor is {} bytes; the wire carries at most {MAX_DESC_LEN}",
+                descriptor.len()
+            )));
+        }
+        let seq = self.next_send_seq;
+        self.next_send_seq += 1;
+        self.unreleased.insert(seq);
+        self.data.push_back(Out::Rts { seq, len, desc: descriptor });
+        Ok(seq)
+    }
+
     /// The driver's answer to [`Action::BeginRecv`].
-    pub fn accept_rendezvous(&mut self, now: Instant, msg: MsgId, mode: RecvMode) { todo!() }
+    pub fn accept_rendezvous(&mut self, now: Instant, msg: MsgId, mode: RecvMode) {
+        let _ = now;
+        if self.is_closed() {
+            return;
+        }
+        let Some(InMsg::Rndv(r)) = self.recv.get_mut(&msg) else {
+            tracing::debug!(msg, "accept_rendezvous for an unknown message ignored");
+            return;
+        };
+        if r.state != RndvState::Announced {
+            tracing::debug!(msg, "accept_rendezvous repeated; ignored");
+            return;
+        }
+        match mode {
+            RecvMode::Read if r.len > 0 => {
+                r.state = RndvState::Reading;
+                self.read_queue.insert(msg);
+                self.pump_reads();
+            }
+            RecvMode::Read => self.complete(msg),
+            RecvMode::Mapped => {
+                // Nothing to read; the sender's buffer stays held until the view is dropped.
+                if !r.probe {
+                    self.mapped_unreleased.insert(msg);
+                }
+                self.complete(msg);
+            }
+        }
+    }
+
     /// The driver could not prepare a destination for `msg` (allocation failed, bad
     /// descriptor): the connection closes with `error`.
-    pub fn reject_rendezvous(&mut self, now: Instant, msg: MsgId, error: Error) { todo!() }
+    pub fn reject_rendezvous(&mut self, now: Instant, msg: MsgId, error: Error) {
+        let _ = now;
+        if self.is_closed() {
+            return;
+        }
+        let reason = format!("could not receive message {msg}: {error}");
+        self.shut(error, Some((CLOSE_LOCAL_ERROR, reason)));
+    }
+
     /// The application took delivered message `msg`: its credit may go back.
-    pub fn consumed(&mut self, msg: MsgId) { todo!() }
+    pub fn consumed(&mut self, msg: MsgId) {
+        if self.is_closed() {
+            return;
+        }
+        match self.unconsumed.remove(&msg) {
+            Some(CreditTag::Single) => self.owed += 1,
+            Some(CreditTag::Group(first)) => {
+                if let Some(left) = self.groups.get_mut(&first) {
+                    *left -= 1;
+                    if *left == 0 {
+                        self.groups.remove(&first);
+                        self.owed += 1;
+                    }
+                }
+            }
+            None => tracing::debug!(msg, "consumed() for a message not awaiting it; ignored"),
+        }
+    }
+
     /// A [`RecvMode::Mapped`] message's view was dropped: tell the sender it may release.
-    pub fn release_recv(&mut self, msg: MsgId) { todo!() }
+    pub fn release_recv(&mut self, msg: MsgId) {
+        if self.is_closed() {
+            return;
+        }
+        if self.mapped_unreleased.remove(&msg) {
+            self.control.push_back(Body::RndvDone { seq: msg, probe: false });
+        }
+    }
+
     /// Starts the threshold probe, using an exposed zero-filled buffer of `len` bytes
     /// (`len` ≥ the largest probe size in `ProbePlan`) for its rendezvous samples.
-    pub fn start_probe(&mut self, now: Instant, descriptor: Bytes, len: usize) { todo!() }
+    ///
+    /// Sizes above `len` are skipped. With `config.eager_threshold` set, the probe still
+    /// measures and logs its verdict ([`Connection::probe_verdict`]) but the configured
+    /// threshold stays in force. It always ends in one [`Action::ThresholdChosen`] (carrying
+    /// the threshold in force), after which the driver may withdraw the buffer.
+    pub fn start_probe(&mut self, now: Instant, descriptor: Bytes, len: usize) {
+        if self.is_closed() {
+            return;
+        }
+        if self.probe.is_some() || self.pending_probe.is_some() {
+            tracing::debug!("start_probe while a probe is running; ignored");
+            return;
+        }
+        if self.closing.is_some() {
+            return self.threshold_chosen();
+        }
+        if self.peer.is_some() {
+            self.begin_probe(descriptor, len, now);
+        } else {
+            self.pending_probe = Some((descriptor, len, now));
+        }
+    }
+
     /// Graceful close: no new sends; once queued frames are out and every rendezvous the
     /// peer is reading has been released, a `Close` goes out and [`Action::Closed`] follows.
-    pub fn close(&mut self, now: Instant, reason: &str) { todo!() }
+    ///
+    /// Before the handshake nothing could have been sent, so it closes at once.
+    pub fn close(&mut self, now: Instant, reason: &str) {
+        let _ = now;
+        if self.is_closed() || self.closing.is_some() {
+            return;
+        }
+        if self.peer.is_none() {
+            return self.shut(Error::LocallyClosed, Some((CLOSE_GRACEFUL, reason.to_owned())));
+        }
+        self.closing = Some(reason.to_owned());
+        if self.pending_probe.take().is_some() {
+            self.threshold_chosen();
+        }
+        if let Some(p) = &mut self.probe {
+            let progress = p.abandon();
+            self.probe_progress(progress);
+        }
+    }
+
     /// The link died: fail everything pending with `error` at once.
-    pub fn link_failed(&mut self, error: Error) { todo!() }
+    pub fn link_failed(&mut self, error: Error) {
+        self.shut(error, None);
+    }
+
     /// The next frame to hand to the link, if any (coalescing happens here).
-    pub fn poll_transmit(&mut self, now: Instant) -> Option<Bytes> { todo!() }
+    pub fn poll_transmit(&mut self, now: Instant) -> Option<Bytes> {
+        if self.is_closed() {
+            let f = self.final_frame.take();
+            if f.is_some() {
+                self.stats.frames_sent += 1;
+            }
+            return f;
+        }
+        if let Some(body) = self.control.pop_front() {
+            return Some(self.emit(body));
+        }
+        if let Some(peer) = self.peer {
+            if let Some(sample) = self.probe.as_ref().and_then(Probe::next_sample) {
+                if self.take_credit() {
+                    self.probe_issued += 1;
+                    if let Some(p) = &mut self.probe {
+                        p.sent(now);
+                    }
+                    return Some(self.emit(match sample {
+                        Sample::Eager { probe_id, pad } => Body::ProbeEager { probe_id, pad },
+                        Sample::Rts { probe_id, len, desc } => Body::ProbeRts { probe_id, len, desc },
+                    }));
+                }
+            } else if !self.data.is_empty() && self.take_credit() {
+                let body = self.pack(peer.slot_size);
+                return Some(self.emit(body));
+            }
+        }
+        if self.owed > 0 && self.owed >= (self.cfg.credits / 2).max(1) {
+            return Some(self.emit(Body::Credit));
+        }
+        if let Some(reason) = &self.closing {
+            if self.data.is_empty() && self.unreleased.is_empty() && self.probe.is_none() {
+                let reason = reason.clone();
+                self.shut(Error::LocallyClosed, Some((CLOSE_GRACEFUL, reason)));
+                return self.poll_transmit(now);
+            }
+        }
+        None
+    }
+
     /// The next action, if any.
-    pub fn poll_action(&mut self) -> Option<Action> { todo!() }
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
     /// Counters.
-    pub fn stats(&self) -> &ProtoStats { todo!() }
+    pub fn stats(&self) -> &ProtoStats {
+        &self.stats
+    }
+
     /// The eager threshold in force.
-    pub fn eager_threshold(&self) -> usize { todo!() }
+    pub fn eager_threshold(&self) -> usize {
+        let base = self.cfg.eager_threshold.or(self.probe_verdict).unwrap_or(self.cfg.default_eager_threshold);
+        base.min(self.eager_cap())
+    }
+
+    /// What the last completed probe measured, even where `config.eager_threshold` keeps
+    /// it from taking effect. `None` before a probe finished (or if it was abandoned).
+    pub fn probe_verdict(&self) -> Option<usize> {
+        self.probe_verdict
+    }
+
     /// True once [`Action::Closed`] has been emitted.
-    pub fn is_closed(&self) -> bool { todo!() }
+    pub fn is_closed(&self) -> bool {
+        self.close_error.is_some()
+    }
+
     /// True once the peer's `Hello` arrived.
-    pub fn is_established(&self) -> bool { todo!() }
+    pub fn is_established(&self) -> bool {
+        self.peer.is_some()
+    }
+
+    /// Application messages queued but not yet put into a frame: the driver makes `send`
+    /// wait while this is large, so a sender outpacing its credits is held back.
+    pub fn queued_data_frames(&self) -> usize {
+        self.data.len()
+    }
+
+    // ---- send side ----
+
+    /// The largest eager payload: what fits one of the peer's slots (our own slot size
+    /// stands in for the peer's until its `Hello`; checked again when it arrives).
+    fn eager_cap(&self) -> usize {
+        let slot = self.peer.map_or(self.cfg.slot_size, |p| p.slot_size);
+        slot.saturating_sub(EAGER_OVERHEAD)
+    }
+
+    fn check_size(&self, len: u64) -> Result<(), Error> {
+        if len > self.cfg.max_message_size {
+            return Err(Error::TooLarge { len, limit: self.cfg.max_message_size, which: "max_message_size of this side" });
+        }
+        if let Some(p) = self.peer {
+            if len > p.max_message {
+                return Err(Error::TooLarge { len, limit: p.max_message, which: "max_message_size of the peer" });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_open(&self) -> Result<(), Error> {
+        match (&self.close_error, &self.closing) {
+            (Some(e), _) => Err(e.clone()),
+            (None, Some(_)) => Err(Error::LocallyClosed),
+            (None, None) => Ok(()),
+        }
+    }
+
+    /// Takes a send credit for a data frame; counts a stall episode if there is none.
+    fn take_credit(&mut self) -> bool {
+        if self.send_credits == 0 {
+            if !self.stalled {
+                self.stalled = true;
+                self.stats.credit_stalls += 1;
+            }
+            return false;
+        }
+        self.stalled = false;
+        self.send_credits -= 1;
+        self.data_out += 1;
+        true
+    }
+
+    /// The next data frame from the queue: an RTS alone, or as many consecutive eager
+    /// messages as fit one of the peer's slots.
+    fn pack(&mut self, slot: usize) -> Body {
+        let mut msgs = Vec::new();
+        let mut size = HEADER_LEN + 2;
+        while let Some(Out::Eager(m)) = self.data.front() {
+            let next = size + 4 + m.len();
+            if !msgs.is_empty() && (next > slot || msgs.len() == u16::MAX as usize) {
+                break;
+            }
+            size = next;
+            if let Some(Out::Eager(m)) = self.data.pop_front() {
+                msgs.push(m);
+            }
+        }
+        if msgs.is_empty() {
+            if let Some(Out::Rts { seq, len, desc }) = self.data.pop_front() {
+                self.stats.rndv_msgs_sent += 1;
+                self.stats.rndv_bytes_sent += len;
+                self.rts_sent.insert(seq);
+                return Body::Rts { seq, len, desc };
+            }
+        }
+        self.stats.eager_msgs_sent += msgs.len() as u64;
+        self.stats.eager_bytes_sent += msgs.iter().map(|m| m.len() as u64).sum::<u64>();
+        if msgs.len() >= 2 {
+            self.stats.coalesced_msgs += msgs.len() as u64;
+        }
+        Body::Eager { msgs }
+    }
+
+    /// Encodes a frame, attaching every credit owed to the peer.
+    fn emit(&mut self, body: Body) -> Bytes {
+        let frame = Frame { credits: self.owed, body };
+        self.recv_window += self.owed;
+        self.owed = 0;
+        self.stats.frames_sent += 1;
+        frame.to_bytes()
+    }
+
+    // ---- receive side ----
+
+    fn on_hello(&mut self, now: Instant, slots: u32, slot_size: usize, max_message: u64) {
+        if slots == 0 || slot_size < MIN_PEER_SLOT {
+            return self.violation(format!(
+                "Hello announces {slots} slots of {slot_size} bytes; at least 1 slot of {MIN_PEER_SLOT} bytes is required"
+            ));
+        }
+        self.peer = Some(Peer { slot_size, max_message });
+        self.send_credits = slots;
+        self.refresh_threshold();
+        let cap = self.eager_cap();
+        if let Some(len) = self.data.iter().find_map(|o| match o {
+            Out::Eager(m) if m.len() > cap => Some(m.len()),
+            _ => None,
+        }) {
+            let msg = format!(
+                "an eager message of {len} bytes was queued before the handshake, but the peer's slots hold at most {cap}; raise slot_size on the peer"
+            );
+            return self.shut(Error::Handshake(msg.clone()), Some((CLOSE_LOCAL_ERROR, msg)));
+        }
+        if let Some((desc, len, at)) = self.pending_probe.take() {
+            self.begin_probe(desc, len, at.min(now));
+        }
+    }
+
+    fn on_eager(&mut self, msgs: Vec<Bytes>) {
+        let group = (msgs.len() > 1).then_some(self.next_recv_seq);
+        if let Some(first) = group {
+            self.groups.insert(first, msgs.len() as u16);
+        }
+        for m in msgs {
+            if m.len() as u64 > self.cfg.max_message_size {
+                return self.violation(format!(
+                    "eager message of {} bytes exceeds our max_message_size of {} bytes",
+                    m.len(),
+                    self.cfg.max_message_size
+                ));
+            }
+            self.stats.eager_msgs_recv += 1;
+            self.stats.eager_bytes_recv += m.len() as u64;
+            self.recv.insert(self.next_recv_seq, InMsg::Eager(m, group));
+            self.next_recv_seq += 1;
+        }
+        self.deliver_ready();
+    }
+
+    fn on_rts(&mut self, seq: MsgId, len: u64, desc: Bytes) {
+        if seq != self.next_recv_seq {
+            return self.violation(format!("RTS numbered {seq} where message {} was expected", self.next_recv_seq));
+        }
+        if len > self.cfg.max_message_size {
+            return self.violation(format!(
+                "RTS announces a message of {len} bytes, over our max_message_size of {} bytes",
+                self.cfg.max_message_size
+            ));
+        }
+        self.next_recv_seq += 1;
+        self.begin_recv(seq, len, desc, false);
+    }
+
+    fn begin_recv(&mut self, msg: MsgId, len: u64, desc: Bytes, probe: bool) {
+        let r = RndvIn { len, desc: desc.clone(), probe, state: RndvState::Announced, next_offset: 0, reads_out: 0 };
+        self.recv.insert(msg, InMsg::Rndv(r));
+        self.actions.push_back(Action::BeginRecv { msg, len, descriptor: desc, probe });
+    }
+
+    /// Issues fragment reads, message by message, up to the in-flight limit.
+    fn pump_reads(&mut self) {
+        let frag = self.cfg.fragment_size.max(1) as u64;
+        while self.reads.len() < self.cfg.max_reads_in_flight {
+            let Some(&msg) = self.read_queue.first() else { break };
+            let Some(InMsg::Rndv(r)) = self.recv.get_mut(&msg) else {
+                self.read_queue.remove(&msg);
+                continue;
+            };
+            let offset = r.next_offset;
+            let len = frag.min(r.len - offset);
+            r.next_offset += len;
+            r.reads_out += 1;
+            if r.next_offset == r.len {
+                self.read_queue.remove(&msg);
+            }
+            let id = self.next_read_id;
+            self.next_read_id += 1;
+            self.reads.insert(id, msg);
+            self.stats.reads_issued += 1;
+            self.actions.push_back(Action::Read {
+                id,
+                msg,
+                descriptor: r.desc.clone(),
+                remote_offset: offset,
+                local_offset: offset,
+                len: len as usize,
+            });
+        }
+    }
+
+    /// All of a rendezvous message is in place.
+    fn complete(&mut self, msg: MsgId) {
+        let probe = match self.recv.get_mut(&msg) {
+            Some(InMsg::Rndv(r)) => {
+                r.state = RndvState::Complete;
+                r.probe
+            }
+            _ => return,
+        };
+        if probe {
+            self.recv.remove(&msg);
+            self.control.push_back(Body::RndvDone { seq: msg & !PROBE_MSG_BIT, probe: true });
+            self.actions.push_back(Action::Discard { msg });
+            return;
+        }
+        if !self.mapped_unreleased.contains(&msg) {
+            self.control.push_back(Body::RndvDone { seq: msg, probe: false });
+        }
+        self.deliver_ready();
+    }
+
+    /// Delivers every message that is complete and next in order.
+    fn deliver_ready(&mut self) {
+        loop {
+            let ready = match self.recv.get(&self.next_deliver) {
+                Some(InMsg::Eager(..)) => true,
+                Some(InMsg::Rndv(r)) => r.state == RndvState::Complete,
+                None => false,
+            };
+            if !ready {
+                return;
+            }
+            let msg = self.next_deliver;
+            self.next_deliver += 1;
+            let (data, tag) = match self.recv.remove(&msg) {
+                Some(InMsg::Eager(b, group)) => (Delivery::Eager(b), group.map_or(CreditTag::Single, CreditTag::Group)),
+                Some(InMsg::Rndv(r)) => {
+                    self.stats.rndv_msgs_recv += 1;
+                    self.stats.rndv_bytes_recv += r.len;
+                    (Delivery::Rendezvous { len: r.len }, CreditTag::Single)
+                }
+                None => return,
+            };
+            self.unconsumed.insert(msg, tag);
+            self.actions.push_back(Action::Deliver { msg, data });
+        }
+    }
+
+    // ---- probe ----
+
+    fn begin_probe(&mut self, desc: Bytes, len: usize, started: Instant) {
+        let mut plan = ProbePlan::default_for(self.eager_cap());
+        plan.sizes.retain(|&s| s <= len);
+        if plan.sizes.is_empty() {
+            tracing::info!(len, "probe buffer too small for any probe size; keeping the default threshold");
+            return self.threshold_chosen();
+        }
+        self.probe = Some(Probe::new(plan, desc, started));
+    }
+
+    fn on_probe_answer(&mut self, now: Instant, probe_id: u32, proto: Protocol) {
+        if probe_id >= self.probe_issued {
+            return self.violation(format!("probe answer for id {probe_id}, which was never sent"));
+        }
+        // A late answer to an abandoned probe is legitimate and ignored.
+        if let Some(p) = &mut self.probe {
+            let progress = p.answered(now, probe_id, proto);
+            self.probe_progress(progress);
+        }
+    }
+
+    fn probe_progress(&mut self, progress: Progress) {
+        match progress {
+            Progress::Running => {}
+            Progress::Done(t) => {
+                self.probe = None;
+                self.probe_verdict = Some(t);
+                if self.cfg.eager_threshold.is_some() {
+                    tracing::info!(measured = t, "probe verdict reported only: eager_threshold is configured");
+                } else {
+                    tracing::info!(threshold = t, "probe chose the eager threshold");
+                }
+                self.refresh_threshold();
+                self.threshold_chosen();
+            }
+            Progress::Abandoned => {
+                self.probe = None;
+                self.threshold_chosen();
+            }
+        }
+    }
+
+    fn threshold_chosen(&mut self) {
+        self.actions.push_back(Action::ThresholdChosen { threshold: self.eager_threshold() });
+    }
+
+    fn refresh_threshold(&mut self) {
+        self.stats.eager_threshold = self.eager_threshold();
+        self.stats.threshold_source = match (self.cfg.eager_threshold, self.probe_verdict) {
+            (Some(_), _) => "config",
+            (None, Some(_)) => "probe",
+            (None, None) => "default",
+        };
+    }
+
+    // ---- closing ----
+
+    fn violation(&mut self, what: String) {
+        tracing::warn!(%what, "closing the connection: protocol violation by peer");
+        self.shut(Error::Protocol(what.clone()), Some((CLOSE_PROTOCOL, what)));
+    }
+
+    /// Ends the connection: queues the final `Close` (if any), `Closed`, then the release
+    /// or discard of everything pending, and drops all state.
+    fn shut(&mut self, error: Error, close: Option<(u32, String)>) {
+        if self.is_closed() {
+            return;
+        }
+        if let Some((code, reason)) = close {
+            let reason = truncate_utf8(&reason, MAX_REASON).to_owned();
+            let frame = Frame { credits: self.owed, body: Body::Close { code, reason } };
+            self.owed = 0;
+            self.final_frame = Some(frame.to_bytes());
+        }
+        self.close_error = Some(error.clone());
+        self.actions.push_back(Action::Closed { error });
+        let receiving: Vec<MsgId> = self
+            .recv
+            .iter()
+            .filter_map(|(&msg, m)| matches!(m, InMsg::Rndv(_)).then_some(msg))
+            .collect();
+        for msg in receiving {
+            self.actions.push_back(Action::Discard { msg });
+        }
+        for msg in std::mem::take(&mut self.unreleased) {
+            self.actions.push_back(Action::Release { msg });
+        }
+        if self.probe.take().is_some() || self.pending_probe.take().is_some() {
+            self.threshold_chosen();
+        }
+        self.control.clear();
+        self.data.clear();
+        self.rts_sent.clear();
+        self.recv.clear();
+        self.read_queue.clear();
+        self.reads.clear();
+        self.unconsumed.clear();
+        self.groups.clear();
+        self.mapped_unreleased.clear();
+    }
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("established", &self.is_established())
+            .field("closed", &self.close_error)
+            .field("send_credits", &self.send_credits)
+            .field("queued", &self.data.len())
+            .field("next_send_seq", &self.next_send_seq)
+            .field("next_recv_seq", &self.next_recv_seq)
+            .field("reads_in_flight", &self.reads.len())
+            .finish()
+    }
 }

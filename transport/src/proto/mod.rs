@@ -17,7 +17,7 @@
 //!
 //! Flow control. Each data frame (`Eager`, `Rts`, `ProbeEager`, `ProbeRts`) takes one of the
 //! peer's credits; control frames (`Credit`, `RndvDone`, `ProbeAck`, `Close`) take none, and
-//! the protocol bounds how many of them can be in flight (see `docs/transport.md`). A credit
+//! the protocol bounds how many of them can be in flight (see `docs/protocol.md`). A credit
 //! comes back (piggy-backed on any frame's header, or in a `Credit` frame once half the
 //! window is owed) when every message of the frame has been consumed by the application, so
 //! unread data is bounded by `credits × slot_size` plus the rendezvous messages in flight.
@@ -27,7 +27,7 @@ mod conn;
 mod probe;
 
 pub use conn::Connection;
-pub use probe::ProbePlan;
+pub use probe::{PROBE_TIMEOUT, ProbePlan, SizeCost, choose_threshold};
 
 use bytes::Bytes;
 
@@ -43,6 +43,11 @@ pub const EAGER_OVERHEAD: usize = frame::HEADER_LEN + 2 + 4;
 /// Sequence number of a message on one direction of a connection (0, 1, 2, ...). Sender and
 /// receiver number the same message the same way.
 pub type MsgId = u64;
+
+/// Set in the [`MsgId`] of probe samples ([`Action::BeginRecv`] with `probe: true`, and the
+/// `Read`/`Discard` actions that follow): probes have their own id space (the low 32 bits
+/// are the probe id) and never shift message numbering.
+pub const PROBE_MSG_BIT: u64 = 1 << 63;
 
 /// How a message travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +123,11 @@ pub enum Action {
     },
     /// The connection is over. Every pending send and receive fails with `error`
     /// (`Error::LocallyClosed` / `Error::PeerClosed` on a clean close).
+    ///
+    /// It comes first; right after it follow a [`Action::Discard`] for every message
+    /// being received, a [`Action::Release`] for every rendezvous send not yet released
+    /// (these fail with `error`), and a [`Action::ThresholdChosen`] if a probe was still
+    /// running. Nothing else follows.
     Closed {
         /// Why.
         error: Error,

@@ -144,7 +144,13 @@ impl Bench for BenchImpl {
         common_mode(&mode).await?;
         let mut md = MetadataMap::new();
         echo_metadata(req.metadata(), &mut md);
-        let payload = if mode == "pull" { super::transports::pull(&req).await? } else { req.into_inner() };
+        let payload = if mode == "pull" {
+            let (p, one_sided) = super::transports::pull(&req).await?;
+            md.insert("x-one-sided", if one_sided { "true" } else { "false" }.parse().unwrap());
+            p
+        } else {
+            req.into_inner()
+        };
         let mut resp = Response::new(payload);
         *resp.metadata_mut() = md;
         guard.finish();

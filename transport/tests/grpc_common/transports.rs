@@ -132,9 +132,96 @@ impl Transport for Stock {
     }
 }
 
-/// The `pull` mode of the test service: each request buffer is a descriptor of memory the
-/// client exposed; read it one-sided through the peer handle and echo the data.
-pub async fn pull(req: &Request<Payload>) -> Result<Payload, Status> {
-    let _ = req;
-    Err(Status::unimplemented("this transport has no peer handle for one-sided reads"))
+/// Ibex's test configuration: a fixed eager threshold, so no connect-time probe.
+pub fn ibex_config() -> ibex_transport::Config {
+    ibex_transport::Config { eager_threshold: Some(16 * 1024), ..Default::default() }
+}
+
+async fn ibex_serve(uri: String, routes: Routes) -> ServerHandle {
+    let listener = ibex_transport::listen(&uri, ibex_config()).await.unwrap();
+    let addr = listener.local_uri();
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        ibex_transport::grpc::Server::builder()
+            .add_routes(routes)
+            .serve_with_listener(listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .map_err(|e| chain(&e))
+    });
+    ServerHandle::new(addr, tx, task)
+}
+
+async fn ibex_connect(addr: &str) -> Result<Chan, String> {
+    let ch = ibex_transport::grpc::Channel::connect_with_config(addr, ibex_config()).await.map_err(|e| chain(&e))?;
+    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| r.map(tonic::body::Body::new));
+    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
+    Ok(Chan::new(ch))
+}
+
+/// A socket path unique to this process and call.
+pub fn shm_uri() -> String {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("shm://{}/ibex-grpc-{}-{n}.sock", std::env::temp_dir().display(), std::process::id())
+}
+
+/// gRPC over Ibex, shared-memory provider.
+pub struct IbexShm;
+
+impl Transport for IbexShm {
+    const DEADLINE_CODE: Code = Code::DeadlineExceeded;
+
+    async fn serve(routes: Routes) -> ServerHandle {
+        ibex_serve(shm_uri(), routes).await
+    }
+
+    async fn connect(addr: &str) -> Result<Chan, String> {
+        ibex_connect(addr).await
+    }
+
+    async fn dead_addr() -> String {
+        shm_uri()
+    }
+}
+
+/// gRPC over Ibex, tcp provider.
+pub struct IbexTcp;
+
+impl Transport for IbexTcp {
+    const DEADLINE_CODE: Code = Code::DeadlineExceeded;
+
+    async fn serve(routes: Routes) -> ServerHandle {
+        ibex_serve("tcp://127.0.0.1:0".into(), routes).await
+    }
+
+    async fn connect(addr: &str) -> Result<Chan, String> {
+        ibex_connect(addr).await
+    }
+
+    async fn dead_addr() -> String {
+        format!("tcp://{}", Stock::dead_addr().await)
+    }
+}
+
+/// The `pull` mode of the test service: the request's one buffer is a descriptor of memory
+/// the client exposed, `x-pull-len` its length; the handler reads it through the peer handle
+/// and echoes the data, and says in `x-one-sided` whether the read was one-sided.
+pub async fn pull(req: &Request<Payload>) -> Result<(Payload, bool), Status> {
+    let peer = req
+        .extensions()
+        .get::<ibex_transport::grpc::PeerHandle>()
+        .ok_or_else(|| Status::failed_precondition("no PeerHandle: this transport cannot read client memory"))?;
+    let len: usize = req
+        .metadata()
+        .get("x-pull-len")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .ok_or_else(|| Status::invalid_argument("x-pull-len missing"))?;
+    let desc = req.get_ref().buffers.first().cloned().ok_or_else(|| Status::invalid_argument("no descriptor"))?;
+    let got = peer
+        .read_remote(desc, ibex_transport::link::RecvBuf::heap(len))
+        .await
+        .map_err(|e| Status::internal(format!("read_remote failed: {e}")))?;
+    Ok((Payload { buffers: vec![got.into_bytes()] }, peer.one_sided()))
 }

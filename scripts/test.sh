@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Every test of the project, on a fresh machine: unit, integration, property and
+# fuzz-corpus tests, the shm ring's loom model checks, and a build of the benchmarks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/common.sh
+need_cargo
+start=$(date +%s)
+step() { echo; echo "== $* ($(( $(date +%s) - start ))s)"; }
+
+step "workspace tests"
+cargo test --workspace --locked
+
+step "benchmarks and examples build"
+cargo build --workspace --locked --benches --examples
+
+step "shm ring: loom model checks"
+RUSTFLAGS="--cfg ibex_loom" CARGO_TARGET_DIR=target/loom \
+    cargo test --locked -p ibex-transport --release --lib shm::ring
+
+step "done"

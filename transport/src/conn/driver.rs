@@ -1,0 +1,686 @@
+//! The connection driver: one tokio task per connection that binds a sans-IO core to a
+//! provider link (quinn's `ConnectionDriver` shape).
+//!
+//! Application calls lock [`Shared::state`], feed the core and wake the driver; the driver
+//! moves frames between core and link, carries out the core's actions and hands delivered
+//! messages to the application. The lock is never held across an `.await`, and nothing that
+//! may run inside it (drops of delivered views, remote buffers) takes it again: those go
+//! through [`Shared::released`].
+
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::task::AtomicWaker;
+use tokio::sync::{Notify, oneshot};
+
+use crate::error::Error;
+use crate::link::{Link, LinkEvent, LinkInfo, RecvBuf};
+use crate::pool::Pool;
+use crate::proto::{self, Action, Delivery, MsgId, RecvMode};
+
+/// Read ids at or above this belong to `read_remote`, below it to the core.
+pub(crate) const API_READ_BIT: u64 = 1 << 63;
+/// Link events handled per driver turn before frames go out again (fairness).
+const EVENTS_PER_TURN: usize = 64;
+
+/// Something dropped outside the lock that the driver must act on.
+pub(crate) enum Released {
+    /// A mapped (zero-copy) message view was dropped: the sender may reuse its buffer.
+    View(MsgId),
+    /// A [`crate::RemoteBuf`] was dropped: withdraw its exposure.
+    Exposure(u64),
+}
+
+/// State shared between the application handles and the driver task.
+pub(crate) struct Shared {
+    pub state: Mutex<State>,
+    pub driver_waker: AtomicWaker,
+    /// Woken when messages are delivered, the handshake completes or the connection closes.
+    pub changed: Notify,
+    /// Woken when the send queue drains.
+    pub send_space: Notify,
+    pub released: Mutex<Vec<Released>>,
+    /// Serialises receivers: messages are ordered, so concurrent receivers make no sense,
+    /// and it keeps posted `recv_into` buffers matched to the right message.
+    pub recv_lock: tokio::sync::Mutex<()>,
+}
+
+impl Shared {
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock would be a bug in Ibex; keep serving rather than
+        // cascading it into every caller.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn wake_driver(&self) {
+        self.driver_waker.wake();
+    }
+
+    pub fn release(&self, r: Released) {
+        self.released.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        self.wake_driver();
+    }
+}
+
+/// A message ready for the application.
+pub(crate) enum ReadyMsg {
+    Bytes(MsgId, Bytes),
+    /// Landed in a buffer posted by `recv_into` (identified by `token`).
+    User { msg: MsgId, buf: RecvBuf, len: usize, token: u64 },
+}
+
+impl ReadyMsg {
+    pub fn msg(&self) -> MsgId {
+        match self {
+            ReadyMsg::Bytes(m, _) => *m,
+            ReadyMsg::User { msg, .. } => *msg,
+        }
+    }
+}
+
+/// A caller's buffer waiting for the next message (`recv_into`).
+pub(crate) struct Posted {
+    pub buf: RecvBuf,
+    pub token: u64,
+}
+
+enum Dest {
+    Buf(RecvBuf),
+    Mapped(Bytes),
+    User(RecvBuf, u64),
+}
+
+struct PendingSend {
+    exposure: u64,
+    done: Option<oneshot::Sender<Result<(), Error>>>,
+}
+
+pub(crate) struct ApiRead {
+    dst: Option<RecvBuf>,
+    frags_left: usize,
+    error: Option<Error>,
+    tx: Option<oneshot::Sender<Result<RecvBuf, Error>>>,
+}
+
+/// Everything behind the lock.
+pub(crate) struct State {
+    pub core: proto::Connection,
+    pub link: Option<Box<dyn Link>>,
+    pub info: LinkInfo,
+    pub pool: Option<Arc<Pool>>,
+    pub fragment_size: usize,
+    pending_tx: Option<Bytes>,
+    sends: HashMap<MsgId, PendingSend>,
+    dests: HashMap<MsgId, Dest>,
+    pub delivered: VecDeque<ReadyMsg>,
+    /// Messages the application has taken so far (= the id of the next one it will take).
+    pub consumed: u64,
+    pub posted: Option<Posted>,
+    pub next_token: u64,
+    api_reads: HashMap<u64, ApiRead>,
+    api_frags: HashMap<u64, u64>,
+    next_api_id: u64,
+    probe_exposure: Option<u64>,
+    pub closed: Option<Error>,
+    /// Destinations that reads may still target: freed only after the link is gone.
+    graveyard: Vec<Box<dyn Any + Send>>,
+    pub close_requested: bool,
+    pub stats: super::ConnStats,
+    /// For guards that report drops back to the driver.
+    self_ref: std::sync::Weak<Shared>,
+}
+
+/// Wraps a zero-copy view of the peer's pool: when the application drops the last
+/// reference, the sender is told it may reuse the buffer.
+struct ViewGuard {
+    view: Bytes,
+    msg: MsgId,
+    shared: std::sync::Weak<Shared>,
+}
+
+impl AsRef<[u8]> for ViewGuard {
+    fn as_ref(&self) -> &[u8] {
+        &self.view
+    }
+}
+
+impl Drop for ViewGuard {
+    fn drop(&mut self) {
+        if let Some(s) = self.shared.upgrade() {
+            s.release(Released::View(self.msg));
+        }
+    }
+}
+
+impl State {
+    pub fn new(core: proto::Connection, link: Box<dyn Link>, fragment_size: usize, self_ref: std::sync::Weak<Shared>) -> State {
+        let info = link.info();
+        let pool = link.pool();
+        let stats = super::ConnStats {
+            provider: info.provider,
+            rendezvous_path: info.rendezvous_path.clone(),
+            ..Default::default()
+        };
+        State {
+            core,
+            link: Some(link),
+            info,
+            pool,
+            fragment_size,
+            pending_tx: None,
+            sends: HashMap::new(),
+            dests: HashMap::new(),
+            delivered: VecDeque::new(),
+            consumed: 0,
+            posted: None,
+            next_token: 0,
+            api_reads: HashMap::new(),
+            api_frags: HashMap::new(),
+            next_api_id: 0,
+            probe_exposure: None,
+            closed: None,
+            graveyard: Vec::new(),
+            close_requested: false,
+            stats,
+            self_ref,
+        }
+    }
+
+    pub fn set_probe_exposure(&mut self, id: u64) {
+        self.probe_exposure = Some(id);
+    }
+
+    /// True while the threshold probe still holds its buffer.
+    pub fn probing(&self) -> bool {
+        self.probe_exposure.is_some()
+    }
+
+    /// True once the driver has finished: closed and the link released.
+    pub fn is_finished(&self) -> bool {
+        self.closed.is_some() && self.link.is_none()
+    }
+
+    /// Data frames' worth of messages `send` may queue beyond what credits let out:
+    /// backpressure without unbounded buffering.
+    pub fn send_queue_limit(&self) -> usize {
+        256
+    }
+
+    fn closed_error(&self) -> Error {
+        self.closed.clone().unwrap_or(Error::LocallyClosed)
+    }
+
+    /// Queues one application message; rendezvous messages are exposed first.
+    pub fn send(&mut self, msg: Bytes, done: Option<oneshot::Sender<Result<(), Error>>>) -> Result<(), Error> {
+        if let Some(e) = &self.closed {
+            return Err(e.clone());
+        }
+        if self.close_requested {
+            return Err(Error::LocallyClosed);
+        }
+        let now = Instant::now();
+        let len = msg.len() as u64;
+        match self.core.classify(len)? {
+            proto::Protocol::Eager => {
+                self.core.send_eager(now, msg)?;
+                if let Some(tx) = done {
+                    let _ = tx.send(Ok(()));
+                }
+            }
+            proto::Protocol::Rendezvous => {
+                let link = self.link.as_mut().ok_or_else(|| Error::LocallyClosed)?;
+                let exposure = link.expose(msg)?;
+                if exposure.zero_copy {
+                    self.stats.pool_bytes_sent += len;
+                }
+                match self.core.send_rendezvous(now, len, exposure.descriptor) {
+                    Ok(id) => {
+                        self.sends.insert(id, PendingSend { exposure: exposure.id, done });
+                    }
+                    Err(e) => {
+                        link.withdraw(exposure.id);
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Exposes a buffer for the peer's one-sided reads outside the message flow.
+    pub fn expose(&mut self, buf: Bytes) -> Result<crate::link::Exposure, Error> {
+        if let Some(e) = &self.closed {
+            return Err(e.clone());
+        }
+        let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
+        link.expose(buf)
+    }
+
+    /// Starts a one-sided read of a peer buffer into `dst`, split into fragments.
+    pub fn read_remote(&mut self, descriptor: &[u8], mut dst: RecvBuf, tx: oneshot::Sender<Result<RecvBuf, Error>>) {
+        if let Some(e) = &self.closed {
+            let _ = tx.send(Err(e.clone()));
+            return;
+        }
+        let Some(link) = self.link.as_mut() else {
+            let _ = tx.send(Err(Error::LocallyClosed));
+            return;
+        };
+        let len = dst.len();
+        // A peer buffer this side can map (shared pool) is one memcpy away.
+        match link.map_remote(descriptor, len as u64) {
+            Ok(Some(view)) => {
+                dst.as_mut_slice().copy_from_slice(&view[..len]);
+                self.stats.remote_read_bytes += len as u64;
+                let _ = tx.send(Ok(dst));
+                return;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                return;
+            }
+        }
+        let req = API_READ_BIT | self.next_api_id;
+        self.next_api_id += 1;
+        let frag = self.fragment_size.max(1);
+        let nfrags = len.div_ceil(frag).max(1);
+        let base = dst.as_mut_ptr();
+        let mut read = ApiRead { dst: None, frags_left: nfrags, error: None, tx: Some(tx) };
+        for i in 0..nfrags {
+            let off = i * frag;
+            let flen = (len - off).min(frag);
+            let id = API_READ_BIT | self.next_api_id;
+            self.next_api_id += 1;
+            // SAFETY: `dst` is stored in `api_reads` below and only released when every
+            // fragment has completed or (on close) after the link is dropped.
+            let r = unsafe { link.post_read(id, descriptor, off as u64, base.add(off), flen) };
+            match r {
+                Ok(()) => {
+                    self.api_frags.insert(id, req);
+                }
+                Err(e) => {
+                    read.error.get_or_insert(e);
+                    read.frags_left -= 1;
+                }
+            }
+        }
+        read.dst = Some(dst);
+        if read.frags_left == 0 {
+            self.finish_api_read(read, len);
+        } else {
+            self.api_reads.insert(req, read);
+        }
+    }
+
+    fn finish_api_read(&mut self, mut read: ApiRead, len: usize) {
+        let Some(tx) = read.tx.take() else { return };
+        match (read.error.take(), read.dst.take()) {
+            (None, Some(dst)) => {
+                self.stats.remote_read_bytes += len as u64;
+                let _ = tx.send(Ok(dst));
+            }
+            (Some(e), dst) => {
+                if let Some(d) = dst {
+                    self.graveyard.push(Box::new(d));
+                }
+                let _ = tx.send(Err(e));
+            }
+            (None, None) => {
+                let _ = tx.send(Err(Error::LocallyClosed));
+            }
+        }
+    }
+
+    fn api_read_done(&mut self, id: u64, result: Result<(), Error>) {
+        let Some(req) = self.api_frags.remove(&id) else { return };
+        let Some(read) = self.api_reads.get_mut(&req) else { return };
+        if let Err(e) = result {
+            read.error.get_or_insert(e);
+        }
+        read.frags_left -= 1;
+        if read.frags_left == 0 {
+            if let Some(read) = self.api_reads.remove(&req) {
+                let len = read.dst.as_ref().map_or(0, |d| d.len());
+                self.finish_api_read(read, len);
+            }
+        }
+    }
+
+    /// Carries out one core action. Returns true if the application should be woken.
+    fn act(&mut self, action: Action, now: Instant) -> bool {
+        match action {
+            Action::BeginRecv { msg, len, descriptor, probe } => {
+                self.begin_recv(msg, len, &descriptor, probe, now);
+                false
+            }
+            Action::Read { id, msg, descriptor, remote_offset, local_offset, len } => {
+                let dst = match self.dests.get_mut(&msg) {
+                    Some(Dest::Buf(b)) | Some(Dest::User(b, _)) => b,
+                    _ => {
+                        self.core.read_completed(now, id, Err(Error::Protocol(format!("read for message {msg} without a destination"))));
+                        return false;
+                    }
+                };
+                let end = local_offset.checked_add(len as u64);
+                if end.is_none_or(|e| e > dst.len() as u64) {
+                    self.core.read_completed(now, id, Err(Error::Protocol(format!("fragment {local_offset}+{len} outside message {msg}"))));
+                    return false;
+                }
+                let ptr = dst.as_mut_ptr();
+                let Some(link) = self.link.as_mut() else { return false };
+                // SAFETY: the destination lives in `dests` until the message is delivered (all
+                // reads done) or, on close, in the graveyard until the link is dropped; the
+                // range was bounds-checked above.
+                let r = unsafe { link.post_read(id, &descriptor, remote_offset, ptr.add(local_offset as usize), len) };
+                if let Err(e) = r {
+                    self.core.read_completed(now, id, Err(e));
+                }
+                false
+            }
+            Action::Deliver { msg, data } => {
+                let ready = match data {
+                    Delivery::Eager(b) => ReadyMsg::Bytes(msg, b),
+                    Delivery::Rendezvous { len } => match self.dests.remove(&msg) {
+                        Some(Dest::Buf(b)) => {
+                            self.stats.rndv_read_bytes += len;
+                            ReadyMsg::Bytes(msg, b.into_bytes())
+                        }
+                        Some(Dest::User(b, token)) => {
+                            self.stats.rndv_read_bytes += len;
+                            self.stats.recv_into_direct += 1;
+                            ReadyMsg::User { msg, buf: b, len: len as usize, token }
+                        }
+                        Some(Dest::Mapped(v)) => {
+                            self.stats.rndv_mapped_bytes += len;
+                            self.stats.rndv_mapped_msgs += 1;
+                            let guard = ViewGuard { view: v, msg, shared: self.self_ref.clone() };
+                            ReadyMsg::Bytes(msg, Bytes::from_owner(guard))
+                        }
+                        None => ReadyMsg::Bytes(msg, Bytes::new()),
+                    },
+                };
+                self.delivered.push_back(ready);
+                true
+            }
+            Action::Release { msg } => {
+                if let Some(s) = self.sends.remove(&msg) {
+                    if let Some(link) = self.link.as_mut() {
+                        link.withdraw(s.exposure);
+                    }
+                    if let Some(tx) = s.done {
+                        // The core emits `Closed` before the releases it forces on close, so a
+                        // release seen before `Closed` is the peer's real `RndvDone`.
+                        let r = if self.closed.is_some() { Err(self.closed_error_or_core()) } else { Ok(()) };
+                        let _ = tx.send(r);
+                    }
+                }
+                false
+            }
+            Action::Discard { msg } => {
+                if let Some(d) = self.dests.remove(&msg) {
+                    // Reads may still be in flight into it if the connection is closing.
+                    self.graveyard.push(Box::new(d_owner(d)));
+                }
+                false
+            }
+            Action::ThresholdChosen { threshold } => {
+                if let (Some(id), Some(link)) = (self.probe_exposure.take(), self.link.as_mut()) {
+                    link.withdraw(id);
+                }
+                tracing::info!(threshold, provider = self.info.provider, "eager threshold chosen by probe");
+                true
+            }
+            Action::Closed { error } => {
+                tracing::debug!(%error, "connection closed");
+                self.closed = Some(error);
+                true
+            }
+        }
+    }
+
+    fn closed_error_or_core(&self) -> Error {
+        self.closed.clone().unwrap_or_else(|| Error::PeerGone("connection closed before the peer read the message".into()))
+    }
+
+    fn begin_recv(&mut self, msg: MsgId, len: u64, descriptor: &[u8], probe: bool, now: Instant) {
+        let Some(link) = self.link.as_mut() else { return };
+        match link.map_remote(descriptor, len) {
+            Ok(Some(view)) if !probe => {
+                self.dests.insert(msg, Dest::Mapped(view));
+                self.core.accept_rendezvous(now, msg, RecvMode::Mapped);
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                self.core.reject_rendezvous(now, msg, e);
+                return;
+            }
+        }
+        // A caller's buffer posted for exactly this message takes the data directly.
+        if !probe && self.delivered.is_empty() && msg == self.consumed {
+            if let Some(p) = self.posted.take() {
+                if p.buf.len() as u64 >= len {
+                    self.dests.insert(msg, Dest::User(p.buf, p.token));
+                    self.core.accept_rendezvous(now, msg, RecvMode::Read);
+                    return;
+                }
+                self.posted = Some(p);
+            }
+        }
+        let len_usize = match usize::try_from(len) {
+            Ok(l) => l,
+            Err(_) => {
+                self.core.reject_rendezvous(now, msg, Error::TooLarge { len, limit: usize::MAX as u64, which: "address space" });
+                return;
+            }
+        };
+        match link.alloc_recv(len_usize) {
+            Ok(buf) => {
+                self.dests.insert(msg, Dest::Buf(buf));
+                self.core.accept_rendezvous(now, msg, RecvMode::Read);
+            }
+            Err(e) => self.core.reject_rendezvous(now, msg, e),
+        }
+    }
+
+    /// Fails every application call still waiting; called once the core has closed.
+    fn fail_pending(&mut self) {
+        let err = self.closed_error();
+        for (_, s) in self.sends.drain() {
+            if let Some(tx) = s.done {
+                let _ = tx.send(Err(err.clone()));
+            }
+        }
+        for (_, mut r) in self.api_reads.drain() {
+            if let Some(d) = r.dst.take() {
+                self.graveyard.push(Box::new(d));
+            }
+            if let Some(tx) = r.tx.take() {
+                let _ = tx.send(Err(err.clone()));
+            }
+        }
+        for (_, d) in self.dests.drain() {
+            self.graveyard.push(Box::new(d_owner(d)));
+        }
+    }
+}
+
+fn d_owner(d: Dest) -> Box<dyn Any + Send> {
+    match d {
+        Dest::Buf(b) | Dest::User(b, _) => Box::new(b),
+        Dest::Mapped(v) => Box::new(v),
+    }
+}
+
+/// The future that runs a connection until it has closed and its link is gone.
+pub(crate) struct Driver {
+    pub shared: Arc<Shared>,
+    pub timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Driver {
+    pub fn new(shared: Arc<Shared>) -> Driver {
+        Driver { shared, timer: Box::pin(tokio::time::sleep(Duration::from_secs(3600))) }
+    }
+}
+
+impl Future for Driver {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = &mut *self;
+        this.shared.driver_waker.register(cx.waker());
+        let shared = this.shared.clone();
+        let mut st = shared.lock();
+        let mut wake_app = false;
+        let mut send_space = false;
+        let was_established = st.core.is_established();
+        loop {
+            let now = Instant::now();
+            let mut progress = false;
+
+            let released = std::mem::take(&mut *shared.released.lock().unwrap_or_else(|e| e.into_inner()));
+            for r in released {
+                progress = true;
+                match r {
+                    Released::View(msg) => st.core.release_recv(msg),
+                    Released::Exposure(id) => {
+                        if let Some(l) = st.link.as_mut() {
+                            l.withdraw(id);
+                        }
+                    }
+                }
+            }
+            if st.close_requested && !st.core.is_closed() {
+                st.core.close(now, "");
+            }
+
+            // Inbound: frames and completions.
+            for _ in 0..EVENTS_PER_TURN {
+                let Some(link) = st.link.as_mut() else { break };
+                match link.poll_event(cx) {
+                    Poll::Ready(Ok(LinkEvent::Frame(f))) => st.core.handle_frame(now, f),
+                    Poll::Ready(Ok(LinkEvent::ReadDone { id, result })) => {
+                        if id & API_READ_BIT != 0 {
+                            st.api_read_done(id, result);
+                            wake_app = true;
+                        } else {
+                            st.core.read_completed(now, id, result);
+                        }
+                    }
+                    Poll::Ready(Err(e)) => {
+                        st.core.link_failed(e);
+                        progress = true;
+                        break;
+                    }
+                    Poll::Pending => break,
+                }
+                progress = true;
+            }
+
+            // What the core wants done.
+            while let Some(a) = st.core.poll_action() {
+                progress = true;
+                wake_app |= st.act(a, now);
+            }
+
+            // Outbound frames.
+            loop {
+                let frame = match st.pending_tx.take() {
+                    Some(f) => f,
+                    None => match st.core.poll_transmit(now) {
+                        Some(f) => f,
+                        None => break,
+                    },
+                };
+                let Some(link) = st.link.as_mut() else { break };
+                match link.poll_send(cx, &frame) {
+                    Poll::Ready(Ok(())) => {
+                        progress = true;
+                        send_space = true;
+                    }
+                    Poll::Ready(Err(e)) => {
+                        st.core.link_failed(e);
+                        progress = true;
+                        break;
+                    }
+                    Poll::Pending => {
+                        st.pending_tx = Some(frame);
+                        break;
+                    }
+                }
+            }
+            if let Some(link) = st.link.as_mut() {
+                if let Poll::Ready(Err(e)) = link.poll_flush(cx) {
+                    st.core.link_failed(e);
+                    progress = true;
+                }
+            }
+
+            // Closing: once the core has said its last word and the link has flushed it,
+            // the link goes, and only then the buffers reads might have targeted.
+            if st.core.is_closed() && st.pending_tx.is_none() {
+                st.fail_pending();
+                let flushed = match st.link.as_mut() {
+                    Some(link) => !matches!(link.poll_flush(cx), Poll::Pending),
+                    None => true,
+                };
+                if flushed {
+                    if let Some(mut link) = st.link.take() {
+                        link.close();
+                        drop(link);
+                    }
+                    st.graveyard.clear();
+                    if let Some(p) = st.posted.take() {
+                        drop(p);
+                    }
+                    if st.closed.is_none() {
+                        st.closed = Some(Error::LocallyClosed);
+                    }
+                    drop(st);
+                    shared.changed.notify_waiters();
+                    shared.send_space.notify_waiters();
+                    return Poll::Ready(());
+                }
+            }
+
+            // Timers.
+            if let Some(deadline) = st.core.poll_timeout() {
+                if deadline <= now {
+                    st.core.handle_timeout(now);
+                    progress = true;
+                } else {
+                    let d = tokio::time::Instant::from_std(deadline);
+                    if this.timer.deadline() != d {
+                        this.timer.as_mut().reset(d);
+                    }
+                    if this.timer.as_mut().poll(cx).is_ready() {
+                        progress = true;
+                    }
+                }
+            }
+
+            if !progress {
+                break;
+            }
+        }
+        if st.core.is_established() != was_established {
+            wake_app = true;
+        }
+        drop(st);
+        if wake_app {
+            shared.changed.notify_waiters();
+        }
+        if send_space {
+            shared.send_space.notify_waiters();
+        }
+        Poll::Pending
+    }
+}

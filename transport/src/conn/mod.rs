@@ -1,0 +1,549 @@
+//! The user-facing API: [`Connection`], [`Listener`], [`listen`], [`connect`],
+//! [`connect_auto`]. A connection moves whole messages, in order, intact; many tasks may send
+//! at once. Besides `send(Bytes)` / `recv()`, it sends from and receives into buffers the
+//! caller owns ([`Connection::send_owned`], [`Connection::recv_into`]) and offers one-sided
+//! access to peer buffers ([`Connection::expose`], [`Connection::read_remote`]): the
+//! zero-copy paths the parameter server uses.
+
+mod addr;
+mod driver;
+mod stats;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::oneshot;
+
+pub use addr::{Addr, auto_shm_path, is_local_host};
+pub use stats::ConnStats;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::link::{Link, RecvBuf};
+use crate::pool::{Pool, PoolBufMut};
+use driver::{Driver, Posted, ReadyMsg, Released, Shared, State};
+
+/// How long `connect`/`accept` wait for the peer's protocol handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One message connection. Cheap to clone; the connection closes gracefully when the last
+/// clone is dropped (or at [`Connection::close`]).
+#[derive(Clone)]
+pub struct Connection {
+    handle: Arc<Handle>,
+}
+
+struct Handle {
+    shared: Arc<Shared>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.shared.lock().close_requested = true;
+        self.shared.wake_driver();
+    }
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.shared().lock();
+        f.debug_struct("Connection").field("provider", &st.info.provider).field("peer", &st.info.peer).finish()
+    }
+}
+
+impl Connection {
+    /// Runs a connection over a link a provider has set up, and waits for the handshake.
+    /// Providers' `connect`/`accept` wrappers call this; it is public so that a provider
+    /// outside this crate can be plugged in.
+    pub async fn establish(link: Box<dyn Link>, config: &Config) -> Result<Connection> {
+        config.validate()?;
+        let now = Instant::now();
+        let core = crate::proto::Connection::new(config, now);
+        let probe = config.eager_threshold.is_none() && config.probe;
+        let probe_len = config.max_eager();
+        let shared = Arc::new_cyclic(|weak| {
+            let mut state = State::new(core, link, config.fragment_size, weak.clone());
+            if probe {
+                // The probe's rendezvous samples read this zero buffer.
+                if let Some(link) = state.link.as_mut() {
+                    match link.expose(Bytes::from(vec![0u8; probe_len])) {
+                        Ok(exp) => {
+                            state.core.start_probe(now, exp.descriptor, probe_len);
+                            state.set_probe_exposure(exp.id);
+                        }
+                        Err(e) => tracing::warn!(%e, "threshold probe skipped: could not expose its buffer"),
+                    }
+                }
+            }
+            Shared {
+                state: std::sync::Mutex::new(state),
+                driver_waker: Default::default(),
+                changed: tokio::sync::Notify::new(),
+                send_space: tokio::sync::Notify::new(),
+                released: std::sync::Mutex::new(Vec::new()),
+                recv_lock: tokio::sync::Mutex::new(()),
+            }
+        });
+        tokio::spawn(Driver::new(shared.clone()));
+        let conn = Connection { handle: Arc::new(Handle { shared }) };
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.wait_established()).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(Error::Timeout(format!(
+                    "no protocol handshake from the peer within {}s: is it an Ibex endpoint of the same version?",
+                    HANDSHAKE_TIMEOUT.as_secs()
+                )));
+            }
+        }
+        Ok(conn)
+    }
+
+    fn shared(&self) -> &Arc<Shared> {
+        &self.handle.shared
+    }
+
+    async fn wait_established(&self) -> Result<()> {
+        loop {
+            let notified = self.shared().changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let st = self.shared().lock();
+                if let Some(e) = &st.closed {
+                    return Err(e.clone());
+                }
+                if st.core.is_established() {
+                    return Ok(());
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Sends one whole message. It returns once the message is queued; a rendezvous
+    /// message's buffer is held (not copied) until the peer has read it. Waits while the
+    /// send queue is full (backpressure).
+    pub async fn send(&self, msg: Bytes) -> Result<()> {
+        self.send_inner(msg, None).await
+    }
+
+    /// Like [`Connection::send`], but returns only once the peer has the data (for
+    /// rendezvous messages: once it has finished reading the buffer).
+    pub async fn send_wait(&self, msg: Bytes) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.send_inner(msg, Some(tx)).await?;
+        rx.await.map_err(|_| Error::LocallyClosed)?
+    }
+
+    /// Sends straight from a buffer the caller owns and hands it back once the peer is done
+    /// with it. Large messages are read by the peer from this buffer (no copy on this side;
+    /// none at all for registered-pool buffers on shm).
+    pub async fn send_owned<B>(&self, buf: B) -> Result<B>
+    where
+        B: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        let owner = Arc::new(buf);
+        let bytes = Bytes::from_owner(SharedOwner(owner.clone()));
+        self.send_wait(bytes).await?;
+        // The transport drops its references when the peer releases the buffer; a clone
+        // still held (e.g. an eager frame not yet written) is waited out briefly.
+        let mut owner = owner;
+        for _ in 0..1000 {
+            match Arc::try_unwrap(owner) {
+                Ok(b) => return Ok(b),
+                Err(o) => {
+                    owner = o;
+                    tokio::task::yield_now().await;
+                }
+            }
+        }
+        Err(Error::Protocol("send_owned: the transport still references the buffer after completion".into()))
+    }
+
+    async fn send_inner(&self, msg: Bytes, done: Option<oneshot::Sender<Result<()>>>) -> Result<()> {
+        let shared = self.shared();
+        loop {
+            let space = shared.send_space.notified();
+            tokio::pin!(space);
+            space.as_mut().enable();
+            {
+                let mut st = shared.lock();
+                if st.core.queued_data_frames() < st.send_queue_limit() || st.closed.is_some() {
+                    let r = st.send(msg, done);
+                    drop(st);
+                    shared.wake_driver();
+                    return r;
+                }
+            }
+            shared.wake_driver();
+            space.await;
+        }
+    }
+
+    /// Receives the next message. After the connection closed, returns why.
+    pub async fn recv(&self) -> Result<Bytes> {
+        let shared = self.shared();
+        let _order = shared.recv_lock.lock().await;
+        loop {
+            let notified = shared.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = shared.lock();
+                if let Some(ready) = st.delivered.pop_front() {
+                    let msg = ready.msg();
+                    st.consumed += 1;
+                    st.core.consumed(msg);
+                    drop(st);
+                    shared.wake_driver();
+                    return Ok(match ready {
+                        ReadyMsg::Bytes(_, b) => b,
+                        ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
+                    });
+                }
+                if let Some(e) = &st.closed {
+                    return Err(e.clone());
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Receives the next message into `buf`, returning it with the message length. When
+    /// `buf` is posted before a rendezvous message arrives, the data lands in it directly;
+    /// otherwise it is copied in. A message larger than `buf` gives
+    /// [`Error::BufferTooSmall`] and stays queued for the next receive.
+    pub async fn recv_into<B>(&self, buf: B) -> Result<(B, usize)>
+    where
+        B: AsMut<[u8]> + Send + Sync + 'static,
+    {
+        let shared = self.shared();
+        let _order = shared.recv_lock.lock().await;
+        let mut mine: Option<B> = Some(buf);
+        let mut my_token = None;
+        loop {
+            let notified = shared.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = shared.lock();
+                if let Some(ready) = st.delivered.pop_front() {
+                    // Take our buffer back if it is still posted.
+                    if let (None, Some(tok)) = (&mine, my_token) {
+                        if st.posted.as_ref().is_some_and(|p| p.token == tok) {
+                            if let Some(p) = st.posted.take() {
+                                mine = p.buf.into_owner().downcast::<B>().ok().map(|b| *b);
+                            }
+                        }
+                    }
+                    let msg = ready.msg();
+                    let result = match ready {
+                        ReadyMsg::User { buf, len, token, .. } if Some(token) == my_token => {
+                            match buf.into_owner().downcast::<B>() {
+                                Ok(b) => Ok((*b, len)),
+                                Err(_) => Err(Error::Protocol("recv_into: posted buffer changed type".into())),
+                            }
+                        }
+                        other => {
+                            let data = match other {
+                                ReadyMsg::Bytes(_, b) => b,
+                                ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
+                            };
+                            let Some(mut b) = mine.take() else {
+                                st.delivered.push_front(ReadyMsg::Bytes(msg, data));
+                                return Err(Error::Protocol("recv_into: lost track of the posted buffer".into()));
+                            };
+                            let dst = b.as_mut();
+                            if dst.len() < data.len() {
+                                let err = Error::BufferTooSmall { buf: dst.len(), len: data.len() as u64 };
+                                st.delivered.push_front(ReadyMsg::Bytes(msg, data));
+                                return Err(err);
+                            }
+                            dst[..data.len()].copy_from_slice(&data);
+                            Ok((b, data.len()))
+                        }
+                    };
+                    st.consumed += 1;
+                    st.core.consumed(msg);
+                    drop(st);
+                    shared.wake_driver();
+                    return result;
+                }
+                if let Some(e) = &st.closed {
+                    return Err(e.clone());
+                }
+                // Post our buffer so the next rendezvous message can land in it directly.
+                if st.posted.is_none() {
+                    if let Some(b) = mine.take() {
+                        // Box first so the memory cannot move, even for inline arrays.
+                        let mut boxed = Box::new(b);
+                        let slice = (*boxed).as_mut();
+                        let (ptr, len) = (slice.as_mut_ptr(), slice.len());
+                        let token = st.next_token;
+                        st.next_token += 1;
+                        // SAFETY: `ptr..ptr+len` lies in the boxed caller buffer, which the
+                        // RecvBuf owns from here on; moving a Box leaves its heap contents in
+                        // place, and nothing else touches the buffer until it is handed back.
+                        let rb = unsafe { RecvBuf::from_raw(ptr, len, boxed) };
+                        st.posted = Some(Posted { buf: rb, token });
+                        my_token = Some(token);
+                    }
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Exposes `buf` for one-sided reads by the peer (outside the message flow), until the
+    /// returned [`RemoteBuf`] is dropped. Put its descriptor in a message; the peer pulls
+    /// with [`Connection::read_remote`].
+    pub async fn expose(&self, buf: Bytes) -> Result<RemoteBuf> {
+        let exp = self.shared().lock().expose(buf)?;
+        Ok(RemoteBuf { descriptor: exp.descriptor, id: exp.id, shared: Arc::downgrade(self.shared()) })
+    }
+
+    /// Reads the peer buffer named by `descriptor` (from the peer's [`Connection::expose`])
+    /// into `dst`, which must be exactly as long as the bytes wanted. One-sided where the
+    /// provider can; emulated by the peer's provider otherwise (tcp).
+    pub async fn read_remote(&self, descriptor: Bytes, dst: RecvBuf) -> Result<RecvBuf> {
+        let (tx, rx) = oneshot::channel();
+        self.shared().lock().read_remote(&descriptor, dst, tx);
+        self.shared().wake_driver();
+        rx.await.map_err(|_| Error::LocallyClosed)?
+    }
+
+    /// True when the provider reads peer memory without the peer's CPU (CMA, RDMA READ).
+    pub fn one_sided(&self) -> bool {
+        self.shared().lock().info.one_sided
+    }
+
+    /// The registered pool: buffers from it move with no copy on providers that can map
+    /// them (shm). `None` if the provider has none.
+    pub fn pool(&self) -> Option<Arc<Pool>> {
+        self.shared().lock().pool.clone()
+    }
+
+    /// Allocates a send buffer from the registered pool.
+    pub fn alloc(&self, len: usize) -> Result<PoolBufMut> {
+        match self.pool() {
+            Some(p) => p.alloc(len),
+            None => Err(Error::Config("this provider has no registered pool".into())),
+        }
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> ConnStats {
+        let st = self.shared().lock();
+        let mut s = st.stats.clone();
+        s.proto = st.core.stats().clone();
+        s
+    }
+
+    /// `"shm"`, `"tcp"` or `"verbs"`.
+    pub fn provider(&self) -> &'static str {
+        self.shared().lock().info.provider
+    }
+
+    /// Who is on the other end.
+    pub fn peer(&self) -> String {
+        self.shared().lock().info.peer.clone()
+    }
+
+    /// The eager threshold in force.
+    pub fn eager_threshold(&self) -> usize {
+        self.shared().lock().core.eager_threshold()
+    }
+
+    /// Waits until the threshold probe has finished (returns at once if none runs).
+    pub async fn probe_done(&self) -> usize {
+        loop {
+            let notified = self.shared().changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let st = self.shared().lock();
+                if !st.probing() || st.closed.is_some() {
+                    return st.core.eager_threshold();
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// True once the connection has closed (either side, or a failure).
+    pub fn is_closed(&self) -> bool {
+        self.shared().lock().closed.is_some()
+    }
+
+    /// Closes gracefully: queued messages go out and rendezvous reads by the peer finish,
+    /// then the peer sees the close. Waits until done.
+    pub async fn close(&self) {
+        {
+            self.shared().lock().close_requested = true;
+        }
+        self.shared().wake_driver();
+        loop {
+            let notified = self.shared().changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.shared().lock().is_finished() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+struct SharedOwner<B>(Arc<B>);
+
+impl<B: AsRef<[u8]>> AsRef<[u8]> for SharedOwner<B> {
+    fn as_ref(&self) -> &[u8] {
+        (*self.0).as_ref()
+    }
+}
+
+/// A local buffer exposed to the peer; withdrawn when dropped.
+pub struct RemoteBuf {
+    descriptor: Bytes,
+    id: u64,
+    shared: std::sync::Weak<Shared>,
+}
+
+impl std::fmt::Debug for RemoteBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteBuf").field("id", &self.id).finish()
+    }
+}
+
+impl RemoteBuf {
+    /// The descriptor to send to the peer.
+    pub fn descriptor(&self) -> Bytes {
+        self.descriptor.clone()
+    }
+}
+
+impl Drop for RemoteBuf {
+    fn drop(&mut self) {
+        if let Some(s) = self.shared.upgrade() {
+            s.release(Released::Exposure(self.id));
+        }
+    }
+}
+
+/// Accepts connections on one address.
+pub struct Listener {
+    inner: ListenerInner,
+    config: Config,
+}
+
+enum ListenerInner {
+    Shm(crate::shm::ShmListener, String),
+    Tcp(crate::tcp::TcpListener),
+    /// `listen_auto`: the same port over tcp and, for local peers, shm.
+    Auto { shm: crate::shm::ShmListener, shm_uri: String, tcp: crate::tcp::TcpListener },
+}
+
+impl Listener {
+    /// Waits for the next peer and completes the handshake with it.
+    pub async fn accept(&self) -> Result<Connection> {
+        let link: Box<dyn Link> = match &self.inner {
+            ListenerInner::Shm(l, _) => Box::new(l.accept().await?),
+            ListenerInner::Tcp(l) => Box::new(l.accept().await?),
+            ListenerInner::Auto { shm, tcp, .. } => tokio::select! {
+                r = shm.accept() => Box::new(r?),
+                r = tcp.accept() => Box::new(r?),
+            },
+        };
+        Connection::establish(link, &self.config).await
+    }
+
+    /// The address peers connect to (for auto listeners, the tcp one; local peers using
+    /// [`connect_auto`] find the shm socket from it).
+    pub fn local_uri(&self) -> String {
+        match &self.inner {
+            ListenerInner::Shm(_, uri) => uri.clone(),
+            ListenerInner::Tcp(l) | ListenerInner::Auto { tcp: l, .. } => {
+                l.local_addr().map(|a| format!("tcp://{a}")).unwrap_or_default()
+            }
+        }
+    }
+
+    /// For auto listeners, the shm address local peers use.
+    pub fn shm_uri(&self) -> Option<String> {
+        match &self.inner {
+            ListenerInner::Shm(_, uri) | ListenerInner::Auto { shm_uri: uri, .. } => Some(uri.clone()),
+            ListenerInner::Tcp(_) => None,
+        }
+    }
+}
+
+/// Listens on `uri`: `shm:///path.sock` or `tcp://host:port` (port 0 picks one).
+pub async fn listen(uri: &str, config: Config) -> Result<Listener> {
+    config.validate()?;
+    let inner = match Addr::parse(uri)? {
+        Addr::Shm(p) => ListenerInner::Shm(crate::shm::listen(&p, &config).await?, uri.to_string()),
+        Addr::Tcp(a) => ListenerInner::Tcp(crate::tcp::listen(&a, &config).await?),
+        Addr::Verbs(_) => return Err(verbs_missing(uri)),
+    };
+    Ok(Listener { inner, config })
+}
+
+/// Listens on `host:port` over tcp and, for peers on this host, over shm at
+/// [`auto_shm_path`]`(port)`, so that [`connect_auto`] can pick the best path.
+pub async fn listen_auto(host_port: &str, config: Config) -> Result<Listener> {
+    config.validate()?;
+    let tcp = crate::tcp::listen(host_port, &config).await?;
+    let port = tcp.local_addr()?.port();
+    let path = auto_shm_path(port);
+    let shm = crate::shm::listen(&path, &config).await?;
+    Ok(Listener { inner: ListenerInner::Auto { shm, shm_uri: format!("shm://{}", path.display()), tcp }, config })
+}
+
+/// Connects to `uri` (`shm:///path.sock`, `tcp://host:port`).
+pub async fn connect(uri: &str, config: Config) -> Result<Connection> {
+    config.validate()?;
+    let link: Box<dyn Link> = match Addr::parse(uri)? {
+        Addr::Shm(p) => Box::new(crate::shm::connect(&p, &config).await?),
+        Addr::Tcp(a) => Box::new(crate::tcp::connect(&a, &config).await?),
+        Addr::Verbs(_) => return Err(verbs_missing(uri)),
+    };
+    Connection::establish(link, &config).await
+}
+
+/// Connects to an auto listener at `host:port` over the best provider: shm when the host is
+/// this machine and its shm socket exists, tcp otherwise. `IBEX_TRANSPORT=shm|tcp` forces
+/// one. The choice is logged.
+pub async fn connect_auto(host_port: &str, config: Config) -> Result<Connection> {
+    let uri = choose_auto(host_port)?;
+    tracing::info!(%uri, "connect_auto picked a transport");
+    connect(&uri, config).await
+}
+
+/// The URI [`connect_auto`] would use for `host:port`.
+pub fn choose_auto(host_port: &str) -> Result<String> {
+    let bad = |why: &str| Error::Address { addr: host_port.into(), why: why.into() };
+    let (host, port) = host_port.rsplit_once(':').ok_or_else(|| bad("expected host:port"))?;
+    let port: u16 = port.parse().map_err(|_| bad("port is not a number"))?;
+    let shm = auto_shm_path(port);
+    let forced = std::env::var("IBEX_TRANSPORT").ok().filter(|s| !s.is_empty());
+    match forced.as_deref() {
+        Some("shm") => return Ok(format!("shm://{}", shm.display())),
+        Some("tcp") => return Ok(format!("tcp://{host_port}")),
+        Some("verbs") => return Ok(format!("verbs://{host_port}")),
+        Some(other) => return Err(bad(&format!("IBEX_TRANSPORT={other:?}: expected shm, tcp or verbs"))),
+        None => {}
+    }
+    if is_local_host(host) && shm.exists() {
+        Ok(format!("shm://{}", shm.display()))
+    } else {
+        Ok(format!("tcp://{host_port}"))
+    }
+}
+
+fn verbs_missing(uri: &str) -> Error {
+    Error::Address {
+        addr: uri.into(),
+        why: "this build has no verbs provider: rebuild with `--features verbs` (needs rdma-core at run time)".into(),
+    }
+}

@@ -1,0 +1,615 @@
+//! Connection setup over the Unix socket: the listener, the versioned hello, the auth token
+//! check, and the exchange of memfds and eventfds with `SCM_RIGHTS`.
+//!
+//! Both sides run the same steps, so there is no client/server asymmetry after `accept`:
+//! 1. send our hello, read the peer's, validate it, compare auth tokens;
+//! 2. create our segments, sized from the two hellos, and send their descriptors
+//!    (TX ring read-write; pool and bounce area reopened read-only) with our two eventfds;
+//! 3. receive the peer's descriptors, check each (sealed memfd of the announced size, or
+//!    an eventfd), map them;
+//! 4. probe CMA against the word the peer advertised, then exchange a one-byte ack so
+//!    neither side starts before the other has validated everything.
+//!
+//! The whole exchange is bounded by [`SETUP_TIMEOUT`]: a peer that connects and says
+//! nothing cannot hang `accept`.
+
+use std::hash::{BuildHasher, Hasher};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+
+use super::cma;
+use super::link::{Parts, ShmLink};
+use super::ring::{self, HEADER_BYTES};
+use super::segment::{self, Mapping};
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// How long a whole setup may take before it is abandoned.
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+const MAGIC: [u8; 8] = *b"IBEXSHM\0";
+const VERSION: u32 = 1;
+const HELLO_FIXED: usize = 80;
+const MAX_TOKEN: usize = 4096;
+/// Size of one bounce slot: large enough to amortise a request/answer pair, small enough
+/// that several slots pipeline a fragment.
+const BOUNCE_SLOT: usize = 256 << 10;
+const BOUNCE_SLOTS: u32 = 8;
+const FD_COUNT: usize = 5;
+const ACK: u8 = b'K';
+
+/// Data bytes of the ring we ask the peer to create for frames coming to us: all our
+/// credits' worth of full slots plus headroom for control records, at least four maximal
+/// records (a record may use at most a quarter of the ring), at most 256 MiB (beyond
+/// that the producer simply waits for space).
+pub fn rx_ring_capacity(config: &Config) -> usize {
+    let record = record_for(config.slot_size);
+    let want = (config.credits as usize).saturating_mul(record).saturating_add(64 << 10);
+    let cap = want.clamp(4 * record + 4096, (256 << 20).max(4 * record + 4096));
+    cap.div_ceil(4096) * 4096
+}
+
+fn record_for(slot: usize) -> usize {
+    ring::RECORD_HEADER + slot.div_ceil(8) * 8
+}
+
+fn pool_len(config: &Config) -> usize {
+    config.pool_size.max(4096).div_ceil(4096) * 4096
+}
+
+/// A listening Unix socket for shm connections; the socket file is removed on drop.
+#[derive(Debug)]
+pub struct ShmListener {
+    listener: UnixListener,
+    path: PathBuf,
+    config: Config,
+    /// (device, inode) of the socket file we created, so drop removes ours and nobody else's.
+    id: Option<(u64, u64)>,
+}
+
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+fn addr_err(path: &Path, why: impl Into<String>) -> Error {
+    Error::Address { addr: path.display().to_string(), why: why.into() }
+}
+
+/// Listens for shm connections on the Unix socket `path` (mode 0600). A socket file left
+/// behind by a dead process is replaced; a live one, or any other kind of file, is refused.
+pub async fn listen(path: &Path, config: &Config) -> Result<ShmListener> {
+    config.validate()?;
+    use std::os::unix::fs::FileTypeExt;
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(addr_err(path, "exists and is not a socket; remove it or choose another path"));
+        }
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => {
+                return Err(addr_err(path, "another process is listening there; stop it or choose another path"));
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                tracing::info!(path = %path.display(), "replacing stale shm socket file");
+                std::fs::remove_file(path).map_err(|e| Error::io(format!("removing stale socket {}", path.display()), e))?;
+            }
+            Err(e) => return Err(Error::io(format!("checking whether {} is in use", path.display()), e)),
+        }
+    }
+    let listener = UnixListener::bind(path).map_err(|e| Error::io(format!("binding shm socket {}", path.display()), e))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| Error::io(format!("restricting {} to mode 0600", path.display()), e))?;
+    Ok(ShmListener { listener, path: path.to_path_buf(), config: config.clone(), id: file_id(path) })
+}
+
+impl ShmListener {
+    /// Waits for the next peer and sets its link up.
+    ///
+    /// A connection that closes before sending anything (such as the liveness check of
+    /// another process's [`listen`] on the same path) is skipped, not reported.
+    pub async fn accept(&self) -> Result<ShmLink> {
+        loop {
+            let (stream, _) = self
+                .listener
+                .accept()
+                .await
+                .map_err(|e| Error::io(format!("accepting on {}", self.path.display()), e))?;
+            match establish(stream, &self.config, &self.path).await? {
+                Some(link) => return Ok(link),
+                None => tracing::debug!(path = %self.path.display(), "skipped a connection that closed before its hello"),
+            }
+        }
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ShmListener {
+    fn drop(&mut self) {
+        if self.id.is_some() && file_id(&self.path) == self.id {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Connects to an shm listener at `path` and sets the link up.
+pub async fn connect(path: &Path, config: &Config) -> Result<ShmLink> {
+    config.validate()?;
+    let stream = UnixStream::connect(path).await.map_err(|e| {
+        let hint = match e.kind() {
+            io::ErrorKind::NotFound => "; is the peer listening there?",
+            io::ErrorKind::ConnectionRefused => "; the listener is gone (stale socket file)",
+            _ => "",
+        };
+        Error::io(format!("connecting to shm socket {}{hint}", path.display()), e)
+    })?;
+    establish(stream, config, path).await?.ok_or_else(|| {
+        Error::Handshake(format!("the listener on {} closed the connection before its hello", path.display()))
+    })
+}
+
+/// `Ok(None)`: the peer hung up before sending a single byte.
+async fn establish(stream: UnixStream, config: &Config, path: &Path) -> Result<Option<ShmLink>> {
+    match tokio::time::timeout(SETUP_TIMEOUT, handshake(stream, config)).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Timeout(format!(
+            "shm setup on {} did not finish within {SETUP_TIMEOUT:?}; is the peer an ibex process of the same version?",
+            path.display()
+        ))),
+    }
+}
+
+/// What each side announces before any memory is shared.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Hello {
+    pub pid: u32,
+    pub slot_size: u64,
+    pub credits: u32,
+    /// Data bytes of the ring the sender wants for frames coming to it.
+    pub rx_ring: u64,
+    pub pool_size: u64,
+    pub bounce_slot: u64,
+    pub bounce_slots: u32,
+    pub probe_addr: u64,
+    pub probe_value: u64,
+    pub token: Option<String>,
+}
+
+impl Hello {
+    fn encode(&self) -> Vec<u8> {
+        let token = self.token.as_deref().unwrap_or("");
+        let mut b = Vec::with_capacity(HELLO_FIXED + token.len());
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&self.pid.to_le_bytes());
+        b.extend_from_slice(&self.slot_size.to_le_bytes());
+        b.extend_from_slice(&self.credits.to_le_bytes());
+        b.extend_from_slice(&(self.token.is_some() as u32).to_le_bytes());
+        b.extend_from_slice(&self.rx_ring.to_le_bytes());
+        b.extend_from_slice(&self.pool_size.to_le_bytes());
+        b.extend_from_slice(&self.bounce_slot.to_le_bytes());
+        b.extend_from_slice(&self.bounce_slots.to_le_bytes());
+        b.extend_from_slice(&(token.len() as u32).to_le_bytes());
+        b.extend_from_slice(&self.probe_addr.to_le_bytes());
+        b.extend_from_slice(&self.probe_value.to_le_bytes());
+        debug_assert_eq!(b.len(), HELLO_FIXED);
+        b.extend_from_slice(token.as_bytes());
+        b
+    }
+
+    /// Parses and validates the fixed part; returns the hello (token not yet read) and
+    /// the token length.
+    fn decode_fixed(b: &[u8; HELLO_FIXED]) -> Result<(Hello, usize)> {
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u64_at = |o: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[o..o + 8]);
+            u64::from_le_bytes(w)
+        };
+        if b[..8] != MAGIC {
+            return Err(Error::Handshake(
+                "the peer is not an ibex shm endpoint (bad magic); check the socket path".into(),
+            ));
+        }
+        let version = u32_at(8);
+        if version != VERSION {
+            return Err(Error::Handshake(format!(
+                "the peer speaks shm setup version {version}, this side speaks {VERSION}; run the same ibex version on both sides"
+            )));
+        }
+        let has_token = u32_at(28) != 0;
+        let token_len = u32_at(60) as usize;
+        let h = Hello {
+            pid: u32_at(12),
+            slot_size: u64_at(16),
+            credits: u32_at(24),
+            rx_ring: u64_at(32),
+            pool_size: u64_at(40),
+            bounce_slot: u64_at(48),
+            bounce_slots: u32_at(56),
+            probe_addr: u64_at(64),
+            probe_value: u64_at(72),
+            token: has_token.then(String::new),
+        };
+        h.validate(token_len)?;
+        Ok((h, token_len))
+    }
+
+    fn validate(&self, token_len: usize) -> Result<()> {
+        let bad = |what: String| Err(Error::Handshake(format!("the peer's hello is invalid: {what}")));
+        if !(1024..=16 << 20).contains(&self.slot_size) {
+            return bad(format!("slot size {} outside 1 KiB..=16 MiB", self.slot_size));
+        }
+        if !(1..=65_536).contains(&self.credits) {
+            return bad(format!("credits {} outside 1..=65536", self.credits));
+        }
+        if let Err(e) = ring::check_capacity(self.rx_ring as usize) {
+            return bad(e);
+        }
+        if ring::max_payload(self.rx_ring as usize) < self.slot_size as usize {
+            return bad(format!("ring of {} bytes cannot hold a {}-byte frame", self.rx_ring, self.slot_size));
+        }
+        if self.pool_size == 0 || self.pool_size % 4096 != 0 || self.pool_size > 1 << 40 {
+            return bad(format!("pool size {} is not a page multiple within 4 KiB..=1 TiB", self.pool_size));
+        }
+        if !(4096..=16 << 20).contains(&self.bounce_slot) || self.bounce_slot % 4096 != 0 {
+            return bad(format!("bounce slot of {} bytes", self.bounce_slot));
+        }
+        if !(1..=64).contains(&self.bounce_slots) {
+            return bad(format!("{} bounce slots (1..=64)", self.bounce_slots));
+        }
+        if token_len > MAX_TOKEN || (self.token.is_none() && token_len != 0) {
+            return bad(format!("auth token of {token_len} bytes"));
+        }
+        Ok(())
+    }
+
+    pub fn bounce_len(&self) -> usize {
+        self.bounce_slot as usize * self.bounce_slots as usize
+    }
+}
+
+fn check_auth(mine: &Option<String>, theirs: &Option<String>) -> Result<()> {
+    match (mine, theirs) {
+        (None, None) => Ok(()),
+        (Some(a), Some(b)) if a.as_bytes() == b.as_bytes() => Ok(()),
+        (Some(_), None) => Err(Error::Handshake(
+            "this side requires an auth token but the peer sent none; set the same IBEX_AUTH_TOKEN on both sides".into(),
+        )),
+        (None, Some(_)) => Err(Error::Handshake(
+            "the peer presented an auth token but this side has none configured; set the same IBEX_AUTH_TOKEN on both sides"
+                .into(),
+        )),
+        _ => Err(Error::Handshake(
+            "auth token mismatch: the peer's token differs from ours; set the same IBEX_AUTH_TOKEN on both sides".into(),
+        )),
+    }
+}
+
+fn random_word() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    if let Ok(d) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        h.write_u128(d.as_nanos());
+    }
+    h.finish() | 1
+}
+
+fn setup_io(what: &str) -> impl Fn(io::Error) -> Error + '_ {
+    move |e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            Error::Handshake(format!(
+                "the peer closed the socket while {what}; it refused the setup (see its log for why)"
+            ))
+        } else {
+            Error::io(format!("shm setup: {what}"), e)
+        }
+    }
+}
+
+/// The pid of the process at the other end of the socket, in our pid namespace.
+fn socket_peer_pid(stream: &UnixStream) -> Result<i32> {
+    // SAFETY: `ucred` is plain data filled by the kernel.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: valid socket, out-pointer and length.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(Error::io("reading the peer's credentials (SO_PEERCRED)", io::Error::last_os_error()));
+    }
+    Ok(cred.pid)
+}
+
+/// Reads the fixed part of the hello. `Ok(None)` if the peer closed before its first byte.
+async fn read_hello_fixed(stream: &mut UnixStream) -> Result<Option<[u8; HELLO_FIXED]>> {
+    let mut fixed = [0u8; HELLO_FIXED];
+    let mut got = 0;
+    while got < HELLO_FIXED {
+        match stream.read(&mut fixed[got..]).await {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(setup_io("reading the hello")(io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if got == 0 && e.kind() == io::ErrorKind::ConnectionReset => return Ok(None),
+            Err(e) => return Err(setup_io("reading the hello")(e)),
+        }
+    }
+    Ok(Some(fixed))
+}
+
+async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<ShmLink>> {
+    cma::allow_peer_reads();
+    let peer_pid = socket_peer_pid(&stream)?;
+    let probe = Box::new(random_word());
+    let me = Hello {
+        pid: std::process::id(),
+        slot_size: config.slot_size as u64,
+        credits: config.credits,
+        rx_ring: rx_ring_capacity(config) as u64,
+        pool_size: pool_len(config) as u64,
+        bounce_slot: BOUNCE_SLOT as u64,
+        bounce_slots: BOUNCE_SLOTS,
+        probe_addr: &*probe as *const u64 as u64,
+        probe_value: *probe,
+        token: config.auth_token.clone(),
+    };
+    // A peer that hung up at once makes this write fail; its reason shows in the read.
+    let sent = stream.write_all(&me.encode()).await;
+    let Some(fixed) = read_hello_fixed(&mut stream).await? else { return Ok(None) };
+    sent.map_err(setup_io("sending the hello"))?;
+    let (mut peer, token_len) = Hello::decode_fixed(&fixed)?;
+    if peer.token.is_some() {
+        let mut t = vec![0u8; token_len];
+        stream.read_exact(&mut t).await.map_err(setup_io("reading the auth token"))?;
+        peer.token = Some(String::from_utf8(t).map_err(|_| Error::Handshake("the peer's auth token is not UTF-8".into()))?);
+    }
+    check_auth(&me.token, &peer.token)?;
+    if peer.pid as i32 != peer_pid {
+        tracing::debug!(hello_pid = peer.pid, socket_pid = peer_pid, "shm peer is in another pid namespace");
+    }
+
+    // Our segments: the TX ring the peer asked for, our pool and bounce area.
+    let tx_cap = peer.rx_ring as usize;
+    let tx_fd = segment::memfd(c"ibex-shm-ring", HEADER_BYTES + tx_cap)?;
+    let pool_fd = segment::memfd(c"ibex-shm-pool", me.pool_size as usize)?;
+    let bounce_fd = segment::memfd(c"ibex-shm-bounce", me.bounce_len())?;
+    let data_efd = segment::eventfd()?;
+    let space_efd = segment::eventfd()?;
+    let pool_ro = segment::reopen_readonly(pool_fd.as_fd())?;
+    let bounce_ro = segment::reopen_readonly(bounce_fd.as_fd())?;
+    let out = [tx_fd.as_fd(), pool_ro.as_fd(), bounce_ro.as_fd(), data_efd.as_fd(), space_efd.as_fd()];
+    stream
+        .async_io(Interest::WRITABLE, || send_fds(&stream, &out))
+        .await
+        .map_err(setup_io("sending shared-memory descriptors"))?;
+    drop((pool_ro, bounce_ro));
+    let mut got = stream.async_io(Interest::READABLE, || recv_fds(&stream)).await.map_err(setup_io("receiving shared-memory descriptors"))?;
+    if got.len() != FD_COUNT {
+        return Err(Error::Handshake(format!("the peer sent {} descriptors, expected {FD_COUNT}", got.len())));
+    }
+    let peer_space_efd = got.pop().ok_or_else(|| Error::Handshake("missing eventfd".into()))?;
+    let peer_data_efd = got.pop().ok_or_else(|| Error::Handshake("missing eventfd".into()))?;
+    let (rx_fd, peer_pool_fd, peer_bounce_fd) = (&got[0], &got[1], &got[2]);
+    segment::check_memfd(rx_fd.as_fd(), HEADER_BYTES + me.rx_ring as usize, "ring segment")?;
+    segment::check_memfd(peer_pool_fd.as_fd(), peer.pool_size as usize, "pool")?;
+    segment::check_memfd(peer_bounce_fd.as_fd(), peer.bounce_len(), "bounce area")?;
+    segment::check_eventfd(peer_data_efd.as_fd(), "data eventfd")?;
+    segment::check_eventfd(peer_space_efd.as_fd(), "space eventfd")?;
+
+    let tx_map = Mapping::map(tx_fd.as_fd(), HEADER_BYTES + tx_cap, true, "TX ring")?;
+    let rx_map = Mapping::map(rx_fd.as_fd(), HEADER_BYTES + me.rx_ring as usize, true, "RX ring")?;
+    let pool_map = Mapping::map(pool_fd.as_fd(), me.pool_size as usize, true, "pool")?;
+    let peer_pool = Mapping::map(peer_pool_fd.as_fd(), peer.pool_size as usize, false, "peer pool")?;
+    let bounce = Mapping::map(bounce_fd.as_fd(), me.bounce_len(), true, "bounce area")?;
+    let peer_bounce = Mapping::map(peer_bounce_fd.as_fd(), peer.bounce_len(), false, "peer bounce area")?;
+    // The mappings keep the memfds alive; their descriptors are no longer needed.
+    drop((tx_fd, pool_fd, bounce_fd, got));
+
+    let force = std::env::var("IBEX_SHM_FORCE_BOUNCE").is_ok_and(|v| v == "1");
+    let cma = if force {
+        Err("IBEX_SHM_FORCE_BOUNCE=1".to_string())
+    } else {
+        cma::probe(peer_pid, peer.probe_addr, peer.probe_value)
+    };
+    match &cma {
+        Ok(()) => tracing::info!(peer_pid, "shm link: rendezvous reads use CMA (process_vm_readv)"),
+        Err(reason) => tracing::info!(peer_pid, %reason, "shm link: rendezvous reads use the bounce area"),
+    }
+
+    stream.write_all(&[ACK]).await.map_err(setup_io("acknowledging the setup"))?;
+    let mut ack = [0u8; 1];
+    stream.read_exact(&mut ack).await.map_err(setup_io("waiting for the peer's acknowledgement"))?;
+    if ack[0] != ACK {
+        return Err(Error::Handshake(format!("unexpected setup acknowledgement byte {:#x}", ack[0])));
+    }
+
+    let link = ShmLink::new(Parts {
+        sock: stream,
+        peer_pid,
+        peer_hello_pid: peer.pid,
+        peer_slot_size: peer.slot_size as usize,
+        tx_map,
+        tx_cap,
+        rx_map,
+        rx_cap: me.rx_ring as usize,
+        pool_map,
+        peer_pool,
+        bounce,
+        bounce_slot: me.bounce_slot as usize,
+        peer_bounce,
+        peer_bounce_slot: peer.bounce_slot as usize,
+        data_efd,
+        space_efd,
+        peer_data_efd,
+        peer_space_efd,
+        cma: cma.is_ok(),
+        probe,
+    })?;
+    Ok(Some(link))
+}
+
+/// Control buffer big enough for more descriptors than we expect, so extra ones are seen
+/// (and closed) rather than silently truncated.
+const CMSG_FDS: usize = 16;
+
+fn send_fds(stream: &UnixStream, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let raw: Vec<libc::c_int> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let payload = [b'F'];
+    let mut iov = libc::iovec { iov_base: payload.as_ptr() as *mut libc::c_void, iov_len: 1 };
+    let data_len = std::mem::size_of_val(raw.as_slice()) as u32;
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(data_len) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    // SAFETY: msghdr is plain data; every pointer set below refers to a live local.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer holds one header plus `data_len` bytes (CMSG_SPACE), so
+    // CMSG_FIRSTHDR is non-null and CMSG_DATA has room for the descriptors.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(data_len) as _;
+        std::ptr::copy_nonoverlapping(raw.as_ptr().cast::<u8>(), libc::CMSG_DATA(cmsg), data_len as usize);
+    }
+    // SAFETY: `msg` is fully initialised and its buffers outlive the call.
+    let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n != 1 {
+        return Err(io::Error::new(io::ErrorKind::WriteZero, "descriptor message not sent"));
+    }
+    Ok(())
+}
+
+fn recv_fds(stream: &UnixStream) -> io::Result<Vec<OwnedFd>> {
+    let mut payload = [0u8; 1];
+    let mut iov = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: 1 };
+    let data_len = (CMSG_FDS * std::mem::size_of::<libc::c_int>()) as u32;
+    // SAFETY: pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(data_len) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    // SAFETY: plain data; pointers below refer to live locals.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` describes live buffers of the stated sizes.
+    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: the kernel filled `control` with `msg_controllen` bytes of well-formed
+    // headers; the CMSG_* helpers walk them within that length. Each descriptor is wrapped
+    // in an `OwnedFd` at once so every path closes it.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let data = libc::CMSG_DATA(cmsg);
+                for i in 0..bytes / std::mem::size_of::<libc::c_int>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    if n == 0 {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "end of stream"));
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(io::Error::other("the peer sent more descriptors than expected (truncated)"));
+    }
+    if payload[0] != b'F' {
+        return Err(io::Error::other(format!("unexpected setup message {:#x} instead of descriptors", payload[0])));
+    }
+    Ok(fds)
+}
+
+#[cfg(all(test, not(ibex_loom)))]
+mod tests {
+    use super::*;
+
+    fn hello() -> Hello {
+        let c = Config::default();
+        Hello {
+            pid: 42,
+            slot_size: c.slot_size as u64,
+            credits: c.credits,
+            rx_ring: rx_ring_capacity(&c) as u64,
+            pool_size: pool_len(&c) as u64,
+            bounce_slot: BOUNCE_SLOT as u64,
+            bounce_slots: BOUNCE_SLOTS,
+            probe_addr: 0x1000,
+            probe_value: 7,
+            token: Some("secret".into()),
+        }
+    }
+
+    #[test]
+    fn hello_round_trips_and_rejects_garbage() {
+        let h = hello();
+        let b = h.encode();
+        let fixed: [u8; HELLO_FIXED] = b[..HELLO_FIXED].try_into().unwrap();
+        let (mut back, tl) = Hello::decode_fixed(&fixed).unwrap();
+        assert_eq!(tl, 6);
+        back.token = Some(String::from_utf8(b[HELLO_FIXED..].to_vec()).unwrap());
+        assert_eq!(back, h);
+
+        let mut bad = fixed;
+        bad[0] = b'X';
+        assert!(Hello::decode_fixed(&bad).unwrap_err().to_string().contains("magic"));
+        let mut bad = fixed;
+        bad[8] = 9;
+        assert!(Hello::decode_fixed(&bad).unwrap_err().to_string().contains("version 9"));
+        let mut bad = fixed;
+        bad[32..40].copy_from_slice(&64u64.to_le_bytes());
+        assert!(Hello::decode_fixed(&bad).unwrap_err().to_string().contains("cannot hold"));
+    }
+
+    #[test]
+    fn ring_capacity_holds_all_credits_and_big_records() {
+        let c = Config::default();
+        let cap = rx_ring_capacity(&c);
+        assert!(cap >= c.credits as usize * c.slot_size);
+        assert!(ring::max_payload(cap) >= c.slot_size);
+        let c = Config { credits: 1, slot_size: 16 << 20, ..Config::default() };
+        assert!(ring::max_payload(rx_ring_capacity(&c)) >= c.slot_size);
+        let c = Config { credits: 65_536, slot_size: 16 << 20, ..Config::default() };
+        assert!(rx_ring_capacity(&c) <= 1 << 30);
+    }
+
+    #[test]
+    fn auth_errors_name_the_variable() {
+        assert!(check_auth(&None, &None).is_ok());
+        assert!(check_auth(&Some("a".into()), &Some("a".into())).is_ok());
+        for (a, b) in [(Some("a"), Some("b")), (Some("a"), None), (None, Some("b"))] {
+            let e = check_auth(&a.map(String::from), &b.map(String::from)).unwrap_err();
+            assert!(e.to_string().contains("IBEX_AUTH_TOKEN"), "{e}");
+        }
+    }
+}

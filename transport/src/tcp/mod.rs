@@ -1,0 +1,132 @@
+//! The `tcp` provider: a [`Link`](crate::link::Link) over one TCP stream, for hosts that
+//! share no memory and have no RDMA.
+//!
+//! After a versioned preface each way ([`preface`]), the stream carries typed records
+//! ([`wire`]): core frames, read requests, and read responses. Rendezvous reads are
+//! emulated: the reader sends a request naming an exposed region, the owner's link serves
+//! it from inside its own `poll_event` (no involvement of its protocol core) with vectored
+//! writes straight from the exposed buffer, and the reader's link moves the payload from
+//! the socket straight into the destination. See `docs/tcp.md` for the design notes.
+//!
+//! ```no_run
+//! # async fn demo() -> ibex_transport::Result<()> {
+//! use ibex_transport::{Config, tcp};
+//! let config = Config::default();
+//! let listener = tcp::listen("127.0.0.1:0", &config).await?;
+//! let addr = listener.local_addr()?.to_string();
+//! let (server, client) = tokio::join!(listener.accept(), tcp::connect(&addr, &config));
+//! let (_server, _client) = (server?, client?);
+//! # Ok(()) }
+//! ```
+
+mod link;
+pub mod preface;
+pub mod wire;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+pub use link::TcpLink;
+
+/// How long connection setup (TCP connect included, on the client) may take.
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A bound listening socket that hands out [`TcpLink`]s.
+#[derive(Debug)]
+pub struct TcpListener {
+    inner: tokio::net::TcpListener,
+    config: Config,
+}
+
+/// Binds `addr` (`host:port`, port 0 for any) and listens for Ibex tcp peers.
+pub async fn listen(addr: &str, config: &Config) -> Result<TcpListener> {
+    config.validate()?;
+    let addrs = resolve(addr).await?;
+    let inner = tokio::net::TcpListener::bind(&addrs[..]).await.map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+            ": the address is in use (is another server running there?)"
+        } else {
+            ""
+        };
+        Error::io(format!("cannot listen at {addr}{hint}"), e)
+    })?;
+    Ok(TcpListener { inner, config: config.clone() })
+}
+
+impl TcpListener {
+    /// The address actually bound (useful after binding port 0).
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.inner.local_addr().map_err(|e| Error::io("reading the tcp listener's address", e))
+    }
+
+    /// Waits for the next peer and sets the connection up. A peer that fails setup (wrong
+    /// protocol, wrong token, silent for [`SETUP_TIMEOUT`]) is an `Err` from this call; the
+    /// listener stays usable. Setup runs inline: spawn per accepted stream if one slow
+    /// client must not delay the next.
+    pub async fn accept(&self) -> Result<TcpLink> {
+        let (stream, addr) =
+            self.inner.accept().await.map_err(|e| Error::io("accepting a tcp connection", e))?;
+        let peer = addr.to_string();
+        match tokio::time::timeout(SETUP_TIMEOUT, setup(stream, &self.config, peer.clone())).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout(format!(
+                "tcp peer {peer} connected but did not complete the Ibex preface within {} s",
+                SETUP_TIMEOUT.as_secs()
+            ))),
+        }
+    }
+}
+
+/// Connects to an Ibex tcp listener at `addr` (`host:port`).
+pub async fn connect(addr: &str, config: &Config) -> Result<TcpLink> {
+    config.validate()?;
+    let work = async {
+        let mut last = None;
+        for a in resolve(addr).await? {
+            match TcpStream::connect(a).await {
+                Ok(stream) => return setup(stream, config, a.to_string()).await,
+                Err(e) => last = Some((a, e)),
+            }
+        }
+        let Some((a, e)) = last else {
+            return Err(Error::Address { addr: addr.into(), why: "resolves to no address".into() });
+        };
+        let shown = if a.to_string() == addr { addr.to_string() } else { format!("{addr} ({a})") };
+        Err(if e.kind() == std::io::ErrorKind::ConnectionRefused {
+            Error::io(format!("nothing listens at {shown}: is the server running?"), e)
+        } else {
+            Error::io(format!("cannot connect to {shown}"), e)
+        })
+    };
+    match tokio::time::timeout(SETUP_TIMEOUT, work).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Timeout(format!(
+            "tcp connection to {addr} was not set up within {} s; check the address, firewalls, and that the server accepts",
+            SETUP_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+async fn resolve(addr: &str) -> Result<Vec<SocketAddr>> {
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| Error::Address { addr: addr.into(), why: format!("{e} (expected host:port, e.g. 10.0.0.2:7000)") })?
+        .collect();
+    if addrs.is_empty() {
+        return Err(Error::Address { addr: addr.into(), why: "resolves to no address".into() });
+    }
+    Ok(addrs)
+}
+
+async fn setup(mut stream: TcpStream, config: &Config, peer: String) -> Result<TcpLink> {
+    // Frames are latency-bound and already batched by the link's write queue.
+    stream.set_nodelay(true).map_err(|e| Error::io(format!("setting TCP_NODELAY on the connection to {peer}"), e))?;
+    let theirs = preface::exchange(&mut stream, config, &peer).await?;
+    tracing::debug!(%peer, peer_slot = theirs.slot_size, "tcp link set up");
+    Ok(TcpLink::new(stream, peer, config, theirs.slot_size))
+}

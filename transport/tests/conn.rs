@@ -1,0 +1,284 @@
+//! End-to-end tests of the connection API, run over every provider (shm and tcp).
+//!
+//! Cross-process cases re-run this test binary as the peer (`IBEX_TEST_ROLE` set), so the
+//! peer is a real separate process that can be killed.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use ibex_transport::{Config, Connection, Error, RecvBuf, connect, listen};
+
+/// A hang guard, not a performance assertion.
+const GUARD: Duration = Duration::from_secs(60);
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect::<Vec<u8>>().into()
+}
+
+fn fixed_threshold(t: usize) -> Config {
+    Config { eager_threshold: Some(t), ..Config::default() }
+}
+
+fn uri(provider: &str, tag: &str) -> String {
+    match provider {
+        "shm" => {
+            let p = std::env::temp_dir().join(format!("ibex-test-{}-{tag}.sock", std::process::id()));
+            format!("shm://{}", p.display())
+        }
+        _ => "tcp://127.0.0.1:0".to_string(),
+    }
+}
+
+async fn pair_with(provider: &str, tag: &str, config: Config) -> (Connection, Connection) {
+    let l = listen(&uri(provider, tag), config.clone()).await.expect("listen");
+    let at = l.local_uri();
+    let (a, b) = tokio::join!(l.accept(), connect(&at, config));
+    (a.expect("accept"), b.expect("connect"))
+}
+
+macro_rules! per_provider {
+    ($($name:ident),* $(,)?) => {
+        mod shm { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { tokio::time::timeout(super::GUARD, super::$name("shm")).await.expect("hang guard"); } )* }
+        mod tcp { $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { tokio::time::timeout(super::GUARD, super::$name("tcp")).await.expect("hang guard"); } )* }
+    };
+}
+
+per_provider!(
+    sizes_round_trip_intact,
+    many_concurrent_senders_keep_per_sender_order,
+    recv_into_lands_rendezvous_directly,
+    recv_into_too_small_keeps_message,
+    send_owned_returns_buffer,
+    expose_and_read_remote,
+    read_remote_out_of_range_is_refused,
+    graceful_close_delivers_everything,
+    stats_count_protocols,
+    threshold_probe_picks_a_value,
+    oversize_message_is_refused,
+);
+
+/// 0 B, 1 B, threshold ± 1, a slot-sized message, and several rendezvous sizes.
+async fn sizes_round_trip_intact(p: &str) {
+    let t = 8192;
+    let (a, b) = pair_with(p, "sizes", fixed_threshold(t)).await;
+    let sizes = [0, 1, t - 1, t, t + 1, 60_000, 512 * 1024, 512 * 1024 + 1, 3 << 20, 16 << 20];
+    let sender = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            for (i, &n) in sizes.iter().enumerate() {
+                a.send(pattern(n, i as u8)).await.expect("send");
+            }
+        })
+    };
+    for (i, &n) in sizes.iter().enumerate() {
+        let m = b.recv().await.expect("recv");
+        assert_eq!(m.len(), n, "message {i}");
+        assert_eq!(m, pattern(n, i as u8), "message {i} content");
+    }
+    sender.await.unwrap();
+    let s = b.stats();
+    assert_eq!(s.proto.eager_msgs_recv, 4, "0, 1, t-1, t are eager: {s}");
+    assert_eq!(s.proto.rndv_msgs_recv, 6, "{s}");
+}
+
+async fn many_concurrent_senders_keep_per_sender_order(p: &str) {
+    let (a, b) = pair_with(p, "many", fixed_threshold(4096)).await;
+    let senders = 8;
+    let per = 500;
+    let mut tasks = Vec::new();
+    for s in 0..senders {
+        let a = a.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..per {
+                let len = [3usize, 100, 5000, 70_000][(i + s) % 4];
+                let mut v = vec![0u8; len.max(8)];
+                v[..4].copy_from_slice(&(s as u32).to_le_bytes());
+                v[4..8].copy_from_slice(&(i as u32).to_le_bytes());
+                a.send(Bytes::from(v)).await.expect("send");
+            }
+        }));
+    }
+    let mut next = vec![0u32; senders];
+    for _ in 0..senders * per {
+        let m = b.recv().await.expect("recv");
+        let s = u32::from_le_bytes(m[..4].try_into().unwrap()) as usize;
+        let i = u32::from_le_bytes(m[4..8].try_into().unwrap());
+        assert_eq!(i, next[s], "sender {s} out of order");
+        next[s] += 1;
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(next.iter().all(|&n| n as usize == per));
+}
+
+async fn recv_into_lands_rendezvous_directly(p: &str) {
+    let (a, b) = pair_with(p, "into", fixed_threshold(4096)).await;
+    // Post the buffer first, then send: the data must land in it with no staging copy.
+    let recv = tokio::spawn(async move {
+        let r = b.recv_into(vec![0u8; 2 << 20]).await;
+        (r, b)
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let msg = pattern(1 << 20, 7);
+    a.send(msg.clone()).await.unwrap();
+    let (r, b) = recv.await.unwrap();
+    let (buf, n) = r.expect("recv_into");
+    assert_eq!(n, 1 << 20);
+    assert_eq!(&buf[..n], &msg[..]);
+    assert_eq!(b.stats().recv_into_direct, 1, "{}", b.stats());
+    // Eager messages are copied into the caller's buffer.
+    a.send(Bytes::from_static(b"small")).await.unwrap();
+    let (buf, n) = b.recv_into([0u8; 16]).await.unwrap();
+    assert_eq!(&buf[..n], b"small");
+}
+
+async fn recv_into_too_small_keeps_message(p: &str) {
+    let (a, b) = pair_with(p, "small", fixed_threshold(4096)).await;
+    a.send(pattern(100, 1)).await.unwrap();
+    let e = b.recv_into(vec![0u8; 10]).await.unwrap_err();
+    assert!(matches!(e, Error::BufferTooSmall { buf: 10, len: 100 }), "{e}");
+    assert_eq!(b.recv().await.unwrap(), pattern(100, 1), "message stays queued");
+}
+
+async fn send_owned_returns_buffer(p: &str) {
+    let (a, b) = pair_with(p, "owned", fixed_threshold(4096)).await;
+    let reader = tokio::spawn(async move { b.recv().await.map(|m| m.len()) });
+    let buf: Vec<u8> = pattern(4 << 20, 3).to_vec();
+    let back = a.send_owned(buf).await.expect("send_owned");
+    assert_eq!(back.len(), 4 << 20);
+    assert_eq!(reader.await.unwrap().unwrap(), 4 << 20);
+}
+
+async fn expose_and_read_remote(p: &str) {
+    let (a, b) = pair_with(p, "expose", fixed_threshold(4096)).await;
+    let data = pattern(3 << 20, 9);
+    let rb = a.expose(data.clone()).await.expect("expose");
+    let got = b.read_remote(rb.descriptor(), RecvBuf::heap(data.len())).await.expect("read_remote");
+    assert_eq!(got.as_slice(), &data[..]);
+    assert_eq!(b.stats().remote_read_bytes, data.len() as u64);
+}
+
+async fn read_remote_out_of_range_is_refused(p: &str) {
+    let (a, b) = pair_with(p, "range", fixed_threshold(4096)).await;
+    let rb = a.expose(pattern(1000, 1)).await.unwrap();
+    let e = b.read_remote(rb.descriptor(), RecvBuf::heap(5000)).await.expect_err("past the end must fail");
+    let text = e.to_string();
+    assert!(!text.is_empty());
+    let garbage = Bytes::from_static(&[0xff; 5]);
+    assert!(b.read_remote(garbage, RecvBuf::heap(10)).await.is_err(), "garbage descriptor must fail");
+}
+
+async fn graceful_close_delivers_everything(p: &str) {
+    let (a, b) = pair_with(p, "close", fixed_threshold(4096)).await;
+    for i in 0..20u8 {
+        a.send(pattern(if i % 2 == 0 { 10 } else { 200_000 }, i)).await.unwrap();
+    }
+    a.close().await;
+    for i in 0..20u8 {
+        let m = b.recv().await.expect("queued messages survive a graceful close");
+        assert_eq!(m, pattern(if i % 2 == 0 { 10 } else { 200_000 }, i));
+    }
+    let e = b.recv().await.unwrap_err();
+    assert!(matches!(e, Error::PeerClosed(_)), "{e}");
+    assert!(matches!(a.send(Bytes::from_static(b"x")).await, Err(_)));
+}
+
+async fn stats_count_protocols(p: &str) {
+    let (a, b) = pair_with(p, "stats", fixed_threshold(1000)).await;
+    for _ in 0..10 {
+        a.send(pattern(10, 0)).await.unwrap();
+    }
+    a.send(pattern(100_000, 0)).await.unwrap();
+    for _ in 0..11 {
+        b.recv().await.unwrap();
+    }
+    let (sa, sb) = (a.stats(), b.stats());
+    assert_eq!(sa.proto.eager_msgs_sent, 10, "{sa}");
+    assert_eq!(sa.proto.rndv_msgs_sent, 1, "{sa}");
+    assert_eq!(sa.proto.rndv_bytes_sent, 100_000);
+    assert_eq!(sb.proto.eager_bytes_recv, 100);
+    assert_eq!(sb.proto.eager_threshold, 1000);
+    assert_eq!(sb.provider, p);
+    assert!(!sb.rendezvous_path.is_empty());
+}
+
+async fn threshold_probe_picks_a_value(p: &str) {
+    let cfg = Config { eager_threshold: None, probe: true, ..Config::default() };
+    let (a, b) = pair_with(p, "probe", cfg.clone()).await;
+    let t = a.probe_done().await;
+    assert!(t >= 1024 && t <= cfg.max_eager(), "threshold {t}");
+    assert_eq!(a.stats().proto.threshold_source, "probe");
+    // Probe traffic never reaches the application.
+    a.send(Bytes::from_static(b"first")).await.unwrap();
+    assert_eq!(b.recv().await.unwrap(), Bytes::from_static(b"first"));
+}
+
+async fn oversize_message_is_refused(p: &str) {
+    let cfg = Config { max_message_size: 1 << 20, ..fixed_threshold(4096) };
+    let (a, _b) = pair_with(p, "oversize", cfg).await;
+    let e = a.send(pattern(2 << 20, 0)).await.unwrap_err();
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+    assert!(e.to_string().contains("max_message_size"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_pool_buffers_move_without_copy() {
+    let (a, b) = pair_with("shm", "pool", fixed_threshold(4096)).await;
+    let mut buf = a.alloc(8 << 20).expect("pool alloc");
+    buf.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8);
+    let bytes = buf.freeze();
+    a.send(bytes.clone()).await.unwrap();
+    let m = b.recv().await.unwrap();
+    assert_eq!(m, bytes);
+    let s = b.stats();
+    assert_eq!(s.rndv_mapped_msgs, 1, "{s}");
+    assert_eq!(s.payload_bytes_copied(), 0, "pool buffers must not be copied: {s}");
+    // The sender's buffer comes back once the receiver drops its view.
+    let free_before = a.pool().unwrap().free_bytes();
+    drop(bytes);
+    drop(m);
+    let pool = a.pool().unwrap();
+    for _ in 0..200 {
+        if pool.free_bytes() > free_before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(pool.free_bytes() > free_before, "pool buffer was not released after the view was dropped");
+}
+
+#[tokio::test]
+async fn bad_addresses_are_explained() {
+    let e = connect("udp://x:1", Config::default()).await.unwrap_err().to_string();
+    assert!(e.contains("unknown scheme"), "{e}");
+    let e = connect("shm:///nonexistent/ibex.sock", Config::default()).await.unwrap_err().to_string();
+    assert!(e.contains("/nonexistent/ibex.sock"), "{e}");
+    let e = connect("tcp://127.0.0.1:1", Config::default()).await.unwrap_err().to_string();
+    assert!(e.contains("127.0.0.1:1"), "{e}");
+}
+
+#[test]
+fn connect_auto_prefers_shm_on_the_same_host() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let dir = tempdir();
+        // SAFETY: single-threaded at this point of the test; no other thread reads the env.
+        unsafe { std::env::set_var("IBEX_SHM_DIR", &dir) };
+        let l = ibex_transport::listen_auto("127.0.0.1:0", fixed_threshold(4096)).await.unwrap();
+        let port = l.local_uri().rsplit(':').next().unwrap().to_string();
+        let uri = ibex_transport::choose_auto(&format!("127.0.0.1:{port}")).unwrap();
+        assert!(uri.starts_with("shm://"), "{uri}");
+        assert_eq!(ibex_transport::choose_auto("192.0.2.9:80").unwrap(), "tcp://192.0.2.9:80");
+        let hp = format!("127.0.0.1:{port}");
+        let (a, b) = tokio::join!(l.accept(), ibex_transport::connect_auto(&hp, fixed_threshold(4096)));
+        assert_eq!(b.unwrap().provider(), "shm");
+        assert_eq!(a.unwrap().provider(), "shm");
+    });
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ibex-auto-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}

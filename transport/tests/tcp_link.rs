@@ -1,0 +1,580 @@
+//! The tcp provider, driven directly through the `Link` trait with `poll_fn`.
+
+use std::future::poll_fn;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ibex_transport::link::{Link, LinkEvent, RecvBuf};
+use ibex_transport::tcp::{self, TcpLink};
+use ibex_transport::{Config, Error};
+use tokio::io::AsyncWriteExt;
+
+/// Hang guard only: every test finishes far sooner on a healthy build.
+const GUARD: Duration = Duration::from_secs(30);
+
+fn config() -> Config {
+    Config { pool_size: 1 << 20, ..Config::default() }
+}
+
+async fn pair_with(server: Config, client: Config) -> (TcpLink, TcpLink) {
+    let l = tcp::listen("127.0.0.1:0", &server).await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let (s, c) = tokio::join!(l.accept(), tcp::connect(&addr, &client));
+    (s.unwrap(), c.unwrap())
+}
+
+async fn pair() -> (TcpLink, TcpLink) {
+    pair_with(config(), config()).await
+}
+
+/// Deterministic content: byte `j` of item `i`.
+fn pattern(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i.wrapping_mul(131) ^ j.wrapping_mul(7)) as u8).collect()
+}
+
+fn frame_len(i: usize, slot: usize) -> usize {
+    match i % 500 {
+        0 => slot,
+        7 => 0,
+        13 => slot - 1,
+        _ => (i * 7919) % 3000,
+    }
+}
+
+/// A large buffer filled cheaply: word `k` holds `k ^ seed`.
+fn big_region(len: usize, seed: u64) -> Bytes {
+    let mut v = vec![0u8; len];
+    for (k, w) in v.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&(k as u64 ^ seed).to_le_bytes());
+    }
+    Bytes::from(v)
+}
+
+/// Polls `b` (serving its reads, keeping its events) until `a` has an event.
+async fn next_event(a: &mut TcpLink, b: &mut TcpLink, b_events: &mut Vec<LinkEvent>) -> Result<LinkEvent, Error> {
+    tokio::time::timeout(
+        GUARD,
+        poll_fn(|cx| {
+            while let Poll::Ready(Ok(ev)) = b.poll_event(cx) {
+                b_events.push(ev);
+            }
+            a.poll_event(cx)
+        }),
+    )
+    .await
+    .expect("hang guard: no event within 30 s")
+}
+
+#[tokio::test]
+async fn frames_arrive_in_order_and_intact_both_ways() {
+    let (s, c) = pair().await;
+    let slot = c.info().max_frame;
+    assert_eq!(slot, config().slot_size);
+    let mut links = [c, s];
+    const N: usize = 3000;
+    let (mut sent, mut got) = ([0usize; 2], [0usize; 2]);
+    tokio::time::timeout(
+        GUARD,
+        poll_fn(|cx| {
+            for k in 0..2 {
+                let [c, s] = &mut links;
+                let (tx, rx) = if k == 0 { (c, s) } else { (s, c) };
+                // Direction `k` offsets its item indices so the two streams differ.
+                while sent[k] < N {
+                    let f = pattern(sent[k] + k * N, frame_len(sent[k], slot));
+                    match tx.poll_send(cx, &f) {
+                        Poll::Ready(r) => {
+                            r.unwrap();
+                            sent[k] += 1;
+                        }
+                        Poll::Pending => break,
+                    }
+                }
+                if sent[k] == N {
+                    let _ = tx.poll_flush(cx);
+                }
+                while let Poll::Ready(ev) = rx.poll_event(cx) {
+                    let LinkEvent::Frame(f) = ev.unwrap() else { panic!("only frames were sent") };
+                    assert_eq!(f.len(), frame_len(got[k], slot), "frame {} length", got[k]);
+                    assert!(f[..] == pattern(got[k] + k * N, f.len())[..], "frame {} content", got[k]);
+                    got[k] += 1;
+                }
+            }
+            if got == [N, N] { Poll::Ready(()) } else { Poll::Pending }
+        }),
+    )
+    .await
+    .expect("hang guard");
+}
+
+#[tokio::test]
+async fn oversized_frame_is_refused_before_sending() {
+    let small = Config { slot_size: 4096, ..config() };
+    let (mut s, mut c) = pair_with(small, config()).await;
+    assert_eq!(c.info().max_frame, 4096, "max_frame is the peer's slot size");
+    assert_eq!(s.info().max_frame, config().slot_size);
+    let info = c.info();
+    assert_eq!((info.provider, info.rendezvous_path.as_str(), info.one_sided), ("tcp", "tcp-stream", false));
+    assert!(info.peer.starts_with("127.0.0.1:"), "{}", info.peer);
+    let e = poll_fn(|cx| c.poll_send(cx, &[0u8; 4097])).await.unwrap_err();
+    assert!(matches!(e, Error::TooLarge { len: 4097, limit: 4096, .. }), "{e}");
+    // The link is still fine for frames that fit.
+    poll_fn(|cx| c.poll_send(cx, &[1u8; 4096])).await.unwrap();
+    let mut ignored = Vec::new();
+    let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else { panic!() };
+    assert_eq!(&f[..], &[1u8; 4096][..]);
+}
+
+#[tokio::test]
+async fn reads_interleave_with_frames() {
+    let (mut s, mut c) = pair().await;
+    let region = big_region(4 << 20, 7);
+    let exp = s.expose(region.clone()).unwrap();
+    assert!(!exp.zero_copy);
+    assert_eq!(s.map_remote(&exp.descriptor, region.len() as u64).unwrap(), None);
+    let mut dst = c.alloc_recv(region.len()).unwrap();
+    const FRAG: usize = 64 << 10;
+    let frags = region.len() / FRAG;
+    let (mut posted, mut done, mut frames_to_s, mut frames_to_c, mut s_got, mut c_got) = (0, 0, 0, 0, 0, 0);
+    let mut s_events = Vec::new();
+    tokio::time::timeout(
+        GUARD,
+        poll_fn(|cx| {
+            let before = (posted, done, frames_to_s, frames_to_c, s_got, c_got);
+            // Up to 4 reads outstanding, with frames both ways between them.
+            while posted < frags && posted - done < 4 {
+                // SAFETY: `dst` outlives both links' use of it (every ReadDone arrives before
+                // the test ends), and fragments do not overlap.
+                unsafe {
+                    let p = dst.as_mut_ptr().add(posted * FRAG);
+                    c.post_read(posted as u64, &exp.descriptor, (posted * FRAG) as u64, p, FRAG).unwrap();
+                }
+                posted += 1;
+            }
+            while frames_to_s < 2 * posted {
+                match c.poll_send(cx, &pattern(frames_to_s, 100 + frames_to_s)) {
+                    Poll::Ready(r) => {
+                        r.unwrap();
+                        frames_to_s += 1;
+                    }
+                    Poll::Pending => break,
+                }
+            }
+            while frames_to_c < 2 * posted {
+                match s.poll_send(cx, &pattern(frames_to_c + 9, 50 + frames_to_c)) {
+                    Poll::Ready(r) => {
+                        r.unwrap();
+                        frames_to_c += 1;
+                    }
+                    Poll::Pending => break,
+                }
+            }
+            let _ = c.poll_flush(cx);
+            let _ = s.poll_flush(cx);
+            while let Poll::Ready(ev) = s.poll_event(cx) {
+                s_events.push(ev.unwrap());
+            }
+            while let Poll::Ready(ev) = c.poll_event(cx) {
+                match ev.unwrap() {
+                    LinkEvent::Frame(f) => {
+                        assert_eq!(f[..], pattern(c_got + 9, 50 + c_got)[..]);
+                        c_got += 1;
+                    }
+                    LinkEvent::ReadDone { id, result } => {
+                        result.unwrap();
+                        assert_eq!(id, done as u64, "completions come back in request order");
+                        done += 1;
+                    }
+                }
+            }
+            for ev in s_events.drain(..) {
+                let LinkEvent::Frame(f) = ev else { panic!("serving reads must not surface events") };
+                assert_eq!(f[..], pattern(s_got, 100 + s_got)[..]);
+                s_got += 1;
+            }
+            if done == frags && s_got == 2 * frags && c_got == 2 * frags {
+                return Poll::Ready(());
+            }
+            // Completions may allow new posts that no socket event would wake us for.
+            if before != (posted, done, frames_to_s, frames_to_c, s_got, c_got) {
+                cx.waker().wake_by_ref();
+            }
+            Poll::Pending
+        }),
+    )
+    .await
+    .expect("hang guard");
+    assert!(dst.as_slice() == &region[..], "read data differs from the exposed region");
+    assert_eq!(s.withdraw(exp.id), Some(region));
+}
+
+/// Reads `len` bytes of `desc` in `frag`-sized pieces with `depth` outstanding.
+async fn read_all(c: &mut TcpLink, s: &mut TcpLink, desc: &[u8], len: usize, frag: usize, depth: usize) -> RecvBuf {
+    let mut dst = c.alloc_recv(len).unwrap();
+    let n = len.div_ceil(frag);
+    let (mut posted, mut done) = (0, 0);
+    let mut s_events = Vec::new();
+    while done < n {
+        while posted < n && posted - done < depth {
+            let off = posted * frag;
+            let l = frag.min(len - off);
+            // SAFETY: `dst` lives until after the last ReadDone; pieces do not overlap.
+            unsafe { c.post_read(posted as u64, desc, off as u64, dst.as_mut_ptr().add(off), l).unwrap() };
+            posted += 1;
+        }
+        let LinkEvent::ReadDone { id, result } = next_event(c, s, &mut s_events).await.unwrap() else {
+            panic!("no frames were sent")
+        };
+        result.unwrap();
+        assert_eq!(id, done as u64);
+        done += 1;
+    }
+    assert!(s_events.is_empty(), "serving reads must not surface events: {s_events:?}");
+    dst
+}
+
+#[tokio::test]
+async fn reads_of_64_mib_in_fragments_and_whole() {
+    let (mut s, mut c) = pair().await;
+    let len = 64 << 20;
+    let region = big_region(len, 0x5eed);
+    let exp = s.expose(region.clone()).unwrap();
+    let dst = read_all(&mut c, &mut s, &exp.descriptor, len, 512 << 10, 8).await;
+    assert!(dst.as_slice() == &region[..], "fragmented read differs");
+    drop(dst);
+    // The largest single request, then an odd fragment size whose last piece is short.
+    let dst = read_all(&mut c, &mut s, &exp.descriptor, len, len, 1).await;
+    assert!(dst.as_slice() == &region[..], "whole read differs");
+    let dst = read_all(&mut c, &mut s, &exp.descriptor, 3 << 20, 300_001, 3).await;
+    assert!(dst.as_slice() == &region[..3 << 20], "odd-fragment read differs");
+}
+
+fn descriptor(region: u64, len: u64) -> Vec<u8> {
+    let mut d = region.to_le_bytes().to_vec();
+    d.extend_from_slice(&len.to_le_bytes());
+    d
+}
+
+#[tokio::test]
+async fn bad_descriptors_fail_the_read_and_the_link_stays_usable() {
+    let (mut s, mut c) = pair().await;
+    let region = Bytes::from(pattern(1, 10_000));
+    let exp = s.expose(region.clone()).unwrap();
+    let mut dst = c.alloc_recv(20_000).unwrap();
+    let p = dst.as_mut_ptr();
+
+    // Checked locally against the descriptor: garbage, out of range, over the request limit.
+    // SAFETY (every post_read below): `dst` outlives the links' use of it.
+    let e = unsafe { c.post_read(1, b"junk", 0, p, 10) }.unwrap_err();
+    assert!(e.to_string().contains("descriptor"), "{e}");
+    assert!(c.map_remote(b"junk", 10).is_err());
+    assert!(c.map_remote(&exp.descriptor, 10_001).is_err());
+    let e = unsafe { c.post_read(2, &exp.descriptor, 9_000, p, 1_001) }.unwrap_err();
+    assert!(e.to_string().contains("outside region"), "{e}");
+    let e = unsafe { c.post_read(3, &exp.descriptor, u64::MAX, p, 2) }.unwrap_err();
+    assert!(e.to_string().contains("outside region"), "{e}");
+    let e = unsafe { c.post_read(4, &descriptor(exp.id, 1 << 40), 0, p, (64 << 20) + 1) }.unwrap_err();
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+
+    // Checked by the serving side: a descriptor that lies about the length, an unknown region.
+    let mut s_events = Vec::new();
+    unsafe { c.post_read(10, &descriptor(exp.id, 20_000), 5_000, p, 15_000) }.unwrap();
+    unsafe { c.post_read(11, &descriptor(999, 100), 0, p, 100) }.unwrap();
+    unsafe { c.post_read(12, &exp.descriptor, 0, p, 10_000) }.unwrap();
+    let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
+    let LinkEvent::ReadDone { id: 10, result: Err(e) } = ev else { panic!("{ev:?}") };
+    assert!(e.to_string().contains("outside region"), "{e}");
+    let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
+    let LinkEvent::ReadDone { id: 11, result: Err(e) } = ev else { panic!("{ev:?}") };
+    assert!(e.to_string().contains("unknown region 999"), "{e}");
+    let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
+    assert!(matches!(ev, LinkEvent::ReadDone { id: 12, result: Ok(()) }), "{ev:?}");
+    assert!(dst.as_slice()[..10_000] == region[..]);
+
+    // A withdrawn region can no longer be read.
+    assert_eq!(s.withdraw(exp.id), Some(region));
+    unsafe { c.post_read(13, &exp.descriptor, 0, p, 10) }.unwrap();
+    let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
+    let LinkEvent::ReadDone { id: 13, result: Err(e) } = ev else { panic!("{ev:?}") };
+    assert!(e.to_string().contains("withdrawn"), "{e}");
+    assert!(s_events.is_empty());
+}
+
+#[tokio::test]
+async fn peer_dropped_mid_read_fails_every_read_then_the_link() {
+    let (mut s, mut c) = pair().await;
+    let len = 32 << 20;
+    let exp = s.expose(big_region(len, 3)).unwrap();
+    let mut dst = c.alloc_recv(len).unwrap();
+    let p = dst.as_mut_ptr();
+    // SAFETY: `dst` outlives `c`, which is dropped at the end of the test.
+    unsafe {
+        c.post_read(1, &exp.descriptor, 0, p, len).unwrap();
+        c.post_read(2, &exp.descriptor, 0, p, 16).unwrap();
+    }
+    // Let the server start serving and the client start receiving, then kill the server.
+    poll_fn(|cx| {
+        let _ = s.poll_event(cx);
+        if s.bytes_queued() > 0 { Poll::Ready(()) } else { Poll::Pending }
+    })
+    .await;
+    poll_fn(|cx| {
+        assert!(c.poll_event(cx).is_pending(), "the response cannot be complete yet");
+        Poll::Ready(())
+    })
+    .await;
+    assert_eq!(c.reads_outstanding(), 2);
+    drop(s);
+    let mut failed = Vec::new();
+    let last = tokio::time::timeout(GUARD, async {
+        loop {
+            match poll_fn(|cx| c.poll_event(cx)).await {
+                Ok(LinkEvent::ReadDone { id, result: Err(Error::PeerGone(_)) }) => failed.push(id),
+                Ok(other) => panic!("unexpected {other:?}"),
+                Err(e) => return e,
+            }
+        }
+    })
+    .await
+    .expect("hang guard");
+    assert_eq!(failed, [1, 2]);
+    assert!(matches!(last, Error::PeerGone(_)), "{last}");
+    // The link stays dead and says so.
+    assert!(poll_fn(|cx| c.poll_send(cx, b"x")).await.is_err());
+    // SAFETY: as above.
+    assert!(unsafe { c.post_read(3, &exp.descriptor, 0, p, 16) }.is_err());
+}
+
+/// Counts wake-ups.
+struct CountingWaker(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test]
+async fn a_frame_left_unwritten_wakes_the_sender_and_goes_out_with_the_next_poll() {
+    let (mut s, mut c) = pair().await;
+    let counter = std::sync::Arc::new(CountingWaker(0.into()));
+    let waker = std::task::Waker::from(counter.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(c.poll_send(&mut cx, b"small").is_ready());
+    assert_eq!(c.bytes_queued(), 5 + 5, "a small frame waits to share a writev");
+    assert!(counter.0.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the sender's task was woken");
+    // The sender only ever waits for events: that alone must push the frame out.
+    assert!(c.poll_event(&mut cx).is_pending());
+    assert_eq!(c.bytes_queued(), 0);
+    let mut ignored = Vec::new();
+    let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else { panic!() };
+    assert_eq!(&f[..], b"small");
+}
+
+#[tokio::test]
+async fn close_delivers_what_was_sent_then_end_of_stream() {
+    let (mut s, mut c) = pair().await;
+    for i in 0..3 {
+        poll_fn(|cx| c.poll_send(cx, &pattern(i, 1000))).await.unwrap();
+    }
+    c.close();
+    assert!(matches!(poll_fn(|cx| c.poll_send(cx, b"late")).await, Err(Error::LocallyClosed)));
+    let mut ignored = Vec::new();
+    for i in 0..3 {
+        let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else { panic!() };
+        assert_eq!(f[..], pattern(i, 1000)[..]);
+    }
+    let e = next_event(&mut s, &mut c, &mut ignored).await.unwrap_err();
+    assert!(matches!(e, Error::PeerGone(ref m) if m.contains("closed the connection")), "{e}");
+}
+
+#[tokio::test]
+async fn reads_unanswered_by_a_closing_peer_fail_at_end_of_stream() {
+    let (mut s, mut c) = pair().await;
+    let exp = s.expose(Bytes::from(vec![1u8; 1000])).unwrap();
+    let mut dst = c.alloc_recv(1000).unwrap();
+    // SAFETY: `dst` outlives `c`.
+    unsafe { c.post_read(1, &exp.descriptor, 0, dst.as_mut_ptr(), 1000) }.unwrap();
+    s.close();
+    let mut s_events = Vec::new();
+    let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
+    assert!(matches!(ev, LinkEvent::ReadDone { id: 1, result: Err(Error::PeerGone(_)) }), "{ev:?}");
+    let e = next_event(&mut c, &mut s, &mut s_events).await.unwrap_err();
+    assert!(matches!(e, Error::PeerGone(_)), "{e}");
+    assert!(s_events.is_empty());
+}
+
+#[tokio::test]
+async fn pool_is_plain_memory_of_the_configured_size() {
+    let (s, _c) = pair().await;
+    let pool = s.pool().expect("tcp offers a heap pool");
+    assert_eq!(pool.size(), 1 << 20);
+    assert!(std::sync::Arc::ptr_eq(&pool, &s.pool().unwrap()), "created once");
+}
+
+/// Accepts one connection from a raw socket that writes `bytes` first.
+async fn accept_raw(bytes: &[u8]) -> Error {
+    let l = tcp::listen("127.0.0.1:0", &config()).await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+    raw.write_all(bytes).await.unwrap();
+    let e = tokio::time::timeout(GUARD, l.accept()).await.expect("hang guard").unwrap_err();
+    drop(raw);
+    e
+}
+
+fn raw_preface(version: u16, slot: u32, token: &[u8]) -> Vec<u8> {
+    let mut v = tcp::preface::MAGIC.to_vec();
+    v.extend_from_slice(&version.to_le_bytes());
+    v.extend_from_slice(&slot.to_le_bytes());
+    v.extend_from_slice(&(token.len() as u16).to_le_bytes());
+    v.extend_from_slice(token);
+    v
+}
+
+#[tokio::test]
+async fn garbage_preface_is_a_clear_error_on_accept() {
+    let e = accept_raw(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert!(matches!(e, Error::Handshake(ref m) if m.contains("not an Ibex tcp endpoint")), "{e}");
+    let e = accept_raw(&raw_preface(99, 65536, b"")).await;
+    assert!(matches!(e, Error::Handshake(ref m) if m.contains("version 99, we speak 1")), "{e}");
+    let e = accept_raw(&raw_preface(1, 1 << 30, b"")).await;
+    assert!(matches!(e, Error::Handshake(ref m) if m.contains("slot size")), "{e}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn silent_client_times_out_setup() {
+    let e = accept_raw(b"").await;
+    assert!(matches!(e, Error::Timeout(ref m) if m.contains("preface")), "{e}");
+}
+
+/// A server link whose client is a raw socket that sent a valid preface.
+async fn raw_client() -> (TcpLink, tokio::net::TcpStream) {
+    let l = tcp::listen("127.0.0.1:0", &config()).await.unwrap();
+    let mut raw = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    raw.write_all(&raw_preface(1, 65536, b"")).await.unwrap();
+    (l.accept().await.unwrap(), raw)
+}
+
+#[tokio::test]
+async fn hostile_records_are_protocol_errors_not_allocations() {
+    let cases: [(&[u8], &str); 4] = [
+        (&[0, 0xff, 0xff, 0xff, 0x7f], "exceeds the limit"),
+        (&[2, 0xff, 0xff, 0xff, 0x7f], "read response record"),
+        (&[9, 0, 0, 0, 0], "unknown tcp record type 9"),
+        (&[1, 3, 0, 0, 0], "read request of 3 bytes"),
+    ];
+    for (record, want) in cases {
+        let (mut s, mut raw) = raw_client().await;
+        raw.write_all(record).await.unwrap();
+        let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx))).await.expect("hang guard").unwrap_err();
+        assert!(matches!(e, Error::Protocol(ref m) if m.contains(want)), "{want}: {e}");
+    }
+    // A response nobody asked for.
+    let (mut s, mut raw) = raw_client().await;
+    let mut rec = vec![2, 13, 0, 0, 0];
+    rec.extend_from_slice(&5u64.to_le_bytes());
+    rec.extend_from_slice(&[0, 0, 0, 0, 0]);
+    raw.write_all(&rec).await.unwrap();
+    let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx))).await.expect("hang guard").unwrap_err();
+    assert!(matches!(e, Error::Protocol(ref m) if m.contains("no read is outstanding")), "{e}");
+}
+
+#[tokio::test]
+async fn auth_tokens_must_match() {
+    let with = |t: &str| Config { auth_token: Some(t.into()), ..config() };
+    let (s, c) = pair_with(with("s3cret"), with("s3cret")).await;
+    drop((s, c));
+
+    for (server, client) in [(with("s3cret"), with("other")), (with("s3cret"), config()), (config(), with("x"))] {
+        let l = tcp::listen("127.0.0.1:0", &server).await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let (s, c) = tokio::join!(l.accept(), tcp::connect(&addr, &client));
+        for e in [s.unwrap_err(), c.unwrap_err()] {
+            assert!(matches!(e, Error::Handshake(ref m) if m.contains("IBEX_AUTH_TOKEN")), "{e}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn refused_connection_names_the_address() {
+    let l = tcp::listen("127.0.0.1:0", &config()).await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    drop(l);
+    let e = tcp::connect(&addr, &config()).await.unwrap_err();
+    let m = e.to_string();
+    assert!(m.contains(&addr) && m.contains("nothing listens") && m.contains("is the server running"), "{m}");
+    let e = tcp::connect("no-port-here", &config()).await.unwrap_err();
+    assert!(matches!(e, Error::Address { .. }), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_on_separate_tasks_serve_and_read() {
+    let (mut s, mut c) = pair().await;
+    let region = big_region(8 << 20, 11);
+    let exp = s.expose(region.clone()).unwrap();
+    // The server is a driver that only waits for events: serving happens inside them.
+    let server = tokio::spawn(async move {
+        let mut frames = Vec::new();
+        let end = poll_fn(|cx| loop {
+            match s.poll_event(cx) {
+                Poll::Ready(Ok(LinkEvent::Frame(f))) => frames.push(f),
+                Poll::Ready(Ok(other)) => panic!("unexpected {other:?}"),
+                Poll::Ready(Err(e)) => return Poll::Ready(e),
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await;
+        (frames, end)
+    });
+    let dst = tokio::time::timeout(GUARD, async {
+        let mut dst = c.alloc_recv(region.len()).unwrap();
+        let frag = 512 << 10;
+        let n = region.len() / frag;
+        let (mut posted, mut done) = (0, 0);
+        poll_fn(|cx| {
+            loop {
+                while posted < n && posted - done < 8 {
+                    // SAFETY: `dst` outlives every read; fragments do not overlap.
+                    unsafe {
+                        let p = dst.as_mut_ptr().add(posted * frag);
+                        c.post_read(posted as u64, &exp.descriptor, (posted * frag) as u64, p, frag).unwrap();
+                    }
+                    posted += 1;
+                }
+                match c.poll_event(cx) {
+                    Poll::Ready(Ok(LinkEvent::ReadDone { id, result })) => {
+                        result.unwrap();
+                        assert_eq!(id, done as u64);
+                        done += 1;
+                        if done == n {
+                            return Poll::Ready(());
+                        }
+                    }
+                    Poll::Ready(other) => panic!("unexpected {other:?}"),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+        })
+        .await;
+        for i in 0..100 {
+            poll_fn(|cx| c.poll_send(cx, &pattern(i, i * 10))).await.unwrap();
+        }
+        poll_fn(|cx| c.poll_flush(cx)).await.unwrap();
+        c.close();
+        dst
+    })
+    .await
+    .expect("hang guard");
+    assert!(dst.as_slice() == &region[..]);
+    let (frames, end) = tokio::time::timeout(GUARD, server).await.expect("hang guard").unwrap();
+    assert_eq!(frames.len(), 100);
+    for (i, f) in frames.iter().enumerate() {
+        assert_eq!(f[..], pattern(i, i * 10)[..]);
+    }
+    assert!(matches!(end, Error::PeerGone(_)), "{end}");
+}
