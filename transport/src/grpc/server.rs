@@ -94,35 +94,51 @@ impl Builder {
     pub async fn serve_with_listener<F: Future<Output = ()>>(self, listener: Listener, signal: F) -> Result<()> {
         let routes = self.routes.unwrap_or_default().prepare();
         let shutdown = Arc::new(Flag::default());
+        // Accepting includes the peer's handshake and is not cancel-safe, so it runs in its
+        // own task and is never raced against the other events here.
+        let (tx, mut accepted) = mpsc::channel::<Connection>(1);
+        let acceptor = tokio::spawn(accept_loop(listener, tx));
         let mut conns = JoinSet::new();
-        let mut backoff = std::time::Duration::ZERO;
         tokio::pin!(signal);
         loop {
             tokio::select! {
                 _ = &mut signal => break,
-                r = listener.accept() => match r {
-                    Ok(conn) => {
-                        backoff = std::time::Duration::ZERO;
+                c = accepted.recv() => match c {
+                    Some(conn) => {
                         conns.spawn(serve_conn(conn, routes.clone(), shutdown.clone()));
                     }
-                    // A peer failing its setup must not stop the server; the pause keeps a
-                    // persistent listener failure from spinning.
-                    Err(e) => {
-                        tracing::warn!(%e, "gRPC server: accepting a connection failed");
-                        backoff = (backoff * 2).clamp(std::time::Duration::from_millis(5), std::time::Duration::from_secs(1));
-                        tokio::select! {
-                            _ = &mut signal => break,
-                            _ = tokio::time::sleep(backoff) => {}
-                        }
-                    }
+                    None => break,
                 },
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
             }
         }
-        drop(listener);
+        // Stop accepting first (the listener goes with the task), then drain.
+        acceptor.abort();
+        let _ = acceptor.await;
         shutdown.set();
         while conns.join_next().await.is_some() {}
         Ok(())
+    }
+}
+
+async fn accept_loop(listener: Listener, tx: mpsc::Sender<Connection>) {
+    let mut backoff = std::time::Duration::ZERO;
+    loop {
+        match listener.accept().await {
+            Ok(conn) => {
+                backoff = std::time::Duration::ZERO;
+                if tx.send(conn).await.is_err() {
+                    return;
+                }
+            }
+            // A peer failing its setup must not stop the server; the pause keeps a persistent
+            // listener failure from spinning.
+            Err(e) => {
+                tracing::warn!(%e, "gRPC server: accepting a connection failed");
+                backoff = (backoff * 2).clamp(std::time::Duration::from_millis(5), std::time::Duration::from_secs(1));
+                tokio::time::sleep(backoff).await;
+            }
+        }
     }
 }
 
