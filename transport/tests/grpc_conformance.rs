@@ -394,13 +394,15 @@ macro_rules! conformance {
 
 conformance!(tonic_tcp: Stock, ibex_shm: IbexShm, ibex_tcp: IbexTcp);
 
-/// The zero-copy hook: a handler pulls a buffer the client exposed, through the
-/// `PeerHandle` in the request extensions, instead of receiving it in the body.
-mod peer_handle {
+/// What only the Ibex transports have: the zero-copy hook (`PeerHandle`), the mapping of
+/// calls onto transport messages, and the handling of a garbage-sending peer.
+mod ibex_only {
     use super::*;
     use grpc_common::transports::ibex_config;
     use ibex_transport::grpc::Channel;
 
+    /// A handler pulls a buffer the client exposed, through the `PeerHandle` in the request
+    /// extensions, instead of receiving it in the body.
     async fn pull_exposed_buffer<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
         let ch = Channel::connect_with_config(&srv.addr, ibex_config()).await.unwrap();
@@ -434,13 +436,49 @@ mod peer_handle {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn shm() {
+    async fn peer_handle_shm() {
         within(pull_exposed_buffer::<IbexShm>()).await
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn tcp() {
+    async fn peer_handle_tcp() {
         within(pull_exposed_buffer::<IbexTcp>()).await
+    }
+
+    /// How calls map onto transport messages: a small unary call is one message each way
+    /// (head, body and end coalesced), and a large body frame is its own message, which the
+    /// transport moves rendezvous.
+    async fn message_paths<T: Transport>() {
+        let (srv, _ev) = start::<T>(None, None).await;
+        let ch = Channel::connect_with_config(&srv.addr, ibex_config()).await.unwrap();
+        let mut c = BenchClient::new(ch.clone());
+        let delta = |a: &ibex_transport::ConnStats, b: &ibex_transport::ConnStats| {
+            let (a, b) = (&a.proto, &b.proto);
+            [b.eager_msgs_sent - a.eager_msgs_sent, b.eager_msgs_recv - a.eager_msgs_recv, b.rndv_msgs_sent - a.rndv_msgs_sent, b.rndv_msgs_recv - a.rndv_msgs_recv]
+        };
+        let before = ch.connection().stats();
+        let p = Payload { buffers: vec![pattern(64, 1)] };
+        assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
+        let after = ch.connection().stats();
+        assert_eq!(delta(&before, &after), [1, 1, 0, 0], "64 B echo: [eager sent, eager recv, rndv sent, rndv recv]");
+        // 2 MiB stays under half the flow-control window, so no window update joins in.
+        let p = Payload { buffers: vec![pattern(2 * MIB, 2)] };
+        assert!(c.echo(p.clone()).await.unwrap().into_inner() == p);
+        let after2 = ch.connection().stats();
+        assert_eq!(delta(&after, &after2), [1, 1, 1, 1], "2 MiB echo: [eager sent, eager recv, rndv sent, rndv recv]");
+        let body = after2.proto.rndv_bytes_sent - after.proto.rndv_bytes_sent;
+        assert!((2 * MIB as u64..2 * MIB as u64 + 64).contains(&body), "the body frame went whole, not split: {body} B");
+        srv.shutdown().await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn message_paths_shm() {
+        within(message_paths::<IbexShm>()).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn message_paths_tcp() {
+        within(message_paths::<IbexTcp>()).await
     }
 
     /// A client that sends garbage loses its own connection, with no panic, and the server
@@ -468,7 +506,7 @@ mod peer_handle {
 
     /// Over HTTP/2 nothing crosses the wire in extensions: the handler finds no handle.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn stock_tonic_has_none() {
+    async fn stock_tonic_has_no_peer_handle() {
         within(async {
             let (srv, _ev) = start::<Stock>(None, None).await;
             let mut c = client::<Stock>(&srv).await;
