@@ -25,3 +25,5 @@ pub use conn::{
 };
 pub use link::RecvBuf;
 pub use pool::{Pool, PoolBufMut};
+#[cfg(feature = "grpc")]
+pub mod grpc;

@@ -1,0 +1,23 @@
+//! Compiles the protos with `protox` (pure Rust), so building needs no system `protoc`.
+
+use std::path::PathBuf;
+
+/// One file per protobuf package: each later package (the parameter-server service, ...)
+/// adds its own file here.
+const PROTOS: &[&str] = &["ibex/bench/v1/bench.proto", "helloworld/helloworld.proto"];
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("protos");
+    for p in PROTOS {
+        println!("cargo:rerun-if-changed={}", root.join(p).display());
+    }
+    let fds = protox::compile(PROTOS, [&root])?;
+    tonic_prost_build::configure()
+        // Bulk data must stay zero-copy after decoding: `Bytes` slices, not `Vec<u8>`.
+        .bytes(".")
+        // Channels are built by the caller (stock tonic or Ibex), so no `connect` helper
+        // tied to tonic's own transport.
+        .build_transport(false)
+        .compile_fds(fds)?;
+    Ok(())
+}

@@ -1,0 +1,146 @@
+//! The body of an incoming call half (the request on the server, the response on the
+//! client): what the connection's reader dispatched to this call, handed to tonic as an
+//! `http_body::Body`, with flow-control credit returned as it is consumed.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::Frame;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::wire::Packet;
+use super::{CallShared, Mux, WINDOW, cost};
+
+/// What the reader hands a call.
+#[derive(Debug)]
+pub(crate) enum Inbound {
+    Data(Bytes),
+    Trailers(HeaderMap),
+    End,
+    Error(Status),
+}
+
+/// Something to run when the body is dropped before its end (the client cancels its call).
+pub(crate) trait OnDrop: Send + Sync {
+    /// The call ended normally: nothing to do on drop.
+    fn disarm(&mut self);
+}
+
+/// An incoming gRPC body: data frames, then (on the client) the trailers. Errors are
+/// [`tonic::Status`] values, so tonic reports them with their real code.
+pub struct IncomingBody {
+    rx: mpsc::UnboundedReceiver<Inbound>,
+    mux: Arc<Mux>,
+    call_id: u32,
+    call: Arc<CallShared>,
+    /// Consumed since the last window update.
+    consumed: i64,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    guard: Option<Box<dyn OnDrop>>,
+    /// What the call says if its source vanished without an end (connection lost).
+    lost: Status,
+    done: bool,
+}
+
+impl std::fmt::Debug for IncomingBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IncomingBody").field("call", &self.call_id).field("done", &self.done).finish()
+    }
+}
+
+impl IncomingBody {
+    pub(crate) fn new(
+        rx: mpsc::UnboundedReceiver<Inbound>,
+        mux: Arc<Mux>,
+        call_id: u32,
+        call: Arc<CallShared>,
+        lost: Status,
+    ) -> IncomingBody {
+        IncomingBody { rx, mux, call_id, call, consumed: 0, deadline: None, guard: None, lost, done: false }
+    }
+
+    pub(crate) fn with_deadline(mut self, at: Option<tokio::time::Instant>) -> Self {
+        self.deadline = at.map(|d| Box::pin(tokio::time::sleep_until(d)));
+        self
+    }
+
+    pub(crate) fn with_guard(mut self, g: Box<dyn OnDrop>) -> Self {
+        self.guard = Some(g);
+        self
+    }
+
+    fn end(&mut self) {
+        self.done = true;
+        if let Some(g) = self.guard.as_mut() {
+            g.disarm();
+        }
+    }
+
+    /// Gives consumed bytes back to the sender once half a window has gone by, so the
+    /// sender never stalls on a reader that keeps up.
+    fn consume(&mut self, len: usize) {
+        self.consumed += cost(len);
+        if self.consumed >= WINDOW / 2 {
+            let grant = self.consumed.min(i64::from(u32::MAX));
+            self.consumed -= grant;
+            self.call.recv_outstanding.fetch_sub(grant, std::sync::atomic::Ordering::AcqRel);
+            let mut p = Packet::new(self.call_id);
+            p.window = Some(grant as u32);
+            self.mux.send_detached(p);
+        }
+    }
+}
+
+impl http_body::Body for IncomingBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        // What already arrived is delivered before a deadline is looked at.
+        match this.rx.poll_recv(cx) {
+            Poll::Ready(Some(Inbound::Data(d))) => {
+                this.consume(d.len());
+                Poll::Ready(Some(Ok(Frame::data(d))))
+            }
+            Poll::Ready(Some(Inbound::Trailers(t))) => {
+                this.end();
+                Poll::Ready(Some(Ok(Frame::trailers(t))))
+            }
+            Poll::Ready(Some(Inbound::End)) => {
+                this.end();
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Inbound::Error(s))) => {
+                this.end();
+                Poll::Ready(Some(Err(s)))
+            }
+            Poll::Ready(None) => {
+                this.end();
+                Poll::Ready(Some(Err(this.lost.clone())))
+            }
+            Poll::Pending => {
+                if let Some(d) = this.deadline.as_mut()
+                    && d.as_mut().poll(cx).is_ready()
+                {
+                    // Leave the guard armed: dropping it resets the call on the server.
+                    this.done = true;
+                    this.guard = None;
+                    return Poll::Ready(Some(Err(Status::deadline_exceeded("Deadline exceeded (grpc-timeout) while receiving the response"))));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+}

@@ -1,0 +1,336 @@
+//! The client: [`Channel`], a `tower::Service` that generated tonic clients accept.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+
+use super::body::{Inbound, IncomingBody, OnDrop};
+use super::pump::{Pumped, Side, pump};
+use super::wire::{Data, Head, Packet};
+use super::{CallShared, Mux, RemoteBuf, parse_timeout};
+use crate::config::Config;
+use crate::conn::Connection;
+use crate::error::{Error, Result};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type HeadResult = std::result::Result<(StatusCode, HeaderMap), Status>;
+
+/// A gRPC client channel over one Ibex connection. Cheap to clone; all clones multiplex
+/// their calls on the same connection. Hand it to any generated client:
+/// `BenchClient::new(Channel::connect("shm:///run/ibex.sock").await?)`.
+///
+/// It does not reconnect: once the connection is gone, calls fail with `Unavailable`
+/// saying why, and a new channel must be connected.
+#[derive(Clone)]
+pub struct Channel {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel").field("conn", &self.inner.shared.mux.conn).finish()
+    }
+}
+
+/// Lives while a channel clone or a call does; stops the reader after the last.
+struct Inner {
+    shared: Arc<Shared>,
+    reader: tokio::task::AbortHandle,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+struct Shared {
+    mux: Arc<Mux>,
+    calls: Mutex<Calls>,
+}
+
+#[derive(Default)]
+struct Calls {
+    map: HashMap<u32, Call>,
+    next_id: u32,
+    /// Why the connection is unusable, once it is.
+    closed: Option<Status>,
+    /// The server sent GOAWAY: it finishes what it has and takes nothing new.
+    draining: bool,
+}
+
+struct Call {
+    head: Option<oneshot::Sender<HeadResult>>,
+    body: mpsc::UnboundedSender<Inbound>,
+    shared: Arc<CallShared>,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Calls> {
+        // A panic while holding this lock leaves plain data behind; keep serving.
+        self.calls.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The connection is gone: every call fails with `status`, new ones too.
+    fn fail_all(&self, status: Status) {
+        let mut calls = self.lock();
+        calls.closed = Some(status.clone());
+        for (_, mut c) in calls.map.drain() {
+            if let Some(h) = c.head.take() {
+                let _ = h.send(Err(status.clone()));
+            }
+            let _ = c.body.send(Inbound::Error(status.clone()));
+            c.shared.finish();
+        }
+    }
+
+    /// Dispatches one packet from the server.
+    fn dispatch(&self, p: Packet, data: Option<Bytes>) {
+        let mut calls = self.lock();
+        if p.goaway {
+            calls.draining = true;
+            return;
+        }
+        // Packets for calls already over (cancelled here, or finished) are dropped.
+        let Some(c) = calls.map.get_mut(&p.call) else { return };
+        if let Some(w) = p.window {
+            c.shared.grant(w);
+        }
+        if let Some(Head::Response { status, headers }) = p.head
+            && let Some(h) = c.head.take()
+        {
+            let _ = h.send(Ok((status, headers)));
+        }
+        if let Some(d) = data {
+            if !c.shared.received(d.len()) {
+                let _ = c.body.send(Inbound::Error(Status::resource_exhausted("the server overran the call's flow-control window")));
+                self.reset_locked(&mut calls, p.call);
+                return;
+            }
+            let _ = c.body.send(Inbound::Data(d));
+        }
+        if let Some(t) = p.trailers {
+            let _ = c.body.send(Inbound::Trailers(t));
+        } else if p.end {
+            let _ = c.body.send(Inbound::End);
+        }
+        if p.reset {
+            let s = Status::cancelled("the server reset the call");
+            if let Some(h) = c.head.take() {
+                let _ = h.send(Err(s.clone()));
+            }
+            let _ = c.body.send(Inbound::Error(s));
+        }
+        if (p.end || p.reset)
+            && let Some(mut c) = calls.map.remove(&p.call)
+        {
+            if let Some(h) = c.head.take() {
+                let _ = h.send(Err(Status::internal("the server ended the call without a response head")));
+            }
+            c.shared.finish();
+        }
+    }
+
+    /// Ends a call from this side and tells the server.
+    fn reset_locked(&self, calls: &mut Calls, id: u32) {
+        if let Some(c) = calls.map.remove(&id) {
+            c.shared.finish();
+            if calls.closed.is_none() {
+                self.mux.reset_detached(id, c.shared);
+            }
+        }
+    }
+}
+
+/// Reads the connection and hands packets to their calls, until the connection ends.
+async fn reader(shared: Arc<Shared>) {
+    let conn = shared.mux.conn.clone();
+    let peer = conn.peer();
+    let gone = |e: Error| Status::unavailable(format!("the Ibex connection to the gRPC server ({peer}) is gone: {e}"));
+    loop {
+        let msg = match conn.recv().await {
+            Ok(m) => m,
+            Err(e) => return shared.fail_all(gone(e)),
+        };
+        let p = match Packet::decode(msg, false) {
+            Ok(p) => p,
+            Err(e) => {
+                shared.fail_all(gone(e));
+                return conn.close().await;
+            }
+        };
+        let data = match &p.data {
+            Some(Data::Inline(b)) => Some(b.clone()),
+            Some(Data::Next(len)) => match conn.recv().await {
+                Ok(m) if m.len() as u64 == *len => Some(m),
+                Ok(m) => {
+                    let e = Error::Protocol(format!("gRPC call framing: body of {} bytes announced as {len}", m.len()));
+                    shared.fail_all(gone(e));
+                    return conn.close().await;
+                }
+                Err(e) => return shared.fail_all(gone(e)),
+            },
+            None => None,
+        };
+        shared.dispatch(p, data);
+    }
+}
+
+/// Held by a call's future and then its response body: dropping it before the call ended
+/// cancels the call on the server.
+struct CallGuard {
+    inner: Arc<Inner>,
+    id: u32,
+    armed: bool,
+}
+
+impl OnDrop for CallGuard {
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let shared = &self.inner.shared;
+            let mut calls = shared.lock();
+            shared.reset_locked(&mut calls, self.id);
+        }
+    }
+}
+
+impl Channel {
+    /// Connects to a gRPC server at an Ibex address (`shm:///path.sock`, `tcp://host:port`)
+    /// with the default configuration and its environment overrides.
+    pub async fn connect(uri: &str) -> Result<Channel> {
+        Channel::connect_with_config(uri, Config::from_env()?).await
+    }
+
+    /// Connects with an explicit transport configuration.
+    pub async fn connect_with_config(uri: &str, config: Config) -> Result<Channel> {
+        Ok(Channel::new(crate::conn::connect(uri, config).await?))
+    }
+
+    /// Runs gRPC calls over an established connection (which nothing else should read).
+    /// Must be called within a tokio runtime.
+    pub fn new(conn: Connection) -> Channel {
+        let shared = Arc::new(Shared { mux: Arc::new(Mux::new(conn)), calls: Mutex::new(Calls::default()) });
+        let reader = tokio::spawn(reader(shared.clone())).abort_handle();
+        Channel { inner: Arc::new(Inner { shared, reader }) }
+    }
+
+    /// Exposes `buf` for one-sided reads by the server until the returned [`RemoteBuf`] is
+    /// dropped. Put `descriptor()` in a request; the handler pulls it with
+    /// [`PeerHandle::read_remote`](super::PeerHandle::read_remote).
+    pub async fn expose(&self, buf: Bytes) -> Result<RemoteBuf> {
+        self.inner.shared.mux.conn.expose(buf).await
+    }
+
+    /// True when the provider reads peer memory without the peer's CPU (shm CMA, RDMA).
+    pub fn one_sided(&self) -> bool {
+        self.inner.shared.mux.conn.one_sided()
+    }
+
+    /// The underlying connection (stats, pool).
+    pub fn connection(&self) -> &Connection {
+        &self.inner.shared.mux.conn
+    }
+
+    async fn call<B>(inner: Arc<Inner>, req: http::Request<B>) -> std::result::Result<http::Response<IncomingBody>, Status>
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let (parts, body) = req.into_parts();
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+        let deadline = parse_timeout(&parts.headers).map(|t| tokio::time::Instant::now() + t);
+        let shared = inner.shared.clone();
+        let call = CallShared::new();
+        let (head_tx, head_rx) = oneshot::channel();
+        let (body_tx, body_rx) = mpsc::unbounded_channel();
+        let id = {
+            let mut calls = shared.lock();
+            if let Some(s) = &calls.closed {
+                return Err(s.clone());
+            }
+            if calls.draining {
+                return Err(Status::unavailable("the gRPC server is shutting down and takes no new calls on this connection; connect again"));
+            }
+            let mut id = calls.next_id;
+            while calls.map.contains_key(&id) {
+                id = id.wrapping_add(1);
+            }
+            calls.next_id = id.wrapping_add(1);
+            calls.map.insert(id, Call { head: Some(head_tx), body: body_tx.clone(), shared: call.clone() });
+            id
+        };
+        let mut guard = CallGuard { inner: inner.clone(), id, armed: true };
+
+        let mut head = Packet::new(id);
+        head.head = Some(Head::Request { path, headers: parts.headers });
+        let mux = shared.mux.clone();
+        let pump_call = call.clone();
+        tokio::spawn(async move {
+            if let Pumped::Failed(s) = pump(&mux, id, &pump_call, head, body, Side::Client, None).await {
+                // The request body failed: the call fails with its status, like tonic's.
+                let _ = body_tx.send(Inbound::Error(s));
+            }
+        });
+
+        let head = match deadline {
+            Some(d) => tokio::select! {
+                h = head_rx => h,
+                _ = tokio::time::sleep_until(d) => {
+                    return Err(Status::deadline_exceeded("Deadline exceeded (grpc-timeout) before the server answered"));
+                }
+            },
+            None => head_rx.await,
+        };
+        let (status, headers) = match head {
+            Ok(Ok(h)) => h,
+            Ok(Err(s)) => {
+                guard.disarm();
+                return Err(s);
+            }
+            Err(_) => {
+                guard.disarm();
+                return Err(shared.lock().closed.clone().unwrap_or_else(|| Status::internal("the call ended without a response")));
+            }
+        };
+        let lost = Status::unavailable("the Ibex connection to the gRPC server was lost during the call");
+        let body = IncomingBody::new(body_rx, shared.mux.clone(), id, call, lost).with_deadline(deadline).with_guard(Box::new(guard));
+        let mut resp = http::Response::new(body);
+        *resp.status_mut() = status;
+        *resp.headers_mut() = headers;
+        *resp.version_mut() = http::Version::HTTP_2;
+        Ok(resp)
+    }
+}
+
+impl<B> tower::Service<http::Request<B>> for Channel
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = http::Response<IncomingBody>;
+    /// A `Status` so tonic reports transport failures with their real code.
+    type Error = Status;
+    type Future = Pin<Box<dyn Future<Output = std::result::Result<Self::Response, Status>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<std::result::Result<(), Status>> {
+        // Calls queue in the transport (which applies backpressure per send), never here.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        Box::pin(Channel::call(self.inner.clone(), req))
+    }
+}

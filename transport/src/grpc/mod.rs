@@ -1,0 +1,301 @@
+//! gRPC over Ibex: a tonic-compatible client [`Channel`] and [`Server`] that carry calls as
+//! Ibex messages instead of HTTP/2 frames.
+//!
+//! Generated tonic clients and servers work unchanged; only the channel and server lines
+//! differ from stock tonic:
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! use ibex_transport::grpc::{Channel, Server};
+//! # let svc = tonic::service::Routes::default();
+//! // Server: any tonic service (or `Routes`).
+//! tokio::spawn(Server::builder().add_routes(svc).serve("shm:///run/ibex.sock"));
+//! // Client: `GreeterClient::new(channel)`, `BenchClient::new(channel)`, ...
+//! let channel = Channel::connect("shm:///run/ibex.sock").await?;
+//! # Ok(()) }
+//! ```
+//!
+//! How calls travel is in [`wire`](self) (module docs of `wire.rs`): each call is
+//! `HEAD *DATA [TRAILERS|END]` in each direction, many calls share one connection, and every
+//! body frame is its own transport message above a few KiB, so the transport moves large
+//! messages rendezvous without a copy. Flow control is per call (a byte window), so a slow
+//! reader of one call never stalls the others. What HTTP/2 did and tonic's own server layer
+//! did is done here: `grpc-timeout` deadlines (enforced on both sides), cancellation (the
+//! handler's future is dropped when the client cancels or goes away), trailers and
+//! trailers-only responses, and graceful shutdown. See `docs/grpc.md`.
+//!
+//! For bulk data that should not pass through protobuf at all, a handler can pull a buffer
+//! the client exposed ([`Channel::expose`]) with the [`PeerHandle`] found in the request's
+//! extensions.
+
+mod body;
+mod pump;
+mod client;
+mod server;
+mod wire;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::Notify;
+
+pub use body::IncomingBody;
+pub use client::Channel;
+pub use server::{Builder, PeerHandle, Server};
+
+pub use crate::conn::RemoteBuf;
+
+use crate::conn::Connection;
+use crate::error::Result;
+use wire::{Data, INLINE_MAX, Packet};
+
+/// The body of a response on the client side: data frames, then the trailers.
+pub type ResponseBody = IncomingBody;
+
+/// Per-call flow-control window, in bytes, each direction. A sender may send while its window
+/// is positive, so one message larger than the window still goes (alone).
+const WINDOW: i64 = 8 << 20;
+
+/// Each frame counts at least this much against the window, so a stream of tiny frames is
+/// bounded in count too.
+const MIN_FRAME_COST: i64 = 1024;
+
+fn cost(len: usize) -> i64 {
+    (len as i64).max(MIN_FRAME_COST)
+}
+
+/// One connection's sending side. Packets whose body travels as a separate message must be
+/// adjacent on the wire, so all sends of a connection go through one lock.
+pub(crate) struct Mux {
+    conn: Connection,
+    send_lock: tokio::sync::Mutex<()>,
+}
+
+impl Mux {
+    fn new(conn: Connection) -> Mux {
+        Mux { conn, send_lock: tokio::sync::Mutex::new(()) }
+    }
+
+    /// Sends `pkt`, with `data` as its body frame (inline when small, else as the next
+    /// message). Callers never drop this future half-way: it runs in tasks that stop only
+    /// between packets, so a body message never loses its packet.
+    async fn send(&self, mut pkt: Packet, data: Option<Bytes>) -> Result<()> {
+        let next = match data {
+            Some(d) if d.len() > INLINE_MAX => {
+                pkt.data = Some(Data::Next(d.len() as u64));
+                Some(d)
+            }
+            Some(d) => {
+                pkt.data = Some(Data::Inline(d));
+                None
+            }
+            None => None,
+        };
+        let head = pkt.encode()?;
+        let _order = self.send_lock.lock().await;
+        self.conn.send(head).await?;
+        if let Some(d) = next {
+            self.conn.send(d).await?;
+        }
+        Ok(())
+    }
+
+    /// Resets call `id` on the peer from a context that cannot wait (a drop), once the
+    /// call's head has gone out; nothing if it never will.
+    fn reset_detached(self: &Arc<Self>, id: u32, call: Arc<CallShared>) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let mux = self.clone();
+            rt.spawn(async move {
+                call.head_sent.wait().await;
+                if call.head_skipped.load(Ordering::Acquire) {
+                    return;
+                }
+                let mut p = Packet::new(id);
+                p.reset = true;
+                if let Err(e) = mux.send(p, None).await {
+                    tracing::debug!(%e, "gRPC reset not sent: the connection is closing");
+                }
+            });
+        }
+    }
+
+    /// Sends a packet from a context that cannot wait (drops, poll functions).
+    fn send_detached(self: &Arc<Self>, pkt: Packet) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let mux = self.clone();
+            rt.spawn(async move {
+                if let Err(e) = mux.send(pkt, None).await {
+                    tracing::debug!(%e, "gRPC control packet not sent: the connection is closing");
+                }
+            });
+        }
+    }
+}
+
+/// A one-way latch tasks can wait on (call finished or cancelled, server shutting down).
+#[derive(Default)]
+pub(crate) struct Flag {
+    set: AtomicBool,
+    notify: Notify,
+}
+
+impl Flag {
+    fn set(&self) {
+        self.set.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+
+    fn is_set(&self) -> bool {
+        self.set.load(Ordering::Acquire)
+    }
+
+    async fn wait(&self) {
+        loop {
+            let n = self.notify.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.is_set() {
+                return;
+            }
+            n.await;
+        }
+    }
+}
+
+/// What both ends track for one call.
+pub(crate) struct CallShared {
+    /// The call is over for this side: finished, cancelled or its connection is gone.
+    done: Flag,
+    /// Bytes this side may still send before the peer grants more.
+    send_window: std::sync::Mutex<i64>,
+    send_space: Notify,
+    /// Bytes received but not yet granted back; the peer never lets this pass `WINDOW`.
+    recv_outstanding: AtomicI64,
+    /// The call's first packet went out, or never will (`head_skipped`): a cancel must not
+    /// overtake the head, or the peer would see a reset for a call it does not know yet.
+    head_sent: Flag,
+    head_skipped: AtomicBool,
+}
+
+impl CallShared {
+    fn new() -> Arc<CallShared> {
+        Arc::new(CallShared {
+            done: Flag::default(),
+            send_window: std::sync::Mutex::new(WINDOW),
+            send_space: Notify::new(),
+            recv_outstanding: AtomicI64::new(0),
+            head_sent: Flag::default(),
+            head_skipped: AtomicBool::new(false),
+        })
+    }
+
+    /// Ends the call for this side and wakes everything waiting on it.
+    fn finish(&self) {
+        self.done.set();
+        self.send_space.notify_waiters();
+    }
+
+    fn grant(&self, n: u32) {
+        if let Ok(mut w) = self.send_window.lock() {
+            *w += i64::from(n);
+        }
+        self.send_space.notify_waiters();
+    }
+
+    /// Waits for window, then takes `len` bytes of it. False once the call is over.
+    async fn acquire(&self, len: usize) -> bool {
+        loop {
+            let n = self.send_space.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.done.is_set() {
+                return false;
+            }
+            if let Ok(mut w) = self.send_window.lock()
+                && *w > 0
+            {
+                *w -= cost(len);
+                return true;
+            }
+            n.await;
+        }
+    }
+
+    /// Accounts a received frame. False if the peer overran the window it was given.
+    fn received(&self, len: usize) -> bool {
+        let before = self.recv_outstanding.fetch_add(cost(len), Ordering::AcqRel);
+        before < WINDOW
+    }
+}
+
+/// Parses `grpc-timeout` (`1-8 digits` + `H M S m u n`), as tonic's own server does.
+fn parse_timeout(headers: &http::HeaderMap) -> Option<Duration> {
+    let v = headers.get("grpc-timeout")?.to_str().ok()?;
+    if v.len() < 2 || v.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = v.split_at(v.len() - 1);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_parses_like_tonic() {
+        let t = |v: &'static str| {
+            let mut h = http::HeaderMap::new();
+            h.insert("grpc-timeout", http::HeaderValue::from_static(v));
+            parse_timeout(&h)
+        };
+        assert_eq!(t("3H"), Some(Duration::from_secs(3 * 3600)));
+        assert_eq!(t("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(t("10S"), Some(Duration::from_secs(10)));
+        assert_eq!(t("200m"), Some(Duration::from_millis(200)));
+        assert_eq!(t("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(t("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        assert_eq!(t("123456789S"), None, "at most 8 digits");
+        assert_eq!(t("5x"), None);
+        assert_eq!(t("S"), None);
+        assert_eq!(t("-1S"), None);
+        assert_eq!(parse_timeout(&http::HeaderMap::new()), None);
+    }
+
+    #[tokio::test]
+    async fn window_blocks_until_granted_and_releases_on_finish() {
+        let c = CallShared::new();
+        assert!(c.acquire(WINDOW as usize + 5).await, "one oversized frame goes while the window is positive");
+        let c2 = c.clone();
+        let waiter = tokio::spawn(async move { c2.acquire(10).await });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        c.grant(u32::MAX);
+        assert!(waiter.await.unwrap());
+        let c3 = c.clone();
+        *c.send_window.lock().unwrap() = 0;
+        let waiter = tokio::spawn(async move { c3.acquire(10).await });
+        tokio::task::yield_now().await;
+        c.finish();
+        assert!(!waiter.await.unwrap(), "a finished call stops waiting for window");
+    }
+
+    #[test]
+    fn receive_window_overrun_is_detected() {
+        let c = CallShared::new();
+        assert!(c.received(WINDOW as usize - 1));
+        assert!(c.received(100), "the frame that crosses the window is allowed");
+        assert!(!c.received(1), "the sender had no window left");
+    }
+}

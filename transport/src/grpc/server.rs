@@ -1,0 +1,369 @@
+//! The server: accepts Ibex connections and feeds their calls to tonic services.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tonic::Status;
+use tonic::server::NamedService;
+use tonic::service::Routes;
+use tower::Service;
+
+use super::body::{Inbound, IncomingBody};
+use super::pump::{Side, pump};
+use super::wire::{Data, Head, Packet};
+use super::{CallShared, Flag, Mux, parse_timeout};
+use crate::config::Config;
+use crate::conn::{Connection, Listener};
+use crate::error::{Error, Result};
+use crate::link::RecvBuf;
+use crate::pool::Pool;
+
+/// The gRPC server over Ibex. Start with [`Server::builder`].
+#[derive(Debug)]
+pub struct Server;
+
+impl Server {
+    /// A builder to add services to and then serve.
+    pub fn builder() -> Builder {
+        Builder::default()
+    }
+}
+
+/// Collects services, then serves them: `Server::builder().add_service(svc).serve(uri)`.
+#[derive(Debug, Default)]
+pub struct Builder {
+    routes: Option<Routes>,
+    config: Option<Config>,
+}
+
+impl Builder {
+    /// The transport configuration for accepted connections (default: [`Config::from_env`]).
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// Adds a generated tonic service (`GreeterServer::new(..)`, ...).
+    pub fn add_service<S>(mut self, svc: S) -> Self
+    where
+        S: Service<http::Request<tonic::body::Body>, Response = http::Response<tonic::body::Body>, Error = Infallible>
+            + NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        self.routes = Some(self.routes.take().unwrap_or_default().add_service(svc));
+        self
+    }
+
+    /// Adds every service of `routes`.
+    pub fn add_routes(mut self, routes: Routes) -> Self {
+        self.routes = Some(match self.routes.take() {
+            None => routes,
+            // Both carry tonic's `Unimplemented` fallback; the merged router keeps one.
+            Some(mine) => Routes::from(mine.into_axum_router().merge(routes.into_axum_router().reset_fallback())),
+        });
+        self
+    }
+
+    /// Listens on `uri` (`shm:///path.sock`, `tcp://host:port`) and serves until an error.
+    pub async fn serve(self, uri: &str) -> Result<()> {
+        self.serve_with_shutdown(uri, std::future::pending()).await
+    }
+
+    /// Like [`Builder::serve`], until `signal` completes; then stops accepting, tells
+    /// clients to make no new calls, lets the calls in flight finish, and returns.
+    pub async fn serve_with_shutdown<F: Future<Output = ()>>(self, uri: &str, signal: F) -> Result<()> {
+        let config = match &self.config {
+            Some(c) => c.clone(),
+            None => Config::from_env()?,
+        };
+        let listener = crate::conn::listen(uri, config).await?;
+        self.serve_with_listener(listener, signal).await
+    }
+
+    /// Serves on a listener made beforehand (e.g. to learn its `local_uri` first).
+    pub async fn serve_with_listener<F: Future<Output = ()>>(self, listener: Listener, signal: F) -> Result<()> {
+        let routes = self.routes.unwrap_or_default().prepare();
+        let shutdown = Arc::new(Flag::default());
+        // Accepting includes the peer's handshake and is not cancel-safe, so it runs in its
+        // own task and is never raced against the other events here.
+        let (tx, mut accepted) = mpsc::channel::<Connection>(1);
+        let acceptor = tokio::spawn(accept_loop(listener, tx));
+        let mut conns = JoinSet::new();
+        tokio::pin!(signal);
+        loop {
+            tokio::select! {
+                _ = &mut signal => break,
+                c = accepted.recv() => match c {
+                    Some(conn) => {
+                        conns.spawn(serve_conn(conn, routes.clone(), shutdown.clone()));
+                    }
+                    None => break,
+                },
+                Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            }
+        }
+        // Stop accepting first (the listener goes with the task), then drain.
+        acceptor.abort();
+        let _ = acceptor.await;
+        shutdown.set();
+        while conns.join_next().await.is_some() {}
+        Ok(())
+    }
+}
+
+async fn accept_loop(listener: Listener, tx: mpsc::Sender<Connection>) {
+    let mut backoff = std::time::Duration::ZERO;
+    loop {
+        match listener.accept().await {
+            Ok(conn) => {
+                backoff = std::time::Duration::ZERO;
+                if tx.send(conn).await.is_err() {
+                    return;
+                }
+            }
+            // A peer failing its setup must not stop the server; the pause keeps a persistent
+            // listener failure from spinning.
+            Err(e) => {
+                tracing::warn!(%e, "gRPC server: accepting a connection failed");
+                backoff = (backoff * 2).clamp(std::time::Duration::from_millis(5), std::time::Duration::from_secs(1));
+                tokio::time::sleep(backoff).await;
+            }
+        }
+    }
+}
+
+/// What a handler can do with the client's connection beyond the call itself: pull buffers
+/// the client exposed with [`Channel::expose`](super::Channel::expose). Found in every
+/// request's extensions: `req.extensions().get::<PeerHandle>()`.
+#[derive(Clone, Debug)]
+pub struct PeerHandle {
+    conn: Connection,
+}
+
+impl PeerHandle {
+    /// True when reads take no CPU on the client (shm CMA, RDMA READ). When false,
+    /// [`PeerHandle::read_remote`] still works but the client's transport serves it (tcp),
+    /// and sending the data in the message body is usually as fast.
+    pub fn one_sided(&self) -> bool {
+        self.conn.one_sided()
+    }
+
+    /// Reads the client buffer named by `descriptor` into `dst` (exactly as long as the
+    /// bytes wanted).
+    pub async fn read_remote(&self, descriptor: Bytes, dst: RecvBuf) -> Result<RecvBuf> {
+        self.conn.read_remote(descriptor, dst).await
+    }
+
+    /// The registered pool, for destination buffers that need no further copy.
+    pub fn pool(&self) -> Option<Arc<Pool>> {
+        self.conn.pool()
+    }
+
+    /// Who the client is, for logs.
+    pub fn peer(&self) -> String {
+        self.conn.peer()
+    }
+}
+
+/// One accepted connection's calls.
+struct ConnState {
+    mux: Arc<Mux>,
+    calls: Mutex<HashMap<u32, ServerCall>>,
+}
+
+struct ServerCall {
+    body: mpsc::UnboundedSender<Inbound>,
+    shared: Arc<CallShared>,
+}
+
+impl ConnState {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, ServerCall>> {
+        self.calls.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A packet waiting for its body, which is the next message on the connection.
+struct Partial {
+    packet: Packet,
+    len: u64,
+}
+
+async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
+    let peer = PeerHandle { conn: conn.clone() };
+    let st = Arc::new(ConnState { mux: Arc::new(Mux::new(conn.clone())), calls: Mutex::new(HashMap::new()) });
+    let mut tasks = JoinSet::new();
+    let mut draining = false;
+    let mut partial: Option<Partial> = None;
+    loop {
+        tokio::select! {
+            _ = shutdown.wait(), if !draining => {
+                draining = true;
+                let mut p = Packet::new(0);
+                p.goaway = true;
+                let _ = st.mux.send(p, None).await;
+                if tasks.is_empty() {
+                    break;
+                }
+            }
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {
+                if draining && tasks.is_empty() {
+                    break;
+                }
+            }
+            // `recv` is cancel-safe; a packet whose body is still to come waits in `partial`.
+            msg = conn.recv() => {
+                let msg = match msg {
+                    Ok(m) => m,
+                    Err(e) => {
+                        tracing::debug!(%e, "gRPC server: connection ended");
+                        break;
+                    }
+                };
+                let (p, data) = match partial.take() {
+                    Some(Partial { packet, len }) if msg.len() as u64 == len => (packet, Some(msg)),
+                    Some(Partial { len, .. }) => {
+                        tracing::warn!(peer = %peer.peer(), "gRPC server: body of {} bytes announced as {len}; closing the connection", msg.len());
+                        break;
+                    }
+                    None => match Packet::decode(msg, true) {
+                        Ok(mut p) => match p.data.take() {
+                            Some(Data::Next(len)) => {
+                                partial = Some(Partial { packet: p, len });
+                                continue;
+                            }
+                            Some(Data::Inline(d)) => (p, Some(d)),
+                            None => (p, None),
+                        },
+                        Err(e) => {
+                            tracing::warn!(%e, peer = %peer.peer(), "gRPC server: closing the connection");
+                            break;
+                        }
+                    },
+                };
+                if let Err(e) = dispatch(&st, &peer, &routes, &mut tasks, draining, p, data) {
+                    tracing::warn!(%e, peer = %peer.peer(), "gRPC server: closing the connection");
+                    break;
+                }
+            }
+        }
+    }
+    // Whatever is still running has lost its client (or the connection broke the protocol).
+    for (_, c) in st.lock().drain() {
+        let _ = c.body.send(Inbound::Error(Status::cancelled("the client's connection is gone")));
+        c.shared.finish();
+    }
+    while tasks.join_next().await.is_some() {}
+    conn.close().await;
+}
+
+fn dispatch(
+    st: &Arc<ConnState>,
+    peer: &PeerHandle,
+    routes: &Routes,
+    tasks: &mut JoinSet<()>,
+    draining: bool,
+    p: Packet,
+    data: Option<Bytes>,
+) -> Result<()> {
+    let id = p.call;
+    if let Some(Head::Request { path, headers }) = p.head {
+        if draining {
+            // Raced with our GOAWAY: refuse, as HTTP/2 refuses streams past GOAWAY.
+            let (parts, ()) = Status::unavailable("the gRPC server is shutting down; retry on a new connection").into_http::<()>().into_parts();
+            let mut r = Packet::new(id);
+            r.head = Some(Head::Response { status: parts.status, headers: parts.headers });
+            r.end = true;
+            st.mux.send_detached(r);
+            return Ok(());
+        }
+        let call = CallShared::new();
+        let (tx, rx) = mpsc::unbounded_channel();
+        {
+            let mut calls = st.lock();
+            if calls.contains_key(&id) {
+                return Err(Error::Protocol(format!("gRPC call framing: call id {id} opened twice")));
+            }
+            calls.insert(id, ServerCall { body: tx, shared: call.clone() });
+        }
+        let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
+        let body = IncomingBody::new(rx, st.mux.clone(), id, call.clone(), Status::cancelled("the client's connection is gone"));
+        let mut req = http::Request::new(body);
+        *req.method_mut() = http::Method::POST;
+        *req.uri_mut() = path.parse().map_err(|_| Error::Protocol(format!("gRPC call framing: bad method path {path:?}")))?;
+        *req.version_mut() = http::Version::HTTP_2;
+        *req.headers_mut() = headers;
+        req.extensions_mut().insert(peer.clone());
+        tasks.spawn(run_call(st.clone(), id, call, req, routes.clone(), deadline));
+    }
+    let calls = st.lock();
+    // Packets for calls that already ended here are dropped.
+    let Some(c) = calls.get(&id) else { return Ok(()) };
+    if let Some(w) = p.window {
+        c.shared.grant(w);
+    }
+    if let Some(d) = data {
+        if !c.shared.received(d.len()) {
+            let _ = c.body.send(Inbound::Error(Status::resource_exhausted("the client overran the call's flow-control window")));
+        } else {
+            let _ = c.body.send(Inbound::Data(d));
+        }
+    }
+    if p.end {
+        let _ = c.body.send(Inbound::End);
+    }
+    if p.reset {
+        // The client cancelled: the handler's future is dropped by its task.
+        let _ = c.body.send(Inbound::Error(Status::cancelled("the client cancelled the call")));
+        c.shared.finish();
+    }
+    Ok(())
+}
+
+async fn run_call(st: Arc<ConnState>, id: u32, call: Arc<CallShared>, req: http::Request<IncomingBody>, mut routes: Routes, deadline: Option<Instant>) {
+    let sleep = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    let handler = async {
+        // `Routes` is always ready (an axum router).
+        let _ = std::future::poll_fn(|cx| Service::<http::Request<IncomingBody>>::poll_ready(&mut routes, cx)).await;
+        routes.call(req).await
+    };
+    let resp = tokio::select! {
+        biased;
+        _ = call.done.wait() => None,
+        r = handler => match r {
+            Ok(resp) => Some(resp),
+            Err(never) => match never {},
+        },
+        _ = sleep => {
+            // The handler is dropped here; the client learns why in a trailers-only answer.
+            let (parts, ()) = Status::deadline_exceeded("Deadline expired before the handler answered").into_http::<()>().into_parts();
+            let mut p = Packet::new(id);
+            p.head = Some(Head::Response { status: parts.status, headers: parts.headers });
+            p.end = true;
+            let _ = st.mux.send(p, None).await;
+            None
+        }
+    };
+    if let Some(resp) = resp {
+        let (parts, body) = resp.into_parts();
+        let mut head = Packet::new(id);
+        head.head = Some(Head::Response { status: parts.status, headers: parts.headers });
+        pump(&st.mux, id, &call, head, body, Side::Server, deadline).await;
+    }
+    call.finish();
+    st.lock().remove(&id);
+}

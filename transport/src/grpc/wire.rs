@@ -1,0 +1,373 @@
+//! The call-framing layer: how gRPC calls are multiplexed over one Ibex connection.
+//!
+//! Every transport message is one *packet* for one call:
+//!
+//! ```text
+//! u32 call id (big endian) | u8 flags | sections, in flag order:
+//!   HEAD       u32 len | head block     request: u16 path len, path, header list
+//!                                       response: u16 HTTP status, header list
+//!   DATA       u32 len | bytes          body bytes, inline (small frames)
+//!   DATA_NEXT  u64 len                  body bytes follow as the *next* transport message,
+//!                                       untouched, so large ones go rendezvous with no copy
+//!   TRAILERS   u32 len | header list    implies END
+//!   WINDOW     u32 credit               flow control: the peer consumed this much
+//! header list: u16 count, then per entry u16 name len, name, u32 value len, value
+//! ```
+//!
+//! `END` ends the sender's side of the call (client: half-close; server: response done),
+//! `RESET` aborts the call (client cancel, or the server gave up), `GOAWAY` (call id 0) tells
+//! the client that the server is draining and takes no new calls. A call is
+//! `HEAD *DATA [TRAILERS | END]` each way, the model of gRPC's own in-memory transport;
+//! whatever is ready at once travels in one packet (a unary request is one message).
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+
+use crate::error::{Error, Result};
+
+pub(crate) const HEAD: u8 = 1;
+pub(crate) const DATA: u8 = 2;
+pub(crate) const DATA_NEXT: u8 = 4;
+pub(crate) const TRAILERS: u8 = 8;
+pub(crate) const END: u8 = 16;
+pub(crate) const RESET: u8 = 32;
+pub(crate) const WINDOW: u8 = 64;
+pub(crate) const GOAWAY: u8 = 128;
+
+/// Body frames up to this size are copied into the packet; larger ones travel as their own
+/// transport message (no copy, and the transport may move them rendezvous).
+pub(crate) const INLINE_MAX: usize = 8 * 1024;
+
+/// The head block of a packet.
+#[derive(Debug)]
+pub(crate) enum Head {
+    /// Client to server: the method path and the request headers.
+    Request { path: String, headers: HeaderMap },
+    /// Server to client: the HTTP status and the response headers.
+    Response { status: StatusCode, headers: HeaderMap },
+}
+
+/// Where a packet's body bytes are.
+#[derive(Debug)]
+pub(crate) enum Data {
+    Inline(Bytes),
+    /// In the next transport message, of this length.
+    Next(u64),
+}
+
+/// One decoded packet.
+#[derive(Debug, Default)]
+pub(crate) struct Packet {
+    pub call: u32,
+    pub head: Option<Head>,
+    pub data: Option<Data>,
+    pub trailers: Option<HeaderMap>,
+    pub end: bool,
+    pub reset: bool,
+    pub window: Option<u32>,
+    pub goaway: bool,
+}
+
+impl Packet {
+    pub(crate) fn new(call: u32) -> Packet {
+        Packet { call, ..Default::default() }
+    }
+
+    /// Encodes the packet. `Data::Next` only records the length; the caller sends the bytes.
+    pub(crate) fn encode(&self) -> Result<Bytes> {
+        let mut flags = 0u8;
+        let mut b = BytesMut::with_capacity(64 + self.inline_len());
+        b.put_u32(self.call);
+        b.put_u8(0);
+        if let Some(h) = &self.head {
+            flags |= HEAD;
+            let at = reserve_len(&mut b);
+            match h {
+                Head::Request { path, headers } => {
+                    put_str16(&mut b, path.as_bytes(), "method path")?;
+                    put_headers(&mut b, headers)?;
+                }
+                Head::Response { status, headers } => {
+                    b.put_u16(status.as_u16());
+                    put_headers(&mut b, headers)?;
+                }
+            }
+            patch_len(&mut b, at)?;
+        }
+        match &self.data {
+            Some(Data::Inline(d)) => {
+                flags |= DATA;
+                b.put_u32(u32::try_from(d.len()).map_err(|_| too_big("inline body frame"))?);
+                b.put_slice(d);
+            }
+            Some(Data::Next(len)) => {
+                flags |= DATA_NEXT;
+                b.put_u64(*len);
+            }
+            None => {}
+        }
+        if let Some(t) = &self.trailers {
+            flags |= TRAILERS;
+            let at = reserve_len(&mut b);
+            put_headers(&mut b, t)?;
+            patch_len(&mut b, at)?;
+        }
+        if let Some(w) = self.window {
+            flags |= WINDOW;
+            b.put_u32(w);
+        }
+        if self.end {
+            flags |= END;
+        }
+        if self.reset {
+            flags |= RESET;
+        }
+        if self.goaway {
+            flags |= GOAWAY;
+        }
+        b[4] = flags;
+        Ok(b.freeze())
+    }
+
+    fn inline_len(&self) -> usize {
+        match &self.data {
+            Some(Data::Inline(d)) => d.len(),
+            _ => 0,
+        }
+    }
+
+    /// Decodes a packet; any malformation is a protocol error (the connection is unusable).
+    /// `request` says which head the receiver expects (true on the server).
+    pub(crate) fn decode(mut b: Bytes, request: bool) -> Result<Packet> {
+        let call = get_u32(&mut b, "call id")?;
+        let flags = get_u8(&mut b, "flags")?;
+        let mut p = Packet::new(call);
+        if flags & HEAD != 0 {
+            let mut h = take(&mut b, "head block")?;
+            p.head = Some(if request {
+                let path = get_str16(&mut h, "method path")?;
+                if !path.starts_with('/') {
+                    return Err(proto_err(format!("method path {path:?} does not start with '/'")));
+                }
+                Head::Request { path, headers: get_headers(&mut h)? }
+            } else {
+                let code = get_u16(&mut h, "HTTP status")?;
+                let status = StatusCode::from_u16(code).map_err(|_| proto_err(format!("invalid HTTP status {code}")))?;
+                Head::Response { status, headers: get_headers(&mut h)? }
+            });
+            expect_empty(&h, "head block")?;
+        }
+        if flags & DATA != 0 {
+            p.data = Some(Data::Inline(take(&mut b, "body frame")?));
+        }
+        if flags & DATA_NEXT != 0 {
+            if p.data.is_some() {
+                return Err(proto_err("packet has both inline and separate body data".into()));
+            }
+            p.data = Some(Data::Next(get_u64(&mut b, "body length")?));
+        }
+        if flags & TRAILERS != 0 {
+            let mut t = take(&mut b, "trailers block")?;
+            p.trailers = Some(get_headers(&mut t)?);
+            expect_empty(&t, "trailers block")?;
+        }
+        if flags & WINDOW != 0 {
+            p.window = Some(get_u32(&mut b, "window credit")?);
+        }
+        p.end = flags & (END | TRAILERS) != 0;
+        p.reset = flags & RESET != 0;
+        p.goaway = flags & GOAWAY != 0;
+        expect_empty(&b, "packet")?;
+        Ok(p)
+    }
+}
+
+fn proto_err(why: String) -> Error {
+    Error::Protocol(format!("gRPC call framing: {why}"))
+}
+
+fn too_big(what: &str) -> Error {
+    Error::Protocol(format!("gRPC call framing: {what} exceeds the format's 4 GiB field"))
+}
+
+fn reserve_len(b: &mut BytesMut) -> usize {
+    let at = b.len();
+    b.put_u32(0);
+    at
+}
+
+fn patch_len(b: &mut BytesMut, at: usize) -> Result<()> {
+    let len = u32::try_from(b.len() - at - 4).map_err(|_| too_big("header block"))?;
+    b[at..at + 4].copy_from_slice(&len.to_be_bytes());
+    Ok(())
+}
+
+fn put_str16(b: &mut BytesMut, s: &[u8], what: &str) -> Result<()> {
+    let len = u16::try_from(s.len()).map_err(|_| Error::Protocol(format!("gRPC call framing: {what} longer than 64 KiB")))?;
+    b.put_u16(len);
+    b.put_slice(s);
+    Ok(())
+}
+
+fn put_headers(b: &mut BytesMut, h: &HeaderMap) -> Result<()> {
+    let n = u16::try_from(h.len()).map_err(|_| Error::Protocol("gRPC call framing: more than 65535 headers".into()))?;
+    b.put_u16(n);
+    for (name, value) in h {
+        put_str16(b, name.as_str().as_bytes(), "header name")?;
+        b.put_u32(u32::try_from(value.len()).map_err(|_| too_big("header value"))?);
+        b.put_slice(value.as_bytes());
+    }
+    Ok(())
+}
+
+fn need(b: &Bytes, n: usize, what: &str) -> Result<()> {
+    if b.remaining() < n {
+        return Err(proto_err(format!("truncated {what}: need {n} bytes, {} left", b.remaining())));
+    }
+    Ok(())
+}
+
+fn get_u8(b: &mut Bytes, what: &str) -> Result<u8> {
+    need(b, 1, what)?;
+    Ok(b.get_u8())
+}
+
+fn get_u16(b: &mut Bytes, what: &str) -> Result<u16> {
+    need(b, 2, what)?;
+    Ok(b.get_u16())
+}
+
+fn get_u32(b: &mut Bytes, what: &str) -> Result<u32> {
+    need(b, 4, what)?;
+    Ok(b.get_u32())
+}
+
+fn get_u64(b: &mut Bytes, what: &str) -> Result<u64> {
+    need(b, 8, what)?;
+    Ok(b.get_u64())
+}
+
+fn take(b: &mut Bytes, what: &str) -> Result<Bytes> {
+    let len = get_u32(b, what)? as usize;
+    need(b, len, what)?;
+    Ok(b.split_to(len))
+}
+
+fn get_str16(b: &mut Bytes, what: &str) -> Result<String> {
+    let len = get_u16(b, what)? as usize;
+    need(b, len, what)?;
+    String::from_utf8(b.split_to(len).to_vec()).map_err(|_| proto_err(format!("{what} is not UTF-8")))
+}
+
+fn get_headers(b: &mut Bytes) -> Result<HeaderMap> {
+    let n = get_u16(b, "header count")?;
+    let mut h = HeaderMap::with_capacity(n as usize);
+    for _ in 0..n {
+        let len = get_u16(b, "header name")? as usize;
+        need(b, len, "header name")?;
+        let name = HeaderName::from_bytes(&b.split_to(len)).map_err(|_| proto_err("invalid header name".into()))?;
+        let v = take(b, "header value")?;
+        let value = HeaderValue::from_maybe_shared(v).map_err(|_| proto_err(format!("invalid value for header {name}")))?;
+        h.append(name, value);
+    }
+    Ok(h)
+}
+
+fn expect_empty(b: &Bytes, what: &str) -> Result<()> {
+    if b.has_remaining() {
+        return Err(proto_err(format!("{} unexpected bytes after the {what}", b.remaining())));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers() -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert("content-type", HeaderValue::from_static("application/grpc"));
+        h.append("x-multi", HeaderValue::from_static("a"));
+        h.append("x-multi", HeaderValue::from_static("b"));
+        h.insert("x-data-bin", HeaderValue::from_static("AAEC/w"));
+        h
+    }
+
+    #[test]
+    fn request_packet_round_trips() {
+        let mut p = Packet::new(7);
+        p.head = Some(Head::Request { path: "/pkg.Svc/Method".into(), headers: headers() });
+        p.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x03abc")));
+        p.end = true;
+        let d = Packet::decode(p.encode().unwrap(), true).unwrap();
+        assert_eq!(d.call, 7);
+        match d.head {
+            Some(Head::Request { path, headers: h }) => {
+                assert_eq!(path, "/pkg.Svc/Method");
+                assert_eq!(h, headers());
+                assert_eq!(h.get_all("x-multi").iter().collect::<Vec<_>>(), ["a", "b"]);
+            }
+            other => panic!("wrong head {other:?}"),
+        }
+        assert!(matches!(d.data, Some(Data::Inline(ref b)) if b.as_ref() == b"\0\0\0\0\x03abc"));
+        assert!(d.end && !d.reset && !d.goaway && d.trailers.is_none());
+    }
+
+    #[test]
+    fn response_packet_round_trips() {
+        let mut p = Packet::new(u32::MAX);
+        p.head = Some(Head::Response { status: StatusCode::OK, headers: HeaderMap::new() });
+        p.data = Some(Data::Next(1 << 40));
+        let mut t = HeaderMap::new();
+        t.insert("grpc-status", HeaderValue::from_static("0"));
+        p.trailers = Some(t.clone());
+        p.window = Some(12345);
+        let d = Packet::decode(p.encode().unwrap(), false).unwrap();
+        assert!(matches!(d.head, Some(Head::Response { status: StatusCode::OK, ref headers }) if headers.is_empty()));
+        assert!(matches!(d.data, Some(Data::Next(n)) if n == 1 << 40));
+        assert_eq!(d.trailers, Some(t));
+        assert_eq!(d.window, Some(12345));
+        assert!(d.end, "trailers end the call");
+    }
+
+    #[test]
+    fn control_flags_round_trip() {
+        let mut p = Packet::new(0);
+        p.goaway = true;
+        let d = Packet::decode(p.encode().unwrap(), false).unwrap();
+        assert!(d.goaway && !d.reset && !d.end);
+        let mut p = Packet::new(3);
+        p.reset = true;
+        let d = Packet::decode(p.encode().unwrap(), true).unwrap();
+        assert!(d.reset && !d.goaway && d.head.is_none() && d.data.is_none());
+    }
+
+    #[test]
+    fn malformed_packets_are_protocol_errors() {
+        let mut p = Packet::new(1);
+        p.head = Some(Head::Request { path: "/a/b".into(), headers: headers() });
+        p.data = Some(Data::Inline(Bytes::from_static(b"xyz")));
+        let good = p.encode().unwrap();
+        // Every truncation fails cleanly.
+        for cut in 0..good.len() {
+            let e = Packet::decode(good.slice(..cut), true).unwrap_err();
+            assert!(matches!(e, Error::Protocol(ref m) if m.contains("gRPC call framing")), "cut {cut}: {e}");
+        }
+        // Trailing garbage.
+        let mut long = good.to_vec();
+        long.push(0);
+        assert!(Packet::decode(long.into(), true).unwrap_err().to_string().contains("unexpected bytes"));
+        // A path without the leading slash.
+        let mut bad = Packet::new(1);
+        bad.head = Some(Head::Request { path: "a/b".into(), headers: HeaderMap::new() });
+        assert!(Packet::decode(bad.encode().unwrap(), true).unwrap_err().to_string().contains("does not start with '/'"));
+        // An invalid HTTP status, a bad header name.
+        let raw = [0, 0, 0, 1, HEAD, 0, 0, 0, 4, 0, 5, 0, 0];
+        assert!(Packet::decode(Bytes::copy_from_slice(&raw), false).unwrap_err().to_string().contains("invalid HTTP status 5"));
+        let raw = [0, 0, 0, 1, TRAILERS, 0, 0, 0, 9, 0, 1, 0, 1, b' ', 0, 0, 0, 0];
+        assert!(Packet::decode(Bytes::copy_from_slice(&raw), false).unwrap_err().to_string().contains("invalid header name"));
+        // Both kinds of data at once.
+        let raw = [0, 0, 0, 1, DATA | DATA_NEXT, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        assert!(Packet::decode(Bytes::copy_from_slice(&raw), true).unwrap_err().to_string().contains("both inline and separate"));
+    }
+}

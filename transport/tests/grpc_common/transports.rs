@@ -1,0 +1,227 @@
+//! The transports the conformance cases run over. Each gives a server fed with tonic
+//! [`Routes`] and a client channel boxed to one type ([`Chan`]), so the cases are written once.
+
+use std::future::Future;
+
+use ibex_proto::bench::v1::Payload;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::service::Routes;
+use tonic::{Code, Request, Status};
+use tower::ServiceExt;
+use tower::util::BoxCloneSyncService;
+
+/// Errors as tonic's client machinery accepts them.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A client channel of any transport.
+pub type Chan = BoxCloneSyncService<http::Request<tonic::body::Body>, http::Response<tonic::body::Body>, ChanError>;
+
+/// A transport's channel error behind one concrete type. (A bare `BoxError` as the service
+/// error trips a higher-ranked `From` bound inside spawned tasks.) tonic looks for a
+/// `Status` or a connect error along `source()`, so the inner error stays reachable there.
+#[derive(Debug)]
+pub struct ChanError(pub BoxError);
+
+impl std::fmt::Display for ChanError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for ChanError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+/// A running server.
+pub struct ServerHandle {
+    /// Where clients connect (the transport's own address syntax).
+    pub addr: String,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), String>>,
+}
+
+impl ServerHandle {
+    /// Wraps a spawned server task that stops (gracefully) when the sender fires.
+    pub fn new(addr: String, shutdown: oneshot::Sender<()>, task: JoinHandle<Result<(), String>>) -> Self {
+        ServerHandle { addr, shutdown: Some(shutdown), task }
+    }
+
+    /// Asks the server to stop accepting and drain.
+    pub fn trigger_shutdown(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Waits for the server to finish; its result.
+    pub async fn join(self) -> Result<(), String> {
+        self.task.await.map_err(|e| format!("server task panicked: {e}"))?
+    }
+
+    /// Graceful shutdown, then join.
+    pub async fn shutdown(mut self) -> Result<(), String> {
+        self.trigger_shutdown();
+        self.join().await
+    }
+}
+
+/// One way of carrying gRPC calls.
+pub trait Transport {
+    /// The code a client sees when its deadline passes while the handler is still running.
+    const DEADLINE_CODE: Code;
+    /// Starts a server for `routes` on a fresh address.
+    fn serve(routes: Routes) -> impl Future<Output = ServerHandle> + Send;
+    /// A client channel to `addr`.
+    fn connect(addr: &str) -> impl Future<Output = Result<Chan, String>> + Send;
+    /// An address nobody serves.
+    fn dead_addr() -> impl Future<Output = String> + Send;
+}
+
+/// The error and its whole source chain, for assertions on messages.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Stock tonic: HTTP/2 over TCP on 127.0.0.1, the reference behaviour.
+pub struct Stock;
+
+impl Transport for Stock {
+    // tonic's client maps its own `grpc-timeout` timer to `Cancelled("Timeout expired")`;
+    // see docs/grpc.md.
+    const DEADLINE_CODE: Code = Code::Cancelled;
+
+    async fn serve(routes: Routes) -> ServerHandle {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_routes(routes)
+                .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), async {
+                    let _ = rx.await;
+                })
+                .await
+                .map_err(|e| chain(&e))
+        });
+        ServerHandle::new(addr, tx, task)
+    }
+
+    async fn connect(addr: &str) -> Result<Chan, String> {
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| chain(&e))?
+            .connect()
+            .await
+            .map_err(|e| chain(&e))?;
+        Ok(Chan::new(ch.map_err(|e| ChanError(e.into()))))
+    }
+
+    async fn dead_addr() -> String {
+        // A port that was just free: bind, note, release.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    }
+}
+
+/// Ibex's test configuration: a fixed eager threshold, so no connect-time probe.
+pub fn ibex_config() -> ibex_transport::Config {
+    ibex_transport::Config { eager_threshold: Some(16 * 1024), ..Default::default() }
+}
+
+async fn ibex_serve(uri: String, routes: Routes) -> ServerHandle {
+    let listener = ibex_transport::listen(&uri, ibex_config()).await.unwrap();
+    let addr = listener.local_uri();
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        ibex_transport::grpc::Server::builder()
+            .add_routes(routes)
+            .serve_with_listener(listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .map_err(|e| chain(&e))
+    });
+    ServerHandle::new(addr, tx, task)
+}
+
+async fn ibex_connect(addr: &str) -> Result<Chan, String> {
+    let ch = ibex_transport::grpc::Channel::connect_with_config(addr, ibex_config()).await.map_err(|e| chain(&e))?;
+    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| r.map(tonic::body::Body::new));
+    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
+    Ok(Chan::new(ch))
+}
+
+/// A socket path unique to this process and call.
+pub fn shm_uri() -> String {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("shm://{}/ibex-grpc-{}-{n}.sock", std::env::temp_dir().display(), std::process::id())
+}
+
+/// gRPC over Ibex, shared-memory provider.
+pub struct IbexShm;
+
+impl Transport for IbexShm {
+    const DEADLINE_CODE: Code = Code::DeadlineExceeded;
+
+    async fn serve(routes: Routes) -> ServerHandle {
+        ibex_serve(shm_uri(), routes).await
+    }
+
+    async fn connect(addr: &str) -> Result<Chan, String> {
+        ibex_connect(addr).await
+    }
+
+    async fn dead_addr() -> String {
+        shm_uri()
+    }
+}
+
+/// gRPC over Ibex, tcp provider.
+pub struct IbexTcp;
+
+impl Transport for IbexTcp {
+    const DEADLINE_CODE: Code = Code::DeadlineExceeded;
+
+    async fn serve(routes: Routes) -> ServerHandle {
+        ibex_serve("tcp://127.0.0.1:0".into(), routes).await
+    }
+
+    async fn connect(addr: &str) -> Result<Chan, String> {
+        ibex_connect(addr).await
+    }
+
+    async fn dead_addr() -> String {
+        format!("tcp://{}", Stock::dead_addr().await)
+    }
+}
+
+/// The `pull` mode of the test service: the request's one buffer is a descriptor of memory
+/// the client exposed, `x-pull-len` its length; the handler reads it through the peer handle
+/// and echoes the data, and says in `x-one-sided` whether the read was one-sided.
+pub async fn pull(req: &Request<Payload>) -> Result<(Payload, bool), Status> {
+    let peer = req
+        .extensions()
+        .get::<ibex_transport::grpc::PeerHandle>()
+        .ok_or_else(|| Status::failed_precondition("no PeerHandle: this transport cannot read client memory"))?;
+    let len: usize = req
+        .metadata()
+        .get("x-pull-len")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .ok_or_else(|| Status::invalid_argument("x-pull-len missing"))?;
+    let desc = req.get_ref().buffers.first().cloned().ok_or_else(|| Status::invalid_argument("no descriptor"))?;
+    let got = peer
+        .read_remote(desc, ibex_transport::link::RecvBuf::heap(len))
+        .await
+        .map_err(|e| Status::internal(format!("read_remote failed: {e}")))?;
+    Ok((Payload { buffers: vec![got.into_bytes()] }, peer.one_sided()))
+}
