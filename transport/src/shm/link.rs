@@ -33,6 +33,30 @@ use crate::pool::Pool;
 /// enough to catch a reply from a busy peer without a syscall, short enough to be noise
 /// next to the work that produced the last event. `IBEX_SHM_SPIN_US` overrides it.
 pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(30);
+/// Busy-waits up to `budget` for `ready`. Every few iterations it yields the CPU, so on
+/// an oversubscribed host the peer thread we are waiting for gets to run.
+fn spin_until(budget: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    if budget.is_zero() {
+        return false;
+    }
+    let start = Instant::now();
+    let mut i = 0u32;
+    loop {
+        if ready() {
+            return true;
+        }
+        if start.elapsed() >= budget {
+            return false;
+        }
+        i = i.wrapping_add(1);
+        if i.is_multiple_of(64) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// Bounce requests one peer may have queued at us; more is a protocol violation.
 const MAX_SERVE_QUEUE: usize = 4096;
 
@@ -575,11 +599,8 @@ impl ShmLink {
             }
             if self.rx_hot {
                 self.rx_hot = false;
-                let start = Instant::now();
-                while self.rx.is_empty() && start.elapsed() < self.spin {
-                    std::hint::spin_loop();
-                }
-                if !self.rx.is_empty() {
+                let rx = &self.rx;
+                if spin_until(self.spin, || !rx.is_empty()) {
                     continue;
                 }
             }
@@ -693,10 +714,8 @@ impl Link for ShmLink {
             }
             if self.tx_hot {
                 self.tx_hot = false;
-                let start = Instant::now();
-                while !matches!(self.tx.has_room(frame.len()), Ok(true) | Err(_)) && start.elapsed() < self.spin {
-                    std::hint::spin_loop();
-                }
+                let tx = &self.tx;
+                spin_until(self.spin, || !matches!(tx.has_room(frame.len()), Ok(false)));
                 continue;
             }
             if let Err(e) = self.check_peer(cx) {
