@@ -62,11 +62,10 @@ impl Config {
         if let Some(v) = env_usize("IBEX_FRAGMENT_SIZE")? {
             self.fragment_size = v;
         }
-        if let Ok(t) = std::env::var("IBEX_AUTH_TOKEN") {
-            if !t.is_empty() {
+        if let Ok(t) = std::env::var("IBEX_AUTH_TOKEN")
+            && !t.is_empty() {
                 self.auth_token = Some(t);
             }
-        }
         self.validate()?;
         Ok(self)
     }
@@ -85,14 +84,13 @@ impl Config {
         if self.max_reads_in_flight == 0 {
             return Err(Error::Config("max_reads_in_flight must be at least 1".into()));
         }
-        if let Some(t) = self.eager_threshold {
-            if t > self.max_eager() {
+        if let Some(t) = self.eager_threshold
+            && t > self.max_eager() {
                 return Err(Error::Config(format!(
                     "eager threshold {t} exceeds what fits in one slot ({}); raise slot_size or lower IBEX_EAGER_THRESHOLD",
                     self.max_eager()
                 )));
             }
-        }
         Ok(())
     }
 

@@ -106,13 +106,12 @@ impl Pool {
         let Ok(mut free) = self.free.lock() else { return };
         let mut start = off;
         let mut len = cap;
-        if let Some((&po, &pl)) = free.range(..off).next_back() {
-            if po + pl == off {
+        if let Some((&po, &pl)) = free.range(..off).next_back()
+            && po + pl == off {
                 free.remove(&po);
                 start = po;
                 len += pl;
             }
-        }
         if let Some(&nl) = free.get(&(off + cap)) {
             free.remove(&(off + cap));
             len += nl;

@@ -81,15 +81,14 @@ fn local_ips() -> Vec<IpAddr> {
     // Binding a UDP socket to an address succeeds only for addresses of local interfaces,
     // which avoids parsing interface tables.
     let mut out = Vec::new();
-    if let Ok(name) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
-        if let Ok(it) = (name.trim(), 0u16).to_socket_addrs() {
+    if let Ok(name) = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        && let Ok(it) = (name.trim(), 0u16).to_socket_addrs() {
             for a in it {
                 if std::net::UdpSocket::bind((a.ip(), 0)).is_ok() {
                     out.push(a.ip());
                 }
             }
         }
-    }
     out
 }
 

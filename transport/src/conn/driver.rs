@@ -243,7 +243,7 @@ impl State {
                 }
             }
             proto::Protocol::Rendezvous => {
-                let link = self.link.as_mut().ok_or_else(|| Error::LocallyClosed)?;
+                let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
                 let exposure = link.expose(msg)?;
                 if exposure.zero_copy {
                     self.stats.pool_bytes_sent += len;
@@ -354,12 +354,11 @@ impl State {
             read.error.get_or_insert(e);
         }
         read.frags_left -= 1;
-        if read.frags_left == 0 {
-            if let Some(read) = self.api_reads.remove(&req) {
+        if read.frags_left == 0
+            && let Some(read) = self.api_reads.remove(&req) {
                 let len = read.dst.as_ref().map_or(0, |d| d.len());
                 self.finish_api_read(read, len);
             }
-        }
     }
 
     /// Carries out one core action. Returns true if the application should be woken.
@@ -473,8 +472,8 @@ impl State {
             }
         }
         // A caller's buffer posted for exactly this message takes the data directly.
-        if !probe && self.delivered.is_empty() && msg == self.consumed {
-            if let Some(p) = self.posted.take() {
+        if !probe && self.delivered.is_empty() && msg == self.consumed
+            && let Some(p) = self.posted.take() {
                 if p.buf.len() as u64 >= len {
                     self.dests.insert(msg, Dest::User(p.buf, p.token));
                     self.core.accept_rendezvous(now, msg, RecvMode::Read);
@@ -482,7 +481,6 @@ impl State {
                 }
                 self.posted = Some(p);
             }
-        }
         let len_usize = match usize::try_from(len) {
             Ok(l) => l,
             Err(_) => {

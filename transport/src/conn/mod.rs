@@ -231,13 +231,11 @@ impl Connection {
                 let mut st = shared.lock();
                 if let Some(ready) = st.delivered.pop_front() {
                     // Take our buffer back if it is still posted.
-                    if let (None, Some(tok)) = (&mine, my_token) {
-                        if st.posted.as_ref().is_some_and(|p| p.token == tok) {
-                            if let Some(p) = st.posted.take() {
+                    if let (None, Some(tok)) = (&mine, my_token)
+                        && st.posted.as_ref().is_some_and(|p| p.token == tok)
+                            && let Some(p) = st.posted.take() {
                                 mine = p.buf.into_owner().downcast::<B>().ok().map(|b| *b);
                             }
-                        }
-                    }
                     let msg = ready.msg();
                     let result = match ready {
                         ReadyMsg::User { buf, len, token, .. } if Some(token) == my_token => {
@@ -275,8 +273,8 @@ impl Connection {
                     return Err(e.clone());
                 }
                 // Post our buffer so the next rendezvous message can land in it directly.
-                if st.posted.is_none() {
-                    if let Some(b) = mine.take() {
+                if st.posted.is_none()
+                    && let Some(b) = mine.take() {
                         // Box first so the memory cannot move, even for inline arrays.
                         let mut boxed = Box::new(b);
                         let slice = (*boxed).as_mut();
@@ -290,7 +288,6 @@ impl Connection {
                         st.posted = Some(Posted { buf: rb, token });
                         my_token = Some(token);
                     }
-                }
                 st.spin_requested = true;
             }
             shared.wake_driver();

@@ -527,13 +527,12 @@ impl Connection {
         if self.owed > 0 && self.owed >= (self.cfg.credits / 2).max(1) {
             return Some(self.emit(Body::Credit));
         }
-        if let Some(reason) = &self.closing {
-            if self.data.is_empty() && self.unreleased.is_empty() && self.probe.is_none() {
+        if let Some(reason) = &self.closing
+            && self.data.is_empty() && self.unreleased.is_empty() && self.probe.is_none() {
                 let reason = reason.clone();
                 self.shut(Error::LocallyClosed, Some((CLOSE_GRACEFUL, reason)));
                 return self.poll_transmit(now);
             }
-        }
         None
     }
 
@@ -593,11 +592,10 @@ impl Connection {
         if len > self.cfg.max_message_size {
             return Err(Error::TooLarge { len, limit: self.cfg.max_message_size, which: "max_message_size of this side" });
         }
-        if let Some(p) = self.peer {
-            if len > p.max_message {
+        if let Some(p) = self.peer
+            && len > p.max_message {
                 return Err(Error::TooLarge { len, limit: p.max_message, which: "max_message_size of the peer" });
             }
-        }
         Ok(())
     }
 
@@ -639,14 +637,13 @@ impl Connection {
                 msgs.push(m);
             }
         }
-        if msgs.is_empty() {
-            if let Some(Out::Rts { seq, len, desc }) = self.data.pop_front() {
+        if msgs.is_empty()
+            && let Some(Out::Rts { seq, len, desc }) = self.data.pop_front() {
                 self.stats.rndv_msgs_sent += 1;
                 self.stats.rndv_bytes_sent += len;
                 self.rts_sent.insert(seq);
                 return Body::Rts { seq, len, desc };
             }
-        }
         self.stats.eager_msgs_sent += msgs.len() as u64;
         self.stats.eager_bytes_sent += msgs.iter().map(|m| m.len() as u64).sum::<u64>();
         if msgs.len() >= 2 {
