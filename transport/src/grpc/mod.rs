@@ -15,7 +15,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! How calls travel is in [`wire`](self) (module docs of `wire.rs`): each call is
+//! How calls travel is described in `grpc/wire.rs`: each call is
 //! `HEAD *DATA [TRAILERS|END]` in each direction, many calls share one connection, and every
 //! body frame is its own transport message above a few KiB, so the transport moves large
 //! messages rendezvous without a copy. Flow control is per call (a byte window), so a slow
