@@ -84,8 +84,15 @@ impl std::fmt::Debug for RecvBuf {
 }
 
 impl RecvBuf {
-    /// A zero-filled heap buffer (large ones come from fresh, lazily zeroed pages).
+    /// A heap buffer. Large ones (≥ 64 KiB) are recycled through a process-wide cache:
+    /// fresh pages would cost a page fault every 4 KiB on each message, which is what
+    /// bounds large-message bandwidth otherwise. Contents are unspecified until written.
     pub fn heap(len: usize) -> RecvBuf {
+        if len >= recv_cache::MIN {
+            let mut b = recv_cache::take(len);
+            let ptr = b.as_mut_ptr();
+            return RecvBuf { ptr, len, owner: Box::new(b) };
+        }
         let mut v = bytes::BytesMut::zeroed(len);
         let ptr = v.as_mut_ptr();
         RecvBuf { ptr, len, owner: Box::new(v) }
@@ -138,6 +145,62 @@ impl RecvBuf {
     }
 }
 
+/// Recycled large receive buffers, bounded in total bytes.
+mod recv_cache {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    /// Smaller buffers come from the allocator, which handles them well.
+    pub const MIN: usize = 64 << 10;
+    /// Bytes kept for reuse across all connections of the process.
+    const LIMIT: usize = 512 << 20;
+
+    struct Cache {
+        free: HashMap<usize, Vec<Box<[u8]>>>,
+        bytes: usize,
+    }
+
+    static CACHE: Mutex<Option<Cache>> = Mutex::new(None);
+
+    /// A buffer of at least `len` bytes that returns to the cache when dropped.
+    pub struct Cached(Option<Box<[u8]>>);
+
+    impl Cached {
+        pub fn as_mut_ptr(&mut self) -> *mut u8 {
+            self.0.as_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr())
+        }
+    }
+
+    fn class(len: usize) -> usize {
+        len.next_power_of_two()
+    }
+
+    pub fn take(len: usize) -> Cached {
+        let c = class(len);
+        let mut guard = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        let cache = guard.get_or_insert_with(|| Cache { free: HashMap::new(), bytes: 0 });
+        if let Some(b) = cache.free.get_mut(&c).and_then(|v| v.pop()) {
+            cache.bytes -= c;
+            return Cached(Some(b));
+        }
+        drop(guard);
+        Cached(Some(vec![0u8; c].into_boxed_slice()))
+    }
+
+    impl Drop for Cached {
+        fn drop(&mut self) {
+            let Some(b) = self.0.take() else { return };
+            let c = b.len();
+            let mut guard = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+            let cache = guard.get_or_insert_with(|| Cache { free: HashMap::new(), bytes: 0 });
+            if cache.bytes + c <= LIMIT {
+                cache.bytes += c;
+                cache.free.entry(c).or_default().push(b);
+            }
+        }
+    }
+}
+
 impl AsRef<[u8]> for RecvBuf {
     fn as_ref(&self) -> &[u8] {
         self.as_slice()
@@ -162,6 +225,19 @@ pub trait Link: Send + 'static {
     /// owes the peer (serving emulated reads, for instance). `Pending` registers `cx`.
     /// An `Err` is fatal: the link is dead.
     fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Result<LinkEvent, Error>>;
+
+    /// Busy-poll hook: the next inbound frame or completion if one is there right now,
+    /// without sleeping, spinning or registering a waker. The driver calls it for a short
+    /// budget when it has nothing else to do (spin, then sleep in `poll_event`). Providers
+    /// whose readiness needs a syscall keep the default, which opts out of spinning.
+    fn try_event(&mut self) -> Option<Result<LinkEvent, Error>> {
+        None
+    }
+
+    /// True if [`Link::try_event`] is worth spinning on (shared memory, a CQ).
+    fn busy_poll(&self) -> bool {
+        false
+    }
 
     /// Exposes `buf` for one-sided reads by the peer until [`Link::withdraw`].
     fn expose(&mut self, buf: Bytes) -> Result<Exposure, Error>;

@@ -131,6 +131,9 @@ pub(crate) struct State {
     /// Destinations that reads may still target: freed only after the link is gone.
     graveyard: Vec<Box<dyn Any + Send>>,
     pub close_requested: bool,
+    /// A receiver found nothing and is about to sleep: the driver busy-polls its budget
+    /// first, because a reply usually arrives within microseconds.
+    pub spin_requested: bool,
     pub stats: super::ConnStats,
     /// For guards that report drops back to the driver.
     self_ref: std::sync::Weak<Shared>,
@@ -187,6 +190,7 @@ impl State {
             closed: None,
             graveyard: Vec::new(),
             close_requested: false,
+            spin_requested: false,
             stats,
             self_ref,
         }
@@ -194,6 +198,11 @@ impl State {
 
     pub fn set_probe_exposure(&mut self, id: u64) {
         self.probe_exposure = Some(id);
+    }
+
+    /// True when the core has work only the driver does (actions, timers, closing).
+    pub fn needs_driver(&self) -> bool {
+        self.core.is_closed() || self.close_requested || self.core.has_actions()
     }
 
     /// True while the threshold probe still holds its buffer.
@@ -523,11 +532,14 @@ fn d_owner(d: Dest) -> Box<dyn Any + Send> {
 pub(crate) struct Driver {
     pub shared: Arc<Shared>,
     pub timer: Pin<Box<tokio::time::Sleep>>,
+    /// Busy-poll budget before sleeping (`IBEX_SPIN_US`, default 50 µs).
+    pub spin: Duration,
 }
 
 impl Driver {
     pub fn new(shared: Arc<Shared>) -> Driver {
-        Driver { shared, timer: Box::pin(tokio::time::sleep(Duration::from_secs(3600))) }
+        let spin = std::env::var("IBEX_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+        Driver { shared, timer: Box::pin(tokio::time::sleep(Duration::from_secs(3600))), spin: Duration::from_micros(spin) }
     }
 }
 
@@ -539,9 +551,146 @@ impl Future for Driver {
         this.shared.driver_waker.register(cx.waker());
         let shared = this.shared.clone();
         let mut st = shared.lock();
-        let mut wake_app = false;
-        let mut send_space = false;
+        let mut wake = Wake::default();
         let was_established = st.core.is_established();
+        loop {
+            if st.turn(&shared, cx, &mut this.timer, &mut wake) {
+                drop(st);
+                shared.changed.notify_waiters();
+                shared.send_space.notify_waiters();
+                return Poll::Ready(());
+            }
+            // Spin, then sleep: when a receiver waits, a peer that answers within the budget
+            // costs no syscall and no wake-up. Not while an application task was just woken
+            // on this runtime: spinning would keep it from running.
+            let spin = std::mem::take(&mut st.spin_requested);
+            if !spin || wake.app || !st.link.as_ref().is_some_and(|l| l.busy_poll()) || st.core.is_closed() {
+                break;
+            }
+            let start = Instant::now();
+            let mut got = None;
+            while start.elapsed() < this.spin {
+                match st.link.as_mut().and_then(|l| l.try_event()) {
+                    Some(ev) => {
+                        got = Some(ev);
+                        break;
+                    }
+                    // Yield rather than pure spinning: when cores are scarce the peer we
+                    // wait for may need this one to produce its reply.
+                    None => std::thread::yield_now(),
+                }
+            }
+            match got {
+                Some(ev) => st.handle_event(ev, Instant::now(), &mut wake),
+                // Nothing came: one more turn re-arms the link's wake-up, then sleep.
+                None => {
+                    if st.turn(&shared, cx, &mut this.timer, &mut wake) {
+                        drop(st);
+                        shared.changed.notify_waiters();
+                        shared.send_space.notify_waiters();
+                        return Poll::Ready(());
+                    }
+                    break;
+                }
+            }
+        }
+        if st.core.is_established() != was_established {
+            wake.app = true;
+        }
+        drop(st);
+        if wake.app {
+            shared.changed.notify_waiters();
+        }
+        if wake.send_space {
+            shared.send_space.notify_waiters();
+        }
+        Poll::Pending
+    }
+}
+
+/// What a driver turn found for the application.
+#[derive(Default)]
+pub(crate) struct Wake {
+    app: bool,
+    send_space: bool,
+}
+
+impl State {
+    /// Hands queued frames to the link until it pushes back. Used by the driver and, to
+    /// save a task switch, by `send` itself.
+    pub fn transmit(&mut self, cx: &mut Context<'_>, now: Instant) -> bool {
+        self.transmit_inner(cx, now).0
+    }
+
+    /// Like [`State::transmit`] from outside the driver, with a no-op waker: returns false
+    /// if the link pushed back (then its wake-up registration is not the driver's, and the
+    /// driver must be woken to retry).
+    pub fn transmit_inline(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        !self.transmit_inner(&mut cx, Instant::now()).1
+    }
+
+    /// (something was sent, the link pushed back)
+    fn transmit_inner(&mut self, cx: &mut Context<'_>, now: Instant) -> (bool, bool) {
+        let mut sent = false;
+        let mut blocked = false;
+        loop {
+            let frame = match self.pending_tx.take() {
+                Some(f) => f,
+                None => match self.core.poll_transmit(now) {
+                    Some(f) => f,
+                    None => break,
+                },
+            };
+            let Some(link) = self.link.as_mut() else { break };
+            match link.poll_send(cx, &frame) {
+                Poll::Ready(Ok(())) => sent = true,
+                Poll::Ready(Err(e)) => {
+                    self.core.link_failed(e);
+                    sent = true;
+                    break;
+                }
+                Poll::Pending => {
+                    self.pending_tx = Some(frame);
+                    blocked = true;
+                    break;
+                }
+            }
+        }
+        if let Some(link) = self.link.as_mut() {
+            match link.poll_flush(cx) {
+                Poll::Ready(Err(e)) => {
+                    self.core.link_failed(e);
+                    sent = true;
+                }
+                Poll::Pending => blocked = true,
+                Poll::Ready(Ok(())) => {}
+            }
+        }
+        (sent, blocked)
+    }
+
+    fn handle_event(&mut self, ev: Result<LinkEvent, Error>, now: Instant, wake: &mut Wake) {
+        match ev {
+            Ok(LinkEvent::Frame(f)) => self.core.handle_frame(now, f),
+            Ok(LinkEvent::ReadDone { id, result }) => {
+                if id & API_READ_BIT != 0 {
+                    self.api_read_done(id, result);
+                    wake.app = true;
+                } else {
+                    self.core.read_completed(now, id, result);
+                }
+            }
+            Err(e) => self.core.link_failed(e),
+        }
+        while let Some(a) = self.core.poll_action() {
+            wake.app |= self.act(a, now);
+        }
+    }
+
+    /// One pass of the driver until nothing moves. Returns true once the connection is over
+    /// and the link released.
+    fn turn(&mut self, shared: &Shared, cx: &mut Context<'_>, timer: &mut Pin<Box<tokio::time::Sleep>>, wake: &mut Wake) -> bool {
         loop {
             let now = Instant::now();
             let mut progress = false;
@@ -550,137 +699,88 @@ impl Future for Driver {
             for r in released {
                 progress = true;
                 match r {
-                    Released::View(msg) => st.core.release_recv(msg),
+                    Released::View(msg) => self.core.release_recv(msg),
                     Released::Exposure(id) => {
-                        if let Some(l) = st.link.as_mut() {
+                        if let Some(l) = self.link.as_mut() {
                             l.withdraw(id);
                         }
                     }
                 }
             }
-            if st.close_requested && !st.core.is_closed() {
-                st.core.close(now, "");
+            if self.close_requested && !self.core.is_closed() {
+                self.core.close(now, "");
+            }
+
+            // Outbound first: a reply waiting to go out must not wait behind inbound polling.
+            if self.transmit(cx, now) {
+                progress = true;
+                wake.send_space = true;
             }
 
             // Inbound: frames and completions.
             for _ in 0..EVENTS_PER_TURN {
-                let Some(link) = st.link.as_mut() else { break };
+                let Some(link) = self.link.as_mut() else { break };
                 match link.poll_event(cx) {
-                    Poll::Ready(Ok(LinkEvent::Frame(f))) => st.core.handle_frame(now, f),
-                    Poll::Ready(Ok(LinkEvent::ReadDone { id, result })) => {
-                        if id & API_READ_BIT != 0 {
-                            st.api_read_done(id, result);
-                            wake_app = true;
-                        } else {
-                            st.core.read_completed(now, id, result);
-                        }
-                    }
-                    Poll::Ready(Err(e)) => {
-                        st.core.link_failed(e);
+                    Poll::Ready(ev) => {
+                        let failed = ev.is_err();
+                        self.handle_event(ev, now, wake);
                         progress = true;
-                        break;
+                        if failed {
+                            break;
+                        }
                     }
                     Poll::Pending => break,
                 }
-                progress = true;
             }
 
             // What the core wants done.
-            while let Some(a) = st.core.poll_action() {
+            while let Some(a) = self.core.poll_action() {
                 progress = true;
-                wake_app |= st.act(a, now);
-            }
-
-            // Outbound frames.
-            loop {
-                let frame = match st.pending_tx.take() {
-                    Some(f) => f,
-                    None => match st.core.poll_transmit(now) {
-                        Some(f) => f,
-                        None => break,
-                    },
-                };
-                let Some(link) = st.link.as_mut() else { break };
-                match link.poll_send(cx, &frame) {
-                    Poll::Ready(Ok(())) => {
-                        progress = true;
-                        send_space = true;
-                    }
-                    Poll::Ready(Err(e)) => {
-                        st.core.link_failed(e);
-                        progress = true;
-                        break;
-                    }
-                    Poll::Pending => {
-                        st.pending_tx = Some(frame);
-                        break;
-                    }
-                }
-            }
-            if let Some(link) = st.link.as_mut() {
-                if let Poll::Ready(Err(e)) = link.poll_flush(cx) {
-                    st.core.link_failed(e);
-                    progress = true;
-                }
+                wake.app |= self.act(a, now);
             }
 
             // Closing: once the core has said its last word and the link has flushed it,
             // the link goes, and only then the buffers reads might have targeted.
-            if st.core.is_closed() && st.pending_tx.is_none() {
-                st.fail_pending();
-                let flushed = match st.link.as_mut() {
+            if self.core.is_closed() && self.pending_tx.is_none() {
+                self.transmit(cx, now);
+                self.fail_pending();
+                let flushed = match self.link.as_mut() {
                     Some(link) => !matches!(link.poll_flush(cx), Poll::Pending),
                     None => true,
                 };
-                if flushed {
-                    if let Some(mut link) = st.link.take() {
+                if flushed && self.pending_tx.is_none() {
+                    if let Some(mut link) = self.link.take() {
                         link.close();
                         drop(link);
                     }
-                    st.graveyard.clear();
-                    if let Some(p) = st.posted.take() {
-                        drop(p);
+                    self.graveyard.clear();
+                    self.posted = None;
+                    if self.closed.is_none() {
+                        self.closed = Some(Error::LocallyClosed);
                     }
-                    if st.closed.is_none() {
-                        st.closed = Some(Error::LocallyClosed);
-                    }
-                    drop(st);
-                    shared.changed.notify_waiters();
-                    shared.send_space.notify_waiters();
-                    return Poll::Ready(());
+                    return true;
                 }
             }
 
             // Timers.
-            if let Some(deadline) = st.core.poll_timeout() {
+            if let Some(deadline) = self.core.poll_timeout() {
                 if deadline <= now {
-                    st.core.handle_timeout(now);
+                    self.core.handle_timeout(now);
                     progress = true;
                 } else {
                     let d = tokio::time::Instant::from_std(deadline);
-                    if this.timer.deadline() != d {
-                        this.timer.as_mut().reset(d);
+                    if timer.deadline() != d {
+                        timer.as_mut().reset(d);
                     }
-                    if this.timer.as_mut().poll(cx).is_ready() {
+                    if timer.as_mut().poll(cx).is_ready() {
                         progress = true;
                     }
                 }
             }
 
             if !progress {
-                break;
+                return false;
             }
         }
-        if st.core.is_established() != was_established {
-            wake_app = true;
-        }
-        drop(st);
-        if wake_app {
-            shared.changed.notify_waiters();
-        }
-        if send_space {
-            shared.send_space.notify_waiters();
-        }
-        Poll::Pending
     }
 }

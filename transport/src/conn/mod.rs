@@ -171,8 +171,13 @@ impl Connection {
                 let mut st = shared.lock();
                 if st.core.queued_data_frames() < st.send_queue_limit() || st.closed.is_some() {
                     let r = st.send(msg, done);
+                    // Hand the frame to the link right here: no task switch to the driver
+                    // when the link takes it at once.
+                    let done_inline = r.is_ok() && st.transmit_inline() && !st.needs_driver();
                     drop(st);
-                    shared.wake_driver();
+                    if !done_inline {
+                        shared.wake_driver();
+                    }
                     return r;
                 }
             }
@@ -205,7 +210,9 @@ impl Connection {
                 if let Some(e) = &st.closed {
                     return Err(e.clone());
                 }
+                st.spin_requested = true;
             }
+            shared.wake_driver();
             notified.await;
         }
     }
@@ -290,7 +297,9 @@ impl Connection {
                         my_token = Some(token);
                     }
                 }
+                st.spin_requested = true;
             }
+            shared.wake_driver();
             notified.await;
         }
     }

@@ -569,6 +569,11 @@ impl Connection {
         self.peer.is_some()
     }
 
+    /// True if [`Connection::poll_action`] has something.
+    pub fn has_actions(&self) -> bool {
+        !self.actions.is_empty()
+    }
+
     /// Application messages queued but not yet put into a frame: the driver makes `send`
     /// wait while this is large, so a sender outpacing its credits is held back.
     pub fn queued_data_frames(&self) -> usize {

@@ -29,10 +29,11 @@ use crate::error::{Error, Result};
 use crate::link::{Exposure, Link, LinkEvent, LinkInfo};
 use crate::pool::Pool;
 
-/// How long `poll_event`/`poll_send` spin before going to sleep on an eventfd: long
-/// enough to catch a reply from a busy peer without a syscall, short enough to be noise
-/// for an idle connection.
-const SPIN: Duration = Duration::from_micros(30);
+/// How long `poll_send` spins for ring space before sleeping on an eventfd (the consumer
+/// is another process, usually draining right now). Receive-side spinning is the
+/// driver's (`Link::try_event`), since only it knows whether other work is waiting.
+/// `IBEX_SHM_SPIN_US` overrides it.
+pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(30);
 /// Bounce requests one peer may have queued at us; more is a protocol violation.
 const MAX_SERVE_QUEUE: usize = 4096;
 
@@ -129,6 +130,7 @@ pub(crate) struct Parts {
     pub peer_space_efd: OwnedFd,
     pub cma: bool,
     pub probe: Box<u64>,
+    pub spin: Duration,
 }
 
 /// A read this side posted on the bounce path, waiting for chunks.
@@ -152,14 +154,6 @@ struct Serve {
     done: u64,
 }
 
-/// Why the link is dead, once it is.
-#[derive(Clone)]
-enum Dead {
-    /// Reported to the driver on the next `poll_event` after pending completions.
-    Pending(Error),
-    Reported(Error),
-}
-
 /// One end of an shm connection. See the module docs of [`crate::shm`].
 pub struct ShmLink {
     sock: UnixStream,
@@ -169,6 +163,11 @@ pub struct ShmLink {
     tx: Producer,
     rx: Consumer,
     rx_sleeping: bool,
+    /// Spin budget before sleeping. A side spins only once after each bit of progress
+    /// (an event handed out, a frame sent), so a driver polling a quiet direction again
+    /// and again is not held up, and an idle link goes straight back to sleep.
+    spin: Duration,
+    tx_hot: bool,
     pool: Arc<Pool>,
     peer_pool: Arc<Mapping>,
     bounce: Mapping,
@@ -193,7 +192,9 @@ pub struct ShmLink {
     peer_closing: bool,
     peer_eof: bool,
     closed: bool,
-    dead: Option<Dead>,
+    /// Why the link is dead, once it is: reported by `poll_event` after the pending
+    /// completions, and on every call after that.
+    dead: Option<Error>,
     // Kept last so they are dropped after the producer/consumer that point into them.
     _tx_map: Mapping,
     _rx_map: Mapping,
@@ -246,6 +247,8 @@ impl ShmLink {
             tx,
             rx,
             rx_sleeping: false,
+            spin: p.spin,
+            tx_hot: true,
             pool,
             peer_pool: Arc::new(p.peer_pool),
             bounce: p.bounce,
@@ -292,14 +295,11 @@ impl ShmLink {
         for id in ids {
             self.completions.push_back((id, Err(e.clone())));
         }
-        self.dead = Some(Dead::Pending(e));
+        self.dead = Some(e);
     }
 
     fn dead_error(&self) -> Option<Error> {
-        match &self.dead {
-            Some(Dead::Pending(e) | Dead::Reported(e)) => Some(e.clone()),
-            None => None,
-        }
+        self.dead.clone()
     }
 
     /// Pushes one record, waking the peer if it sleeps. `Ok(false)`: no room now.
@@ -510,12 +510,16 @@ impl ShmLink {
         }
     }
 
-    /// One pass of the work `poll_event` does without waiting: pending completions, then
-    /// records, then bounce serving. `Some` when there is an event for the driver.
+    /// One pass of the work `poll_event` does without waiting: pending completions, the
+    /// work owed to the peer (bounce serving, control records), then the ring. The peer's
+    /// work comes before frames so a steady stream of frames cannot starve its reads.
+    /// `Some` when there is an event for the driver.
     fn step(&mut self) -> Result<Option<LinkEvent>> {
         if let Some((id, result)) = self.completions.pop_front() {
             return Ok(Some(LinkEvent::ReadDone { id, result }));
         }
+        self.serve_bounce();
+        self.flush_outbox()?;
         if let Some(frame) = self.drain_rx()? {
             return Ok(Some(LinkEvent::Frame(frame)));
         }
@@ -533,7 +537,6 @@ impl ShmLink {
 
     fn poll_event_inner(&mut self, cx: &mut Context<'_>) -> Poll<Result<LinkEvent>> {
         self.wake_rx();
-        let mut spun = false;
         loop {
             if self.dead.is_none() {
                 match self.step() {
@@ -542,14 +545,10 @@ impl ShmLink {
                     Err(e) => self.fail(e),
                 }
             }
-            if let Some(dead) = self.dead.clone() {
+            if let Some(e) = self.dead_error() {
                 if let Some((id, result)) = self.completions.pop_front() {
                     return Poll::Ready(Ok(LinkEvent::ReadDone { id, result }));
                 }
-                let e = match dead {
-                    Dead::Pending(e) | Dead::Reported(e) => e,
-                };
-                self.dead = Some(Dead::Reported(e.clone()));
                 return Poll::Ready(Err(e));
             }
             // Nothing to hand out. Is the peer still there?
@@ -569,16 +568,6 @@ impl ShmLink {
                 };
                 self.fail(e);
                 continue;
-            }
-            if !spun {
-                spun = true;
-                let start = Instant::now();
-                while self.rx.is_empty() && start.elapsed() < SPIN {
-                    std::hint::spin_loop();
-                }
-                if !self.rx.is_empty() {
-                    continue;
-                }
             }
             match self.rx.prepare_sleep() {
                 Ok(true) => self.rx_sleeping = true,
@@ -636,14 +625,20 @@ impl ShmLink {
         self.poll_space_for(len, cx)
     }
 
-    /// Common guard of the sending side: a dead or closed link refuses work.
-    fn check_usable(&mut self, cx: &mut Context<'_>) -> Result<()> {
+    /// Common guard of the sending side: a closed or dead link refuses work.
+    fn check_usable(&self) -> Result<()> {
         if self.closed {
             return Err(Error::LocallyClosed);
         }
-        if let Some(e) = self.dead_error() {
-            return Err(e);
+        match self.dead_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
+    }
+
+    /// Before a sender sleeps for space: a peer that is gone will never make any.
+    /// Registers `cx` on the socket so its death wakes the sender.
+    fn check_peer(&mut self, cx: &mut Context<'_>) -> Result<()> {
         self.poll_socket(cx)?;
         if self.peer_eof {
             // Frames sent now would never be read.
@@ -670,23 +665,28 @@ impl Link for ShmLink {
                 which: "the peer's slot size (Config::slot_size on the peer)",
             }));
         }
-        if let Err(e) = self.check_usable(cx) {
+        if let Err(e) = self.check_usable() {
             return Poll::Ready(Err(e));
         }
-        let mut spun = false;
         loop {
             match self.flush_outbox().and_then(|_| self.push(T_FRAME, frame)) {
-                Ok(true) => return Poll::Ready(Ok(())),
+                Ok(true) => {
+                    self.tx_hot = true;
+                    return Poll::Ready(Ok(()));
+                }
                 Ok(false) => {}
                 Err(e) => return Poll::Ready(Err(e)),
             }
-            if !spun {
-                spun = true;
+            if self.tx_hot {
+                self.tx_hot = false;
                 let start = Instant::now();
-                while !matches!(self.tx.has_room(frame.len()), Ok(true) | Err(_)) && start.elapsed() < SPIN {
+                while !matches!(self.tx.has_room(frame.len()), Ok(true) | Err(_)) && start.elapsed() < self.spin {
                     std::hint::spin_loop();
                 }
                 continue;
+            }
+            if let Err(e) = self.check_peer(cx) {
+                return Poll::Ready(Err(e));
             }
             match self.poll_space_for(frame.len(), cx) {
                 Poll::Ready(Ok(())) => continue,
@@ -706,7 +706,7 @@ impl Link for ShmLink {
                 Ok(false) => {}
                 Err(e) => return Poll::Ready(Err(e)),
             }
-            if let Err(e) = self.check_usable(cx) {
+            if let Err(e) = self.check_peer(cx) {
                 return Poll::Ready(Err(e));
             }
             match self.poll_space(cx) {
@@ -719,6 +719,25 @@ impl Link for ShmLink {
 
     fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Result<LinkEvent>> {
         self.poll_event_inner(cx)
+    }
+
+    fn try_event(&mut self) -> Option<Result<LinkEvent>> {
+        // A dead link is reported by `poll_event`, which the driver calls next.
+        if self.dead.is_some() {
+            return None;
+        }
+        self.wake_rx();
+        match self.step() {
+            Ok(ev) => ev.map(Ok),
+            Err(e) => {
+                self.fail(e);
+                None
+            }
+        }
+    }
+
+    fn busy_poll(&self) -> bool {
+        true
     }
 
     fn expose(&mut self, buf: Bytes) -> Result<Exposure> {

@@ -84,7 +84,7 @@ fn corrupt(what: &str) -> Error {
 
 /// Checks a ring's geometry before anyone builds a producer or consumer over it.
 pub fn check_capacity(cap: usize) -> Result<(), String> {
-    if cap < 64 || cap % 8 != 0 || cap > (1 << 30) {
+    if cap < 64 || !cap.is_multiple_of(8) || cap > (1 << 30) {
         return Err(format!("ring capacity {cap} must be a multiple of 8 within 64 B..=1 GiB"));
     }
     Ok(())

@@ -258,10 +258,10 @@ impl Hello {
         if ring::max_payload(self.rx_ring as usize) < self.slot_size as usize {
             return bad(format!("ring of {} bytes cannot hold a {}-byte frame", self.rx_ring, self.slot_size));
         }
-        if self.pool_size == 0 || self.pool_size % 4096 != 0 || self.pool_size > 1 << 40 {
+        if self.pool_size == 0 || !self.pool_size.is_multiple_of(4096) || self.pool_size > 1 << 40 {
             return bad(format!("pool size {} is not a page multiple within 4 KiB..=1 TiB", self.pool_size));
         }
-        if !(4096..=16 << 20).contains(&self.bounce_slot) || self.bounce_slot % 4096 != 0 {
+        if !(4096..=16 << 20).contains(&self.bounce_slot) || !self.bounce_slot.is_multiple_of(4096) {
             return bad(format!("bounce slot of {} bytes", self.bounce_slot));
         }
         if !(1..=64).contains(&self.bounce_slots) {
@@ -354,6 +354,14 @@ async fn read_hello_fixed(stream: &mut UnixStream) -> Result<Option<[u8; HELLO_F
 }
 
 async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<ShmLink>> {
+    // Environment switches are read first, so a bad value fails before any I/O.
+    let spin = match std::env::var("IBEX_SHM_SPIN_US") {
+        Ok(v) => Duration::from_micros(v.trim().parse::<u64>().map_err(|_| {
+            Error::Config(format!("IBEX_SHM_SPIN_US={v:?} is not a number of microseconds (example: 30; 0 never spins)"))
+        })?),
+        Err(_) => super::link::DEFAULT_SPIN,
+    };
+    let force = std::env::var("IBEX_SHM_FORCE_BOUNCE").is_ok_and(|v| v == "1");
     cma::allow_peer_reads();
     let peer_pid = socket_peer_pid(&stream)?;
     let probe = Box::new(random_word());
@@ -421,7 +429,6 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
     // The mappings keep the memfds alive; their descriptors are no longer needed.
     drop((tx_fd, pool_fd, bounce_fd, got));
 
-    let force = std::env::var("IBEX_SHM_FORCE_BOUNCE").is_ok_and(|v| v == "1");
     let cma = if force {
         Err("IBEX_SHM_FORCE_BOUNCE=1".to_string())
     } else {
@@ -460,6 +467,7 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
         peer_space_efd,
         cma: cma.is_ok(),
         probe,
+        spin,
     })?;
     Ok(Some(link))
 }
