@@ -486,6 +486,48 @@ mod ibex_only {
         within(message_paths::<IbexTcp>()).await
     }
 
+    /// A body frame the transport refuses (over the peer's `max_message_size`) fails only its
+    /// call, with `ResourceExhausted` naming the limit, in either direction; the connection's
+    /// framing survives and the next call works.
+    async fn transport_limit(uri: impl Fn() -> String) {
+        let small = ibex_transport::Config { max_message_size: MIB as u64, ..ibex_config() };
+        for (server_cfg, client_cfg) in [(small.clone(), ibex_config()), (ibex_config(), small.clone())] {
+            let (svc, _ev) = BenchImpl::new();
+            let listener = ibex_transport::listen(&uri(), server_cfg).await.unwrap();
+            let addr = listener.local_uri();
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(
+                ibex_transport::grpc::Server::builder()
+                    .add_service(svc.server(Some(usize::MAX), None))
+                    .serve_with_listener(listener, async {
+                        let _ = rx.await;
+                    }),
+            );
+            let ch = Channel::connect_with_config(&addr, client_cfg).await.unwrap();
+            let mut c = BenchClient::new(ch).max_decoding_message_size(usize::MAX);
+            let e = match c.echo(Payload { buffers: vec![pattern(2 * MIB, 1)] }).await {
+                Ok(_) => panic!("a 2 MiB message passed a 1 MiB transport limit"),
+                Err(e) => e,
+            };
+            assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+            assert!(e.message().contains("max_message_size"), "{e:?}");
+            let p = Payload { buffers: vec![pattern(100, 2)] };
+            assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
+            let _ = tx.send(());
+            server.await.unwrap().unwrap();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn transport_limit_shm() {
+        within(transport_limit(grpc_common::transports::shm_uri)).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn transport_limit_tcp() {
+        within(transport_limit(|| "tcp://127.0.0.1:0".to_string())).await
+    }
+
     /// A client that sends garbage loses its own connection, with no panic, and the server
     /// goes on serving everyone else.
     async fn garbage_closes_only_that_connection<T: Transport>() {

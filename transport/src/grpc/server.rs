@@ -200,7 +200,7 @@ struct Partial {
 
 async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
     let peer = PeerHandle { conn: conn.clone() };
-    let st = Arc::new(ConnState { mux: Arc::new(Mux::new(conn.clone())), calls: Mutex::new(HashMap::new()) });
+    let st = Arc::new(ConnState { mux: Arc::new(Mux::new(conn.clone(), Side::Server)), calls: Mutex::new(HashMap::new()) });
     let mut tasks = JoinSet::new();
     let mut draining = false;
     let mut partial: Option<Partial> = None;
@@ -231,10 +231,22 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
                 };
                 let (p, data) = match partial.take() {
                     Some(Partial { packet, len }) if msg.len() as u64 == len => (packet, Some(msg)),
-                    Some(Partial { len, .. }) => {
-                        tracing::warn!(peer = %peer.peer(), "gRPC server: body of {} bytes announced as {len}; closing the connection", msg.len());
-                        break;
-                    }
+                    // The client's transport refused the body; an abort of the call came instead.
+                    Some(Partial { packet, len }) => match Packet::decode(msg, true) {
+                        Ok(abort) if abort.call == packet.call && abort.data.is_none() => {
+                            let r = dispatch(&st, &peer, &routes, &mut tasks, draining, packet, None)
+                                .and_then(|()| dispatch(&st, &peer, &routes, &mut tasks, draining, abort, None));
+                            if let Err(e) = r {
+                                tracing::warn!(%e, peer = %peer.peer(), "gRPC server: closing the connection");
+                                break;
+                            }
+                            continue;
+                        }
+                        _ => {
+                            tracing::warn!(peer = %peer.peer(), "gRPC server: expected a body of {len} bytes for call {}; closing the connection", packet.call);
+                            break;
+                        }
+                    },
                     None => match Packet::decode(msg, true) {
                         Ok(mut p) => match p.data.take() {
                             Some(Data::Next(len)) => {
