@@ -304,6 +304,18 @@ mod cases {
         srv.shutdown().await.unwrap();
     }
 
+    /// A handler that panics fails its own call, not the connection or the server.
+    pub async fn handler_panic<T: Transport>() {
+        let (srv, _ev) = start::<T>(None, None).await;
+        let mut c = client::<T>(&srv).await;
+        let e = c.echo(with_mode(Payload::default(), "panic")).await.unwrap_err();
+        // tonic: the HTTP/2 stream is reset (CANCEL), which its client reports as Cancelled.
+        assert_eq!(e.code(), Code::Cancelled, "{e:?}");
+        let p = Payload { buffers: vec![pattern(10, 6)] };
+        assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
+        srv.shutdown().await.unwrap();
+    }
+
     /// Flow control is per call: a reader that stops consuming one stream holds up neither
     /// the connection nor the other calls on it.
     pub async fn slow_reader<T: Transport>() {
@@ -392,7 +404,7 @@ macro_rules! conformance {
             suite!($m: $t;
                 unary, server_streaming, client_streaming, bidi_streaming, error_details,
                 trailers_only, metadata, deadline, client_cancel, message_sizes, size_limits,
-                concurrent_calls, slow_reader, graceful_shutdown, server_gone);
+                concurrent_calls, slow_reader, handler_panic, graceful_shutdown, server_gone);
         )*
     };
 }

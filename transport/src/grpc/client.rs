@@ -134,7 +134,8 @@ impl Shared {
             let _ = c.body.send(Inbound::End);
         }
         if p.reset {
-            let s = Status::cancelled("the server reset the call");
+            // Cancelled, as stock tonic reports the HTTP/2 reset of a panicked handler.
+            let s = Status::cancelled("the server aborted the call (its handler panicked)");
             if let Some(h) = c.head.take() {
                 let _ = h.send(Err(s.clone()));
             }

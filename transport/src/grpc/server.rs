@@ -6,6 +6,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -341,7 +342,21 @@ fn dispatch(
     Ok(())
 }
 
-async fn run_call(st: Arc<ConnState>, id: u32, call: Arc<CallShared>, req: http::Request<IncomingBody>, mut routes: Routes, deadline: Option<Instant>) {
+async fn run_call(st: Arc<ConnState>, id: u32, call: Arc<CallShared>, req: http::Request<IncomingBody>, routes: Routes, deadline: Option<Instant>) {
+    let answered = std::panic::AssertUnwindSafe(answer(&st, id, &call, req, routes, deadline)).catch_unwind().await;
+    if answered.is_err() {
+        // The panic has been reported by the hook; the client learns that its call died.
+        tracing::error!(call = id, peer = %st.mux.conn.peer(), "gRPC handler panicked; resetting the call");
+        let mut p = Packet::new(id);
+        p.reset = true;
+        let _ = st.mux.send(p, None).await;
+    }
+    call.finish();
+    st.lock().remove(&id);
+}
+
+/// Runs the handler and sends its response, within the deadline and until cancelled.
+async fn answer(st: &ConnState, id: u32, call: &CallShared, req: http::Request<IncomingBody>, mut routes: Routes, deadline: Option<Instant>) {
     let sleep = async {
         match deadline {
             Some(d) => tokio::time::sleep_until(d).await,
@@ -374,8 +389,6 @@ async fn run_call(st: Arc<ConnState>, id: u32, call: Arc<CallShared>, req: http:
         let (parts, body) = resp.into_parts();
         let mut head = Packet::new(id);
         head.head = Some(Head::Response { status: parts.status, headers: parts.headers });
-        pump(&st.mux, id, &call, head, body, Side::Server, deadline).await;
+        pump(&st.mux, id, call, head, body, Side::Server, deadline).await;
     }
-    call.finish();
-    st.lock().remove(&id);
 }
