@@ -143,11 +143,19 @@ async fn recv_into_too_small_keeps_message(p: &str) {
 
 async fn send_owned_returns_buffer(p: &str) {
     let (a, b) = pair_with(p, "owned", fixed_threshold(4096)).await;
-    let reader = tokio::spawn(async move { b.recv().await.map(|m| m.len()) });
+    let reader = tokio::spawn(async move {
+        let n = b.recv().await.map(|m| m.len());
+        (b, n)
+    });
     let buf: Vec<u8> = pattern(4 << 20, 3).to_vec();
     let back = a.send_owned(buf).await.expect("send_owned");
     assert_eq!(back.len(), 4 << 20);
-    assert_eq!(reader.await.unwrap().unwrap(), 4 << 20);
+    let (b, n) = reader.await.unwrap();
+    assert_eq!(n.unwrap(), 4 << 20);
+    // An eager-sized buffer comes back at once, and the message still arrives intact.
+    let small = a.send_owned(vec![7u8; 100]).await.expect("send_owned small");
+    assert_eq!(small, vec![7u8; 100]);
+    assert_eq!(b.recv().await.unwrap(), Bytes::from(vec![7u8; 100]));
 }
 
 async fn expose_and_read_remote(p: &str) {

@@ -138,27 +138,21 @@ impl Connection {
 
     /// Sends straight from a buffer the caller owns and hands it back once the peer is done
     /// with it. Large messages are read by the peer from this buffer (no copy on this side;
-    /// none at all for registered-pool buffers on shm).
+    /// none at all for registered-pool buffers on shm). Eager-sized ones are copied into a
+    /// slot anyway, so they are copied and the buffer comes back at once.
     pub async fn send_owned<B>(&self, buf: B) -> Result<B>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
-        let owner = Arc::new(buf);
-        let bytes = Bytes::from_owner(SharedOwner(owner.clone()));
-        self.send_wait(bytes).await?;
-        // The transport drops its references when the peer releases the buffer; a clone
-        // still held (e.g. an eager frame not yet written) is waited out briefly.
-        let mut owner = owner;
-        for _ in 0..1000 {
-            match Arc::try_unwrap(owner) {
-                Ok(b) => return Ok(b),
-                Err(o) => {
-                    owner = o;
-                    tokio::task::yield_now().await;
-                }
-            }
+        let len = buf.as_ref().len() as u64;
+        if self.shared().lock().core.classify(len)? == crate::proto::Protocol::Eager {
+            self.send(Bytes::copy_from_slice(buf.as_ref())).await?;
+            return Ok(buf);
         }
-        Err(Error::Protocol("send_owned: the transport still references the buffer after completion".into()))
+        let owner = Arc::new(buf);
+        self.send_wait(Bytes::from_owner(SharedOwner(owner.clone()))).await?;
+        // The peer's RndvDone withdrew the exposure, which held the only other reference.
+        Arc::try_unwrap(owner).map_err(|_| Error::Protocol("send_owned: buffer still referenced after the peer released it".into()))
     }
 
     async fn send_inner(&self, msg: Bytes, done: Option<oneshot::Sender<Result<()>>>) -> Result<()> {

@@ -34,6 +34,30 @@ use crate::pool::Pool;
 /// driver's (`Link::try_event`), since only it knows whether other work is waiting.
 /// `IBEX_SHM_SPIN_US` overrides it.
 pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(30);
+/// Busy-waits up to `budget` for `ready`. Every few iterations it yields the CPU, so on
+/// an oversubscribed host the peer thread we are waiting for gets to run.
+fn spin_until(budget: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    if budget.is_zero() {
+        return false;
+    }
+    let start = Instant::now();
+    let mut i = 0u32;
+    loop {
+        if ready() {
+            return true;
+        }
+        if start.elapsed() >= budget {
+            return false;
+        }
+        i = i.wrapping_add(1);
+        if i.is_multiple_of(64) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// Bounce requests one peer may have queued at us; more is a protocol violation.
 const MAX_SERVE_QUEUE: usize = 4096;
 
@@ -189,6 +213,8 @@ pub struct ShmLink {
     free_slots: Vec<u32>,
     slot_busy: Vec<bool>,
     outbox: VecDeque<(u8, Vec<u8>)>,
+    /// Reused buffer for control records copied out of the ring.
+    scratch: Vec<u8>,
     peer_closing: bool,
     peer_eof: bool,
     closed: bool,
@@ -269,6 +295,7 @@ impl ShmLink {
             free_slots: (0..nslots as u32).rev().collect(),
             slot_busy: vec![false; nslots],
             outbox: VecDeque::new(),
+            scratch: Vec::new(),
             peer_closing: false,
             peer_eof: false,
             closed: false,
@@ -370,23 +397,31 @@ impl ShmLink {
         loop {
             let Some(rec) = self.rx.peek()? else { return Ok(None) };
             let ty = rec.ty;
-            let frame = (ty == T_FRAME).then(|| Bytes::copy_from_slice(rec.payload));
-            // Control records are tiny; copy them out so the ring slot can be released
-            // before handling (which may push into the other ring).
-            let ctl: Option<Vec<u8>> = (ty != T_FRAME).then(|| rec.payload.to_vec());
-            if self.rx.pop() {
-                segment::signal(self.peer_space_efd.as_raw_fd());
+            if ty == T_FRAME {
+                let frame = Bytes::copy_from_slice(rec.payload);
+                self.pop_rx();
+                return Ok(Some(frame));
             }
-            if let Some(f) = frame {
-                return Ok(Some(f));
-            }
-            let ctl = ctl.unwrap_or_default();
-            match ty {
-                T_READ_REQ => self.on_read_request(&ctl)?,
-                T_READ_DATA => self.on_read_data(&ctl)?,
-                T_SLOT_FREE => self.on_slot_free(&ctl)?,
-                other => return Err(Error::Protocol(format!("unknown shm record type {other}"))),
-            }
+            // Copy the (small) control record out so its ring space is released before
+            // handling it, which may push into the other ring.
+            let mut ctl = std::mem::take(&mut self.scratch);
+            ctl.clear();
+            ctl.extend_from_slice(rec.payload);
+            self.pop_rx();
+            let handled = match ty {
+                T_READ_REQ => self.on_read_request(&ctl),
+                T_READ_DATA => self.on_read_data(&ctl),
+                T_SLOT_FREE => self.on_slot_free(&ctl),
+                other => Err(Error::Protocol(format!("unknown shm record type {other}"))),
+            };
+            self.scratch = ctl;
+            handled?;
+        }
+    }
+
+    fn pop_rx(&mut self) {
+        if self.rx.pop() {
+            segment::signal(self.peer_space_efd.as_raw_fd());
         }
     }
 
@@ -679,10 +714,8 @@ impl Link for ShmLink {
             }
             if self.tx_hot {
                 self.tx_hot = false;
-                let start = Instant::now();
-                while !matches!(self.tx.has_room(frame.len()), Ok(true) | Err(_)) && start.elapsed() < self.spin {
-                    std::hint::spin_loop();
-                }
+                let tx = &self.tx;
+                spin_until(self.spin, || !matches!(tx.has_room(frame.len()), Ok(false)));
                 continue;
             }
             if let Err(e) = self.check_peer(cx) {

@@ -90,9 +90,13 @@ pub async fn listen(path: &Path, config: &Config) -> Result<ShmListener> {
         if !meta.file_type().is_socket() {
             return Err(addr_err(path, "exists and is not a socket; remove it or choose another path"));
         }
-        match std::os::unix::net::UnixStream::connect(path) {
+        // Non-blocking connect: a live listener with a full backlog answers EAGAIN.
+        match UnixStream::connect(path).await {
             Ok(_) => {
                 return Err(addr_err(path, "another process is listening there; stop it or choose another path"));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(addr_err(path, "another process is listening there (backlog full); choose another path"));
             }
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
                 tracing::info!(path = %path.display(), "replacing stale shm socket file");
