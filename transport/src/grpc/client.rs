@@ -299,12 +299,19 @@ impl Channel {
         head.head = Some(Head::Request { path, headers: parts.headers });
         let pump_shared = shared.clone();
         let pump_call = call.clone();
-        tokio::spawn(async move {
+        let mut sending = Box::pin(async move {
             if let Pumped::Failed(s) = pump(&pump_shared.mux, id, &pump_call, head, body, Side::Client, None).await {
                 // The request body failed or was refused: the call fails with that status.
                 pump_shared.fail_call(id, s);
             }
         });
+        // A request that is complete at once (unary) usually goes out in this first poll,
+        // which saves a task hop; whatever would wait finishes in its own task. Either way
+        // the sending future is never dropped half-way.
+        let finished = std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx).is_ready())).await;
+        if !finished {
+            tokio::spawn(sending);
+        }
 
         let head = match deadline {
             Some(d) => tokio::select! {
