@@ -19,3 +19,29 @@ pub mod helloworld {
     #![allow(missing_docs)]
     tonic::include_proto!("helloworld");
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use prost::Message;
+
+    use super::bench::v1::{Ack, Payload};
+
+    #[test]
+    fn bytes_fields_decode_as_slices_of_the_input() {
+        let big = Bytes::from(vec![0xab; 4096]);
+        let msg = Payload { buffers: vec![big.clone(), Bytes::new(), Bytes::from_static(b"x")] };
+        let wire = Bytes::from(msg.encode_to_vec());
+        let back = Payload::decode(wire.clone()).unwrap();
+        assert_eq!(back, msg);
+        // `bytes` fields are `Bytes` views into the received buffer: no copy after decoding.
+        let range = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
+        assert!(range.contains(&(back.buffers[0].as_ptr() as usize)));
+    }
+
+    #[test]
+    fn ack_round_trips() {
+        let a = Ack { bytes: u64::MAX, buffers: 7 };
+        assert_eq!(Ack::decode(a.encode_to_vec().as_slice()).unwrap(), a);
+    }
+}

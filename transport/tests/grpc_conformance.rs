@@ -304,6 +304,18 @@ mod cases {
         srv.shutdown().await.unwrap();
     }
 
+    /// A handler that panics fails its own call, not the connection or the server.
+    pub async fn handler_panic<T: Transport>() {
+        let (srv, _ev) = start::<T>(None, None).await;
+        let mut c = client::<T>(&srv).await;
+        let e = c.echo(with_mode(Payload::default(), "panic")).await.unwrap_err();
+        // tonic: the HTTP/2 stream is reset (CANCEL), which its client reports as Cancelled.
+        assert_eq!(e.code(), Code::Cancelled, "{e:?}");
+        let p = Payload { buffers: vec![pattern(10, 6)] };
+        assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
+        srv.shutdown().await.unwrap();
+    }
+
     /// Flow control is per call: a reader that stops consuming one stream holds up neither
     /// the connection nor the other calls on it.
     pub async fn slow_reader<T: Transport>() {
@@ -344,9 +356,18 @@ mod cases {
             assert_eq!(r.into_inner().buffers, vec![pattern(100, i as u8)]);
         }
         srv.join().await.unwrap();
-        let mut c = c.clone();
+        assert_gone::<T>(&mut c.clone()).await;
+    }
+
+    /// Calls to a server that is gone fail fast with `Unavailable` (the first one, on stock
+    /// tonic, may race the closing connection: see `Transport::GONE_CODES`).
+    async fn assert_gone<T: Transport>(c: &mut BenchClient<Chan>) {
+        let e = c.echo(Payload::default()).await.unwrap_err();
+        assert!(T::GONE_CODES.contains(&e.code()), "{e:?}");
+        assert!(!e.message().is_empty());
         let e = c.echo(Payload::default()).await.unwrap_err();
         assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+        assert!(!e.message().is_empty());
     }
 
     pub async fn server_gone<T: Transport>() {
@@ -357,11 +378,7 @@ mod cases {
         let mut c = client::<T>(&srv).await;
         assert!(c.echo(Payload::default()).await.is_ok());
         srv.shutdown().await.unwrap();
-        for _ in 0..2 {
-            let e = c.echo(Payload::default()).await.unwrap_err();
-            assert_eq!(e.code(), Code::Unavailable, "{e:?}");
-            assert!(!e.message().is_empty());
-        }
+        assert_gone::<T>(&mut c).await;
     }
 }
 
@@ -387,7 +404,7 @@ macro_rules! conformance {
             suite!($m: $t;
                 unary, server_streaming, client_streaming, bidi_streaming, error_details,
                 trailers_only, metadata, deadline, client_cancel, message_sizes, size_limits,
-                concurrent_calls, slow_reader, graceful_shutdown, server_gone);
+                concurrent_calls, slow_reader, handler_panic, graceful_shutdown, server_gone);
         )*
     };
 }
@@ -479,6 +496,48 @@ mod ibex_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn message_paths_tcp() {
         within(message_paths::<IbexTcp>()).await
+    }
+
+    /// A body frame the transport refuses (over the peer's `max_message_size`) fails only its
+    /// call, with `ResourceExhausted` naming the limit, in either direction; the connection's
+    /// framing survives and the next call works.
+    async fn transport_limit(uri: impl Fn() -> String) {
+        let small = ibex_transport::Config { max_message_size: MIB as u64, ..ibex_config() };
+        for (server_cfg, client_cfg) in [(small.clone(), ibex_config()), (ibex_config(), small.clone())] {
+            let (svc, _ev) = BenchImpl::new();
+            let listener = ibex_transport::listen(&uri(), server_cfg).await.unwrap();
+            let addr = listener.local_uri();
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(
+                ibex_transport::grpc::Server::builder()
+                    .add_service(svc.server(Some(usize::MAX), None))
+                    .serve_with_listener(listener, async {
+                        let _ = rx.await;
+                    }),
+            );
+            let ch = Channel::connect_with_config(&addr, client_cfg).await.unwrap();
+            let mut c = BenchClient::new(ch).max_decoding_message_size(usize::MAX);
+            let e = match c.echo(Payload { buffers: vec![pattern(2 * MIB, 1)] }).await {
+                Ok(_) => panic!("a 2 MiB message passed a 1 MiB transport limit"),
+                Err(e) => e,
+            };
+            assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+            assert!(e.message().contains("max_message_size"), "{e:?}");
+            let p = Payload { buffers: vec![pattern(100, 2)] };
+            assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
+            let _ = tx.send(());
+            server.await.unwrap().unwrap();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn transport_limit_shm() {
+        within(transport_limit(grpc_common::transports::shm_uri)).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn transport_limit_tcp() {
+        within(transport_limit(|| "tcp://127.0.0.1:0".to_string())).await
     }
 
     /// A client that sends garbage loses its own connection, with no panic, and the server

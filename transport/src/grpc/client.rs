@@ -91,6 +91,18 @@ impl Shared {
         }
     }
 
+    /// Ends one call here with `status` (its request could not be sent).
+    fn fail_call(&self, id: u32, status: Status) {
+        let mut calls = self.lock();
+        if let Some(mut c) = calls.map.remove(&id) {
+            if let Some(h) = c.head.take() {
+                let _ = h.send(Err(status.clone()));
+            }
+            let _ = c.body.send(Inbound::Error(status));
+            c.shared.finish();
+        }
+    }
+
     /// Dispatches one packet from the server.
     fn dispatch(&self, p: Packet, data: Option<Bytes>) {
         let mut calls = self.lock();
@@ -122,7 +134,8 @@ impl Shared {
             let _ = c.body.send(Inbound::End);
         }
         if p.reset {
-            let s = Status::cancelled("the server reset the call");
+            // Cancelled, as stock tonic reports the HTTP/2 reset of a panicked handler.
+            let s = Status::cancelled("the server aborted the call (its handler panicked)");
             if let Some(h) = c.head.take() {
                 let _ = h.send(Err(s.clone()));
             }
@@ -170,11 +183,19 @@ async fn reader(shared: Arc<Shared>) {
             Some(Data::Inline(b)) => Some(b.clone()),
             Some(Data::Next(len)) => match conn.recv().await {
                 Ok(m) if m.len() as u64 == *len => Some(m),
-                Ok(m) => {
-                    let e = Error::Protocol(format!("gRPC call framing: body of {} bytes announced as {len}", m.len()));
-                    shared.fail_all(gone(e));
-                    return conn.close().await;
-                }
+                // The server's transport refused the body; an abort of the call came instead.
+                Ok(m) => match Packet::decode(m, false) {
+                    Ok(abort) if abort.call == p.call && abort.data.is_none() => {
+                        shared.dispatch(p, None);
+                        shared.dispatch(abort, None);
+                        continue;
+                    }
+                    _ => {
+                        let e = Error::Protocol(format!("gRPC call framing: expected a body of {len} bytes for call {}", p.call));
+                        shared.fail_all(gone(e));
+                        return conn.close().await;
+                    }
+                },
                 Err(e) => return shared.fail_all(gone(e)),
             },
             None => None,
@@ -222,7 +243,7 @@ impl Channel {
     /// Runs gRPC calls over an established connection (which nothing else should read).
     /// Must be called within a tokio runtime.
     pub fn new(conn: Connection) -> Channel {
-        let shared = Arc::new(Shared { mux: Arc::new(Mux::new(conn)), calls: Mutex::new(Calls::default()) });
+        let shared = Arc::new(Shared { mux: Arc::new(Mux::new(conn, Side::Client)), calls: Mutex::new(Calls::default()) });
         let reader = tokio::spawn(reader(shared.clone())).abort_handle();
         Channel { inner: Arc::new(Inner { shared, reader }) }
     }
@@ -269,21 +290,28 @@ impl Channel {
                 id = id.wrapping_add(1);
             }
             calls.next_id = id.wrapping_add(1);
-            calls.map.insert(id, Call { head: Some(head_tx), body: body_tx.clone(), shared: call.clone() });
+            calls.map.insert(id, Call { head: Some(head_tx), body: body_tx, shared: call.clone() });
             id
         };
         let mut guard = CallGuard { inner: inner.clone(), id, armed: true };
 
         let mut head = Packet::new(id);
         head.head = Some(Head::Request { path, headers: parts.headers });
-        let mux = shared.mux.clone();
+        let pump_shared = shared.clone();
         let pump_call = call.clone();
-        tokio::spawn(async move {
-            if let Pumped::Failed(s) = pump(&mux, id, &pump_call, head, body, Side::Client, None).await {
-                // The request body failed: the call fails with its status, like tonic's.
-                let _ = body_tx.send(Inbound::Error(s));
+        let mut sending = Box::pin(async move {
+            if let Pumped::Failed(s) = pump(&pump_shared.mux, id, &pump_call, head, body, Side::Client, None).await {
+                // The request body failed or was refused: the call fails with that status.
+                pump_shared.fail_call(id, s);
             }
         });
+        // A request that is complete at once (unary) usually goes out in this first poll,
+        // which saves a task hop; whatever would wait finishes in its own task. Either way
+        // the sending future is never dropped half-way.
+        let finished = std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx).is_ready())).await;
+        if !finished {
+            tokio::spawn(sending);
+        }
 
         let head = match deadline {
             Some(d) => tokio::select! {

@@ -15,7 +15,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! How calls travel is in [`wire`](self) (module docs of `wire.rs`): each call is
+//! How calls travel is described in `grpc/wire.rs`: each call is
 //! `HEAD *DATA [TRAILERS|END]` in each direction, many calls share one connection, and every
 //! body frame is its own transport message above a few KiB, so the transport moves large
 //! messages rendezvous without a copy. Flow control is per call (a byte window), so a slow
@@ -48,7 +48,9 @@ pub use server::{Builder, PeerHandle, Server};
 pub use crate::conn::RemoteBuf;
 
 use crate::conn::Connection;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use pump::Side;
+use tonic::Status;
 use wire::{Data, INLINE_MAX, Packet};
 
 /// The body of a response on the client side: data frames, then the trailers.
@@ -71,11 +73,20 @@ fn cost(len: usize) -> i64 {
 pub(crate) struct Mux {
     conn: Connection,
     send_lock: tokio::sync::Mutex<()>,
+    side: Side,
+}
+
+/// The status a call gets when the transport refuses one of its messages.
+fn transport_status(e: &Error) -> Status {
+    match e {
+        Error::TooLarge { .. } => Status::resource_exhausted(format!("gRPC message frame refused by the Ibex transport: {e}")),
+        _ => Status::unavailable(format!("the Ibex connection failed: {e}")),
+    }
 }
 
 impl Mux {
-    fn new(conn: Connection) -> Mux {
-        Mux { conn, send_lock: tokio::sync::Mutex::new(()) }
+    fn new(conn: Connection, side: Side) -> Mux {
+        Mux { conn, send_lock: tokio::sync::Mutex::new(()), side }
     }
 
     /// Sends `pkt`, with `data` as its body frame (inline when small, else as the next
@@ -93,11 +104,25 @@ impl Mux {
             }
             None => None,
         };
+        let call = pkt.call;
         let head = pkt.encode()?;
         let _order = self.send_lock.lock().await;
         self.conn.send(head).await?;
-        if let Some(d) = next {
-            self.conn.send(d).await?;
+        if let Some(d) = next
+            && let Err(e) = self.conn.send(d).await
+        {
+            // The peer takes the next message as this body: when the transport refuses the
+            // body (too large for the peer), an abort of the call takes its place, so the
+            // connection's framing survives and only this call fails.
+            let mut abort = Packet::new(call);
+            match self.side {
+                Side::Client => abort.reset = true,
+                Side::Server => abort.trailers = Some(pump::status_trailers(&transport_status(&e))),
+            }
+            if let Ok(b) = abort.encode() {
+                let _ = self.conn.send(b).await;
+            }
+            return Err(e);
         }
         Ok(())
     }

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use super::wire::Packet;
-use super::{CallShared, Mux};
+use super::{CallShared, Mux, transport_status};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -33,7 +33,8 @@ pub(crate) enum Pumped {
     Done,
     /// The call was over first (cancelled, reset, finished by the peer, connection gone).
     Stopped,
-    /// The body failed; the call was reset (client) or ended with this status (server).
+    /// The body failed, or the transport refused a message: the call was reset (client) or
+    /// ended with this status (server) where the connection still allowed it.
     Failed(Status),
 }
 
@@ -57,7 +58,7 @@ fn ready_now<B: Body + ?Sized>(body: &mut Pin<Box<B>>) -> Option<Polled<B>> {
     }
 }
 
-fn status_trailers(status: &Status) -> HeaderMap {
+pub(crate) fn status_trailers(status: &Status) -> HeaderMap {
     let mut h = HeaderMap::new();
     if let Err(e) = status.add_header(&mut h) {
         // Only the details or metadata can fail to encode; the code itself always does.
@@ -65,6 +66,13 @@ fn status_trailers(status: &Status) -> HeaderMap {
         let _ = Status::internal(format!("could not encode the call's status: {}", e.message())).add_header(&mut h);
     }
     h
+}
+
+fn sent(r: crate::error::Result<()>) -> Pumped {
+    match r {
+        Ok(()) => Pumped::Done,
+        Err(e) => Pumped::Failed(transport_status(&e)),
+    }
 }
 
 /// Sends `head` and then `body` for call `id`. `deadline` (server only) ends the response
@@ -89,9 +97,9 @@ where
                 Some(item) => item,
                 None => {
                     if let Some((p, d)) = pending.take()
-                        && mux.send(p, d).await.is_err()
+                        && let Err(e) = mux.send(p, d).await
                     {
-                        return Pumped::Stopped;
+                        return Pumped::Failed(transport_status(&e));
                     }
                     continue;
                 }
@@ -124,8 +132,8 @@ where
                     // One body frame per packet: send what is filled, start a new one.
                     let mut p = p;
                     if d.is_some() {
-                        if mux.send(p, d).await.is_err() {
-                            return Pumped::Stopped;
+                        if let Err(e) = mux.send(p, d).await {
+                            return Pumped::Failed(transport_status(&e));
                         }
                         p = Packet::new(id);
                     }
@@ -140,14 +148,12 @@ where
                         (Side::Server, Ok(t)) => p.trailers = Some(t),
                         _ => p.end = true,
                     }
-                    let _ = mux.send(p, d).await;
-                    return Pumped::Done;
+                    return sent(mux.send(p, d).await);
                 }
             },
             None => {
                 p.end = true;
-                let _ = mux.send(p, d).await;
-                return Pumped::Done;
+                return sent(mux.send(p, d).await);
             }
             Some(Err(e)) => {
                 let status = Status::from_error(e);

@@ -6,6 +6,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -200,7 +201,7 @@ struct Partial {
 
 async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
     let peer = PeerHandle { conn: conn.clone() };
-    let st = Arc::new(ConnState { mux: Arc::new(Mux::new(conn.clone())), calls: Mutex::new(HashMap::new()) });
+    let st = Arc::new(ConnState { mux: Arc::new(Mux::new(conn.clone(), Side::Server)), calls: Mutex::new(HashMap::new()) });
     let mut tasks = JoinSet::new();
     let mut draining = false;
     let mut partial: Option<Partial> = None;
@@ -231,10 +232,22 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
                 };
                 let (p, data) = match partial.take() {
                     Some(Partial { packet, len }) if msg.len() as u64 == len => (packet, Some(msg)),
-                    Some(Partial { len, .. }) => {
-                        tracing::warn!(peer = %peer.peer(), "gRPC server: body of {} bytes announced as {len}; closing the connection", msg.len());
-                        break;
-                    }
+                    // The client's transport refused the body; an abort of the call came instead.
+                    Some(Partial { packet, len }) => match Packet::decode(msg, true) {
+                        Ok(abort) if abort.call == packet.call && abort.data.is_none() => {
+                            let r = dispatch(&st, &peer, &routes, &mut tasks, draining, packet, None)
+                                .and_then(|()| dispatch(&st, &peer, &routes, &mut tasks, draining, abort, None));
+                            if let Err(e) = r {
+                                tracing::warn!(%e, peer = %peer.peer(), "gRPC server: closing the connection");
+                                break;
+                            }
+                            continue;
+                        }
+                        _ => {
+                            tracing::warn!(peer = %peer.peer(), "gRPC server: expected a body of {len} bytes for call {}; closing the connection", packet.call);
+                            break;
+                        }
+                    },
                     None => match Packet::decode(msg, true) {
                         Ok(mut p) => match p.data.take() {
                             Some(Data::Next(len)) => {
@@ -329,7 +342,21 @@ fn dispatch(
     Ok(())
 }
 
-async fn run_call(st: Arc<ConnState>, id: u32, call: Arc<CallShared>, req: http::Request<IncomingBody>, mut routes: Routes, deadline: Option<Instant>) {
+async fn run_call(st: Arc<ConnState>, id: u32, call: Arc<CallShared>, req: http::Request<IncomingBody>, routes: Routes, deadline: Option<Instant>) {
+    let answered = std::panic::AssertUnwindSafe(answer(&st, id, &call, req, routes, deadline)).catch_unwind().await;
+    if answered.is_err() {
+        // The panic has been reported by the hook; the client learns that its call died.
+        tracing::error!(call = id, peer = %st.mux.conn.peer(), "gRPC handler panicked; resetting the call");
+        let mut p = Packet::new(id);
+        p.reset = true;
+        let _ = st.mux.send(p, None).await;
+    }
+    call.finish();
+    st.lock().remove(&id);
+}
+
+/// Runs the handler and sends its response, within the deadline and until cancelled.
+async fn answer(st: &ConnState, id: u32, call: &CallShared, req: http::Request<IncomingBody>, mut routes: Routes, deadline: Option<Instant>) {
     let sleep = async {
         match deadline {
             Some(d) => tokio::time::sleep_until(d).await,
@@ -362,8 +389,6 @@ async fn run_call(st: Arc<ConnState>, id: u32, call: Arc<CallShared>, req: http:
         let (parts, body) = resp.into_parts();
         let mut head = Packet::new(id);
         head.head = Some(Head::Response { status: parts.status, headers: parts.headers });
-        pump(&st.mux, id, &call, head, body, Side::Server, deadline).await;
+        pump(&st.mux, id, call, head, body, Side::Server, deadline).await;
     }
-    call.finish();
-    st.lock().remove(&id);
 }

@@ -116,6 +116,9 @@ async fn common_mode(mode: &str) -> Result<(), Status> {
     if mode == "hold" {
         std::future::pending::<()>().await;
     }
+    if mode == "panic" {
+        panic!("handler panics on purpose (x-mode: panic)");
+    }
     Ok(())
 }
 

@@ -72,6 +72,9 @@ impl ServerHandle {
 pub trait Transport {
     /// The code a client sees when its deadline passes while the handler is still running.
     const DEADLINE_CODE: Code;
+    /// What the first call after the server went away may fail with (after that, every
+    /// transport says `Unavailable`).
+    const GONE_CODES: &'static [Code];
     /// Starts a server for `routes` on a fresh address.
     fn serve(routes: Routes) -> impl Future<Output = ServerHandle> + Send;
     /// A client channel to `addr`.
@@ -99,6 +102,9 @@ impl Transport for Stock {
     // tonic's client maps its own `grpc-timeout` timer to `Cancelled("Timeout expired")`;
     // see docs/grpc.md.
     const DEADLINE_CODE: Code = Code::Cancelled;
+    // hyper may still hand the call to the closing connection: `Cancelled("operation was
+    // canceled", connection closed)`.
+    const GONE_CODES: &'static [Code] = &[Code::Unavailable, Code::Cancelled];
 
     async fn serve(routes: Routes) -> ServerHandle {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -172,6 +178,7 @@ pub struct IbexShm;
 
 impl Transport for IbexShm {
     const DEADLINE_CODE: Code = Code::DeadlineExceeded;
+    const GONE_CODES: &'static [Code] = &[Code::Unavailable];
 
     async fn serve(routes: Routes) -> ServerHandle {
         ibex_serve(shm_uri(), routes).await
@@ -191,6 +198,7 @@ pub struct IbexTcp;
 
 impl Transport for IbexTcp {
     const DEADLINE_CODE: Code = Code::DeadlineExceeded;
+    const GONE_CODES: &'static [Code] = &[Code::Unavailable];
 
     async fn serve(routes: Routes) -> ServerHandle {
         ibex_serve("tcp://127.0.0.1:0".into(), routes).await
