@@ -13,6 +13,8 @@ pub mod error;
 pub mod link;
 pub mod pool;
 pub mod proto;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 pub use config::Config;
 pub use error::{Error, Result};
