@@ -36,6 +36,8 @@ pub(crate) struct Device {
     pub max_qp_init_rd_atom: u32,
     pub max_qp_wr: u32,
     pub max_cqe: u32,
+    /// Soft-RoCE (rdma_rxe), which reports this vendor id.
+    pub soft_roce: bool,
 }
 
 impl std::fmt::Debug for Device {
@@ -97,6 +99,7 @@ pub(crate) fn open(opts: &VerbsOptions) -> Result<Device> {
                     max_qp_init_rd_atom: attr.max_qp_init_rd_atom().max(0) as u32,
                     max_qp_wr: attr.max_qp_wr().max(0) as u32,
                     max_cqe: attr.max_cqe().max(0) as u32,
+                    soft_roce: attr.vendor_id() == 0xFF_FFFF,
                 });
             }
             Err(why) if opts.device.is_some() => {

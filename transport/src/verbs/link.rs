@@ -600,8 +600,9 @@ impl Link for VerbsLink {
         if inline {
             wr.setup_inline_data(frame);
         } else if frame.is_empty() {
-            // SAFETY: an empty scatter list names no memory.
-            unsafe { wr.setup_sge_list(&[]) };
+            // rxe rejects an empty scatter list; a zero-length entry in the slab is fine.
+            // SAFETY: zero bytes of registered memory are named; nothing is read.
+            unsafe { wr.setup_sge(lkey, self.send.addr(), 0) };
         } else {
             // SAFETY: the slot lies in the registered send slab, which outlives the QP, and is
             // not reused before this send's completion (or a later one) retires it.
@@ -816,10 +817,11 @@ impl Link for VerbsLink {
             // The tail of unsignalled sends produces no completion of its own: post a signalled
             // empty marker behind it (the peer reposts its slot and delivers nothing).
             let seq = self.next_seq;
+            let (lkey, addr) = (self.send.lkey(), self.send.addr());
             let mut guard = self.qp.start_post_send();
             let wr = guard.construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled).setup_send_imm(IMM_MARKER);
-            // SAFETY: an empty scatter list names no memory.
-            unsafe { wr.setup_sge_list(&[]) };
+            // SAFETY: zero bytes of the registered send slab are named; nothing is read.
+            unsafe { wr.setup_sge(lkey, addr, 0) };
             match guard.post() {
                 Ok(()) => {
                     self.next_seq += 1;
