@@ -202,9 +202,21 @@ async fn rdma_read_in_fragments_with_several_outstanding() {
     }
     assert!(dst.as_slice() == &data[..], "rendezvous data differs");
     assert!(dst2.as_slice() == &pooled[..], "pool data differs");
+    // Exposing the same buffer twice shares one registration; withdrawing one exposure keeps
+    // the other readable.
+    let again = s.expose(data.clone()).expect("expose again");
     assert!(s.withdraw(exp.id).is_some());
+    let mut small = c.alloc_recv(4096).expect("alloc_recv");
+    // SAFETY: as above.
+    unsafe { c.post_read(200, &again.descriptor, (len - 4096) as u64, small.as_mut_ptr(), 4096) }.expect("post_read");
+    match next(&mut c).await.expect("event") {
+        LinkEvent::ReadDone { id: 200, result } => result.expect("read through the remaining exposure"),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(small.as_slice() == &data[len - 4096..]);
+    assert!(s.withdraw(again.id).is_some());
     assert!(s.withdraw(exp2.id).is_some());
-    assert!(s.withdraw(exp.id).is_none());
+    assert!(s.withdraw(again.id).is_none(), "withdrawn twice");
     // The link still carries frames afterwards.
     send(&mut c, b"done").await;
     assert_eq!(&frame(&mut s).await[..], b"done");
@@ -231,6 +243,15 @@ async fn bad_descriptors_are_errors() {
     // SAFETY: as above.
     let r = unsafe { c.post_read(3, &exp.descriptor, 0, heap.as_mut_ptr(), 16) };
     assert!(r.is_err());
+    // A destination larger than the registered receive slab gets its own registration.
+    let mut big = c.alloc_recv(9 << 20).expect("alloc_recv beyond the receive slab");
+    // SAFETY: as above.
+    unsafe { c.post_read(5, &exp.descriptor, 0, big.as_mut_ptr().add((9 << 20) - 8192), 8192) }.expect("post_read");
+    match next(&mut c).await.expect("event") {
+        LinkEvent::ReadDone { id: 5, result } => result.expect("read"),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(big.as_slice()[(9 << 20) - 8192..].iter().all(|&b| b == 5));
     // A good read still works after the refusals.
     // SAFETY: as above.
     unsafe { c.post_read(4, &exp.descriptor, 0, dst.as_mut_ptr(), 8192) }.expect("post_read");

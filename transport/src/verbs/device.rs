@@ -274,3 +274,18 @@ impl Slab {
         self.mem.get_mut(off..off.checked_add(len)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pinning_errors_name_the_memlock_fix() {
+        let e = pin_error("registering 4096 bytes".into(), io::Error::from_raw_os_error(libc::ENOMEM)).to_string();
+        assert!(e.contains("registering 4096 bytes failed") && e.contains("ulimit -l") && e.contains("LimitMEMLOCK"), "{e}");
+        let e = pin_error("registering 1 bytes".into(), io::Error::from_raw_os_error(libc::EPERM)).to_string();
+        assert!(e.contains("locked-memory limit"), "{e}");
+        let e = pin_error("creating a queue pair".into(), io::Error::from_raw_os_error(libc::EINVAL)).to_string();
+        assert!(!e.contains("ulimit"), "{e}");
+    }
+}
