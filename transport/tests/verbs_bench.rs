@@ -4,27 +4,34 @@
 #![cfg(feature = "verbs")]
 
 use std::future::poll_fn;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ibex_transport::Config;
 use ibex_transport::link::{Link, LinkEvent};
 use ibex_transport::verbs::{self, VerbsLink, VerbsOptions};
 
-fn opts(busy: bool) -> Option<(VerbsOptions, VerbsOptions)> {
+/// Progress modes: `event` (default 20 µs spin, then sleep), `spin2ms` (event mode with a
+/// 2 ms spin budget), `busy` (dedicated busy-poll thread).
+fn opts(mode: &str) -> Option<(VerbsOptions, VerbsOptions)> {
     if std::env::var("RXE_VM").is_err() {
         println!("skipped: no RDMA device (run scripts/verbs-test.sh --bench)");
         return None;
     }
     let dev = |v: &str| std::env::var(v).ok().or_else(|| std::env::var("RXE_DEV").ok());
+    let base = VerbsOptions {
+        busy_poll: mode == "busy",
+        spin: if mode == "spin2ms" { Duration::from_millis(2) } else { VerbsOptions::default().spin },
+        ..VerbsOptions::default()
+    };
     Some((
-        VerbsOptions { device: dev("IBEX_TEST_SERVER_DEV"), busy_poll: busy, ..Default::default() },
-        VerbsOptions { device: dev("IBEX_TEST_CLIENT_DEV"), busy_poll: busy, ..Default::default() },
+        VerbsOptions { device: dev("IBEX_TEST_SERVER_DEV"), ..base.clone() },
+        VerbsOptions { device: dev("IBEX_TEST_CLIENT_DEV"), ..base },
     ))
 }
 
-async fn pair(busy: bool) -> Option<(VerbsLink, VerbsLink)> {
-    let (so, co) = opts(busy)?;
+async fn pair(mode: &str) -> Option<(VerbsLink, VerbsLink)> {
+    let (so, co) = opts(mode)?;
     let cfg = Config { slot_size: 16 << 10, credits: 32, pool_size: 64 << 20, ..Config::default() };
     let l = verbs::listen_with("127.0.0.1:0", &cfg, so).await.expect("listen");
     let addr = l.local_addr().to_string();
@@ -40,9 +47,8 @@ async fn recv_frame(link: &mut VerbsLink) -> Bytes {
 }
 
 /// Ping-pong of 64-byte frames; one-way latency = round trip / 2, like perftest's send_lat.
-async fn latency(busy: bool) {
-    let Some((mut s, mut c)) = pair(busy).await else { return };
-    let mode = if busy { "busy" } else { "event" };
+async fn latency(mode: &str) {
+    let Some((mut s, mut c)) = pair(mode).await else { return };
     let iters = 2000;
     let msg = [7u8; 64];
     let echo = async move {
@@ -74,9 +80,8 @@ async fn latency(busy: bool) {
 }
 
 /// RDMA READ rendezvous: 512 KiB fragments, 8 in flight, like the driver's defaults.
-async fn bandwidth(busy: bool) {
-    let Some((mut s, mut c)) = pair(busy).await else { return };
-    let mode = if busy { "busy" } else { "event" };
+async fn bandwidth(mode: &str) {
+    let Some((mut s, mut c)) = pair(mode).await else { return };
     let len = 16 << 20;
     let frag = 512 << 10;
     let rounds = 4;
@@ -113,23 +118,29 @@ async fn bandwidth(busy: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: scripts/verbs-test.sh --bench"]
 async fn bench_latency_event() {
-    latency(false).await;
+    latency("event").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: scripts/verbs-test.sh --bench"]
+async fn bench_latency_spin_2ms() {
+    latency("spin2ms").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: scripts/verbs-test.sh --bench"]
 async fn bench_latency_busy_poll() {
-    latency(true).await;
+    latency("busy").await;
 }
 
 #[tokio::test]
 #[ignore = "benchmark: scripts/verbs-test.sh --bench"]
 async fn bench_read_bandwidth_event() {
-    bandwidth(false).await;
+    bandwidth("event").await;
 }
 
 #[tokio::test]
 #[ignore = "benchmark: scripts/verbs-test.sh --bench"]
 async fn bench_read_bandwidth_busy_poll() {
-    bandwidth(true).await;
+    bandwidth("busy").await;
 }

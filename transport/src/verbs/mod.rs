@@ -7,7 +7,8 @@
 //! Soft-RoCE.
 //!
 //! Environment: `IBEX_RDMA_DEVICE` (e.g. `mlx5_0`, `rxe0`), `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`,
-//! `IBEX_VERBS_BUSY_POLL=1` (dedicated busy-poll thread instead of the completion channel).
+//! `IBEX_VERBS_BUSY_POLL=1` (dedicated busy-poll thread instead of the completion channel),
+//! `IBEX_VERBS_SPIN_US` (spin budget before sleeping, default 20).
 
 mod bootstrap;
 mod device;
@@ -15,6 +16,7 @@ mod link;
 mod progress;
 
 use std::net::SocketAddr;
+use std::time::Duration;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use sideway::ibverbs::AccessFlags;
@@ -41,7 +43,7 @@ const MAX_READ_DEPTH: u32 = 16;
 /// Which device, port and GID to use, and how to make progress. Defaults come from the
 /// environment ([`VerbsOptions::from_env`]); set fields directly to run two endpoints on
 /// different devices in one process.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct VerbsOptions {
     /// Device name (`IBEX_RDMA_DEVICE`); `None` = the first device with an ACTIVE port and a
     /// usable GID.
@@ -54,10 +56,20 @@ pub struct VerbsOptions {
     /// Spin on the completion queue in a dedicated thread (`IBEX_VERBS_BUSY_POLL=1`) instead of
     /// spinning briefly and then sleeping on the completion channel.
     pub busy_poll: bool,
+    /// How long `poll_event` spins on an empty completion queue before it sleeps
+    /// (`IBEX_VERBS_SPIN_US`, default 20 µs). Longer trades CPU for latency.
+    pub spin: Duration,
+}
+
+impl Default for VerbsOptions {
+    fn default() -> Self {
+        VerbsOptions { device: None, port: None, gid_index: None, busy_poll: false, spin: progress::DEFAULT_SPIN }
+    }
 }
 
 impl VerbsOptions {
-    /// Options from `IBEX_RDMA_DEVICE`, `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`, `IBEX_VERBS_BUSY_POLL`.
+    /// Options from `IBEX_RDMA_DEVICE`, `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`, `IBEX_VERBS_BUSY_POLL`,
+    /// `IBEX_VERBS_SPIN_US`.
     pub fn from_env() -> Result<VerbsOptions> {
         let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
         let num = |n: &str| -> Result<Option<u32>> {
@@ -73,7 +85,8 @@ impl VerbsOptions {
             Some("1") | Some("true") | Some("yes") => true,
             Some(v) => return Err(Error::Config(format!("IBEX_VERBS_BUSY_POLL={v:?}: use 1 or 0"))),
         };
-        Ok(VerbsOptions { device: var("IBEX_RDMA_DEVICE"), port, gid_index: num("IBEX_GID_INDEX")?, busy_poll })
+        let spin = num("IBEX_VERBS_SPIN_US")?.map_or(progress::DEFAULT_SPIN, |us| Duration::from_micros(us.into()));
+        Ok(VerbsOptions { device: var("IBEX_RDMA_DEVICE"), port, gid_index: num("IBEX_GID_INDEX")?, busy_poll, spin })
     }
 }
 
@@ -278,8 +291,8 @@ async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, pee
     tokio::time::timeout(bootstrap::TIMEOUT, bootstrap::ready(&mut tcp)).await.map_err(|_| timeout("ready"))??;
 
     let progress = match channel {
-        Some(ch) => Progress::channel(cq, ch)?,
-        None => Progress::busy(cq)?,
+        Some(ch) => Progress::channel(cq, ch, opts.spin)?,
+        None => Progress::busy(cq, opts.spin)?,
     };
     let async_events = AsyncEvents::new(dev.ctx.clone())?;
     Ok(VerbsLink::new(Parts {

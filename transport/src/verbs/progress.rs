@@ -22,9 +22,9 @@ use tokio::io::unix::AsyncFd;
 
 use crate::error::{Error, Result};
 
-/// How long to spin on an empty CQ before sleeping on the channel: long enough to catch a
-/// reply on a fast network, short enough not to matter when idle.
-const SPIN: Duration = Duration::from_micros(20);
+/// Default for how long to spin on an empty CQ before sleeping: long enough to catch a reply
+/// on a fast network, short enough not to matter when idle (`IBEX_VERBS_SPIN_US`).
+pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(20);
 
 /// One work completion, copied out of the CQ.
 #[derive(Debug, Clone, Copy)]
@@ -97,23 +97,25 @@ pub(crate) enum Progress {
         cq: Arc<BasicCompletionQueue>,
         channel: Arc<CompletionChannel>,
         armed: bool,
+        spin: Duration,
     },
     Busy {
         shared: Arc<BusyShared>,
         thread: Option<std::thread::JoinHandle<()>>,
+        spin: Duration,
     },
 }
 
 impl Progress {
     /// Event-driven progress over `channel`, which `cq` was created with.
-    pub fn channel(cq: Arc<BasicCompletionQueue>, channel: Arc<CompletionChannel>) -> Result<Progress> {
+    pub fn channel(cq: Arc<BasicCompletionQueue>, channel: Arc<CompletionChannel>, spin: Duration) -> Result<Progress> {
         channel.set_nonblocking(true).map_err(|e| Error::io("making the completion channel non-blocking", e))?;
         let fd = Fd(channel.as_raw_fd(), channel.clone()).register("completion channel")?;
-        Ok(Progress::Channel { fd, cq, channel, armed: false })
+        Ok(Progress::Channel { fd, cq, channel, armed: false, spin })
     }
 
     /// A thread that spins on `cq` until this is dropped.
-    pub fn busy(cq: Arc<BasicCompletionQueue>) -> Result<Progress> {
+    pub fn busy(cq: Arc<BasicCompletionQueue>, spin: Duration) -> Result<Progress> {
         let shared = Arc::new(BusyShared {
             queue: Mutex::new(Vec::new()),
             waker: AtomicWaker::new(),
@@ -145,7 +147,7 @@ impl Progress {
                 }
             })
             .map_err(|e| Error::io("starting the verbs busy-poll thread", e))?;
-        Ok(Progress::Busy { shared, thread: Some(thread) })
+        Ok(Progress::Busy { shared, thread: Some(thread), spin })
     }
 
     /// Appends available completions to `out` without waiting. Returns how many.
@@ -170,28 +172,27 @@ impl Progress {
         if self.poll_now(out)? > 0 {
             return Poll::Ready(Ok(()));
         }
+        let (Progress::Channel { spin, .. } | Progress::Busy { spin, .. }) = self;
+        let (start, spin) = (Instant::now(), *spin);
+        while start.elapsed() < spin {
+            if self.poll_now(out)? > 0 {
+                return Poll::Ready(Ok(()));
+            }
+            std::hint::spin_loop();
+        }
         match self {
             Progress::Busy { shared, .. } => {
                 shared.waker.register(cx.waker());
                 // Re-check: the thread may have pushed between our poll and the registration.
                 if self.poll_now(out)? > 0 { Poll::Ready(Ok(())) } else { Poll::Pending }
             }
-            Progress::Channel { .. } => {
-                let start = Instant::now();
-                while start.elapsed() < SPIN {
-                    if self.poll_now(out)? > 0 {
-                        return Poll::Ready(Ok(()));
-                    }
-                    std::hint::spin_loop();
-                }
-                self.poll_channel(cx, out)
-            }
+            Progress::Channel { .. } => self.poll_channel(cx, out),
         }
     }
 
     fn poll_channel(&mut self, cx: &mut Context<'_>, out: &mut Vec<Wc>) -> Poll<Result<()>> {
         loop {
-            let Progress::Channel { fd, cq, channel, armed } = self else { return Poll::Pending };
+            let Progress::Channel { fd, cq, channel, armed, .. } = self else { return Poll::Pending };
             if !*armed {
                 // SAFETY: `cq` is a live CQ created with a completion channel; the provider's
                 // req_notify_cq only touches that CQ.
@@ -235,7 +236,7 @@ impl Progress {
 
 impl Drop for Progress {
     fn drop(&mut self) {
-        if let Progress::Busy { shared, thread } = self {
+        if let Progress::Busy { shared, thread, .. } = self {
             shared.stop.store(true, Ordering::Release);
             if let Some(t) = thread.take() {
                 let _ = t.join();
