@@ -142,7 +142,7 @@ async fn full_ring_gives_pending_then_progress() {
         }
     }
     assert!(pending, "poll_send never returned Pending after {sent} sends");
-    assert!(sent >= 1 && sent < 200);
+    assert!((1..200).contains(&sent));
     let total = sent + 50;
     let tx = async move {
         for i in sent..total {

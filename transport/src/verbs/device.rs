@@ -71,12 +71,11 @@ pub(crate) fn open(opts: &VerbsOptions) -> Result<Device> {
     let mut tried = Vec::new();
     for dev in list.iter() {
         let name = dev.name();
-        if let Some(want) = &opts.device {
-            if &name != want {
+        if let Some(want) = &opts.device
+            && &name != want {
                 tried.push(name);
                 continue;
             }
-        }
         let ctx = dev.open().map_err(|e| Error::io(format!("opening RDMA device {name}"), io::Error::other(e)))?;
         match choose_port_and_gid(&ctx, opts) {
             Ok((port, gid_index, gid, lid, active_mtu)) => {

@@ -344,16 +344,14 @@ impl VerbsLink {
         if self.closing && self.sq.is_empty() {
             self.shutdown_socket();
         }
-        if freed {
-            if let Some(w) = &self.send_waker {
+        if freed
+            && let Some(w) = &self.send_waker {
                 w.wake_by_ref();
             }
-        }
-        if self.events.len() > had_events {
-            if let Some(w) = &self.event_waker {
+        if self.events.len() > had_events
+            && let Some(w) = &self.event_waker {
                 w.wake_by_ref();
             }
-        }
     }
 
     fn recv_done(&mut self, wc: Wc) {
@@ -373,11 +371,10 @@ impl VerbsLink {
         }
         let frame = (wc.imm != IMM_MARKER)
             .then(|| self.recv.slice(slot * self.slot_size, wc.byte_len as usize).map(Bytes::copy_from_slice));
-        if self.dead.is_none() {
-            if let Err(e) = self.post_recv(slot) {
+        if self.dead.is_none()
+            && let Err(e) = self.post_recv(slot) {
                 self.die(e);
             }
-        }
         match frame {
             Some(Some(b)) => self.events.push_back(LinkEvent::Frame(b)),
             Some(None) => self.die(Error::Protocol("receive completion outside the receive slab".into())),
@@ -431,15 +428,14 @@ impl VerbsLink {
         if r.err.is_none() {
             r.err = err;
         }
-        if r.left == 0 {
-            if let Some(r) = self.reads.remove(&op) {
+        if r.left == 0
+            && let Some(r) = self.reads.remove(&op) {
                 let result = match r.err {
                     Some(e) => Err(e),
                     None => Ok(()),
                 };
                 self.events.push_back(LinkEvent::ReadDone { id: r.id, result });
             }
-        }
     }
 
     /// Posts queued READ chunks up to the READ depth; fails them all once the link is dead.
@@ -510,16 +506,14 @@ impl VerbsLink {
     }
 
     fn lkey_for(&mut self, dst: *const u8, len: usize) -> Option<u32> {
-        if let Some(Some(p)) = &self.recv_pool {
-            if p.pool.offset_of(dst, len).is_some() {
+        if let Some(Some(p)) = &self.recv_pool
+            && p.pool.offset_of(dst, len).is_some() {
                 return Some(p.lkey);
             }
-        }
-        if let Some(Some(p)) = self.pool.get() {
-            if p.pool.offset_of(dst, len).is_some() {
+        if let Some(Some(p)) = self.pool.get()
+            && p.pool.offset_of(dst, len).is_some() {
                 return Some(p.lkey);
             }
-        }
         let d = dst as usize;
         let (&start, (rlen, weak)) = self.recv_regions.range(..=d).next_back()?;
         let mr = weak.upgrade()?;
@@ -712,14 +706,13 @@ impl Link for VerbsLink {
 
     fn withdraw(&mut self, id: u64) -> Option<Bytes> {
         let e = self.exposures.remove(&id)?;
-        if let Some(key) = e.key {
-            if let Some((_, n)) = self.reg_cache.get_mut(&key) {
+        if let Some(key) = e.key
+            && let Some((_, n)) = self.reg_cache.get_mut(&key) {
                 *n -= 1;
                 if *n == 0 {
                     self.reg_cache.remove(&key);
                 }
             }
-        }
         Some(e.buf)
     }
 
@@ -739,14 +732,13 @@ impl Link for VerbsLink {
             let size = self.pool_size.clamp(1 << 20, RECV_POOL_MAX);
             self.recv_pool = Some(self.reg_pool(size, "receive slab"));
         }
-        if let Some(Some(p)) = &self.recv_pool {
-            if let Ok(mut b) = p.pool.alloc(len) {
+        if let Some(Some(p)) = &self.recv_pool
+            && let Ok(mut b) = p.pool.alloc(len) {
                 let ptr = b.as_mut_ptr();
                 // SAFETY: the pool buffer is ours alone, stays put, and lives as long as the
                 // PoolBufMut that owns it.
                 return Ok(unsafe { RecvBuf::from_raw(ptr, len, Box::new(b) as Box<dyn Send + Sync>) });
             }
-        }
         self.recv_regions.retain(|_, (_, w)| w.strong_count() > 0);
         let mut slab = Slab::new(&self.pd, len, AccessFlags::LocalWrite)?;
         let ptr = slab.base();
