@@ -15,6 +15,8 @@ pub mod pool;
 pub mod proto;
 pub mod shm;
 pub mod tcp;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 pub use config::Config;
 pub use error::{Error, Result};

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# verbs-test.sh: build the verbs test suites on this host, then run them on Soft-RoCE inside
+# the throw-away qemu VM of scripts/rxe-vm/rxe-vm.
+#
+#   scripts/verbs-test.sh                 host checks, then single host (rxe0), then two hosts
+#   scripts/verbs-test.sh --single        host checks + rxe0 <-> rxe0 only
+#   scripts/verbs-test.sh --two-hosts     host checks + rxeA <-> rxeB (over a veth) only
+#   scripts/verbs-test.sh --bench         verbs link vs perftest on rxe0 (ratios; see docs/verbs.md)
+#   scripts/verbs-test.sh ... -- ARGS     extra arguments for the test binaries (e.g. a test name)
+#
+# Needs root (apt installs, the VM harness). Whole run: a few minutes on a 2-core host.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RXE_VM=$ROOT/scripts/rxe-vm/rxe-vm
+MODE=both BENCH=0 EXTRA=()
+while (( $# )); do
+    case $1 in
+        --single) MODE=single ;;
+        --two-hosts) MODE=two ;;
+        --bench) BENCH=1 ;;
+        --) shift; EXTRA=("$@"); break ;;
+        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        *) echo "verbs-test.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+cd "$ROOT"
+say() { echo "== verbs-test: $*" >&2; }
+
+# Build dependencies of sideway (rdma-mummy-sys runs cmake and bindgen).
+need=()
+for p in cmake libclang-dev; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
+if (( ${#need[@]} )); then
+    say "installing ${need[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq "${need[@]}" >&2 || { apt-get update -qq >&2 && apt-get install -y -qq "${need[@]}" >&2; }
+fi
+
+say "building on the host"
+cargo build -p ibex-transport --features verbs --quiet
+mapfile -t BINS < <(cargo test -p ibex-transport --features verbs --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name", "").startswith("verbs_"):
+        print(m["executable"])')
+(( ${#BINS[@]} )) || { echo "verbs-test.sh: no verbs_* test binaries were built" >&2; exit 1; }
+
+# The VM shares this host's root, so the harness's apt packages land here too (first run only).
+# Run the VM once up front so package installation does not count against the test timeout.
+"$RXE_VM" --timeout 300 -- true
+
+if (( BENCH )); then
+    say "building the benchmark (release)"
+    BENCH_BIN=$(cargo test --release -p ibex-transport --features verbs --test verbs_bench --no-run --message-format=json 2>/dev/null |
+        python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["executable"])' | tail -n1)
+    [[ -n $BENCH_BIN ]] || { echo "verbs-test.sh: verbs_bench was not built" >&2; exit 1; }
+    say "benchmark on rxe0 (do not compile or run other VMs meanwhile)"
+    exec "$RXE_VM" --timeout 600 -- bash "$ROOT/scripts/rxe-vm/verbs-bench.sh" "$BENCH_BIN"
+fi
+
+say "host (no RDMA device): unit tests and the no-device error"
+cargo test -p ibex-transport --features verbs --quiet --lib verbs:: >&2
+for b in "${BINS[@]}"; do "$b" --quiet "${EXTRA[@]}" >&2; done
+
+# One process opens both ends of every link. The tests run with default parallelism: they
+# passed that way on rxe0 and across rxeA/rxeB (add `-- --test-threads=1` to serialise).
+run_vm() { # NAME RXE_VM-ARGS... -- ENV...
+    local name=$1; shift
+    local args=() envs=()
+    while [[ $1 != -- ]]; do args+=("$1"); shift; done; shift
+    envs=("$@")
+    say "VM: $name"
+    local b
+    for b in "${BINS[@]}"; do
+        [[ $b == */verbs_bench-* ]] && continue
+        "$RXE_VM" --timeout 420 "${args[@]}" -- env "${envs[@]}" "$b" "${EXTRA[@]}"
+    done
+}
+
+if [[ $MODE == both || $MODE == single ]]; then
+    run_vm "single host (rxe0 <-> rxe0)" -- IBEX_TEST_SERVER_DEV=rxe0 IBEX_TEST_CLIENT_DEV=rxe0
+fi
+if [[ $MODE == both || $MODE == two ]]; then
+    run_vm "two hosts (rxeA <-> rxeB over vethA/vethB)" --two-hosts -- \
+        IBEX_TEST_SERVER_DEV=rxeA IBEX_TEST_CLIENT_DEV=rxeB IBEX_TEST_LISTEN_ADDR=198.51.100.1:0
+fi
+say "all verbs tests passed"

@@ -1,0 +1,855 @@
+//! [`VerbsLink`]: the [`Link`] contract on one RC queue pair.
+//!
+//! - Eager frames: SEND into the peer's pre-posted receive slots. Receives are carved from
+//!   one registered slab and reposted as soon as the frame is copied out. Sends are copied
+//!   into a registered send ring (or posted inline when small enough); only every Nth send
+//!   asks for a completion, which on RC also retires every unsignalled send before it.
+//! - Rendezvous: `expose` registers the buffer for remote read (or uses the pool's region);
+//!   the peer pulls it with RDMA READ. `post_read` splits a read into chunks and keeps at most
+//!   the negotiated READ depth outstanding, queueing the rest here.
+//! - Descriptor (20 bytes, little-endian): `addr u64 | len u64 | rkey u32`.
+//! - Work request ids: the top two bits say receive or send queue; the rest is the receive
+//!   slot or the send-queue sequence number. Send-queue completions arrive in posting order,
+//!   so one sequence number retires everything posted up to it.
+//! - Frames travel as SEND-with-immediate: `IMM_FRAME` for frames, `IMM_MARKER` for the
+//!   empty flush marker that `close` posts. The values read the same in either byte order.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock, Weak};
+use std::task::{Context, Poll, Waker};
+
+use bytes::Bytes;
+use rdma_mummy_sys as sys;
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    ExtendedQueuePair, PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
+};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+use super::device::Slab;
+use super::progress::{AsyncEvents, Progress, Wc};
+use crate::error::{Error, Result};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, RecvBuf};
+use crate::pool::{Pool, PoolBufMut};
+
+pub(crate) const WR_RECV: u64 = 0;
+pub(crate) const WR_SQ: u64 = 1 << 62;
+const WR_KIND: u64 = 3 << 62;
+pub(crate) const IMM_FRAME: u32 = 0;
+pub(crate) const IMM_MARKER: u32 = u32::MAX;
+/// Largest single RDMA READ work request; bigger reads are split (ports cap message size).
+const READ_CHUNK: usize = 1 << 20;
+/// Cap for the receive slab `alloc_recv` carves rendezvous destinations from.
+const RECV_POOL_MAX: usize = 64 << 20;
+const DESC_LEN: usize = 20;
+
+/// A parsed rendezvous descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Desc {
+    pub addr: u64,
+    pub len: u64,
+    pub rkey: u32,
+}
+
+impl Desc {
+    pub fn encode(&self) -> Bytes {
+        let mut b = Vec::with_capacity(DESC_LEN);
+        b.extend_from_slice(&self.addr.to_le_bytes());
+        b.extend_from_slice(&self.len.to_le_bytes());
+        b.extend_from_slice(&self.rkey.to_le_bytes());
+        Bytes::from(b)
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Desc> {
+        let b: &[u8; DESC_LEN] = b.try_into().map_err(|_| {
+            Error::Protocol(format!("malformed verbs descriptor: {} bytes, expected {DESC_LEN}", b.len()))
+        })?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[0..8]);
+        let addr = u64::from_le_bytes(a);
+        a.copy_from_slice(&b[8..16]);
+        let len = u64::from_le_bytes(a);
+        let rkey = u32::from_le_bytes([b[16], b[17], b[18], b[19]]);
+        if addr.checked_add(len).is_none() {
+            return Err(Error::Protocol("malformed verbs descriptor: region wraps the address space".into()));
+        }
+        Ok(Desc { addr, len, rkey })
+    }
+}
+
+enum SqKind {
+    /// `slot`: the send used a slot of the send ring (not inline).
+    Send { slot: bool },
+    Read { op: u64 },
+    Marker,
+}
+
+struct SqEntry {
+    seq: u64,
+    kind: SqKind,
+}
+
+struct Chunk {
+    op: u64,
+    raddr: u64,
+    rkey: u32,
+    laddr: u64,
+    lkey: u32,
+    len: u32,
+}
+
+struct ReadOp {
+    id: u64,
+    left: usize,
+    err: Option<Error>,
+}
+
+struct Exposed {
+    buf: Bytes,
+    /// Key into the registration cache when this exposure registered (or reused) a region.
+    key: Option<(usize, usize)>,
+}
+
+/// A registered pool plus the keys of its region (kept alive by the pool's owner).
+struct RegPool {
+    pool: Arc<Pool>,
+    lkey: u32,
+    rkey: u32,
+}
+
+/// Everything `establish` hands over to build a link.
+pub(crate) struct Parts {
+    pub qp: ExtendedQueuePair,
+    pub progress: Progress,
+    pub async_events: AsyncEvents,
+    pub pd: Arc<ProtectionDomain>,
+    pub recv: Slab,
+    pub n_recv: usize,
+    pub slot_size: usize,
+    pub send: Slab,
+    pub n_send: usize,
+    pub max_frame: usize,
+    pub max_inline: usize,
+    pub max_rd: usize,
+    pub tcp: TcpStream,
+    pub peer: String,
+    pub pool_size: usize,
+}
+
+/// One end of a verbs connection: an RC queue pair with its slabs. See the module docs.
+pub struct VerbsLink {
+    // Field order is drop order: the queue pair goes first so the device stops touching
+    // memory, then completion delivery, then the memory itself.
+    qp: ExtendedQueuePair,
+    progress: Progress,
+    async_events: AsyncEvents,
+    recv: Slab,
+    send: Slab,
+    exposures: HashMap<u64, Exposed>,
+    reg_cache: HashMap<(usize, usize), (Arc<MemoryRegion>, usize)>,
+    recv_regions: BTreeMap<usize, (usize, Weak<MemoryRegion>)>,
+    pool: OnceLock<Option<RegPool>>,
+    recv_pool: Option<Option<RegPool>>,
+    pd: Arc<ProtectionDomain>,
+
+    n_recv: usize,
+    slot_size: usize,
+    n_send: usize,
+    max_frame: usize,
+    max_inline: usize,
+    /// Send ring: slots handed out and slots retired (both monotonic).
+    slots_used: u64,
+    slots_freed: u64,
+    /// Send-queue work requests in flight, oldest first.
+    sq: VecDeque<SqEntry>,
+    sq_sends: usize,
+    next_seq: u64,
+    unsignaled: usize,
+    signal_every: usize,
+
+    max_rd: usize,
+    reads_in_flight: usize,
+    read_queue: VecDeque<Chunk>,
+    reads: HashMap<u64, ReadOp>,
+    next_op: u64,
+    next_exposure: u64,
+
+    wcs: Vec<Wc>,
+    events: VecDeque<LinkEvent>,
+    dead: Option<Error>,
+    closing: bool,
+    shut: bool,
+    send_waker: Option<Waker>,
+    event_waker: Option<Waker>,
+    tcp: TcpStream,
+    peer: String,
+    pool_size: usize,
+}
+
+impl std::fmt::Debug for VerbsLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsLink")
+            .field("peer", &self.peer)
+            .field("qpn", &self.qp.qp_number())
+            .field("max_frame", &self.max_frame)
+            .field("max_inline", &self.max_inline)
+            .field("max_rd", &self.max_rd)
+            .finish()
+    }
+}
+
+fn status_name(s: u32) -> &'static str {
+    use sys::ibv_wc_status::*;
+    match s {
+        IBV_WC_LOC_LEN_ERR => "local length error",
+        IBV_WC_LOC_QP_OP_ERR => "local QP operation error",
+        IBV_WC_LOC_PROT_ERR => "local protection error",
+        IBV_WC_WR_FLUSH_ERR => "flushed (queue pair in error)",
+        IBV_WC_LOC_ACCESS_ERR => "local access error",
+        IBV_WC_REM_INV_REQ_ERR => "remote invalid request",
+        IBV_WC_REM_ACCESS_ERR => "remote access error",
+        IBV_WC_REM_OP_ERR => "remote operation error",
+        IBV_WC_RETRY_EXC_ERR => "transport retry counter exceeded",
+        IBV_WC_RNR_RETRY_EXC_ERR => "receiver-not-ready retry counter exceeded",
+        IBV_WC_FATAL_ERR => "fatal error",
+        IBV_WC_RESP_TIMEOUT_ERR => "response timeout",
+        _ => "error",
+    }
+}
+
+impl VerbsLink {
+    pub(crate) fn new(p: Parts) -> VerbsLink {
+        // Signal often enough that the ring never fills with unretired sends.
+        let signal_every = (p.n_send / 4).clamp(1, 16);
+        VerbsLink {
+            qp: p.qp,
+            progress: p.progress,
+            async_events: p.async_events,
+            recv: p.recv,
+            send: p.send,
+            exposures: HashMap::new(),
+            reg_cache: HashMap::new(),
+            recv_regions: BTreeMap::new(),
+            pool: OnceLock::new(),
+            recv_pool: None,
+            pd: p.pd,
+            n_recv: p.n_recv,
+            slot_size: p.slot_size,
+            n_send: p.n_send,
+            max_frame: p.max_frame,
+            max_inline: p.max_inline,
+            slots_used: 0,
+            slots_freed: 0,
+            sq: VecDeque::new(),
+            sq_sends: 0,
+            next_seq: 0,
+            unsignaled: 0,
+            signal_every,
+            max_rd: p.max_rd,
+            reads_in_flight: 0,
+            read_queue: VecDeque::new(),
+            reads: HashMap::new(),
+            next_op: 0,
+            next_exposure: 1,
+            wcs: Vec::with_capacity(64),
+            events: VecDeque::new(),
+            dead: None,
+            closing: false,
+            shut: false,
+            send_waker: None,
+            event_waker: None,
+            tcp: p.tcp,
+            peer: p.peer,
+            pool_size: p.pool_size,
+        }
+    }
+
+    /// Largest frame sent inline (0 when the device offers no inline data).
+    pub fn max_inline(&self) -> usize {
+        self.max_inline
+    }
+
+    /// RDMA READs this link keeps outstanding at most (the negotiated READ depth).
+    pub fn read_depth(&self) -> usize {
+        self.max_rd
+    }
+
+    /// True when completions come from a dedicated busy-poll thread (`IBEX_VERBS_BUSY_POLL=1`).
+    pub fn busy_polling(&self) -> bool {
+        matches!(self.progress, Progress::Busy { .. })
+    }
+
+    fn die(&mut self, e: Error) {
+        if self.dead.is_none() {
+            tracing::debug!(peer = %self.peer, error = %e, "verbs link dead");
+            self.dead = Some(e);
+        }
+        self.wake_all();
+    }
+
+    fn wake_all(&mut self) {
+        if let Some(w) = &self.send_waker {
+            w.wake_by_ref();
+        }
+        if let Some(w) = &self.event_waker {
+            w.wake_by_ref();
+        }
+    }
+
+    fn post_recv(&mut self, slot: usize) -> Result<()> {
+        let addr = self.recv.addr() + (slot * self.slot_size) as u64;
+        let (lkey, len) = (self.recv.lkey(), self.slot_size as u32);
+        let mut guard = self.qp.start_post_recv();
+        let wr = guard.construct_wr(WR_RECV | slot as u64);
+        // SAFETY: the slot lies in the registered receive slab, which outlives the QP
+        // (field order), and is not touched by us until its completion comes back.
+        unsafe { wr.setup_sge(lkey, addr, len) };
+        guard.post().map_err(|e| Error::io("posting a receive", std::io::Error::other(e)))
+    }
+
+    /// Posts every receive slot; called once before the queue pair leaves INIT.
+    pub(crate) fn post_all_recvs(qp: &mut ExtendedQueuePair, recv: &Slab, n: usize, slot_size: usize) -> Result<()> {
+        let mut guard = qp.start_post_recv();
+        for slot in 0..n {
+            let wr = guard.construct_wr(WR_RECV | slot as u64);
+            // SAFETY: as in `post_recv`.
+            unsafe { wr.setup_sge(recv.lkey(), recv.addr() + (slot * slot_size) as u64, slot_size as u32) };
+        }
+        guard.post().map_err(|e| Error::io("posting the initial receives", std::io::Error::other(e)))
+    }
+
+    fn send_room(&self, inline: bool) -> bool {
+        self.sq_sends < self.n_send && (inline || ((self.slots_used - self.slots_freed) as usize) < self.n_send)
+    }
+
+    /// Handles everything in `self.wcs`.
+    fn process(&mut self) {
+        let mut wcs = std::mem::take(&mut self.wcs);
+        let had_events = self.events.len();
+        let mut freed = false;
+        for wc in wcs.drain(..) {
+            if wc.wr_id & WR_KIND == WR_SQ {
+                freed = true;
+                self.sq_done(wc);
+            } else {
+                self.recv_done(wc);
+            }
+        }
+        self.wcs = wcs;
+        self.pump_reads();
+        if self.closing && self.sq.is_empty() {
+            self.shutdown_socket();
+        }
+        if freed
+            && let Some(w) = &self.send_waker {
+                w.wake_by_ref();
+            }
+        if self.events.len() > had_events
+            && let Some(w) = &self.event_waker {
+                w.wake_by_ref();
+            }
+    }
+
+    fn recv_done(&mut self, wc: Wc) {
+        let slot = (wc.wr_id & !WR_KIND) as usize;
+        if wc.status != sys::ibv_wc_status::IBV_WC_SUCCESS {
+            let e = if wc.status == sys::ibv_wc_status::IBV_WC_LOC_LEN_ERR {
+                Error::Protocol(format!("the peer sent a frame larger than our receive slot ({} bytes)", self.slot_size))
+            } else {
+                Error::PeerGone(format!("receive failed: {}", status_name(wc.status)))
+            };
+            self.die(e);
+            return;
+        }
+        if slot >= self.n_recv || wc.byte_len as usize > self.slot_size {
+            self.die(Error::Protocol(format!("receive completion out of range (slot {slot}, {} bytes)", wc.byte_len)));
+            return;
+        }
+        let frame = (wc.imm != IMM_MARKER)
+            .then(|| self.recv.slice(slot * self.slot_size, wc.byte_len as usize).map(Bytes::copy_from_slice));
+        if self.dead.is_none()
+            && let Err(e) = self.post_recv(slot) {
+                self.die(e);
+            }
+        match frame {
+            Some(Some(b)) => self.events.push_back(LinkEvent::Frame(b)),
+            Some(None) => self.die(Error::Protocol("receive completion outside the receive slab".into())),
+            None => {}
+        }
+    }
+
+    fn sq_done(&mut self, wc: Wc) {
+        let seq = wc.wr_id & !WR_KIND;
+        while let Some(front) = self.sq.front() {
+            if front.seq > seq {
+                break;
+            }
+            let Some(e) = self.sq.pop_front() else { break };
+            let this = e.seq == seq;
+            match e.kind {
+                SqKind::Send { slot } => {
+                    self.sq_sends -= 1;
+                    if slot {
+                        self.slots_freed += 1;
+                    }
+                    if this && wc.status != sys::ibv_wc_status::IBV_WC_SUCCESS {
+                        self.die(Error::PeerGone(format!("sending to the peer failed: {}", status_name(wc.status))));
+                    }
+                }
+                SqKind::Marker => {}
+                SqKind::Read { op } => {
+                    self.reads_in_flight -= 1;
+                    let status = if this { wc.status } else { sys::ibv_wc_status::IBV_WC_SUCCESS };
+                    self.read_chunk_done(op, status);
+                }
+            }
+        }
+    }
+
+    fn read_chunk_done(&mut self, op: u64, status: u32) {
+        use sys::ibv_wc_status::*;
+        let err = match status {
+            IBV_WC_SUCCESS => None,
+            IBV_WC_REM_ACCESS_ERR | IBV_WC_REM_INV_REQ_ERR | IBV_WC_REM_OP_ERR => Some(Error::Protocol(format!(
+                "peer refused the read: bad descriptor ({}); the queue pair is now in error",
+                status_name(status)
+            ))),
+            s => Some(Error::PeerGone(format!("RDMA READ failed: {}", status_name(s)))),
+        };
+        if let Some(e) = &err {
+            self.die(e.clone());
+        }
+        let Some(r) = self.reads.get_mut(&op) else { return };
+        r.left -= 1;
+        if r.err.is_none() {
+            r.err = err;
+        }
+        if r.left == 0
+            && let Some(r) = self.reads.remove(&op) {
+                let result = match r.err {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                };
+                self.events.push_back(LinkEvent::ReadDone { id: r.id, result });
+            }
+    }
+
+    /// Posts queued READ chunks up to the READ depth; fails them all once the link is dead.
+    fn pump_reads(&mut self) {
+        if let Some(dead) = self.dead.clone() {
+            while let Some(c) = self.read_queue.pop_front() {
+                if let Some(r) = self.reads.get_mut(&c.op) {
+                    r.err.get_or_insert_with(|| dead.clone());
+                }
+                self.read_chunk_done(c.op, sys::ibv_wc_status::IBV_WC_SUCCESS);
+            }
+            return;
+        }
+        while self.reads_in_flight < self.max_rd {
+            let Some(c) = self.read_queue.pop_front() else { break };
+            let seq = self.next_seq;
+            let mut guard = self.qp.start_post_send();
+            let wr = guard.construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled).setup_read(c.rkey, c.raddr);
+            // SAFETY: `laddr..+len` lies in registered memory that the caller of `post_read`
+            // keeps alive until the ReadDone (or until the link, and so the QP, is dropped).
+            unsafe { wr.setup_sge(c.lkey, c.laddr, c.len) };
+            if let Err(e) = guard.post() {
+                if let Some(r) = self.reads.get_mut(&c.op) {
+                    r.err.get_or_insert_with(|| Error::io("posting an RDMA READ", std::io::Error::other(e.to_string())));
+                }
+                self.read_chunk_done(c.op, sys::ibv_wc_status::IBV_WC_SUCCESS);
+                self.die(Error::io("posting an RDMA READ", std::io::Error::other(e)));
+                return self.pump_reads();
+            }
+            self.next_seq += 1;
+            self.reads_in_flight += 1;
+            self.sq.push_back(SqEntry { seq, kind: SqKind::Read { op: c.op } });
+        }
+    }
+
+    /// Takes completions without waiting.
+    fn reap(&mut self) {
+        match self.progress.poll_now(&mut self.wcs) {
+            Ok(0) => {}
+            Ok(_) => self.process(),
+            Err(e) => self.die(e),
+        }
+    }
+
+    fn shutdown_socket(&mut self) {
+        if self.shut {
+            return;
+        }
+        self.shut = true;
+        // TcpStream's shutdown is a plain syscall that never returns Pending.
+        let mut cx = Context::from_waker(Waker::noop());
+        let _ = Pin::new(&mut self.tcp).poll_shutdown(&mut cx);
+    }
+
+    /// `Some(err)` once the bootstrap socket reports the peer gone.
+    fn poll_peer(&mut self, cx: &mut Context<'_>) -> Option<Error> {
+        let mut b = [0u8; 1];
+        let mut rb = ReadBuf::new(&mut b);
+        match Pin::new(&mut self.tcp).poll_read(cx, &mut rb) {
+            Poll::Pending => None,
+            Poll::Ready(Ok(())) if rb.filled().is_empty() => Some(Error::PeerGone(format!(
+                "{} closed its verbs bootstrap connection (process exited or link closed)",
+                self.peer
+            ))),
+            Poll::Ready(Ok(())) => Some(Error::Protocol("unexpected data on the verbs bootstrap connection".into())),
+            Poll::Ready(Err(e)) => Some(Error::PeerGone(format!("verbs bootstrap connection to {} failed: {e}", self.peer))),
+        }
+    }
+
+    fn lkey_for(&mut self, dst: *const u8, len: usize) -> Option<u32> {
+        if let Some(Some(p)) = &self.recv_pool
+            && p.pool.offset_of(dst, len).is_some() {
+                return Some(p.lkey);
+            }
+        if let Some(Some(p)) = self.pool.get()
+            && p.pool.offset_of(dst, len).is_some() {
+                return Some(p.lkey);
+            }
+        let d = dst as usize;
+        let (&start, (rlen, weak)) = self.recv_regions.range(..=d).next_back()?;
+        let mr = weak.upgrade()?;
+        (d + len <= start + rlen).then(|| mr.lkey())
+    }
+
+    fn reg_pool(&self, size: usize, what: &str) -> Option<RegPool> {
+        match Slab::new(&self.pd, size, AccessFlags::LocalWrite | AccessFlags::RemoteRead) {
+            Ok(mut slab) => {
+                let (lkey, rkey, base, len) = (slab.lkey(), slab.rkey(), slab.base(), slab.len());
+                // SAFETY: the slab owns the memory, keeps it registered and never touches it
+                // itself; the pool becomes its only user and keeps it alive.
+                let pool = unsafe { Pool::from_raw(base, len, Box::new(slab)) };
+                Some(RegPool { pool, lkey, rkey })
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "verbs: no registered {what}; falling back to per-buffer registration");
+                None
+            }
+        }
+    }
+}
+
+impl Link for VerbsLink {
+    fn info(&self) -> LinkInfo {
+        LinkInfo {
+            provider: "verbs",
+            max_frame: self.max_frame,
+            rendezvous_path: "rdma-read".into(),
+            one_sided: true,
+            peer: self.peer.clone(),
+        }
+    }
+
+    fn poll_send(&mut self, cx: &mut Context<'_>, frame: &[u8]) -> Poll<Result<()>> {
+        if frame.len() > self.max_frame {
+            return Poll::Ready(Err(Error::TooLarge {
+                len: frame.len() as u64,
+                limit: self.max_frame as u64,
+                which: "the peer's eager receive slot (its Config::slot_size)",
+            }));
+        }
+        let inline = self.max_inline > 0 && frame.len() <= self.max_inline;
+        loop {
+            if let Some(e) = &self.dead {
+                return Poll::Ready(Err(e.clone()));
+            }
+            if self.closing {
+                return Poll::Ready(Err(Error::LocallyClosed));
+            }
+            if self.send_room(inline) {
+                break;
+            }
+            match self.progress.poll_fetch(cx, &mut self.wcs) {
+                Poll::Ready(Ok(())) => self.process(),
+                Poll::Ready(Err(e)) => self.die(e),
+                Poll::Pending => {
+                    self.send_waker = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
+            }
+        }
+        let seq = self.next_seq;
+        let slots_free = self.n_send - (self.slots_used - self.slots_freed) as usize - usize::from(!inline);
+        let room_after = (self.n_send - self.sq_sends - 1).min(slots_free);
+        let signal = self.unsignaled + 1 >= self.signal_every || room_after < self.signal_every;
+        let flags = if signal { WorkRequestFlags::Signaled } else { WorkRequestFlags::none() };
+        let slot = (self.slots_used % self.n_send as u64) as usize;
+        let (slot_addr, lkey) = (self.send.addr() + (slot * self.max_frame) as u64, self.send.lkey());
+        if !inline {
+            let Some(dst) = self.send.slice_mut(slot * self.max_frame, frame.len()) else {
+                return Poll::Ready(Err(Error::Config("send slot outside the send slab".into())));
+            };
+            dst.copy_from_slice(frame);
+        }
+        let mut guard = self.qp.start_post_send();
+        let wr = guard.construct_wr(WR_SQ | seq, flags).setup_send_imm(IMM_FRAME);
+        if inline {
+            wr.setup_inline_data(frame);
+        } else if frame.is_empty() {
+            // rxe rejects an empty scatter list; a zero-length entry in the slab is fine.
+            // SAFETY: zero bytes of registered memory are named; nothing is read.
+            unsafe { wr.setup_sge(lkey, self.send.addr(), 0) };
+        } else {
+            // SAFETY: the slot lies in the registered send slab, which outlives the QP, and is
+            // not reused before this send's completion (or a later one) retires it.
+            unsafe { wr.setup_sge(lkey, slot_addr, frame.len() as u32) };
+        }
+        if let Err(e) = guard.post() {
+            let e = Error::io("posting a send", std::io::Error::other(e));
+            self.die(e.clone());
+            return Poll::Ready(Err(e));
+        }
+        self.next_seq += 1;
+        self.sq_sends += 1;
+        if !inline {
+            self.slots_used += 1;
+        }
+        self.unsignaled = if signal { 0 } else { self.unsignaled + 1 };
+        self.sq.push_back(SqEntry { seq, kind: SqKind::Send { slot: !inline } });
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        // Posted work is already the device's; only a closing link waits for it to be retired.
+        loop {
+            if let Some(e) = &self.dead {
+                return Poll::Ready(Err(e.clone()));
+            }
+            if !self.closing || self.sq.is_empty() {
+                if self.closing {
+                    self.shutdown_socket();
+                }
+                return Poll::Ready(Ok(()));
+            }
+            match self.progress.poll_fetch(cx, &mut self.wcs) {
+                Poll::Ready(Ok(())) => self.process(),
+                Poll::Ready(Err(e)) => self.die(e),
+                Poll::Pending => {
+                    self.send_waker = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+
+    fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Result<LinkEvent>> {
+        loop {
+            if let Some(ev) = self.events.pop_front() {
+                return Poll::Ready(Ok(ev));
+            }
+            if let Some(e) = &self.dead {
+                return Poll::Ready(Err(e.clone()));
+            }
+            // SAFETY: only compared against event object pointers, never dereferenced.
+            let qp_ptr = unsafe { self.qp.qp().as_ptr() };
+            if let Some(e) = self.async_events.poll(cx, qp_ptr) {
+                self.reap();
+                self.die(e);
+                continue;
+            }
+            match self.progress.poll_fetch(cx, &mut self.wcs) {
+                Poll::Ready(Ok(())) => {
+                    self.process();
+                    continue;
+                }
+                Poll::Ready(Err(e)) => {
+                    self.die(e);
+                    continue;
+                }
+                Poll::Pending => {}
+            }
+            if let Some(e) = self.poll_peer(cx) {
+                // Frames the peer sent before leaving may still sit in the CQ: deliver them first.
+                self.reap();
+                self.die(e);
+                continue;
+            }
+            self.event_waker = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+    }
+
+    fn expose(&mut self, buf: Bytes) -> Result<Exposure> {
+        if let Some(e) = &self.dead {
+            return Err(e.clone());
+        }
+        let (ptr, len) = (buf.as_ptr() as usize, buf.len());
+        let (rkey, key) = if len == 0 {
+            (0, None)
+        } else if let Some(Some(p)) = self.pool.get().filter(|p| p.as_ref().is_some_and(|p| p.pool.offset_of(buf.as_ptr(), len).is_some())) {
+            (p.rkey, None)
+        } else if let Some((mr, n)) = self.reg_cache.get_mut(&(ptr, len)) {
+            *n += 1;
+            (mr.rkey(), Some((ptr, len)))
+        } else {
+            // SAFETY: the Bytes stays in `exposures` (keeping the memory alive and unchanged)
+            // until withdraw, which drops the region with the last exposure of this range.
+            let mr = unsafe { super::device::register(&self.pd, buf.as_ptr(), len, AccessFlags::RemoteRead)? };
+            let rkey = mr.rkey();
+            self.reg_cache.insert((ptr, len), (mr, 1));
+            (rkey, Some((ptr, len)))
+        };
+        let id = self.next_exposure;
+        self.next_exposure += 1;
+        let descriptor = Desc { addr: ptr as u64, len: len as u64, rkey }.encode();
+        self.exposures.insert(id, Exposed { buf, key });
+        Ok(Exposure { id, descriptor, zero_copy: false })
+    }
+
+    fn withdraw(&mut self, id: u64) -> Option<Bytes> {
+        let e = self.exposures.remove(&id)?;
+        if let Some(key) = e.key
+            && let Some((_, n)) = self.reg_cache.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.reg_cache.remove(&key);
+                }
+            }
+        Some(e.buf)
+    }
+
+    fn map_remote(&mut self, descriptor: &[u8], len: u64) -> Result<Option<Bytes>> {
+        let d = Desc::decode(descriptor)?;
+        if len > d.len {
+            return Err(Error::Protocol(format!("message of {len} bytes does not fit its exposed region of {} bytes", d.len)));
+        }
+        Ok(None)
+    }
+
+    fn alloc_recv(&mut self, len: usize) -> Result<RecvBuf> {
+        if len == 0 {
+            return Ok(RecvBuf::heap(0));
+        }
+        if self.recv_pool.is_none() {
+            let size = self.pool_size.clamp(1 << 20, RECV_POOL_MAX);
+            self.recv_pool = Some(self.reg_pool(size, "receive slab"));
+        }
+        if let Some(Some(p)) = &self.recv_pool
+            && let Ok(mut b) = p.pool.alloc(len) {
+                let ptr = b.as_mut_ptr();
+                // SAFETY: the pool buffer is ours alone, stays put, and lives as long as the
+                // PoolBufMut that owns it.
+                return Ok(unsafe { RecvBuf::from_raw(ptr, len, Box::new(b) as Box<dyn Send + Sync>) });
+            }
+        self.recv_regions.retain(|_, (_, w)| w.strong_count() > 0);
+        let mut slab = Slab::new(&self.pd, len, AccessFlags::LocalWrite)?;
+        let ptr = slab.base();
+        self.recv_regions.insert(ptr as usize, (len, Arc::downgrade(slab.mr())));
+        // SAFETY: the slab owns the memory and its registration; both live as long as the RecvBuf.
+        Ok(unsafe { RecvBuf::from_raw(ptr, len, Box::new(slab)) })
+    }
+
+    unsafe fn post_read(&mut self, id: u64, descriptor: &[u8], offset: u64, dst: *mut u8, len: usize) -> Result<()> {
+        if let Some(e) = &self.dead {
+            return Err(e.clone());
+        }
+        let d = Desc::decode(descriptor)?;
+        let end = offset.checked_add(len as u64);
+        if end.is_none_or(|end| end > d.len) {
+            return Err(Error::Protocol(format!(
+                "read of {len} bytes at offset {offset} lies outside the exposed region of {} bytes",
+                d.len
+            )));
+        }
+        if len == 0 {
+            self.events.push_back(LinkEvent::ReadDone { id, result: Ok(()) });
+            if let Some(w) = &self.event_waker {
+                w.wake_by_ref();
+            }
+            return Ok(());
+        }
+        let Some(lkey) = self.lkey_for(dst, len) else {
+            return Err(Error::Config(
+                "post_read destination is not registered memory: read into buffers from alloc_recv".into(),
+            ));
+        };
+        let op = self.next_op;
+        self.next_op += 1;
+        let chunks = len.div_ceil(READ_CHUNK);
+        self.reads.insert(op, ReadOp { id, left: chunks, err: None });
+        for i in 0..chunks {
+            let off = i * READ_CHUNK;
+            let n = READ_CHUNK.min(len - off);
+            self.read_queue.push_back(Chunk {
+                op,
+                raddr: d.addr + offset + off as u64,
+                rkey: d.rkey,
+                laddr: dst as u64 + off as u64,
+                lkey,
+                len: n as u32,
+            });
+        }
+        self.pump_reads();
+        Ok(())
+    }
+
+    fn pool(&self) -> Option<Arc<Pool>> {
+        self.pool.get_or_init(|| self.reg_pool(self.pool_size, "pool")).as_ref().map(|p| p.pool.clone())
+    }
+
+    fn close(&mut self) {
+        if self.closing {
+            return;
+        }
+        self.closing = true;
+        if self.dead.is_some() {
+            self.shutdown_socket();
+            return;
+        }
+        self.reap();
+        if self.unsignaled > 0 {
+            // The tail of unsignalled sends produces no completion of its own: post a signalled
+            // empty marker behind it (the peer reposts its slot and delivers nothing).
+            let seq = self.next_seq;
+            let (lkey, addr) = (self.send.lkey(), self.send.addr());
+            let mut guard = self.qp.start_post_send();
+            let wr = guard.construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled).setup_send_imm(IMM_MARKER);
+            // SAFETY: zero bytes of the registered send slab are named; nothing is read.
+            unsafe { wr.setup_sge(lkey, addr, 0) };
+            match guard.post() {
+                Ok(()) => {
+                    self.next_seq += 1;
+                    self.unsignaled = 0;
+                    self.sq.push_back(SqEntry { seq, kind: SqKind::Marker });
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "verbs: posting the close marker failed");
+                    self.shutdown_socket();
+                }
+            }
+        }
+        if self.sq.is_empty() {
+            self.shutdown_socket();
+        }
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send() {
+    fn is_send<T: Send + 'static>() {}
+    is_send::<VerbsLink>();
+    is_send::<PoolBufMut>();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptor_round_trips_and_rejects_garbage() {
+        let d = Desc { addr: 0x1000, len: 4096, rkey: 0xdead };
+        assert_eq!(Desc::decode(&d.encode()).unwrap(), d);
+        assert!(Desc::decode(&d.encode()[..19]).is_err());
+        assert!(Desc::decode(&[0u8; 21]).is_err());
+        let wrap = Desc { addr: u64::MAX - 10, len: 100, rkey: 1 };
+        assert!(matches!(Desc::decode(&wrap.encode()), Err(Error::Protocol(_))));
+    }
+}

@@ -1,0 +1,315 @@
+//! The `verbs` provider: real RDMA (InfiniBand, RoCE, Soft-RoCE) over RC queue pairs, through
+//! the `sideway` bindings. All verbs FFI lives in this folder.
+//!
+//! Setup goes over a TCP socket (see `bootstrap`); the socket then stays open so that its end
+//! of file tells us the peer is gone. Frames move with SEND/RECV, rendezvous data with RDMA
+//! READ (see [`VerbsLink`]). `docs/verbs.md` explains the design and how to test it on
+//! Soft-RoCE.
+//!
+//! Environment: `IBEX_RDMA_DEVICE` (e.g. `mlx5_0`, `rxe0`), `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`,
+//! `IBEX_VERBS_BUSY_POLL=1` (dedicated busy-poll thread instead of the completion channel),
+//! `IBEX_VERBS_SPIN_US` (spin budget before sleeping, default 20).
+
+mod bootstrap;
+mod device;
+mod link;
+mod progress;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::device_context::Mtu;
+use sideway::ibverbs::queue_pair::{QueuePair, QueuePairAttribute, QueuePairAttributeMask, QueuePairState};
+use tokio::net::{TcpListener, TcpStream};
+
+pub use device::device_available;
+pub use link::VerbsLink;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use bootstrap::QpInfo;
+use device::{Slab, pin_error};
+use link::Parts;
+use progress::{AsyncEvents, Progress};
+
+/// Inline data we ask the device for; it may grant less (Soft-RoCE may grant none).
+const WANT_INLINE: u32 = 128;
+/// READ depth we use at most, whatever the device allows: enough to keep a link busy.
+const MAX_READ_DEPTH: u32 = 16;
+
+/// Which device, port and GID to use, and how to make progress. Defaults come from the
+/// environment ([`VerbsOptions::from_env`]); set fields directly to run two endpoints on
+/// different devices in one process.
+#[derive(Debug, Clone)]
+pub struct VerbsOptions {
+    /// Device name (`IBEX_RDMA_DEVICE`); `None` = the first device with an ACTIVE port and a
+    /// usable GID.
+    pub device: Option<String>,
+    /// Port number, from 1 (`IBEX_RDMA_PORT`); `None` = the first ACTIVE port.
+    pub port: Option<u8>,
+    /// GID table index (`IBEX_GID_INDEX`); `None` = a RoCE v2 GID (IPv4-mapped first) on
+    /// Ethernet, index 0 on InfiniBand.
+    pub gid_index: Option<u32>,
+    /// Spin on the completion queue in a dedicated thread (`IBEX_VERBS_BUSY_POLL=1`) instead of
+    /// spinning briefly and then sleeping on the completion channel.
+    pub busy_poll: bool,
+    /// How long `poll_event` spins on an empty completion queue before it sleeps
+    /// (`IBEX_VERBS_SPIN_US`, default 20 µs). Longer trades CPU for latency.
+    pub spin: Duration,
+}
+
+impl Default for VerbsOptions {
+    fn default() -> Self {
+        VerbsOptions { device: None, port: None, gid_index: None, busy_poll: false, spin: progress::DEFAULT_SPIN }
+    }
+}
+
+impl VerbsOptions {
+    /// Options from `IBEX_RDMA_DEVICE`, `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`, `IBEX_VERBS_BUSY_POLL`,
+    /// `IBEX_VERBS_SPIN_US`.
+    pub fn from_env() -> Result<VerbsOptions> {
+        let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
+        let num = |n: &str| -> Result<Option<u32>> {
+            var(n)
+                .map(|v| v.trim().parse::<u32>().map_err(|_| Error::Config(format!("{n}={v:?} is not a number"))))
+                .transpose()
+        };
+        let port = num("IBEX_RDMA_PORT")?
+            .map(|p| u8::try_from(p).ok().filter(|&p| p > 0).ok_or_else(|| Error::Config(format!("IBEX_RDMA_PORT={p} must be 1..=255"))))
+            .transpose()?;
+        let busy_poll = match var("IBEX_VERBS_BUSY_POLL").as_deref() {
+            None | Some("0") | Some("false") | Some("no") => false,
+            Some("1") | Some("true") | Some("yes") => true,
+            Some(v) => return Err(Error::Config(format!("IBEX_VERBS_BUSY_POLL={v:?}: use 1 or 0"))),
+        };
+        let spin = num("IBEX_VERBS_SPIN_US")?.map_or(progress::DEFAULT_SPIN, |us| Duration::from_micros(us.into()));
+        Ok(VerbsOptions { device: var("IBEX_RDMA_DEVICE"), port, gid_index: num("IBEX_GID_INDEX")?, busy_poll, spin })
+    }
+}
+
+fn strip_scheme(addr: &str) -> &str {
+    addr.strip_prefix("verbs://").unwrap_or(addr)
+}
+
+/// Listens for verbs connections on `addr` (`host:port`, optionally `verbs://host:port`; the
+/// TCP bootstrap port). Fails at once, with the fix in the message, if no RDMA device is usable.
+pub async fn listen(addr: &str, config: &Config) -> Result<VerbsListener> {
+    listen_with(addr, config, VerbsOptions::from_env()?).await
+}
+
+/// [`listen`] with explicit device options.
+pub async fn listen_with(addr: &str, config: &Config, opts: VerbsOptions) -> Result<VerbsListener> {
+    config.validate()?;
+    // Probe the device now: a server without RDMA should fail at start, not at first accept.
+    drop(device::open(&opts)?);
+    let a = strip_scheme(addr);
+    let tcp = TcpListener::bind(a).await.map_err(|e| Error::io(format!("binding the verbs bootstrap socket {a}"), e))?;
+    let local_addr = tcp.local_addr().map_err(|e| Error::io("reading the bound address", e))?;
+    Ok(VerbsListener { tcp, config: config.clone(), opts, local_addr })
+}
+
+/// Connects to a verbs listener at `addr` (`host:port` or `verbs://host:port`).
+pub async fn connect(addr: &str, config: &Config) -> Result<VerbsLink> {
+    connect_with(addr, config, VerbsOptions::from_env()?).await
+}
+
+/// [`connect`] with explicit device options.
+pub async fn connect_with(addr: &str, config: &Config, opts: VerbsOptions) -> Result<VerbsLink> {
+    config.validate()?;
+    // Fail on a missing device before touching the network.
+    drop(device::open(&opts)?);
+    let a = strip_scheme(addr);
+    let tcp = tokio::time::timeout(bootstrap::TIMEOUT, TcpStream::connect(a))
+        .await
+        .map_err(|_| Error::Timeout(format!("connecting to {a}: no answer within {:?}", bootstrap::TIMEOUT)))?
+        .map_err(|e| Error::io(format!("connecting to the verbs bootstrap socket {a}"), e))?;
+    establish(tcp, config, &opts, a.to_string()).await
+}
+
+/// A bound verbs listener. Each [`VerbsListener::accept`] sets up one queue pair.
+#[derive(Debug)]
+pub struct VerbsListener {
+    tcp: TcpListener,
+    config: Config,
+    opts: VerbsOptions,
+    local_addr: SocketAddr,
+}
+
+impl VerbsListener {
+    /// The bootstrap address peers connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Waits for the next peer and sets up its link.
+    pub async fn accept(&self) -> Result<VerbsLink> {
+        let (tcp, peer) = self.tcp.accept().await.map_err(|e| Error::io("accepting a verbs bootstrap connection", e))?;
+        establish(tcp, &self.config, &self.opts, peer.to_string()).await
+    }
+}
+
+fn psn() -> u32 {
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    (t ^ std::process::id().rotate_left(12)) & 0xFF_FFFF
+}
+
+fn qp_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::io(what.to_string(), std::io::Error::other(e.to_string()))
+}
+
+async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, peer: String) -> Result<VerbsLink> {
+    let _ = tcp.set_nodelay(true);
+    let timeout = |what: &str| Error::Timeout(format!("verbs setup with {peer}: {what} took longer than {:?}", bootstrap::TIMEOUT));
+    tokio::time::timeout(bootstrap::TIMEOUT, bootstrap::hello(&mut tcp, config.auth_token.as_deref()))
+        .await
+        .map_err(|_| timeout("hello"))??;
+
+    let dev = device::open(opts)?;
+    let n_recv = config.credits as usize * 2 + 16;
+    let n_send = config.credits as usize + 16;
+    let rd_cap = dev.max_qp_init_rd_atom.clamp(1, MAX_READ_DEPTH);
+    let sq_depth = (n_send + rd_cap as usize + 2) as u32;
+    if sq_depth > dev.max_qp_wr || n_recv as u32 > dev.max_qp_wr {
+        return Err(Error::Config(format!(
+            "queue depths (send {sq_depth}, receive {n_recv}) exceed what {} allows ({}); lower Config::credits",
+            dev.name, dev.max_qp_wr
+        )));
+    }
+    let cqe = (sq_depth as usize + n_recv + 16).min(dev.max_cqe.max(1) as usize) as u32;
+
+    let channel = if opts.busy_poll {
+        None
+    } else {
+        Some(dev.ctx.create_comp_channel().map_err(|e| qp_err("creating a completion channel", e))?)
+    };
+    let mut cqb = dev.ctx.create_cq_builder();
+    cqb.setup_cqe(cqe);
+    if let Some(ch) = &channel {
+        cqb.setup_comp_channel(ch, 0);
+    }
+    let cq = cqb.build().map_err(|e| {
+        let src = std::io::Error::other(e.to_string());
+        pin_error(format!("creating a completion queue of {cqe} entries"), src)
+    })?;
+
+    let build = |inline: u32| {
+        dev.pd
+            .create_qp_builder()
+            .setup_max_send_wr(sq_depth)
+            .setup_max_recv_wr(n_recv as u32)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_max_inline_data(inline)
+            .setup_send_cq(cq.clone())
+            .setup_recv_cq(cq.clone())
+            .build_ex()
+    };
+    // rxe grants inline data but its ibv_wr_* inline path delivers nothing (seen with
+    // rdma-core 44 on Linux 6.1): copy through the send slab there instead.
+    let want_inline = if dev.soft_roce { 0 } else { WANT_INLINE };
+    let mut qp = match build(want_inline) {
+        Ok(qp) => qp,
+        Err(_) => build(0).map_err(|e| {
+            let src = match e.0 {
+                sideway::ibverbs::queue_pair::CreateQueuePairErrorKind::Ibverbs(io) => io,
+                #[allow(unreachable_patterns)]
+                other => std::io::Error::other(other.to_string()),
+            };
+            pin_error(format!("creating a queue pair (send {sq_depth}, receive {n_recv} entries)"), src)
+        })?,
+    };
+    let max_inline = qp
+        .query(QueuePairAttributeMask::Capabilities)
+        .map(|(_, init)| init.max_inline_data() as usize)
+        .unwrap_or(0)
+        .min(want_inline as usize);
+
+    let recv = Slab::new(&dev.pd, n_recv * config.slot_size, AccessFlags::LocalWrite)?;
+    let mut attr = QueuePairAttribute::new();
+    attr.setup_state(QueuePairState::Init)
+        .setup_pkey_index(0)
+        .setup_port(dev.port)
+        .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteRead);
+    qp.modify(&attr).map_err(|e| qp_err("moving the queue pair to INIT", e))?;
+    VerbsLink::post_all_recvs(&mut qp, &recv, n_recv, config.slot_size)?;
+
+    let our_psn = psn();
+    let rd_atom = dev.max_qp_rd_atom.clamp(1, 255);
+    let ours = QpInfo {
+        qpn: qp.qp_number(),
+        psn: our_psn,
+        gid: dev.gid.raw,
+        lid: dev.lid,
+        mtu: dev.active_mtu as u32,
+        recv_slots: n_recv as u32,
+        slot_size: config.slot_size as u32,
+        max_rd_atom: rd_atom,
+    };
+    let theirs = tokio::time::timeout(bootstrap::TIMEOUT, bootstrap::exchange_info(&mut tcp, &ours))
+        .await
+        .map_err(|_| timeout("queue pair exchange"))??;
+    tracing::debug!(device = ?dev, ?ours, ?theirs, "verbs: connecting queue pairs");
+
+    let max_frame = theirs.slot_size as usize;
+    if max_frame > (16 << 20) {
+        return Err(Error::Handshake(format!("peer announced a {max_frame}-byte receive slot; at most 16 MiB is supported")));
+    }
+    let send = Slab::new(&dev.pd, n_send * max_frame, AccessFlags::LocalWrite)?;
+    let max_rd = rd_cap.min(theirs.max_rd_atom).max(1);
+
+    let mtu = dev.active_mtu.min(Mtu::from(theirs.mtu));
+    let mut ah = AddressHandleAttribute::new();
+    ah.setup_dest_lid(theirs.lid)
+        .setup_port(dev.port)
+        .setup_service_level(0)
+        .setup_grh_src_gid_index(dev.gid_index)
+        .setup_grh_dest_gid(&Gid { raw: theirs.gid })
+        .setup_grh_hop_limit(64);
+    let mut attr = QueuePairAttribute::new();
+    attr.setup_state(QueuePairState::ReadyToReceive)
+        .setup_path_mtu(mtu)
+        .setup_dest_qp_num(theirs.qpn)
+        .setup_rq_psn(theirs.psn)
+        .setup_max_dest_read_atomic(rd_atom as u8)
+        // 12 = 0.64 ms: how long a sender backs off when we have no receive posted.
+        .setup_min_rnr_timer(12)
+        .setup_address_vector(&ah);
+    qp.modify(&attr).map_err(|e| qp_err("moving the queue pair to RTR (is the peer's GID reachable from this port?)", e))?;
+    let mut attr = QueuePairAttribute::new();
+    attr.setup_state(QueuePairState::ReadyToSend)
+        .setup_sq_psn(our_psn)
+        .setup_timeout(14)
+        .setup_retry_cnt(7)
+        // 7 = retry forever on receiver-not-ready: control frames may briefly outrun receives.
+        .setup_rnr_retry(7)
+        .setup_max_read_atomic(max_rd as u8);
+    qp.modify(&attr).map_err(|e| qp_err("moving the queue pair to RTS", e))?;
+
+    tokio::time::timeout(bootstrap::TIMEOUT, bootstrap::ready(&mut tcp)).await.map_err(|_| timeout("ready"))??;
+
+    let progress = match channel {
+        Some(ch) => Progress::channel(cq, ch, opts.spin)?,
+        None => Progress::busy(cq, opts.spin)?,
+    };
+    let async_events = AsyncEvents::new(dev.ctx.clone())?;
+    Ok(VerbsLink::new(Parts {
+        qp,
+        progress,
+        async_events,
+        pd: dev.pd.clone(),
+        recv,
+        n_recv,
+        slot_size: config.slot_size,
+        send,
+        n_send,
+        max_frame,
+        max_inline,
+        max_rd: max_rd as usize,
+        tcp,
+        peer,
+        pool_size: config.pool_size,
+    }))
+}

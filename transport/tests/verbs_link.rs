@@ -1,0 +1,382 @@
+//! Link-level tests of the verbs provider, driven with `poll_fn` (no connection driver).
+//!
+//! Tests that need an RDMA device run inside the Soft-RoCE VM (`scripts/verbs-test.sh`, which
+//! sets `RXE_VM=1`); elsewhere they print why they skip. Inside the VM they never skip.
+//! Device names and the listen address come from `IBEX_TEST_SERVER_DEV`,
+//! `IBEX_TEST_CLIENT_DEV` and `IBEX_TEST_LISTEN_ADDR`, so the same tests run on one device
+//! and across two (rxeA <-> rxeB).
+#![cfg(feature = "verbs")]
+
+use std::future::poll_fn;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ibex_transport::Config;
+use ibex_transport::error::Error;
+use ibex_transport::link::{Link, LinkEvent};
+use ibex_transport::verbs::{self, VerbsLink, VerbsOptions};
+
+/// Generous: Soft-RoCE under TCG emulation is slow, but nothing here may hang forever.
+const LIMIT: Duration = Duration::from_secs(30);
+
+struct Env {
+    server: VerbsOptions,
+    client: VerbsOptions,
+    listen: String,
+}
+
+fn env() -> Option<Env> {
+    if std::env::var("RXE_VM").is_err() {
+        println!("skipped: no RDMA device (run scripts/verbs-test.sh)");
+        return None;
+    }
+    let dev = |v: &str| std::env::var(v).ok().or_else(|| std::env::var("RXE_DEV").ok());
+    let busy = std::env::var("IBEX_VERBS_BUSY_POLL").is_ok_and(|v| v == "1");
+    Some(Env {
+        server: VerbsOptions { device: dev("IBEX_TEST_SERVER_DEV"), busy_poll: busy, ..Default::default() },
+        client: VerbsOptions { device: dev("IBEX_TEST_CLIENT_DEV"), busy_poll: busy, ..Default::default() },
+        listen: std::env::var("IBEX_TEST_LISTEN_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into()),
+    })
+}
+
+fn small_config() -> Config {
+    Config { slot_size: 4096, credits: 8, pool_size: 8 << 20, ..Config::default() }
+}
+
+async fn pair_with(env: &Env, sc: &Config, cc: &Config) -> (VerbsLink, VerbsLink) {
+    let l = verbs::listen_with(&env.listen, sc, env.server.clone()).await.expect("listen");
+    let addr = l.local_addr().to_string();
+    let (s, c) = tokio::join!(l.accept(), verbs::connect_with(&addr, cc, env.client.clone()));
+    (s.expect("accept"), c.expect("connect"))
+}
+
+async fn send(link: &mut VerbsLink, frame: &[u8]) {
+    poll_fn(|cx| link.poll_send(cx, frame)).await.expect("send");
+}
+
+async fn next(link: &mut VerbsLink) -> Result<LinkEvent, Error> {
+    tokio::time::timeout(LIMIT, poll_fn(|cx| link.poll_event(cx))).await.expect("event within the time limit")
+}
+
+async fn frame(link: &mut VerbsLink) -> Bytes {
+    match next(link).await.expect("event") {
+        LinkEvent::Frame(b) => b,
+        other => panic!("expected a frame, got {other:?}"),
+    }
+}
+
+fn pattern(seed: u32, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u32).wrapping_mul(2654435761).wrapping_add(seed).to_le_bytes()[1]).collect()
+}
+
+#[tokio::test]
+async fn setup_info_and_a_frame_each_way() {
+    let Some(env) = env() else { return };
+    let (mut s, mut c) = pair_with(&env, &small_config(), &Config { slot_size: 8192, ..small_config() }).await;
+    let (si, ci) = (s.info(), c.info());
+    assert_eq!(si.provider, "verbs");
+    assert_eq!(si.rendezvous_path, "rdma-read");
+    assert!(si.one_sided);
+    // Each side may send at most the peer's slot size.
+    assert_eq!(si.max_frame, 8192);
+    assert_eq!(ci.max_frame, 4096);
+    assert!(c.read_depth() >= 1);
+    send(&mut c, b"hello server").await;
+    assert_eq!(&frame(&mut s).await[..], b"hello server");
+    send(&mut s, b"hello client").await;
+    assert_eq!(&frame(&mut c).await[..], b"hello client");
+    // Oversized frames are refused up front.
+    let big = vec![0u8; 4097];
+    let r = poll_fn(|cx| c.poll_send(cx, &big)).await;
+    assert!(matches!(r, Err(Error::TooLarge { .. })), "{r:?}");
+}
+
+#[tokio::test]
+async fn hundreds_of_frames_arrive_in_order_and_intact() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    let max = c.info().max_frame;
+    let sizes: Vec<usize> = (0..400).map(|i| if i < 2 { i * max } else { (i * 977) % (max + 1) }).collect();
+    let tx = {
+        let sizes = sizes.clone();
+        async move {
+            for (i, &n) in sizes.iter().enumerate() {
+                send(&mut c, &pattern(i as u32, n)).await;
+            }
+            c
+        }
+    };
+    let rx = async move {
+        for (i, &n) in sizes.iter().enumerate() {
+            let f = frame(&mut s).await;
+            assert_eq!(f.len(), n, "frame {i} length");
+            assert!(f[..] == pattern(i as u32, n)[..], "frame {i} content");
+        }
+        s
+    };
+    let (_c, _s) = tokio::join!(tx, rx);
+}
+
+#[tokio::test]
+async fn full_ring_gives_pending_then_progress() {
+    let Some(env) = env() else { return };
+    // One credit: 18 receives on the server, 17 send slots on the client.
+    let cfg = Config { credits: 1, ..small_config() };
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    let frame_len = c.info().max_frame; // too big to go inline: every send takes a ring slot
+    let mut sent = 0u32;
+    let mut pending = false;
+    // The server does not poll, so the client's sends cannot all retire: it must say Pending.
+    for _ in 0..200 {
+        let f = pattern(sent, frame_len);
+        let r = poll_fn(|cx| Poll::Ready(c.poll_send(cx, &f))).await;
+        match r {
+            Poll::Ready(Ok(())) => sent += 1,
+            Poll::Ready(Err(e)) => panic!("send failed: {e}"),
+            Poll::Pending => {
+                pending = true;
+                break;
+            }
+        }
+    }
+    assert!(pending, "poll_send never returned Pending after {sent} sends");
+    assert!((1..200).contains(&sent));
+    let total = sent + 50;
+    let tx = async move {
+        for i in sent..total {
+            send(&mut c, &pattern(i, frame_len)).await;
+        }
+        c
+    };
+    let rx = async move {
+        for i in 0..total {
+            let f = frame(&mut s).await;
+            assert!(f[..] == pattern(i, frame_len)[..], "frame {i}");
+        }
+        s
+    };
+    let (_c, _s) = tokio::join!(tx, rx);
+}
+
+#[tokio::test]
+async fn rdma_read_in_fragments_with_several_outstanding() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    // A plain heap buffer (registered on expose) and a pool buffer (the pool's own region).
+    let len = 4 << 20;
+    let data = Bytes::from(pattern(7, len));
+    let exp = s.expose(data.clone()).expect("expose");
+    assert!(!exp.zero_copy);
+    assert_eq!(c.map_remote(&exp.descriptor, len as u64).expect("well-formed"), None);
+    let pool = s.pool().expect("registered pool");
+    let mut pb = pool.alloc(300_000).expect("pool alloc");
+    pb.copy_from_slice(&pattern(9, 300_000));
+    let pooled = pb.freeze();
+    let exp2 = s.expose(pooled.clone()).expect("expose pool buffer");
+
+    let frag = 512 << 10;
+    let mut dst = c.alloc_recv(len).expect("alloc_recv");
+    let n = len / frag;
+    for i in 0..n {
+        // SAFETY: `dst` outlives every ReadDone we wait for below and the link.
+        unsafe { c.post_read(i as u64, &exp.descriptor, (i * frag) as u64, dst.as_mut_ptr().add(i * frag), frag) }
+            .expect("post_read");
+    }
+    let mut dst2 = c.alloc_recv(300_000).expect("alloc_recv");
+    // SAFETY: as above.
+    unsafe { c.post_read(100, &exp2.descriptor, 0, dst2.as_mut_ptr(), 300_000) }.expect("post_read pool");
+    let mut done = vec![false; n + 1];
+    for _ in 0..=n {
+        match next(&mut c).await.expect("event") {
+            LinkEvent::ReadDone { id, result } => {
+                result.expect("read succeeds");
+                let k = if id == 100 { n } else { id as usize };
+                assert!(!done[k], "duplicate ReadDone {id}");
+                done[k] = true;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(dst.as_slice() == &data[..], "rendezvous data differs");
+    assert!(dst2.as_slice() == &pooled[..], "pool data differs");
+    // Exposing the same buffer twice shares one registration; withdrawing one exposure keeps
+    // the other readable.
+    let again = s.expose(data.clone()).expect("expose again");
+    assert!(s.withdraw(exp.id).is_some());
+    let mut small = c.alloc_recv(4096).expect("alloc_recv");
+    // SAFETY: as above.
+    unsafe { c.post_read(200, &again.descriptor, (len - 4096) as u64, small.as_mut_ptr(), 4096) }.expect("post_read");
+    match next(&mut c).await.expect("event") {
+        LinkEvent::ReadDone { id: 200, result } => result.expect("read through the remaining exposure"),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(small.as_slice() == &data[len - 4096..]);
+    assert!(s.withdraw(again.id).is_some());
+    assert!(s.withdraw(exp2.id).is_some());
+    assert!(s.withdraw(again.id).is_none(), "withdrawn twice");
+    // The link still carries frames afterwards.
+    send(&mut c, b"done").await;
+    assert_eq!(&frame(&mut s).await[..], b"done");
+}
+
+#[tokio::test]
+async fn bad_descriptors_are_errors() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    let exp = s.expose(Bytes::from(vec![5u8; 8192])).expect("expose");
+    let mut dst = c.alloc_recv(8192).expect("alloc_recv");
+    // Garbage and out-of-range descriptors fail at once, without touching the QP.
+    assert!(c.map_remote(b"garbage", 1).is_err());
+    assert!(c.map_remote(&exp.descriptor, 8193).is_err());
+    // SAFETY: dst outlives the link's use of it.
+    let r = unsafe { c.post_read(1, b"garbage", 0, dst.as_mut_ptr(), 16) };
+    assert!(matches!(r, Err(Error::Protocol(_))), "{r:?}");
+    // SAFETY: as above.
+    let r = unsafe { c.post_read(2, &exp.descriptor, 8000, dst.as_mut_ptr(), 193) };
+    assert!(matches!(r, Err(Error::Protocol(ref m)) if m.contains("outside")), "{r:?}");
+    // An unregistered destination is refused.
+    let mut heap = vec![0u8; 16];
+    // SAFETY: as above.
+    let r = unsafe { c.post_read(3, &exp.descriptor, 0, heap.as_mut_ptr(), 16) };
+    assert!(r.is_err());
+    // A destination larger than the registered receive slab gets its own registration.
+    let mut big = c.alloc_recv(9 << 20).expect("alloc_recv beyond the receive slab");
+    // SAFETY: as above.
+    unsafe { c.post_read(5, &exp.descriptor, 0, big.as_mut_ptr().add((9 << 20) - 8192), 8192) }.expect("post_read");
+    match next(&mut c).await.expect("event") {
+        LinkEvent::ReadDone { id: 5, result } => result.expect("read"),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(big.as_slice()[(9 << 20) - 8192..].iter().all(|&b| b == 5));
+    // A good read still works after the refusals.
+    // SAFETY: as above.
+    unsafe { c.post_read(4, &exp.descriptor, 0, dst.as_mut_ptr(), 8192) }.expect("post_read");
+    match next(&mut c).await.expect("event") {
+        LinkEvent::ReadDone { id: 4, result } => result.expect("read"),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(dst.as_slice().iter().all(|&b| b == 5));
+}
+
+#[tokio::test]
+async fn wrong_rkey_fails_the_read_then_the_link() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    let exp = s.expose(Bytes::from(vec![1u8; 4096])).expect("expose");
+    let mut desc = exp.descriptor.to_vec();
+    desc[16] ^= 0x5a; // flip bits of the rkey
+    let mut dst = c.alloc_recv(4096).expect("alloc_recv");
+    // SAFETY: dst outlives the link.
+    unsafe { c.post_read(9, &desc, 0, dst.as_mut_ptr(), 4096) }.expect("post_read is accepted");
+    match next(&mut c).await {
+        Ok(LinkEvent::ReadDone { id: 9, result: Err(Error::Protocol(m)) }) => {
+            assert!(m.contains("peer refused the read: bad descriptor"), "{m}");
+        }
+        other => panic!("expected a refused read, got {other:?}"),
+    }
+    let after = next(&mut c).await;
+    assert!(after.is_err(), "the link must be reported dead after a refused read, got {after:?}");
+    drop(dst);
+}
+
+#[tokio::test]
+async fn auth_token_mismatch_is_a_clear_error() {
+    let Some(env) = env() else { return };
+    let sc = Config { auth_token: Some("alpha".into()), ..small_config() };
+    let cc = Config { auth_token: Some("beta".into()), ..small_config() };
+    let l = verbs::listen_with(&env.listen, &sc, env.server.clone()).await.expect("listen");
+    let addr = l.local_addr().to_string();
+    let (s, c) = tokio::join!(l.accept(), verbs::connect_with(&addr, &cc, env.client.clone()));
+    for r in [s.map(|_| ()), c.map(|_| ())] {
+        let e = r.expect_err("mismatched tokens must fail");
+        assert!(e.to_string().contains("IBEX_AUTH_TOKEN"), "{e}");
+    }
+    // A token on one side only is a mismatch too.
+    let none = small_config();
+    let (s, c) = tokio::join!(l.accept(), verbs::connect_with(&addr, &none, env.client.clone()));
+    assert!(s.is_err() && c.is_err());
+    // Matching tokens connect.
+    let same = Config { auth_token: Some("alpha".into()), ..small_config() };
+    let (s, c) = tokio::join!(l.accept(), verbs::connect_with(&addr, &same, env.client.clone()));
+    assert!(s.is_ok() && c.is_ok());
+}
+
+#[tokio::test]
+async fn close_delivers_what_was_sent_then_peer_sees_it_gone() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    for i in 0..37u32 {
+        send(&mut c, &pattern(i, 100 + i as usize * 50)).await;
+    }
+    c.close();
+    // Flushing a closing link waits until the peer's slots took everything, so the peer
+    // must be receiving meanwhile (37 frames and the close marker exceed its 32 receives).
+    let flush = async {
+        tokio::time::timeout(LIMIT, poll_fn(|cx| c.poll_flush(cx))).await.expect("flush in time").expect("flush");
+    };
+    let rx = async {
+        for i in 0..37u32 {
+            assert!(frame(&mut s).await[..] == pattern(i, 100 + i as usize * 50)[..], "frame {i}");
+        }
+        let e = next(&mut s).await.expect_err("peer closed");
+        assert!(matches!(e, Error::PeerGone(_)), "{e}");
+    };
+    tokio::join!(flush, rx);
+    let r = poll_fn(|cx| c.poll_send(cx, b"late")).await;
+    assert!(matches!(r, Err(Error::LocallyClosed)), "{r:?}");
+}
+
+#[tokio::test]
+async fn dropped_peer_is_reported_gone() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    drop(s);
+    let e = next(&mut c).await.expect_err("peer dropped");
+    assert!(matches!(e, Error::PeerGone(_)), "{e}");
+}
+
+#[tokio::test]
+async fn busy_poll_mode_moves_frames_and_reads() {
+    let Some(mut env) = env() else { return };
+    env.server.busy_poll = true;
+    env.client.busy_poll = true;
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    assert!(s.busy_polling() && c.busy_polling());
+    for i in 0..50u32 {
+        send(&mut c, &pattern(i, 1000)).await;
+        assert!(frame(&mut s).await[..] == pattern(i, 1000)[..]);
+    }
+    let data = Bytes::from(pattern(3, 1 << 20));
+    let exp = s.expose(data.clone()).expect("expose");
+    let mut dst = c.alloc_recv(1 << 20).expect("alloc_recv");
+    // SAFETY: dst outlives the link.
+    unsafe { c.post_read(1, &exp.descriptor, 0, dst.as_mut_ptr(), 1 << 20) }.expect("post_read");
+    match next(&mut c).await.expect("event") {
+        LinkEvent::ReadDone { id: 1, result } => result.expect("read"),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(dst.as_slice() == &data[..]);
+}
+
+/// Runs where there is no RDMA device (the build host): the error must say what to do.
+#[tokio::test]
+async fn no_device_is_a_clear_error() {
+    if std::env::var("RXE_VM").is_ok() || verbs::device_available() {
+        println!("skipped: an RDMA device is present (this test checks the no-device error)");
+        return;
+    }
+    let e = verbs::connect("127.0.0.1:9", &Config::default()).await.expect_err("no device");
+    let m = e.to_string();
+    assert!(m.contains("no RDMA device found") && m.contains("rdma_rxe") && m.contains("tcp://"), "{m}");
+    let e = verbs::listen("127.0.0.1:0", &Config::default()).await.expect_err("no device");
+    assert!(e.to_string().contains("no RDMA device found"), "{e}");
+}
+
