@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every test of the project, on a fresh machine: unit, integration, property and
-# fuzz-corpus tests, the shm ring's loom model checks, and a build of the benchmarks.
+# fuzz-corpus tests, the shm ring's loom model checks, a build of the benchmarks, and the
+# verbs suites on Soft-RoCE inside a qemu VM (installs qemu, rdma-core and a kernel via apt
+# on first use; needs root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -17,5 +19,8 @@ cargo build --workspace --locked --benches --examples
 step "shm ring: loom model checks"
 RUSTFLAGS="--cfg ibex_loom" CARGO_TARGET_DIR=target/loom \
     cargo test --locked -p ibex-transport --release --lib shm::ring
+
+step "verbs: Soft-RoCE in a qemu VM, one device and two devices across a veth"
+scripts/verbs-test.sh
 
 step "done"

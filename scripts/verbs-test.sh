@@ -48,7 +48,8 @@ for line in sys.stdin:
     except ValueError:
         continue
     t = m.get("target", {})
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name", "").startswith("verbs_"):
+    name = t.get("name", "")
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and (name.startswith("verbs_") or name in ("conn", "grpc_conformance")):
         print(m["executable"])')
 (( ${#BINS[@]} )) || { echo "verbs-test.sh: no verbs_* test binaries were built" >&2; exit 1; }
 
@@ -75,7 +76,10 @@ fi
 
 say "host (no RDMA device): unit tests and the no-device error"
 cargo test -p ibex-transport --features verbs --quiet --lib verbs:: >&2
-for b in "${BINS[@]}"; do "$b" --quiet "${EXTRA[@]}" >&2; done
+for b in "${BINS[@]}"; do
+    case $b in */conn-*|*/grpc_conformance-*) continue ;; esac   # run by scripts/test.sh on the host
+    "$b" --quiet "${EXTRA[@]}" >&2
+done
 
 # One process opens both ends of every link. The tests run with default parallelism: they
 # passed that way on rxe0 and across rxeA/rxeB (add `-- --test-threads=1` to serialise).
@@ -88,7 +92,11 @@ run_vm() { # NAME RXE_VM-ARGS... -- ENV...
     local b
     for b in "${BINS[@]}"; do
         [[ $b == */verbs_bench-* ]] && continue
-        "$RXE_VM" --timeout 420 "${args[@]}" -- env "${envs[@]}" "$b" "${EXTRA[@]}"
+        # The provider-parametrised connection tests and the gRPC conformance suite: their
+        # verbs cases only (the others ran on the host).
+        local filter=()
+        [[ $b == */conn-* || $b == */grpc_conformance-* ]] && filter=(verbs)
+        "$RXE_VM" --timeout 420 "${args[@]}" -- env "${envs[@]}" "$b" "${filter[@]}" "${EXTRA[@]}"
     done
 }
 

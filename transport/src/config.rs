@@ -28,6 +28,8 @@ pub struct Config {
     pub pool_size: usize,
     /// Optional shared secret that the peer must present at setup (`IBEX_AUTH_TOKEN`).
     pub auth_token: Option<String>,
+    /// verbs: the RDMA device to use (e.g. `mlx5_0`, `rxe0`); overrides `IBEX_RDMA_DEVICE`.
+    pub rdma_device: Option<String>,
 }
 
 impl Default for Config {
@@ -43,6 +45,7 @@ impl Default for Config {
             max_message_size: 1 << 30,
             pool_size: 256 << 20,
             auth_token: None,
+            rdma_device: None,
         }
     }
 }

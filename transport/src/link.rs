@@ -264,6 +264,14 @@ pub trait Link: Send + 'static {
     /// for `id` has been returned by `poll_event`, or until the link is dropped.
     unsafe fn post_read(&mut self, id: u64, descriptor: &[u8], offset: u64, dst: *mut u8, len: usize) -> Result<(), Error>;
 
+    /// True if `post_read` may target `ptr..ptr+len` directly. Providers that need
+    /// registered destinations (verbs) say no for memory they did not hand out; the driver
+    /// then reads into [`Link::alloc_recv`] memory and copies.
+    fn readable_dst(&self, ptr: *const u8, len: usize) -> bool {
+        let _ = (ptr, len);
+        true
+    }
+
     /// The registered pool for zero-copy sends, if this provider has one.
     fn pool(&self) -> Option<Arc<Pool>> {
         None

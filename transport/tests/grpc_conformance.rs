@@ -411,6 +411,34 @@ macro_rules! conformance {
 
 conformance!(tonic_tcp: Stock, ibex_shm: IbexShm, ibex_tcp: IbexTcp);
 
+/// The same cases over verbs, run inside the Soft-RoCE VM by `scripts/verbs-test.sh`;
+/// elsewhere each case says why it skips. Inside the VM they never skip.
+#[cfg(feature = "verbs")]
+mod ibex_verbs {
+    use super::*;
+
+    macro_rules! verbs_suite {
+        ($($case:ident),* $(,)?) => {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    if std::env::var("RXE_VM").is_err() {
+                        println!("skipped: no RDMA device (run scripts/verbs-test.sh)");
+                        return;
+                    }
+                    within(cases::$case::<grpc_common::transports::IbexVerbs>()).await
+                }
+            )*
+        };
+    }
+
+    verbs_suite!(
+        unary, server_streaming, client_streaming, bidi_streaming, error_details, trailers_only,
+        metadata, deadline, client_cancel, message_sizes, size_limits, concurrent_calls,
+        slow_reader, handler_panic, graceful_shutdown, server_gone
+    );
+}
+
 /// What only the Ibex transports have: the zero-copy hook (`PeerHandle`), the mapping of
 /// calls onto transport messages, and the handling of a garbage-sending peer.
 mod ibex_only {

@@ -103,6 +103,8 @@ struct PendingSend {
 
 pub(crate) struct ApiRead {
     dst: Option<RecvBuf>,
+    /// Registered memory read into instead of `dst`, when the provider needs it.
+    staging: Option<RecvBuf>,
     frags_left: usize,
     error: Option<Error>,
     tx: Option<oneshot::Sender<Result<RecvBuf, Error>>>,
@@ -296,12 +298,27 @@ impl State {
                 return;
             }
         }
+        // Providers that need registered destinations get one of theirs; the data is
+        // copied into `dst` when the read completes.
+        let mut staging = None;
+        if !link.readable_dst(dst.as_slice().as_ptr(), len) {
+            match link.alloc_recv(len) {
+                Ok(b) => staging = Some(b),
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            }
+        }
         let req = API_READ_BIT | self.next_api_id;
         self.next_api_id += 1;
         let frag = self.fragment_size.max(1);
         let nfrags = len.div_ceil(frag).max(1);
-        let base = dst.as_mut_ptr();
-        let mut read = ApiRead { dst: None, frags_left: nfrags, error: None, tx: Some(tx) };
+        let base = match staging.as_mut() {
+            Some(s) => s.as_mut_ptr(),
+            None => dst.as_mut_ptr(),
+        };
+        let mut read = ApiRead { dst: None, staging: None, frags_left: nfrags, error: None, tx: Some(tx) };
         for i in 0..nfrags {
             let off = i * frag;
             let flen = (len - off).min(frag);
@@ -321,6 +338,7 @@ impl State {
             }
         }
         read.dst = Some(dst);
+        read.staging = staging;
         if read.frags_left == 0 {
             self.finish_api_read(read, len);
         } else {
@@ -330,15 +348,21 @@ impl State {
 
     fn finish_api_read(&mut self, mut read: ApiRead, len: usize) {
         let Some(tx) = read.tx.take() else { return };
+        if let Some(st) = read.staging.take() {
+            if read.error.is_none()
+                && let Some(d) = read.dst.as_mut()
+            {
+                d.as_mut_slice().copy_from_slice(st.as_slice());
+            }
+            // Every fragment has completed: nothing can still write into it.
+            drop(st);
+        }
         match (read.error.take(), read.dst.take()) {
             (None, Some(dst)) => {
                 self.stats.remote_read_bytes += len as u64;
                 let _ = tx.send(Ok(dst));
             }
-            (Some(e), dst) => {
-                if let Some(d) = dst {
-                    self.graveyard.push(Box::new(d));
-                }
+            (Some(e), _) => {
                 let _ = tx.send(Err(e));
             }
             (None, None) => {
@@ -474,7 +498,7 @@ impl State {
         // A caller's buffer posted for exactly this message takes the data directly.
         if !probe && self.delivered.is_empty() && msg == self.consumed
             && let Some(p) = self.posted.take() {
-                if p.buf.len() as u64 >= len {
+                if p.buf.len() as u64 >= len && link.readable_dst(p.buf.as_slice().as_ptr(), len as usize) {
                     self.dests.insert(msg, Dest::User(p.buf, p.token));
                     self.core.accept_rendezvous(now, msg, RecvMode::Read);
                     return;
@@ -508,6 +532,9 @@ impl State {
         for (_, mut r) in self.api_reads.drain() {
             if let Some(d) = r.dst.take() {
                 self.graveyard.push(Box::new(d));
+            }
+            if let Some(s) = r.staging.take() {
+                self.graveyard.push(Box::new(s));
             }
             if let Some(tx) = r.tx.take() {
                 let _ = tx.send(Err(err.clone()));

@@ -440,8 +440,27 @@ pub struct Listener {
 enum ListenerInner {
     Shm(crate::shm::ShmListener, String),
     Tcp(crate::tcp::TcpListener),
-    /// `listen_auto`: the same port over tcp and, for local peers, shm.
-    Auto { shm: crate::shm::ShmListener, shm_uri: String, tcp: crate::tcp::TcpListener },
+    #[cfg(feature = "verbs")]
+    Verbs(crate::verbs::VerbsListener),
+    /// `listen_auto`: the same port over tcp, shm for local peers, and verbs (bootstrap on
+    /// port + 1) when this host has an RDMA device.
+    Auto { shm: crate::shm::ShmListener, shm_uri: String, tcp: crate::tcp::TcpListener, verbs: Option<VerbsListener> },
+}
+
+#[cfg(feature = "verbs")]
+type VerbsListener = crate::verbs::VerbsListener;
+/// Without the feature there is never a verbs listener.
+#[cfg(not(feature = "verbs"))]
+enum VerbsListener {}
+
+async fn accept_verbs(l: &Option<VerbsListener>) -> Result<Box<dyn Link>> {
+    match l {
+        #[cfg(feature = "verbs")]
+        Some(l) => Ok(Box::new(l.accept().await?)),
+        #[cfg(not(feature = "verbs"))]
+        Some(never) => match *never {},
+        None => std::future::pending().await,
+    }
 }
 
 impl Listener {
@@ -450,9 +469,12 @@ impl Listener {
         let link: Box<dyn Link> = match &self.inner {
             ListenerInner::Shm(l, _) => Box::new(l.accept().await?),
             ListenerInner::Tcp(l) => Box::new(l.accept().await?),
-            ListenerInner::Auto { shm, tcp, .. } => tokio::select! {
+            #[cfg(feature = "verbs")]
+            ListenerInner::Verbs(l) => Box::new(l.accept().await?),
+            ListenerInner::Auto { shm, tcp, verbs, .. } => tokio::select! {
                 r = shm.accept() => Box::new(r?),
                 r = tcp.accept() => Box::new(r?),
+                r = accept_verbs(verbs) => r?,
             },
         };
         Connection::establish(link, &self.config).await
@@ -466,6 +488,8 @@ impl Listener {
             ListenerInner::Tcp(l) | ListenerInner::Auto { tcp: l, .. } => {
                 l.local_addr().map(|a| format!("tcp://{a}")).unwrap_or_default()
             }
+            #[cfg(feature = "verbs")]
+            ListenerInner::Verbs(l) => format!("verbs://{}", l.local_addr()),
         }
     }
 
@@ -473,7 +497,7 @@ impl Listener {
     pub fn shm_uri(&self) -> Option<String> {
         match &self.inner {
             ListenerInner::Shm(_, uri) | ListenerInner::Auto { shm_uri: uri, .. } => Some(uri.clone()),
-            ListenerInner::Tcp(_) => None,
+            _ => None,
         }
     }
 }
@@ -484,6 +508,9 @@ pub async fn listen(uri: &str, config: Config) -> Result<Listener> {
     let inner = match Addr::parse(uri)? {
         Addr::Shm(p) => ListenerInner::Shm(crate::shm::listen(&p, &config).await?, uri.to_string()),
         Addr::Tcp(a) => ListenerInner::Tcp(crate::tcp::listen(&a, &config).await?),
+        #[cfg(feature = "verbs")]
+        Addr::Verbs(a) => ListenerInner::Verbs(crate::verbs::listen(&a, &config).await?),
+        #[cfg(not(feature = "verbs"))]
         Addr::Verbs(_) => return Err(verbs_missing(uri)),
     };
     Ok(Listener { inner, config })
@@ -497,7 +524,29 @@ pub async fn listen_auto(host_port: &str, config: Config) -> Result<Listener> {
     let port = tcp.local_addr()?.port();
     let path = auto_shm_path(port);
     let shm = crate::shm::listen(&path, &config).await?;
-    Ok(Listener { inner: ListenerInner::Auto { shm, shm_uri: format!("shm://{}", path.display()), tcp }, config })
+    let verbs = listen_auto_verbs(host_port, port, &config).await;
+    Ok(Listener { inner: ListenerInner::Auto { shm, shm_uri: format!("shm://{}", path.display()), tcp, verbs }, config })
+}
+
+/// The verbs side of an auto listener: bootstrap on port + 1, only where a device exists.
+#[cfg(feature = "verbs")]
+async fn listen_auto_verbs(host_port: &str, port: u16, config: &Config) -> Option<VerbsListener> {
+    if !crate::verbs::device_available() {
+        return None;
+    }
+    let host = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
+    match crate::verbs::listen(&format!("{host}:{}", port.checked_add(1)?), config).await {
+        Ok(l) => Some(l),
+        Err(e) => {
+            tracing::warn!(%e, "listen_auto: RDMA device present but the verbs listener failed; serving shm and tcp only");
+            None
+        }
+    }
+}
+
+#[cfg(not(feature = "verbs"))]
+async fn listen_auto_verbs(_: &str, _: u16, _: &Config) -> Option<VerbsListener> {
+    None
 }
 
 /// Connects to `uri` (`shm:///path.sock`, `tcp://host:port`).
@@ -506,41 +555,72 @@ pub async fn connect(uri: &str, config: Config) -> Result<Connection> {
     let link: Box<dyn Link> = match Addr::parse(uri)? {
         Addr::Shm(p) => Box::new(crate::shm::connect(&p, &config).await?),
         Addr::Tcp(a) => Box::new(crate::tcp::connect(&a, &config).await?),
+        #[cfg(feature = "verbs")]
+        Addr::Verbs(a) => Box::new(crate::verbs::connect(&a, &config).await?),
+        #[cfg(not(feature = "verbs"))]
         Addr::Verbs(_) => return Err(verbs_missing(uri)),
     };
     Connection::establish(link, &config).await
 }
 
 /// Connects to an auto listener at `host:port` over the best provider: shm when the host is
-/// this machine and its shm socket exists, tcp otherwise. `IBEX_TRANSPORT=shm|tcp` forces
-/// one. The choice is logged.
+/// this machine and its shm socket exists; verbs (bootstrap on port + 1) when this host has
+/// an RDMA device and the peer answers there; tcp otherwise. `IBEX_TRANSPORT=shm|tcp|verbs`
+/// forces one. The choice is logged.
 pub async fn connect_auto(host_port: &str, config: Config) -> Result<Connection> {
     let uri = choose_auto(host_port)?;
+    if uri.starts_with("verbs://") && std::env::var("IBEX_TRANSPORT").is_err() {
+        match connect(&uri, config.clone()).await {
+            Ok(c) => {
+                tracing::info!(%uri, "connect_auto picked verbs");
+                return Ok(c);
+            }
+            Err(e) => tracing::info!(%e, "connect_auto: no verbs listener at the peer; falling back to tcp"),
+        }
+        let tcp = format!("tcp://{host_port}");
+        tracing::info!(uri = %tcp, "connect_auto picked a transport");
+        return connect(&tcp, config).await;
+    }
     tracing::info!(%uri, "connect_auto picked a transport");
     connect(&uri, config).await
 }
 
-/// The URI [`connect_auto`] would use for `host:port`.
+/// The URI [`connect_auto`] would try first for `host:port`.
 pub fn choose_auto(host_port: &str) -> Result<String> {
     let bad = |why: &str| Error::Address { addr: host_port.into(), why: why.into() };
     let (host, port) = host_port.rsplit_once(':').ok_or_else(|| bad("expected host:port"))?;
     let port: u16 = port.parse().map_err(|_| bad("port is not a number"))?;
     let shm = auto_shm_path(port);
+    let verbs = || format!("verbs://{host}:{}", port.saturating_add(1));
     let forced = std::env::var("IBEX_TRANSPORT").ok().filter(|s| !s.is_empty());
     match forced.as_deref() {
         Some("shm") => return Ok(format!("shm://{}", shm.display())),
         Some("tcp") => return Ok(format!("tcp://{host_port}")),
-        Some("verbs") => return Ok(format!("verbs://{host_port}")),
+        Some("verbs") => return Ok(verbs()),
         Some(other) => return Err(bad(&format!("IBEX_TRANSPORT={other:?}: expected shm, tcp or verbs"))),
         None => {}
     }
     if is_local_host(host) && shm.exists() {
-        Ok(format!("shm://{}", shm.display()))
-    } else {
-        Ok(format!("tcp://{host_port}"))
+        return Ok(format!("shm://{}", shm.display()));
+    }
+    if verbs_device_present() {
+        return Ok(verbs());
+    }
+    Ok(format!("tcp://{host_port}"))
+}
+
+fn verbs_device_present() -> bool {
+    #[cfg(feature = "verbs")]
+    {
+        crate::verbs::device_available()
+    }
+    #[cfg(not(feature = "verbs"))]
+    {
+        false
     }
 }
 
+#[cfg(not(feature = "verbs"))]
 fn verbs_missing(uri: &str) -> Error {
     Error::Address {
         addr: uri.into(),

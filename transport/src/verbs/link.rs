@@ -505,7 +505,7 @@ impl VerbsLink {
         }
     }
 
-    fn lkey_for(&mut self, dst: *const u8, len: usize) -> Option<u32> {
+    fn lkey_for(&self, dst: *const u8, len: usize) -> Option<u32> {
         if let Some(Some(p)) = &self.recv_pool
             && p.pool.offset_of(dst, len).is_some() {
                 return Some(p.lkey);
@@ -716,6 +716,10 @@ impl Link for VerbsLink {
         Some(e.buf)
     }
 
+    fn readable_dst(&self, ptr: *const u8, len: usize) -> bool {
+        self.lkey_for(ptr, len).is_some()
+    }
+
     fn map_remote(&mut self, descriptor: &[u8], len: u64) -> Result<Option<Bytes>> {
         let d = Desc::decode(descriptor)?;
         if len > d.len {
@@ -737,7 +741,7 @@ impl Link for VerbsLink {
                 let ptr = b.as_mut_ptr();
                 // SAFETY: the pool buffer is ours alone, stays put, and lives as long as the
                 // PoolBufMut that owns it.
-                return Ok(unsafe { RecvBuf::from_raw(ptr, len, Box::new(b) as Box<dyn Send + Sync>) });
+                return Ok(unsafe { RecvBuf::from_raw(ptr, len, Box::new(b) as Box<dyn std::any::Any + Send + Sync>) });
             }
         self.recv_regions.retain(|_, (_, w)| w.strong_count() > 0);
         let mut slab = Slab::new(&self.pd, len, AccessFlags::LocalWrite)?;

@@ -97,7 +97,16 @@ fn strip_scheme(addr: &str) -> &str {
 /// Listens for verbs connections on `addr` (`host:port`, optionally `verbs://host:port`; the
 /// TCP bootstrap port). Fails at once, with the fix in the message, if no RDMA device is usable.
 pub async fn listen(addr: &str, config: &Config) -> Result<VerbsListener> {
-    listen_with(addr, config, VerbsOptions::from_env()?).await
+    listen_with(addr, config, options(config)?).await
+}
+
+/// Options from the environment, with the device named in `config` taking precedence.
+fn options(config: &Config) -> Result<VerbsOptions> {
+    let mut o = VerbsOptions::from_env()?;
+    if let Some(d) = &config.rdma_device {
+        o.device = Some(d.clone());
+    }
+    Ok(o)
 }
 
 /// [`listen`] with explicit device options.
@@ -113,7 +122,7 @@ pub async fn listen_with(addr: &str, config: &Config, opts: VerbsOptions) -> Res
 
 /// Connects to a verbs listener at `addr` (`host:port` or `verbs://host:port`).
 pub async fn connect(addr: &str, config: &Config) -> Result<VerbsLink> {
-    connect_with(addr, config, VerbsOptions::from_env()?).await
+    connect_with(addr, config, options(config)?).await
 }
 
 /// [`connect`] with explicit device options.
@@ -185,15 +194,18 @@ async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, pee
     } else {
         Some(dev.ctx.create_comp_channel().map_err(|e| qp_err("creating a completion channel", e))?)
     };
-    let mut cqb = dev.ctx.create_cq_builder();
-    cqb.setup_cqe(cqe);
-    if let Some(ch) = &channel {
-        cqb.setup_comp_channel(ch, 0);
-    }
-    let cq = cqb.build().map_err(|e| {
-        let src = std::io::Error::other(e.to_string());
-        pin_error(format!("creating a completion queue of {cqe} entries"), src)
-    })?;
+    // The builder is not `Send`: keep it out of the awaits below.
+    let cq = {
+        let mut cqb = dev.ctx.create_cq_builder();
+        cqb.setup_cqe(cqe);
+        if let Some(ch) = &channel {
+            cqb.setup_comp_channel(ch, 0);
+        }
+        cqb.build().map_err(|e| {
+            let src = std::io::Error::other(e.to_string());
+            pin_error(format!("creating a completion queue of {cqe} entries"), src)
+        })?
+    };
 
     let build = |inline: u32| {
         dev.pd

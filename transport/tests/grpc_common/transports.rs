@@ -233,3 +233,48 @@ pub async fn pull(req: &Request<Payload>) -> Result<(Payload, bool), Status> {
         .map_err(|e| Status::internal(format!("read_remote failed: {e}")))?;
     Ok((Payload { buffers: vec![got.into_bytes()] }, peer.one_sided()))
 }
+
+/// gRPC over Ibex, verbs provider: only in the Soft-RoCE VM (`scripts/verbs-test.sh`), which
+/// names the listen address and each side's device.
+#[cfg(feature = "verbs")]
+pub struct IbexVerbs;
+
+#[cfg(feature = "verbs")]
+fn verbs_config(var: &str) -> ibex_transport::Config {
+    ibex_transport::Config { rdma_device: std::env::var(var).ok(), ..ibex_config() }
+}
+
+#[cfg(feature = "verbs")]
+impl Transport for IbexVerbs {
+    const DEADLINE_CODE: Code = Code::DeadlineExceeded;
+    const GONE_CODES: &'static [Code] = &[Code::Unavailable];
+
+    async fn serve(routes: Routes) -> ServerHandle {
+        let at = std::env::var("IBEX_TEST_LISTEN_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into());
+        let listener = ibex_transport::listen(&format!("verbs://{at}"), verbs_config("IBEX_TEST_SERVER_DEV")).await.unwrap();
+        let addr = listener.local_uri();
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            ibex_transport::grpc::Server::builder()
+                .add_routes(routes)
+                .serve_with_listener(listener, async {
+                    let _ = rx.await;
+                })
+                .await
+                .map_err(|e| chain(&e))
+        });
+        ServerHandle::new(addr, tx, task)
+    }
+
+    async fn connect(addr: &str) -> Result<Chan, String> {
+        let cfg = verbs_config("IBEX_TEST_CLIENT_DEV");
+        let ch = ibex_transport::grpc::Channel::connect_with_config(addr, cfg).await.map_err(|e| chain(&e))?;
+        let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| r.map(tonic::body::Body::new));
+        let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
+        Ok(Chan::new(ch))
+    }
+
+    async fn dead_addr() -> String {
+        format!("verbs://{}", Stock::dead_addr().await)
+    }
+}
