@@ -14,6 +14,9 @@ pub struct Config {
     pub default_eager_threshold: usize,
     /// Run the connect-time threshold probe when `eager_threshold` is `None`.
     pub probe: bool,
+    /// A probe not finished by then is abandoned and the default threshold kept
+    /// (`IBEX_PROBE_TIMEOUT_MS`; default 2 s, far above what a real link needs).
+    pub probe_timeout: std::time::Duration,
     /// Size of one eager receive slot = the largest frame the peer may send us.
     pub slot_size: usize,
     /// Number of eager receive slots = data frames the peer may have outstanding (credits).
@@ -38,6 +41,7 @@ impl Default for Config {
             eager_threshold: None,
             default_eager_threshold: 16 * 1024,
             probe: true,
+            probe_timeout: crate::proto::PROBE_TIMEOUT,
             slot_size: 64 * 1024,
             credits: 64,
             fragment_size: 512 * 1024,

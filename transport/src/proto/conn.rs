@@ -816,7 +816,7 @@ impl Connection {
             tracing::info!(len, "probe buffer too small for any probe size; keeping the default threshold");
             return self.threshold_chosen();
         }
-        self.probe = Some(Probe::new(plan, desc, started));
+        self.probe = Some(Probe::new(plan, desc, started, self.cfg.probe_timeout));
     }
 
     fn on_probe_answer(&mut self, now: Instant, probe_id: u32, proto: Protocol) {

@@ -20,6 +20,7 @@ use super::Protocol;
 /// How long a probe may take before it is abandoned (the default threshold stays).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
+
 /// Sizes and repetitions the probe measures.
 #[derive(Debug, Clone)]
 pub struct ProbePlan {
@@ -108,7 +109,7 @@ pub(crate) enum Progress {
 }
 
 impl Probe {
-    pub(crate) fn new(plan: ProbePlan, desc: Bytes, now: Instant) -> Probe {
+    pub(crate) fn new(plan: ProbePlan, desc: Bytes, now: Instant, timeout: Duration) -> Probe {
         let mut steps = Vec::new();
         for size_idx in 0..plan.sizes.len() {
             for proto in [Protocol::Eager, Protocol::Rendezvous] {
@@ -128,7 +129,7 @@ impl Probe {
             rndv_min: vec![None; n],
             desc,
             pad: Bytes::from(vec![0u8; max]),
-            deadline: now + PROBE_TIMEOUT,
+            deadline: now + timeout,
             abandoned: false,
         }
     }
@@ -257,7 +258,7 @@ mod tests {
     fn bookkeeping_takes_min_over_counted_reps() {
         let t0 = Instant::now();
         let plan = ProbePlan { sizes: vec![100, 200], reps: 2 };
-        let mut p = Probe::new(plan, Bytes::from_static(b"d"), t0);
+        let mut p = Probe::new(plan, Bytes::from_static(b"d"), t0, PROBE_TIMEOUT);
         let mut now = t0;
         let mut last = Progress::Running;
         let mut n = 0;
@@ -280,7 +281,7 @@ mod tests {
     #[test]
     fn abandoning_waits_for_a_rendezvous_sample_in_flight() {
         let t0 = Instant::now();
-        let mut p = Probe::new(ProbePlan { sizes: vec![100], reps: 0 }, Bytes::new(), t0);
+        let mut p = Probe::new(ProbePlan { sizes: vec![100], reps: 0 }, Bytes::new(), t0, PROBE_TIMEOUT);
         assert!(matches!(p.next_sample(), Some(Sample::Eager { probe_id: 0, .. })));
         p.sent(t0);
         assert_eq!(p.answered(t0, 0, Protocol::Eager), Progress::Running);
@@ -294,7 +295,7 @@ mod tests {
     #[test]
     fn abandoning_with_an_eager_sample_out_is_immediate() {
         let t0 = Instant::now();
-        let mut p = Probe::new(ProbePlan { sizes: vec![100], reps: 1 }, Bytes::new(), t0);
+        let mut p = Probe::new(ProbePlan { sizes: vec![100], reps: 1 }, Bytes::new(), t0, PROBE_TIMEOUT);
         assert!(p.next_sample().is_some());
         p.sent(t0);
         assert_eq!(p.abandon(), Progress::Abandoned);
