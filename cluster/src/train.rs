@@ -80,7 +80,8 @@ pub struct Report {
     pub steps_per_sec: f64,
     /// How many times the worker reconnected and resumed after a PS failure.
     pub recoveries: u32,
-    /// Weights before step 0, when this run started there.
+    /// Weights before step 0, when this process started there (kept across recoveries:
+    /// a restore never goes back past step 0).
     pub initial: Option<Params>,
     /// Final weights, in [`Mlp::NAMES`] order.
     pub params: Params,
@@ -289,7 +290,7 @@ pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs) -> R
     let mut r = job.finish(workers, step, losses, params);
     r.steps_per_sec = (step - first_step) as f64 / secs.max(1e-9);
     r.recoveries = recoveries;
-    r.initial = if recoveries == 0 { initial } else { None };
+    r.initial = initial;
     r.comm_profile = worker.comm_profile().to_string();
     Ok(r)
 }
