@@ -115,10 +115,19 @@ async fn shutdown_signal() {
 }
 
 async fn run_ps(spec: &ClusterSpec, index: usize, args: &LaunchArgs) -> Result<(), String> {
-    let checkpoint_dir = args
-        .checkpoint_dir
-        .clone()
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("ibex-ps-{index}-ckpt")));
-    let _ = (checkpoint_dir, spec, args, shutdown_signal);
-    Err("this build has no parameter server: the ibex-ps crate is not merged into this branch yet".into())
+    let mut config = ibex_ps::PsConfig::new(spec.ps_listen_uri(index));
+    config.shard = u32::try_from(index).map_err(|_| format!("PS index {index} is too large"))?;
+    config.num_workers =
+        u32::try_from(spec.workers.len()).map_err(|_| format!("{} workers is too many", spec.workers.len()))?;
+    config.mode = args.mode.parse().map_err(|e| format!("--mode: {e}"))?;
+    config.checkpoint_dir = Some(
+        args.checkpoint_dir
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join(format!("ibex-ps-{index}-ckpt"))),
+    );
+    config.checkpoint_every = args.checkpoint_every;
+    config.restore = args.restore;
+    config.sync_timeout = std::time::Duration::from_secs(args.sync_timeout_secs);
+    config.metrics = args.metrics.clone();
+    ibex_ps::run(config, shutdown_signal()).await.map_err(|e| format!("PS {index}: {e}"))
 }
