@@ -175,7 +175,7 @@ fn run_in(args: &DemoArgs, dir: &Path) -> Result<Report, String> {
         let mut c = launch("worker", i);
         c.args(args.train.to_args()).arg("--report").arg(dir.join(format!("report-{i}.json")));
         if i == 0 {
-            c.stdout(Stdio::piped()).stderr(log("worker-0")?);
+            c.arg("--ticks").stdout(Stdio::piped()).stderr(log("worker-0")?);
         } else {
             let (out, err) = both(&format!("worker-{i}"))?;
             c.stdout(out).stderr(err);
@@ -246,13 +246,17 @@ fn run_in(args: &DemoArgs, dir: &Path) -> Result<Report, String> {
 }
 
 fn show(progress: &mut Progress, line: &str) {
+    if let Some(done) = line.strip_prefix("tick ").and_then(|s| s.parse::<u64>().ok()) {
+        progress.tick(done);
+        return;
+    }
     let mut it = line.split_whitespace();
-    if let (Some("step"), Some(step), Some("loss"), Some(loss)) = (it.next(), it.next(), it.next(), it.next()) {
-        if let (Ok(step), Ok(loss)) = (step.parse::<u64>(), loss.parse::<f32>()) {
-            progress.line(&format!("  step {step:>5}  loss {loss:.5}"));
-            progress.update(step + 1, loss);
-            return;
-        }
+    if let (Some("step"), Some(step), Some("loss"), Some(loss)) = (it.next(), it.next(), it.next(), it.next())
+        && let (Ok(step), Ok(loss)) = (step.parse::<u64>(), loss.parse::<f32>())
+    {
+        progress.line(&format!("  step {step:>5}  loss {loss:.5}"));
+        progress.set_loss(loss);
+        return;
     }
     progress.line(&format!("  {line}"));
 }

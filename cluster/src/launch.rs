@@ -39,6 +39,9 @@ pub struct LaunchArgs {
     /// PS: serve Prometheus metrics on this address (e.g. 127.0.0.1:0).
     #[arg(long)]
     pub metrics: Option<String>,
+    /// Worker: print `tick K` after every step (what `ibex demo` draws its bar from).
+    #[arg(long, hide = true)]
+    pub ticks: bool,
     /// Worker: write the JSON report here.
     #[arg(long)]
     pub report: Option<PathBuf>,
@@ -81,7 +84,7 @@ pub fn run(args: &LaunchArgs) -> Result<(), String> {
     match job {
         JobKind::Ps => rt.block_on(run_ps(&spec, index, args)),
         JobKind::Worker => {
-            let report = rt.block_on(train::run_worker(&spec, index, &args.train))?;
+            let report = rt.block_on(train::run_worker(&spec, index, &args.train, args.ticks))?;
             if let Some(p) = &args.report {
                 report.write(p)?;
             }

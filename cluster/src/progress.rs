@@ -8,12 +8,20 @@ pub struct Progress {
     total: u64,
     tty: bool,
     drawn: bool,
+    loss: f32,
+    last_draw: Option<std::time::Instant>,
 }
 
 impl Progress {
     /// A display for `total` steps.
     pub fn new(total: u64) -> Progress {
-        Progress { total: total.max(1), tty: std::io::stdout().is_terminal(), drawn: false }
+        Progress {
+            total: total.max(1),
+            tty: std::io::stdout().is_terminal(),
+            drawn: false,
+            loss: f32::NAN,
+            last_draw: None,
+        }
     }
 
     /// Prints a line above the bar.
@@ -27,11 +35,22 @@ impl Progress {
         let _ = writeln!(out, "{text}");
     }
 
-    /// Moves the bar to `done` steps.
-    pub fn update(&mut self, done: u64, loss: f32) {
+    /// The loss shown next to the bar.
+    pub fn set_loss(&mut self, loss: f32) {
+        self.loss = loss;
+    }
+
+    /// Moves the bar to `done` steps, redrawing at most every 50 ms (and at the end).
+    pub fn tick(&mut self, done: u64) {
         if !self.tty {
             return;
         }
+        let now = std::time::Instant::now();
+        if done < self.total && self.last_draw.is_some_and(|t| now.duration_since(t).as_millis() < 50) {
+            return;
+        }
+        self.last_draw = Some(now);
+        let loss = self.loss;
         const WIDTH: u64 = 40;
         let filled = (done.min(self.total) * WIDTH / self.total) as usize;
         let bar = format!("{}{}", "#".repeat(filled), "-".repeat(WIDTH as usize - filled));

@@ -128,7 +128,7 @@ impl Job {
     /// Loads the data and checks that `workers` can share the minibatch evenly (the sync
     /// average equals the full-batch gradient only when the shares are equal).
     pub fn new(args: &TrainArgs, workers: usize) -> Result<Job, String> {
-        if workers == 0 || args.batch == 0 || args.batch % workers != 0 {
+        if workers == 0 || args.batch == 0 || !args.batch.is_multiple_of(workers) {
             return Err(format!("--batch {} must be a positive multiple of the {workers} workers", args.batch));
         }
         if args.steps == 0 || args.hidden == 0 || args.log_every == 0 {
@@ -186,7 +186,7 @@ impl Job {
 
 /// Prints the progress line `ibex demo` follows (`step K loss L`).
 fn log_step(args: &TrainArgs, step: u64, loss: f32, losses: &mut Vec<(u64, f32)>) {
-    if step % args.log_every == 0 || step + 1 == args.steps {
+    if step.is_multiple_of(args.log_every) || step + 1 == args.steps {
         losses.push((step, loss));
         println!("step {step} loss {loss:.5}");
     }
@@ -245,7 +245,8 @@ const MAX_RECOVERIES: u32 = 10;
 /// restart. Worker 0 restores every PS to the newest common checkpoint (`Worker::recover`);
 /// the others wait until the PS agree on a step. Both resume at that step, and since the
 /// minibatch depends only on the step, no step is lost or applied twice.
-pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs) -> Result<Report, String> {
+/// With `ticks`, it also prints `tick K` after every step, for `ibex demo`'s progress bar.
+pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs, ticks: bool) -> Result<Report, String> {
     let workers = spec.workers.len();
     if index >= workers {
         return Err(format!("worker index {index} is out of range: the spec lists {workers} workers"));
@@ -273,6 +274,9 @@ pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs) -> R
                 params = fresh;
                 log_step(args, step, loss, &mut losses);
                 step += 1;
+                if ticks {
+                    println!("tick {step}");
+                }
             }
             Err(e) if recoverable(&e) && recoveries < MAX_RECOVERIES => {
                 recoveries += 1;

@@ -206,10 +206,9 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let l = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("worker 0 went quiet");
-        if let Some(step) = l.strip_prefix("step ").and_then(|r| r.split_whitespace().next()).and_then(|s| s.parse::<u64>().ok()) {
-            if step >= 90 {
-                break;
-            }
+        let step = l.strip_prefix("step ").and_then(|r| r.split_whitespace().next()).and_then(|s| s.parse::<u64>().ok());
+        if step.is_some_and(|s| s >= 90) {
+            break;
         }
     }
     kids.0[0].kill().unwrap(); // SIGKILL: no shutdown checkpoint
@@ -248,4 +247,13 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
     let rep = rep.to_str().unwrap();
     let o = ibex(&["train", "--reference", "--steps", steps, "--init-from", rep, "--compare", rep], d);
     assert!(o.status.success(), "{}", text(&o));
+}
+
+/// Too few steps to learn: the demo says so and exits non-zero.
+#[test]
+fn demo_below_the_accuracy_bar_fails() {
+    let dir = Dir::new("short");
+    let o = ibex(&["demo", "--steps", "2", "--lr", "0.001"], &dir.0);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("below the 90% bar"), "{}", text(&o));
 }
