@@ -290,7 +290,7 @@ impl Shard {
                 }
                 Ok(format!(
                     "step {} has not been applied after {:?}: workers {:?} have not pushed all variables of shard {} for it",
-                    st.step, self.cfg.sync_timeout, missing, self.cfg.shard
+                    st.step, self.cfg.sync_timeout, missing.into_iter().collect::<Vec<_>>(), self.cfg.shard
                 ))
             })
             .unwrap_or_else(|e| e.message().to_string());
