@@ -13,7 +13,7 @@ use ibex_transport::grpc::PeerHandle;
 use tonic::{Request, Response, Status};
 
 use crate::metrics::Metrics;
-use crate::shard::{Grad, Shard};
+use crate::shard::{Grad, Shard, Values};
 
 /// The `ibex.ps.v1.ParameterServer` implementation over one shard.
 #[derive(Clone)]
@@ -102,7 +102,7 @@ impl PsService {
         Ok(out)
     }
 
-    fn tensors(&self, vals: Vec<(String, Vec<usize>, Vec<f32>)>) -> Vec<pb::Tensor> {
+    fn tensors(&self, vals: Vec<Values>) -> Vec<pb::Tensor> {
         vals.into_iter()
             .map(|(name, shape, v)| {
                 let b = f32_bytes(&v);

@@ -9,8 +9,9 @@
 //!
 //! Async mode: each push is applied at once (gradients not averaged) and counts as a step.
 //!
-//! All state sits behind one mutex, taken on a blocking thread; the optimizer math of a step
-//! runs in parallel across variables (rayon), each variable on one thread.
+//! All state sits behind one mutex; a push takes it on a blocking section (`block_in_place`)
+//! and the optimizer math of a step runs in parallel across variables (rayon), each
+//! variable on one thread.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -183,6 +184,9 @@ pub(crate) struct Inner {
     pending: BTreeMap<String, Pending>,
 }
 
+/// One variable's name, shape and f32 values, as read.
+pub type Values = (String, Vec<usize>, Vec<f32>);
+
 /// Shard-wide settings.
 #[derive(Debug, Clone)]
 pub struct ShardConfig {
@@ -301,6 +305,10 @@ impl Shard {
     pub async fn push(&self, step: u64, worker: u32, grads: Vec<Grad>) -> Result<u64, Status> {
         self.check_worker(worker)?;
         self.wait_for(step).await?;
+        blocking(|| self.push_locked(step, worker, grads))
+    }
+
+    fn push_locked(&self, step: u64, worker: u32, grads: Vec<Grad>) -> Result<u64, Status> {
         let r = self.with(|st| {
             self.validate(st, step, worker, &grads)?;
             match self.cfg.mode {
@@ -408,8 +416,8 @@ impl Shard {
         Ok(())
     }
 
-    /// Current values of `names` (f32) and the step they reflect.
-    pub fn read(&self, names: &[String]) -> Result<(u64, Vec<(String, Vec<usize>, Vec<f32>)>), Status> {
+    /// Current values of `names` and the step they reflect.
+    pub fn read(&self, names: &[String]) -> Result<(u64, Vec<Values>), Status> {
         self.with(|st| {
             let vals = names
                 .iter()
@@ -487,6 +495,15 @@ impl Shard {
     /// Variable definitions held.
     pub fn defs(&self) -> Vec<pb::VariableDef> {
         self.with(|st| Ok(st.vars.values().map(|v| v.def.clone()).collect())).unwrap_or_default()
+    }
+}
+
+/// Runs the optimizer math and checkpoint I/O of a push without stalling the other tasks of
+/// a multi-threaded runtime (a current-thread runtime, as in some tests, just runs it).
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 
