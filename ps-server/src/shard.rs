@@ -84,12 +84,17 @@ impl Var {
         if def.sparse && shape.len() != 2 {
             return Err(bad(format!("a sparse table must be 2-D [rows, dim], got shape {shape:?}")));
         }
-        let numel: usize = shape.iter().product();
-        if numel > (1 << 32) {
-            return Err(bad(format!("shape {shape:?} is too large for one shard; partition it")));
-        }
+        let too_large = || bad(format!("shape {shape:?} is too large for one shard; partition it"));
+        let numel = numel(&def.shape).filter(|&n| n <= MAX_ELEMENTS).ok_or_else(too_large)? as usize;
         let full = if def.full_shape.is_empty() { def.shape.clone() } else { def.full_shape.clone() };
-        let row_len: u64 = full.iter().skip(1).product();
+        let row_len = numel_of_rows(&full).ok_or_else(|| bad(format!("full shape {full:?} overflows")))?;
+        if full.first().is_some_and(|&r| def.row_offset.saturating_add(def.shape.first().copied().unwrap_or(1)) > r) {
+            return Err(bad(format!(
+                "rows {}..+{:?} lie outside the full shape {full:?}",
+                def.row_offset,
+                def.shape.first()
+            )));
+        }
         let mut data = init::values(def.init.as_ref(), &full, def.row_offset * row_len, numel).map_err(bad)?;
         round_to(def.dtype, &mut data);
         let slots = vec![vec![0.0; numel]; optim.num_slots()];
@@ -122,6 +127,18 @@ impl Var {
             round_to(self.def.dtype, &mut self.data[span]);
         }
     }
+}
+
+/// Elements one variable may hold on a shard (16 GiB of f32); larger ones must be partitioned.
+const MAX_ELEMENTS: u64 = 1 << 32;
+
+/// Element count of `shape`, `None` on overflow (shapes come from the network).
+pub(crate) fn numel(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+}
+
+fn numel_of_rows(shape: &[u64]) -> Option<u64> {
+    numel(shape.get(1..).unwrap_or(&[]))
 }
 
 pub(crate) fn dtype(d: i32) -> Result<pb::Dtype, String> {
@@ -370,6 +387,9 @@ impl Shard {
                 "step {step} is ahead of shard {} (at step {}): it was restored from a checkpoint; call recover() and resume from its step",
                 self.cfg.shard, st.step
             )));
+        }
+        if grads.is_empty() {
+            return Err(Status::invalid_argument("a push without gradients: send at least one tensor"));
         }
         let mut seen = BTreeSet::new();
         for g in grads {

@@ -173,8 +173,25 @@ async fn bad_input_gets_the_right_status() {
         optimizer: Some(pb::Optimizer { kind: Some(pb::optimizer::Kind::Sgd(pb::Sgd { lr: 0.1 })) }),
         ..Default::default()
     };
-    let (k, _) = code(raw.create_variables(pb::CreateVariablesRequest { vars: vec![def] }).await);
+    let (k, _) = code(raw.create_variables(pb::CreateVariablesRequest { vars: vec![def.clone()] }).await);
     assert_eq!(k, tonic::Code::AlreadyExists);
+    let huge = pb::VariableDef { name: "huge".into(), shape: vec![u64::MAX, 3], ..def };
+    let (k, m) = code(raw.create_variables(pb::CreateVariablesRequest { vars: vec![huge] }).await);
+    assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
+    assert!(m.contains("too large"), "{m}");
+    let (k, _) = code(raw.push(push(vec![], 0, 0)).await);
+    assert_eq!(k, tonic::Code::InvalidArgument);
+    // A remote-buffer descriptor that names nothing the worker exposed.
+    let mut bogus = f32_tensor("w", &[2, 3], &[]);
+    bogus.data = Some(pb::tensor::Data::Remote(pb::RemoteRef { descriptor: vec![1u8, 2, 3].into(), len: 24 }));
+    let (k, m) = code(raw.push(push(vec![bogus.clone()], 0, 0)).await);
+    assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
+    if let Some(pb::tensor::Data::Remote(r)) = &mut bogus.data {
+        r.len = 1 << 40;
+    }
+    let (k, m) = code(raw.push(push(vec![bogus], 0, 0)).await);
+    assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
+    assert!(m.contains("does not hold"), "{m}");
 
     // Sparse: wrong table, id out of range.
     let (k, m) = code(raw.lookup_rows(pb::LookupRowsRequest { table: "embx".into(), ids: vec![1] }).await);
