@@ -22,7 +22,7 @@ pub use config::PsConfig;
 pub use metrics::Metrics;
 pub use optim::Optim;
 pub use service::PsService;
-pub use shard::{Grad, Mode, Shard, ShardConfig};
+pub use shard::{Grad, Mode, Shard, ShardConfig, Values};
 
 /// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
 const MAX_MESSAGE: usize = 1 << 30;

@@ -13,7 +13,7 @@ use ibex_transport::grpc::PeerHandle;
 use tonic::{Request, Response, Status};
 
 use crate::metrics::Metrics;
-use crate::shard::{Grad, Shard};
+use crate::shard::{self, Grad, Shard, Values};
 
 /// The `ibex.ps.v1.ParameterServer` implementation over one shard.
 #[derive(Clone)]
@@ -39,14 +39,23 @@ impl PsService {
     }
 
     /// The f32 values of `t`, read from the worker's memory when it sent a descriptor.
-    async fn values(&self, peer: Option<&PeerHandle>, t: &pb::Tensor) -> Result<Vec<f32>, Status> {
+    /// `expected` is the element count the variable takes: checked before anything is read
+    /// or allocated, so a bogus shape or length costs nothing.
+    async fn values(&self, peer: Option<&PeerHandle>, t: &pb::Tensor, expected: u64) -> Result<Vec<f32>, Status> {
         if t.dtype != pb::Dtype::F32 as i32 {
             return Err(Status::invalid_argument(format!(
                 "tensor {:?} has dtype {}; gradients travel as F32 whatever the variable's storage dtype",
                 t.name, t.dtype
             )));
         }
-        let numel: u64 = t.shape.iter().product();
+        let numel = shard::numel(&t.shape)
+            .filter(|&n| n == expected)
+            .ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "tensor {:?} has shape {:?}; {expected} elements were expected",
+                    t.name, t.shape
+                ))
+            })?;
         let bytes: Bytes = match &t.data {
             Some(pb::tensor::Data::Inline(b)) => b.clone(),
             Some(pb::tensor::Data::Remote(r)) => {
@@ -89,20 +98,25 @@ impl PsService {
         let defs = self.shard.defs();
         let mut out = Vec::with_capacity(tensors.len());
         for t in tensors {
-            if let Some(d) = defs.iter().find(|d| d.name == t.name)
-                && d.shape != t.shape
-            {
+            let d = defs.iter().find(|d| d.name == t.name).ok_or_else(|| {
+                Status::not_found(format!(
+                    "unknown variable {:?} on shard {}: create it with CreateVariables first",
+                    t.name, self.shard.cfg.shard
+                ))
+            })?;
+            if d.shape != t.shape {
                 return Err(Status::invalid_argument(format!(
                     "gradient for {:?} has shape {:?}, the variable has shape {:?}",
                     t.name, t.shape, d.shape
                 )));
             }
-            out.push(Grad::Dense { name: t.name.clone(), values: self.values(peer, t).await? });
+            let n = shard::numel(&d.shape).unwrap_or(0);
+            out.push(Grad::Dense { name: t.name.clone(), values: self.values(peer, t, n).await? });
         }
         Ok(out)
     }
 
-    fn tensors(&self, vals: Vec<(String, Vec<usize>, Vec<f32>)>) -> Vec<pb::Tensor> {
+    fn tensors(&self, vals: Vec<Values>) -> Vec<pb::Tensor> {
         vals.into_iter()
             .map(|(name, shape, v)| {
                 let b = f32_bytes(&v);
@@ -193,7 +207,8 @@ impl ParameterServer for PsService {
             let peer = req.extensions().get::<PeerHandle>().cloned();
             let r = req.into_inner();
             let t = r.grads.ok_or_else(|| Status::invalid_argument("PushSparse without grads"))?;
-            let values = self.values(peer.as_ref(), &t).await?;
+            let (dim, _) = self.shard.lookup(&r.table, &[])?;
+            let values = self.values(peer.as_ref(), &t, (r.ids.len() * dim) as u64).await?;
             let grad = Grad::Sparse { name: r.table, ids: r.ids, values };
             let step = self.shard.push(r.step, r.worker, vec![grad]).await?;
             Ok(pb::PushResponse { step })

@@ -9,8 +9,9 @@
 //!
 //! Async mode: each push is applied at once (gradients not averaged) and counts as a step.
 //!
-//! All state sits behind one mutex, taken on a blocking thread; the optimizer math of a step
-//! runs in parallel across variables (rayon), each variable on one thread.
+//! All state sits behind one mutex; a push takes it on a blocking section (`block_in_place`)
+//! and the optimizer math of a step runs in parallel across variables (rayon), each
+//! variable on one thread.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -83,12 +84,17 @@ impl Var {
         if def.sparse && shape.len() != 2 {
             return Err(bad(format!("a sparse table must be 2-D [rows, dim], got shape {shape:?}")));
         }
-        let numel: usize = shape.iter().product();
-        if numel > (1 << 32) {
-            return Err(bad(format!("shape {shape:?} is too large for one shard; partition it")));
-        }
+        let too_large = || bad(format!("shape {shape:?} is too large for one shard; partition it"));
+        let numel = numel(&def.shape).filter(|&n| n <= MAX_ELEMENTS).ok_or_else(too_large)? as usize;
         let full = if def.full_shape.is_empty() { def.shape.clone() } else { def.full_shape.clone() };
-        let row_len: u64 = full.iter().skip(1).product();
+        let row_len = numel_of_rows(&full).ok_or_else(|| bad(format!("full shape {full:?} overflows")))?;
+        if full.first().is_some_and(|&r| def.row_offset.saturating_add(def.shape.first().copied().unwrap_or(1)) > r) {
+            return Err(bad(format!(
+                "rows {}..+{:?} lie outside the full shape {full:?}",
+                def.row_offset,
+                def.shape.first()
+            )));
+        }
         let mut data = init::values(def.init.as_ref(), &full, def.row_offset * row_len, numel).map_err(bad)?;
         round_to(def.dtype, &mut data);
         let slots = vec![vec![0.0; numel]; optim.num_slots()];
@@ -121,6 +127,18 @@ impl Var {
             round_to(self.def.dtype, &mut self.data[span]);
         }
     }
+}
+
+/// Elements one variable may hold on a shard (16 GiB of f32); larger ones must be partitioned.
+const MAX_ELEMENTS: u64 = 1 << 32;
+
+/// Element count of `shape`, `None` on overflow (shapes come from the network).
+pub(crate) fn numel(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+}
+
+fn numel_of_rows(shape: &[u64]) -> Option<u64> {
+    numel(shape.get(1..).unwrap_or(&[]))
 }
 
 pub(crate) fn dtype(d: i32) -> Result<pb::Dtype, String> {
@@ -182,6 +200,9 @@ pub(crate) struct Inner {
     pub vars: BTreeMap<String, Var>,
     pending: BTreeMap<String, Pending>,
 }
+
+/// One variable's name, shape and f32 values, as read.
+pub type Values = (String, Vec<usize>, Vec<f32>);
 
 /// Shard-wide settings.
 #[derive(Debug, Clone)]
@@ -290,7 +311,7 @@ impl Shard {
                 }
                 Ok(format!(
                     "step {} has not been applied after {:?}: workers {:?} have not pushed all variables of shard {} for it",
-                    st.step, self.cfg.sync_timeout, missing, self.cfg.shard
+                    st.step, self.cfg.sync_timeout, missing.into_iter().collect::<Vec<_>>(), self.cfg.shard
                 ))
             })
             .unwrap_or_else(|e| e.message().to_string());
@@ -301,6 +322,10 @@ impl Shard {
     pub async fn push(&self, step: u64, worker: u32, grads: Vec<Grad>) -> Result<u64, Status> {
         self.check_worker(worker)?;
         self.wait_for(step).await?;
+        blocking(|| self.push_locked(step, worker, grads))
+    }
+
+    fn push_locked(&self, step: u64, worker: u32, grads: Vec<Grad>) -> Result<u64, Status> {
         let r = self.with(|st| {
             self.validate(st, step, worker, &grads)?;
             match self.cfg.mode {
@@ -363,6 +388,9 @@ impl Shard {
                 self.cfg.shard, st.step
             )));
         }
+        if grads.is_empty() {
+            return Err(Status::invalid_argument("a push without gradients: send at least one tensor"));
+        }
         let mut seen = BTreeSet::new();
         for g in grads {
             let name = g.name();
@@ -408,8 +436,8 @@ impl Shard {
         Ok(())
     }
 
-    /// Current values of `names` (f32) and the step they reflect.
-    pub fn read(&self, names: &[String]) -> Result<(u64, Vec<(String, Vec<usize>, Vec<f32>)>), Status> {
+    /// Current values of `names` and the step they reflect.
+    pub fn read(&self, names: &[String]) -> Result<(u64, Vec<Values>), Status> {
         self.with(|st| {
             let vals = names
                 .iter()
@@ -487,6 +515,15 @@ impl Shard {
     /// Variable definitions held.
     pub fn defs(&self) -> Vec<pb::VariableDef> {
         self.with(|st| Ok(st.vars.values().map(|v| v.def.clone()).collect())).unwrap_or_default()
+    }
+}
+
+/// Runs the optimizer math and checkpoint I/O of a push without stalling the other tasks of
+/// a multi-threaded runtime (a current-thread runtime, as in some tests, just runs it).
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 

@@ -474,10 +474,13 @@ fn malformed(ps: usize, what: &str) -> WorkerError {
     WorkerError::Rpc { ps, code: tonic::Code::Internal, message: format!("malformed reply: {what}") }
 }
 
-/// For each part of a table: the positions in `ids` it serves and their part-local ids.
-fn split_ids(p: &Placement, ids: &[u64]) -> Result<Vec<(Vec<usize>, Vec<u64>)>, WorkerError> {
+/// For one part of a table: positions in the caller's `ids` it serves, and their part-local ids.
+type PartIds = (Vec<usize>, Vec<u64>);
+
+/// Splits `ids` by the part of the table that holds each.
+fn split_ids(p: &Placement, ids: &[u64]) -> Result<Vec<PartIds>, WorkerError> {
     let rows = p.spec.shape.first().copied().unwrap_or(0) as u64;
-    let mut out: Vec<(Vec<usize>, Vec<u64>)> = vec![Default::default(); p.parts.len()];
+    let mut out: Vec<PartIds> = vec![Default::default(); p.parts.len()];
     for (pos, &id) in ids.iter().enumerate() {
         if id >= rows {
             return Err(WorkerError::Rejected {

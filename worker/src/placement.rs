@@ -56,7 +56,7 @@ pub fn place(vars: &[VarSpec], load: &mut [usize]) -> Vec<Placement> {
             let bytes = v.bytes();
             let rows = v.shape.first().copied().unwrap_or(1);
             let n = if v.shape.is_empty() { 1 } else { bytes.div_ceil(PARTITION_BYTES).clamp(1, rows.max(1)) };
-            let row_bytes = if rows == 0 { 0 } else { bytes / rows };
+            let row_bytes = bytes.checked_div(rows).unwrap_or(0);
             let mut parts = Vec::with_capacity(n);
             let mut offset = 0;
             for i in 0..n {

@@ -92,7 +92,7 @@ impl fmt::Display for CommProfile {
         }
         writeln!(
             f,
-            "  total: sent inline {} msgs / {} B, sent remote {} tensors / {} B, received {} / {} B",
+            "  total: sent inline {} tensors / {} B, sent remote {} tensors / {} B, received {} tensors / {} B",
             self.sent_inline.total(),
             self.sent_inline.bytes,
             self.sent_remote.total(),
