@@ -257,3 +257,60 @@ fn demo_below_the_accuracy_bar_fails() {
     assert!(!o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("below the 90% bar"), "{}", text(&o));
 }
+
+/// Two consecutive free ports (Slurm tasks listen on IBEX_BASE_PORT + rank).
+fn two_consecutive_ports() -> u16 {
+    for _ in 0..50 {
+        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports");
+}
+
+/// A job described by the scheduler instead of a spec file: the PS from a Slurm step's
+/// environment, the worker from TF_CONFIG, both over Ibex tcp (IBEX_TRANSPORT).
+#[test]
+fn launch_from_slurm_and_tf_config() {
+    let dir = Dir::new("sched");
+    let p = two_consecutive_ports();
+    let mut kids = Kids(vec![
+        Command::new(IBEX)
+            .args(["launch", "--checkpoint-dir"])
+            .arg(dir.0.join("ckpt"))
+            .env_remove("TF_CONFIG")
+            .envs([
+                ("SLURM_PROCID", "0".to_string()),
+                ("SLURM_NTASKS", "2".to_string()),
+                ("SLURM_JOB_NODELIST", "127.0.0.1".to_string()),
+                ("IBEX_NUM_PS", "1".to_string()),
+                ("IBEX_BASE_PORT", p.to_string()),
+                ("IBEX_TRANSPORT", "tcp".to_string()),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ]);
+    let tf = format!(
+        r#"{{"cluster":{{"ps":["127.0.0.1:{p}"],"worker":["127.0.0.1:{}"]}},"task":{{"type":"worker","index":0}}}}"#,
+        p + 1
+    );
+    let rep = dir.0.join("w.json");
+    let o = Command::new(IBEX)
+        .args(["launch", "--steps", "120", "--log-every", "1000", "--report"])
+        .arg(&rep)
+        .env_remove("SLURM_PROCID")
+        .env("TF_CONFIG", tf)
+        .env("IBEX_TRANSPORT", "tcp")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let r = report(&rep);
+    assert_eq!((r["steps"].as_u64(), r["workers"].as_u64()), (Some(120), Some(1)));
+    assert!(r["test_accuracy"].as_f64().unwrap() >= 0.9);
+    assert!(r["comm_profile"].as_str().unwrap().contains("tcp"), "{}", r["comm_profile"]);
+    kids.0[0].kill().unwrap();
+}
