@@ -59,19 +59,19 @@ fn demo_on_shm_reaches_the_bar_and_matches_the_reference() {
     let dir = Dir::new("shm");
     let rep = dir.0.join("demo.json");
     let rep_s = rep.to_str().unwrap();
-    let o = ibex(&["demo", "--steps", "200", "--log-every", "50", "--report", rep_s], &dir.0);
+    let o = ibex(&["demo", "--steps", "150", "--log-every", "50", "--report", rep_s], &dir.0);
     let out = text(&o);
     assert!(o.status.success(), "{out}");
     for want in ["step     0", "final test accuracy", "steps/s", "communication profile"] {
         assert!(out.contains(want), "missing {want:?} in:\n{out}");
     }
     let r = report(&rep);
-    assert_eq!(r["steps"], 200);
+    assert_eq!(r["steps"], 150);
     assert_eq!(r["workers"], 2);
     assert!(r["test_accuracy"].as_f64().unwrap() >= 0.9, "{out}");
     // The same math in one process from the same initial weights (the PS chose them).
     let o = ibex(
-        &["train", "--reference", "--steps", "200", "--log-every", "50", "--init-from", rep_s, "--compare", rep_s],
+        &["train", "--reference", "--steps", "150", "--log-every", "50", "--init-from", rep_s, "--compare", rep_s],
         &dir.0,
     );
     assert!(o.status.success(), "{}", text(&o));
@@ -94,7 +94,7 @@ fn demo_over_stock_grpc() {
 #[test]
 fn demo_over_ibex_tcp_with_one_ps() {
     let dir = Dir::new("tcp");
-    let o = ibex(&["demo", "--transport", "tcp", "--ps", "1", "--workers", "1", "--steps", "150"], &dir.0);
+    let o = ibex(&["demo", "--transport", "tcp", "--ps", "1", "--workers", "1", "--steps", "120"], &dir.0);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("final test accuracy"));
 }
@@ -167,7 +167,7 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
         ),
     )
     .unwrap();
-    let steps = "200";
+    let steps = "150";
     let ps = |i: usize, restore: bool| -> Child {
         let mut c = Command::new(IBEX);
         c.args(["launch", "--spec", spec.to_str().unwrap(), "--job", "ps", "--index", &i.to_string()])
@@ -236,12 +236,12 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
         lines.push(l);
     }
     let r = report(&d.join("report-0.json"));
-    assert_eq!(r["steps"], 200, "final step count");
+    assert_eq!(r["steps"], 150, "final step count");
     assert!(r["recoveries"].as_u64().unwrap() >= 1, "worker 0 never saw the PS die");
     assert!(lines.iter().any(|l| l.starts_with("recovered at step")), "{lines:?}");
     assert!(r["test_accuracy"].as_f64().unwrap() >= 0.9);
     let r1 = report(&d.join("report-1.json"));
-    assert_eq!(r1["steps"], 200);
+    assert_eq!(r1["steps"], 150);
     // Same weights as an uninterrupted single-process run from the same start.
     let rep = d.join("report-0.json");
     let rep = rep.to_str().unwrap();
