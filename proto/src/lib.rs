@@ -14,6 +14,15 @@ pub mod bench {
     }
 }
 
+/// `ibex.ps.v1`: the parameter-server service `ParameterServer`.
+pub mod ps {
+    /// Version 1 of the package.
+    pub mod v1 {
+        #![allow(missing_docs)]
+        tonic::include_proto!("ibex.ps.v1");
+    }
+}
+
 /// `helloworld`: the classic `Greeter` service, for the interop examples.
 pub mod helloworld {
     #![allow(missing_docs)]

@@ -1,0 +1,396 @@
+//! The training job: the distributed worker loop (PS-held variables, sync steps, recovery
+//! after a PS restart) and the single-process reference that does the same math locally.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, VarSpec, Worker, WorkerError};
+use serde::{Deserialize, Serialize};
+
+use crate::data::{self, Dataset, Schedule};
+use crate::model::{LocalMomentum, Mlp, Params};
+
+/// Hyper-parameters and data of a training run; the same flags drive `ibex demo`,
+/// `ibex launch --job worker` and `ibex train --reference`, so every process agrees.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// Sync steps; each applies one gradient averaged over all workers.
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    /// Global minibatch per step, split evenly across workers.
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f32,
+    /// Momentum (0 = plain SGD).
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    /// Hidden units of the MLP.
+    #[arg(long, default_value_t = 64)]
+    pub hidden: usize,
+    /// Seed of the train/test split, the data order and the initial weights.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Examples held out for the test accuracy.
+    #[arg(long, default_value_t = 300)]
+    pub test_size: usize,
+    /// Train on MNIST IDX files in this directory instead of the embedded digits.
+    #[arg(long)]
+    pub mnist: Option<PathBuf>,
+    /// Print the loss every this many steps.
+    #[arg(long, default_value_t = 25)]
+    pub log_every: u64,
+}
+
+impl TrainArgs {
+    /// The flags that reproduce these arguments in a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = vec![
+            format!("--steps={}", self.steps),
+            format!("--batch={}", self.batch),
+            format!("--lr={}", self.lr),
+            format!("--momentum={}", self.momentum),
+            format!("--hidden={}", self.hidden),
+            format!("--seed={}", self.seed),
+            format!("--test-size={}", self.test_size),
+            format!("--log-every={}", self.log_every),
+        ];
+        if let Some(m) = &self.mnist {
+            v.push(format!("--mnist={}", m.display()));
+        }
+        v
+    }
+}
+
+/// What a run produced; worker 0 and the reference write it as JSON (`--report`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    /// Workers that shared each step (1 for the reference).
+    pub workers: usize,
+    /// Steps applied when the run ended.
+    pub steps: u64,
+    /// `(step, loss)` every `--log-every` steps: this worker's share of the minibatch.
+    pub losses: Vec<(u64, f32)>,
+    /// Mean loss over the whole training set with the final weights.
+    pub train_loss: f32,
+    /// Test-set accuracy with the final weights.
+    pub test_accuracy: f32,
+    /// Training steps per second (the steps this process ran, after connecting).
+    pub steps_per_sec: f64,
+    /// How many times the worker reconnected and resumed after a PS failure.
+    pub recoveries: u32,
+    /// Weights before step 0, when this process started there (kept across recoveries:
+    /// a restore never goes back past step 0).
+    pub initial: Option<Params>,
+    /// Final weights, in [`Mlp::NAMES`] order.
+    pub params: Params,
+    /// The worker's communication profile (empty for the reference).
+    pub comm_profile: String,
+}
+
+impl Report {
+    /// Checks that `other` holds tensors of the same sizes.
+    pub fn mlp_check_same_shape(&self, other: &Report) -> Result<(), String> {
+        let sizes = |r: &Report| r.params.iter().map(Vec::len).collect::<Vec<_>>();
+        if sizes(self) != sizes(other) {
+            return Err(format!("the reports hold different models: {:?} vs {:?}", sizes(self), sizes(other)));
+        }
+        Ok(())
+    }
+
+    /// Reads a report written with `--report`.
+    pub fn read(path: &Path) -> Result<Report, String> {
+        let s = std::fs::read_to_string(path).map_err(|e| format!("cannot read report {}: {e}", path.display()))?;
+        serde_json::from_str(&s).map_err(|e| format!("report {} is not valid: {e}", path.display()))
+    }
+
+    /// Writes the report as JSON.
+    pub fn write(&self, path: &Path) -> Result<(), String> {
+        let s = serde_json::to_string(self).map_err(|e| format!("cannot encode the report: {e}"))?;
+        std::fs::write(path, s).map_err(|e| format!("cannot write report {}: {e}", path.display()))
+    }
+}
+
+/// The model, the split data and the step schedule for `args`.
+pub struct Job {
+    /// Layer sizes.
+    pub mlp: Mlp,
+    /// Training examples.
+    pub train: Dataset,
+    /// Held-out examples.
+    pub test: Dataset,
+    /// Which examples each step uses.
+    pub schedule: Schedule,
+}
+
+impl Job {
+    /// Loads the data and checks that `workers` can share the minibatch evenly (the sync
+    /// average equals the full-batch gradient only when the shares are equal).
+    pub fn new(args: &TrainArgs, workers: usize) -> Result<Job, String> {
+        if workers == 0 || args.batch == 0 || !args.batch.is_multiple_of(workers) {
+            return Err(format!("--batch {} must be a positive multiple of the {workers} workers", args.batch));
+        }
+        if args.steps == 0 || args.hidden == 0 || args.log_every == 0 {
+            return Err("--steps, --hidden and --log-every must be positive".into());
+        }
+        let all = match &args.mnist {
+            Some(dir) => data::mnist(dir)?,
+            None => data::digits()?,
+        };
+        let (train, test) = all.split(args.seed, args.test_size)?;
+        let mlp = Mlp { input: all.dim, hidden: args.hidden, classes: all.classes };
+        let schedule = Schedule::new(train.len(), args.batch, args.seed);
+        Ok(Job { mlp, train, test, schedule })
+    }
+
+    /// The PS variables: one per tensor, f32, momentum (or SGD) applied server-side.
+    pub fn var_specs(&self, args: &TrainArgs) -> Vec<VarSpec> {
+        let optimizer = if args.momentum == 0.0 {
+            Optimizer::Sgd { lr: args.lr }
+        } else {
+            Optimizer::Momentum { lr: args.lr, momentum: args.momentum }
+        };
+        Mlp::NAMES
+            .iter()
+            .zip(self.mlp.shapes())
+            .enumerate()
+            .map(|(i, (name, shape))| VarSpec {
+                name: (*name).to_string(),
+                dtype: Dtype::F32,
+                init: if shape.len() == 2 { Init::GlorotUniform { seed: args.seed.wrapping_add(i as u64) } } else { Init::Zeros },
+                shape,
+                optimizer,
+                sparse: false,
+            })
+            .collect()
+    }
+
+    fn finish(&self, workers: usize, steps: u64, losses: Vec<(u64, f32)>, params: Params) -> Report {
+        let (train_loss, _) = self.mlp.evaluate(&params, &self.train);
+        let (_, test_accuracy) = self.mlp.evaluate(&params, &self.test);
+        Report {
+            workers,
+            steps,
+            losses,
+            train_loss,
+            test_accuracy,
+            steps_per_sec: 0.0,
+            recoveries: 0,
+            initial: None,
+            params,
+            comm_profile: String::new(),
+        }
+    }
+}
+
+/// Prints the progress line `ibex demo` follows (`step K loss L`).
+fn log_step(args: &TrainArgs, step: u64, loss: f32, losses: &mut Vec<(u64, f32)>) {
+    if step.is_multiple_of(args.log_every) || step + 1 == args.steps {
+        losses.push((step, loss));
+        println!("step {step} loss {loss:.5}");
+    }
+}
+
+/// One process, no PS: the full minibatch each step, the same update rule the PS applies.
+/// `initial` makes it start from the weights a distributed run began with (its PS chose them).
+pub fn run_reference(args: &TrainArgs, initial: Option<Params>) -> Result<Report, String> {
+    let job = Job::new(args, 1)?;
+    let mut params = match initial {
+        Some(p) => {
+            job.mlp.check(&p)?;
+            p
+        }
+        None => job.mlp.init(args.seed),
+    };
+    let start_params = params.clone();
+    let mut opt = LocalMomentum::new(args.lr, args.momentum, &params);
+    let mut losses = Vec::new();
+    let t0 = Instant::now();
+    for step in 0..args.steps {
+        let batch = job.train.gather(&job.schedule.shard(step, 0, 1));
+        let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
+        opt.apply(&mut params, &grads);
+        log_step(args, step, loss, &mut losses);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let mut r = job.finish(1, args.steps, losses, params);
+    r.steps_per_sec = args.steps as f64 / secs.max(1e-9);
+    r.initial = Some(start_params);
+    Ok(r)
+}
+
+/// Errors after which the job can continue once the PS are back: a lost connection, a sync
+/// step that timed out because a peer stalled, or a step the PS no longer expects because
+/// it was restored. Bad requests are not retried.
+fn recoverable(e: &WorkerError) -> bool {
+    match e {
+        WorkerError::Unavailable { .. }
+        | WorkerError::Timeout { .. }
+        | WorkerError::StaleStep { .. }
+        | WorkerError::Transport(_) => true,
+        WorkerError::Rpc { code, .. } => matches!(
+            code,
+            tonic::Code::Unavailable | tonic::Code::Aborted | tonic::Code::Cancelled | tonic::Code::Unknown
+        ),
+        _ => false,
+    }
+}
+
+/// Gives up after this many recoveries in one run, so a PS that keeps failing ends the job
+/// with its error instead of looping.
+const MAX_RECOVERIES: u32 = 10;
+
+/// A distributed worker: variables on the PS of `spec`, sync steps, recovery after a PS
+/// restart. Worker 0 restores every PS to the newest common checkpoint (`Worker::recover`);
+/// the others wait until the PS agree on a step. Both resume at that step, and since the
+/// minibatch depends only on the step, no step is lost or applied twice.
+/// With `ticks`, it also prints `tick K` after every step, for `ibex demo`'s progress bar.
+pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs, ticks: bool) -> Result<Report, String> {
+    let workers = spec.workers.len();
+    if index >= workers {
+        return Err(format!("worker index {index} is out of range: the spec lists {workers} workers"));
+    }
+    let job = Job::new(args, workers)?;
+    let vars = job.var_specs(args);
+    let names: Vec<&str> = Mlp::NAMES.to_vec();
+    let mut worker = connect(spec, index, &vars).await.map_err(|e| e.to_string())?;
+    let mut step = match worker.current_step().await {
+        Ok(s) => s,
+        // The PS disagree: a previous run died mid-recovery. Only worker 0 restores.
+        Err(_) => resume_step(&worker, index).await.map_err(|e| e.to_string())?,
+    };
+    let mut params = worker.pull(&names, step).await.map_err(|e| e.to_string())?;
+    job.mlp.check(&params)?;
+    let initial = (step == 0).then(|| params.clone());
+    let (mut losses, mut recoveries) = (Vec::new(), 0u32);
+    let (t0, first_step) = (Instant::now(), step);
+    while step < args.steps {
+        let batch = job.train.gather(&job.schedule.shard(step, index, workers));
+        let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
+        let pairs: Vec<(&str, &[f32])> = names.iter().copied().zip(grads.iter().map(Vec::as_slice)).collect();
+        match worker.push_pull(step, &pairs).await {
+            Ok(fresh) => {
+                params = fresh;
+                log_step(args, step, loss, &mut losses);
+                step += 1;
+                if ticks {
+                    println!("tick {step}");
+                }
+            }
+            Err(e) if recoverable(&e) && recoveries < MAX_RECOVERIES => {
+                recoveries += 1;
+                eprintln!("worker {index}: step {step}: {e}; reconnecting to recover");
+                drop(worker);
+                let (w, s) = reconnect_and_resume(spec, index, &vars).await?;
+                params = w.pull(&names, s).await.map_err(|e| e.to_string())?;
+                println!("recovered at step {s} (was at {step})");
+                (worker, step) = (w, s);
+            }
+            Err(e) => return Err(format!("worker {index}: step {step}: {e}")),
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let mut r = job.finish(workers, step, losses, params);
+    r.steps_per_sec = (step - first_step) as f64 / secs.max(1e-9);
+    r.recoveries = recoveries;
+    r.initial = initial;
+    r.comm_profile = worker.comm_profile().to_string();
+    Ok(r)
+}
+
+async fn connect(spec: &ClusterSpec, index: usize, vars: &[VarSpec]) -> Result<Worker, WorkerError> {
+    let w = Worker::connect(spec, index).await?;
+    // Every worker creates the same list: identical specs are a no-op on the PS, and each
+    // Worker needs the placement to know where a variable lives.
+    w.create_variables(vars).await?;
+    Ok(w)
+}
+
+/// The step to continue from on a fresh connection after a failure.
+async fn resume_step(w: &Worker, index: usize) -> Result<u64, WorkerError> {
+    if index == 0 {
+        return w.recover().await;
+    }
+    // Give worker 0 time to restore first: a step the PS agree on before that restore may
+    // be rolled back by it (the sync timeout would then bring this worker round again).
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        match w.current_step().await {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+        }
+    }
+}
+
+async fn reconnect_and_resume(spec: &ClusterSpec, index: usize, vars: &[VarSpec]) -> Result<(Worker, u64), String> {
+    let mut last = String::new();
+    for _ in 0..5 {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let w = match connect(spec, index, vars).await {
+            Ok(w) => w,
+            Err(e) => {
+                last = e.to_string();
+                continue;
+            }
+        };
+        match resume_step(&w, index).await {
+            Ok(s) => return Ok((w, s)),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(format!("worker {index}: could not recover: {last}"))
+}
+
+/// How close a distributed run must come to the single-process reference: the PS averages
+/// per-worker mean gradients while the reference takes one full-batch mean, so f32 sums run
+/// in a different order and the weights drift apart by rounding only.
+pub const MATCH_TOLERANCE: f32 = 1e-4;
+
+/// Largest relative difference between two parameter sets: `|a-b| / max(|b|, 1e-3)`, so
+/// that weights near zero are compared absolutely.
+pub fn max_rel_diff(a: &Params, b: &Params) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
+        .fold(0.0, f32::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(steps: u64) -> TrainArgs {
+        TrainArgs {
+            steps,
+            batch: 64,
+            lr: 0.05,
+            momentum: 0.9,
+            hidden: 64,
+            seed: 1,
+            test_size: 300,
+            mnist: None,
+            log_every: 1000,
+        }
+    }
+
+    #[test]
+    fn reference_reaches_the_accuracy_bar() {
+        let r = run_reference(&args(300), None).unwrap();
+        assert!(r.test_accuracy >= 0.9, "accuracy {}", r.test_accuracy);
+        assert_eq!(r.steps, 300);
+        // Same seed, same result, bit for bit.
+        let r2 = run_reference(&args(300), r.initial.clone()).unwrap();
+        assert_eq!(max_rel_diff(&r.params, &r2.params), 0.0);
+    }
+
+    #[test]
+    fn uneven_worker_shares_are_refused() {
+        let mut a = args(1);
+        a.batch = 63;
+        assert!(Job::new(&a, 2).err().unwrap().contains("multiple"));
+    }
+}

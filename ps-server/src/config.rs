@@ -1,0 +1,172 @@
+//! `ibex-ps` configuration: command-line flags over an optional TOML file (same keys, with
+//! underscores: `listen`, `shard`, `num_workers`, `mode`, `checkpoint_dir`,
+//! `checkpoint_every`, `restore`, `metrics`, `sync_timeout_secs`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::PsError;
+use crate::shard::{Mode, ShardConfig};
+
+/// Everything one PS shard needs.
+#[derive(Debug, Clone)]
+pub struct PsConfig {
+    /// `shm:///path.sock`, `tcp://host:port`, `verbs://host:port`, or `http://host:port` (stock gRPC).
+    pub listen: String,
+    /// This shard's index.
+    pub shard: u32,
+    /// Workers in each sync step.
+    pub num_workers: u32,
+    /// Sync or async.
+    pub mode: Mode,
+    /// Checkpoint directory; none disables checkpoints.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint after every K-th applied step (0: only on shutdown and `Save`).
+    pub checkpoint_every: u64,
+    /// Start from the newest checkpoint in `checkpoint_dir`.
+    pub restore: bool,
+    /// `host:port` for `/metrics` (port 0 picks one; printed at start).
+    pub metrics: Option<String>,
+    /// How long a sync push or pull waits for the other workers.
+    pub sync_timeout: Duration,
+}
+
+impl PsConfig {
+    /// Defaults for `listen`: one worker, sync mode, no checkpoints, 30 s timeout.
+    pub fn new(listen: impl Into<String>) -> PsConfig {
+        PsConfig {
+            listen: listen.into(),
+            shard: 0,
+            num_workers: 1,
+            mode: Mode::Sync,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            restore: false,
+            metrics: None,
+            sync_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Parses `ibex-ps` flags (`args` includes the program name) and the `--config` file.
+    pub fn from_args<I: IntoIterator<Item = String>>(args: I) -> Result<PsConfig, PsError> {
+        let a = Args::try_parse_from(args).map_err(|e| PsError::Config(e.to_string()))?;
+        let file: FileConfig = match &a.config {
+            Some(p) => {
+                let s = std::fs::read_to_string(p).map_err(|e| PsError::Config(format!("{}: {e}", p.display())))?;
+                toml::from_str(&s).map_err(|e| PsError::Config(format!("{}: {e}", p.display())))?
+            }
+            None => FileConfig::default(),
+        };
+        let listen = a.listen.or(file.listen).ok_or_else(|| PsError::Config("--listen URI is required".into()))?;
+        let mode = match a.mode {
+            Some(m) => m.parse().map_err(PsError::Config)?,
+            None => file.mode.unwrap_or(Mode::Sync),
+        };
+        let num_workers = a.num_workers.or(file.num_workers).unwrap_or(1);
+        if num_workers == 0 {
+            return Err(PsError::Config("--num-workers must be at least 1".into()));
+        }
+        Ok(PsConfig {
+            listen,
+            shard: a.shard.or(file.shard).unwrap_or(0),
+            num_workers,
+            mode,
+            checkpoint_dir: a.checkpoint_dir.or(file.checkpoint_dir),
+            checkpoint_every: a.checkpoint_every.or(file.checkpoint_every).unwrap_or(0),
+            restore: a.restore || file.restore.unwrap_or(false),
+            metrics: a.metrics.or(file.metrics),
+            sync_timeout: Duration::from_secs(a.sync_timeout_secs.or(file.sync_timeout_secs).unwrap_or(30)),
+        })
+    }
+
+    pub(crate) fn shard_config(&self) -> ShardConfig {
+        ShardConfig {
+            shard: self.shard,
+            num_workers: self.num_workers,
+            mode: self.mode,
+            sync_timeout: self.sync_timeout,
+            checkpoint_dir: self.checkpoint_dir.clone(),
+            checkpoint_every: self.checkpoint_every,
+        }
+    }
+}
+
+/// Parameter-server shard for Ibex training jobs.
+#[derive(Parser, Debug)]
+#[command(name = "ibex-ps")]
+struct Args {
+    /// URI to serve on: shm:///path.sock, tcp://host:port, verbs://host:port, http://host:port (stock gRPC).
+    #[arg(long)]
+    listen: Option<String>,
+    /// This shard's index.
+    #[arg(long)]
+    shard: Option<u32>,
+    /// Workers taking part in each sync step.
+    #[arg(long)]
+    num_workers: Option<u32>,
+    /// sync or async.
+    #[arg(long)]
+    mode: Option<String>,
+    /// Directory for checkpoints (per shard: DIR/shard-I/step-S.safetensors).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint after every K-th applied step (0: only on SIGTERM and Save).
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    /// Resume from the newest checkpoint in --checkpoint-dir.
+    #[arg(long)]
+    restore: bool,
+    /// TOML file with the same settings (flags win).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// host:port for Prometheus /metrics (port 0 picks one).
+    #[arg(long)]
+    metrics: Option<String>,
+    /// Seconds a sync push or pull waits for missing workers before DEADLINE_EXCEEDED.
+    #[arg(long)]
+    sync_timeout_secs: Option<u64>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<String>,
+    shard: Option<u32>,
+    num_workers: Option<u32>,
+    mode: Option<Mode>,
+    checkpoint_dir: Option<PathBuf>,
+    checkpoint_every: Option<u64>,
+    restore: Option<bool>,
+    metrics: Option<String>,
+    sync_timeout_secs: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("ps.toml");
+        std::fs::write(&f, "listen = \"tcp://127.0.0.1:7000\"\nnum_workers = 4\nmode = \"async\"\ncheckpoint_every = 5\n").unwrap();
+        let args = ["ibex-ps", "--config", f.to_str().unwrap(), "--num-workers", "2", "--restore"];
+        let c = PsConfig::from_args(args.iter().map(|s| s.to_string())).unwrap();
+        assert_eq!(c.listen, "tcp://127.0.0.1:7000");
+        assert_eq!(c.num_workers, 2);
+        assert_eq!(c.mode, Mode::Async);
+        assert_eq!(c.checkpoint_every, 5);
+        assert!(c.restore);
+        assert_eq!(c.sync_timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn bad_config_is_explained() {
+        let e = PsConfig::from_args(["ibex-ps".to_string()]).unwrap_err();
+        assert!(e.to_string().contains("--listen"), "{e}");
+        let e = PsConfig::from_args(["ibex-ps", "--listen", "x", "--mode", "fast"].iter().map(|s| s.to_string())).unwrap_err();
+        assert!(e.to_string().contains("sync or async"), "{e}");
+    }
+}

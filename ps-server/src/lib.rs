@@ -1,0 +1,122 @@
+//! `ibex-ps`: a parameter-server shard. It holds its variables, applies optimizers to the
+//! gradients workers push (sync: averaged once per step over all workers; async: as they
+//! arrive), serves `ibex.ps.v1.ParameterServer` over Ibex (`shm://`, `tcp://`, `verbs://`)
+//! or stock gRPC (`http://`), writes safetensors checkpoints, and exposes `/metrics`.
+//! See `docs/ps.md`.
+#![warn(missing_docs)]
+
+mod checkpoint;
+mod config;
+mod init;
+mod metrics;
+mod optim;
+mod service;
+mod shard;
+
+use std::sync::Arc;
+
+use ibex_proto::ps::v1::parameter_server_server::ParameterServerServer;
+
+pub use checkpoint::KEEP as CHECKPOINTS_KEPT;
+pub use config::PsConfig;
+pub use metrics::Metrics;
+pub use optim::Optim;
+pub use service::PsService;
+pub use shard::{Grad, Mode, Shard, ShardConfig, Values};
+
+/// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
+const MAX_MESSAGE: usize = 1 << 30;
+
+/// Why a PS could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum PsError {
+    /// Bad flags or config file.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// Checkpoint could not be read or written.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    /// The metrics listener could not bind.
+    #[error("metrics listener on {addr}: {source}")]
+    Metrics {
+        /// The address.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Serving failed (listen address in use, bad URI, ...).
+    #[error("serving on {uri}: {message}")]
+    Serve {
+        /// The listen URI.
+        uri: String,
+        /// Why.
+        message: String,
+    },
+}
+
+/// Runs one PS shard until `shutdown` resolves, then finishes the calls in flight and
+/// writes a final checkpoint (when a checkpoint directory is set).
+pub async fn run(config: PsConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), PsError> {
+    let shard = Arc::new(Shard::new(config.shard_config()));
+    let id = config.shard;
+    if config.restore {
+        match shard.checkpoints().last() {
+            Some(&step) => {
+                shard.restore(step).map_err(|s| PsError::Checkpoint(s.message().to_string()))?;
+                eprintln!("ibex-ps shard {id}: restored step {step}");
+            }
+            None => eprintln!("ibex-ps shard {id}: --restore found no checkpoint; starting at step 0"),
+        }
+    }
+    let metrics = Arc::new(Metrics::default());
+    let metrics_task = match &config.metrics {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| PsError::Metrics { addr: addr.clone(), source })?;
+            let local = l.local_addr().map_err(|source| PsError::Metrics { addr: addr.clone(), source })?;
+            eprintln!("ibex-ps shard {id}: metrics on http://{local}/metrics");
+            Some(tokio::spawn(metrics::serve(l, metrics.clone(), shard.clone())))
+        }
+        None => None,
+    };
+    let svc = ParameterServerServer::new(PsService::new(shard.clone(), metrics))
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    eprintln!(
+        "ibex-ps shard {id}: serving on {} ({} mode, {} workers, step {})",
+        config.listen,
+        config.mode.as_str(),
+        config.num_workers,
+        shard.step()
+    );
+    let uri = config.listen.clone();
+    let serve_err = |message: String| PsError::Serve { uri: uri.clone(), message };
+    let served = if let Some(hostport) = uri.strip_prefix("http://") {
+        let addr = tokio::net::lookup_host(hostport.trim_end_matches('/'))
+            .await
+            .map_err(|e| serve_err(e.to_string()))?
+            .next()
+            .ok_or_else(|| serve_err("the host resolves to no address".into()))?;
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_shutdown(addr, shutdown)
+            .await
+            .map_err(|e| serve_err(e.to_string()))
+    } else {
+        ibex_transport::grpc::Server::builder()
+            .add_service(svc)
+            .serve_with_shutdown(&uri, shutdown)
+            .await
+            .map_err(|e| serve_err(e.to_string()))
+    };
+    if let Some(t) = metrics_task {
+        t.abort();
+    }
+    served?;
+    if config.checkpoint_dir.is_some() {
+        let (step, path) = shard.save().map_err(|s| PsError::Checkpoint(s.message().to_string()))?;
+        eprintln!("ibex-ps shard {id}: shut down at step {step}, checkpoint {}", path.display());
+    }
+    Ok(())
+}

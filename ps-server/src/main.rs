@@ -1,0 +1,28 @@
+//! `ibex-ps`: runs one parameter-server shard until SIGTERM or SIGINT, then writes a final
+//! checkpoint. Flags: `ibex-ps --help`; details in docs/ps.md.
+
+use tokio::signal::unix::{SignalKind, signal};
+
+#[tokio::main]
+async fn main() {
+    let config = match ibex_ps::PsConfig::from_args(std::env::args()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ibex-ps: {e}");
+            std::process::exit(2);
+        }
+    };
+    // Start-up: without signal handlers the PS could not shut down gracefully at all.
+    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing the SIGINT handler");
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    };
+    if let Err(e) = ibex_ps::run(config, shutdown).await {
+        eprintln!("ibex-ps: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,541 @@
+//! The [`Worker`]: connections to every PS, the variable placement, and the calls that fan
+//! out one request per PS concurrently and reassemble the answers in the caller's order.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::future::try_join_all;
+use ibex_proto::ps::v1::parameter_server_client::ParameterServerClient;
+use ibex_transport::RemoteBuf;
+
+use crate::error::WorkerError;
+use crate::pb;
+use crate::placement::{Part, Placement, place};
+use crate::profile::{CommProfile, Path};
+use crate::spec::{ClusterSpec, TransportKind};
+use crate::types::VarSpec;
+
+/// How long `connect` keeps retrying a PS that is not up yet.
+const CONNECT_RETRY: Duration = Duration::from_secs(30);
+
+/// Tensors at least this large go as remote-buffer descriptors when the channel reads them
+/// one-sided (shm CMA, RDMA): below it the extra round trip of the read costs more than
+/// the copy it saves.
+const REMOTE_MIN_BYTES: usize = 256 << 10;
+
+/// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
+const MAX_MESSAGE: usize = 1 << 30;
+
+/// The generated client is generic over the channel; one worker may use either kind.
+#[derive(Clone)]
+enum Client {
+    Ibex(ParameterServerClient<ibex_transport::grpc::Channel>, ibex_transport::grpc::Channel),
+    Tonic(ParameterServerClient<tonic::transport::Channel>),
+}
+
+/// Calls `$method` on whichever client `$c` holds.
+macro_rules! rpc {
+    ($c:expr, $method:ident, $req:expr) => {
+        match $c.clone() {
+            Client::Ibex(mut c, _) => c.$method($req).await,
+            Client::Tonic(mut c) => c.$method($req).await,
+        }
+    };
+}
+
+/// A training task's handle on the parameter servers.
+pub struct Worker {
+    index: u32,
+    clients: Vec<Client>,
+    state: Mutex<State>,
+    profile: Mutex<CommProfile>,
+}
+
+#[derive(Default)]
+struct State {
+    vars: HashMap<String, Placement>,
+    load: Vec<usize>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("index", &self.index).field("num_ps", &self.clients.len()).finish()
+    }
+}
+
+impl Worker {
+    /// Connects to every PS of `spec` over its transport, retrying each for up to 30 s
+    /// while it starts.
+    pub async fn connect(spec: &ClusterSpec, worker_index: usize) -> Result<Worker, WorkerError> {
+        if spec.ps.is_empty() {
+            return Err(WorkerError::Usage("the cluster spec lists no PS".into()));
+        }
+        let index = u32::try_from(worker_index).map_err(|_| WorkerError::Usage("worker index too large".into()))?;
+        let clients =
+            try_join_all((0..spec.ps.len()).map(|i| connect_one(i, spec.ps_uri(i), spec.transport))).await?;
+        let load = vec![0; clients.len()];
+        Ok(Worker {
+            index,
+            clients,
+            state: Mutex::new(State { vars: HashMap::new(), load }),
+            profile: Mutex::new(CommProfile::default()),
+        })
+    }
+
+    /// Number of PS shards.
+    pub fn num_ps(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Where `name` lives, once created.
+    pub fn placement(&self, name: &str) -> Option<Placement> {
+        self.lock_state().vars.get(name).cloned()
+    }
+
+    /// Places `vars` (greedy by bytes, large ones split along dim 0) and creates them on
+    /// their PS. Every worker must call it with the same list in the same order; creating
+    /// an identical variable again is a no-op, a different one under the same name an error.
+    pub async fn create_variables(&self, vars: &[VarSpec]) -> Result<(), WorkerError> {
+        let placements = {
+            let mut st = self.lock_state();
+            let mut fresh = Vec::new();
+            for v in vars {
+                match st.vars.get(&v.name) {
+                    Some(p) if p.spec == *v => {}
+                    Some(_) => {
+                        return Err(WorkerError::Usage(format!(
+                            "variable {:?} was already created with a different spec",
+                            v.name
+                        )));
+                    }
+                    None if fresh.iter().any(|f: &VarSpec| f.name == v.name) => {
+                        return Err(WorkerError::Usage(format!("variable {:?} is listed twice", v.name)));
+                    }
+                    None => fresh.push(v.clone()),
+                }
+            }
+            let placed = place(&fresh, &mut st.load);
+            for p in &placed {
+                st.vars.insert(p.spec.name.clone(), p.clone());
+            }
+            placed
+        };
+        let mut per_ps: Vec<Vec<pb::VariableDef>> = vec![Vec::new(); self.clients.len()];
+        for p in &placements {
+            for part in &p.parts {
+                per_ps[part.ps].push(pb::VariableDef {
+                    name: part.name.clone(),
+                    dtype: p.spec.dtype.to_pb() as i32,
+                    shape: p.part_shape(part).iter().map(|&d| d as u64).collect(),
+                    init: Some(p.spec.init.to_pb()),
+                    optimizer: Some(p.spec.optimizer.to_pb()),
+                    sparse: p.spec.sparse,
+                    full_shape: p.spec.shape.iter().map(|&d| d as u64).collect(),
+                    row_offset: part.row_offset as u64,
+                });
+            }
+        }
+        try_join_all(per_ps.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(ps, vars)| async move {
+            self.count("CreateVariables");
+            rpc!(self.clients[ps], create_variables, pb::CreateVariablesRequest { vars })
+                .map_err(|s| WorkerError::from_status(ps, s))
+        }))
+        .await?;
+        Ok(())
+    }
+
+    /// Values of `names` after `step` steps have been applied (sync mode waits for them;
+    /// async mode returns the current values).
+    pub async fn pull(&self, names: &[&str], step: u64) -> Result<Vec<Vec<f32>>, WorkerError> {
+        let places = self.lookup(names.iter().copied())?;
+        let mut per_ps: Vec<Vec<String>> = vec![Vec::new(); self.clients.len()];
+        for p in &places {
+            for part in &p.parts {
+                per_ps[part.ps].push(part.name.clone());
+            }
+        }
+        let worker = self.index;
+        let replies = try_join_all(per_ps.into_iter().enumerate().filter(|(_, n)| !n.is_empty()).map(
+            |(ps, names)| async move {
+                self.count("Pull");
+                let r = rpc!(self.clients[ps], pull, pb::PullRequest { names, step, worker })
+                    .map_err(|s| WorkerError::from_status(ps, s))?;
+                Ok::<_, WorkerError>(r.into_inner().values)
+            },
+        ))
+        .await?;
+        self.assemble(&places, replies.into_iter().flatten())
+    }
+
+    /// Contributes gradients to `step`. Returns once every PS has accepted them (sync mode:
+    /// before the step is applied).
+    pub async fn push(&self, step: u64, grads: &[(&str, &[f32])]) -> Result<(), WorkerError> {
+        let reqs = self.push_requests(step, grads).await?;
+        try_join_all(reqs.into_iter().map(|(ps, req, _keep)| async move {
+            self.count("Push");
+            let r = rpc!(self.clients[ps], push, req).map_err(|s| WorkerError::from_status(ps, s));
+            drop(_keep);
+            r
+        }))
+        .await?;
+        Ok(())
+    }
+
+    /// Pushes `grads` for `step`, waits until the step is applied, and returns the fresh
+    /// values of the same variables, in the same order: one round trip per PS.
+    pub async fn push_pull(&self, step: u64, grads: &[(&str, &[f32])]) -> Result<Vec<Vec<f32>>, WorkerError> {
+        let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
+        let reqs = self.push_requests(step, grads).await?;
+        let replies = try_join_all(reqs.into_iter().map(|(ps, req, keep)| async move {
+            self.count("PushPull");
+            let r = rpc!(self.clients[ps], push_pull, req).map_err(|s| WorkerError::from_status(ps, s));
+            // The PS has read any exposed buffers once the call returned.
+            drop(keep);
+            Ok::<_, WorkerError>(r?.into_inner().values)
+        }))
+        .await?;
+        self.assemble(&places, replies.into_iter().flatten())
+    }
+
+    /// Rows `ids` of sparse table `table`, concatenated (`ids.len() * dim` values).
+    pub async fn lookup_rows(&self, table: &str, ids: &[u64]) -> Result<Vec<f32>, WorkerError> {
+        let p = self.table(table)?;
+        let dim = p.row_len();
+        let split = split_ids(&p, ids)?;
+        let replies = try_join_all(split.iter().enumerate().filter(|(_, (_, ids))| !ids.is_empty()).map(
+            |(k, (_, local))| {
+                let part = &p.parts[k];
+                async move {
+                    self.count("LookupRows");
+                    let req = pb::LookupRowsRequest { table: part.name.clone(), ids: local.clone() };
+                    let r = rpc!(self.clients[part.ps], lookup_rows, req)
+                        .map_err(|s| WorkerError::from_status(part.ps, s))?;
+                    let t = r.into_inner().rows.ok_or_else(|| malformed(part.ps, "LookupRows reply has no rows"))?;
+                    Ok::<_, WorkerError>((k, self.decode(part.ps, &t)?))
+                }
+            },
+        ))
+        .await?;
+        let mut out = vec![0f32; ids.len() * dim];
+        for (k, rows) in replies {
+            let positions = &split[k].0;
+            if rows.len() != positions.len() * dim {
+                return Err(malformed(p.parts[k].ps, "LookupRows reply has the wrong number of values"));
+            }
+            for (j, &pos) in positions.iter().enumerate() {
+                out[pos * dim..(pos + 1) * dim].copy_from_slice(&rows[j * dim..(j + 1) * dim]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Row gradients (`ids.len() * dim` values) for sparse table `table` at `step`. In sync
+    /// mode every worker must push every table each step (an empty `ids` is allowed).
+    pub async fn push_sparse(&self, step: u64, table: &str, ids: &[u64], grads: &[f32]) -> Result<(), WorkerError> {
+        let p = self.table(table)?;
+        let dim = p.row_len();
+        if grads.len() != ids.len() * dim {
+            return Err(WorkerError::ShapeMismatch { name: table.into(), expected: ids.len() * dim, got: grads.len() });
+        }
+        let split = split_ids(&p, ids)?;
+        let worker = self.index;
+        // Every part takes part in the step, even with no rows, so sync steps complete.
+        try_join_all(split.into_iter().enumerate().map(|(k, (positions, local))| {
+            let part = &p.parts[k];
+            let mut g = Vec::with_capacity(positions.len() * dim);
+            for &pos in &positions {
+                g.extend_from_slice(&grads[pos * dim..(pos + 1) * dim]);
+            }
+            async move {
+                let t = self.tensor(part.ps, &part.name, vec![local.len(), dim], &g).await?;
+                self.count("PushSparse");
+                let req = pb::PushSparseRequest { step, worker, table: part.name.clone(), ids: local, grads: Some(t.0) };
+                let r = rpc!(self.clients[part.ps], push_sparse, req).map_err(|s| WorkerError::from_status(part.ps, s));
+                drop(t.1);
+                r
+            }
+        }))
+        .await?;
+        Ok(())
+    }
+
+    /// Steps applied so far, as all PS agree; an error if they disagree (run `recover`).
+    pub async fn current_step(&self) -> Result<u64, WorkerError> {
+        let stats = self.stats().await?;
+        let first = stats[0].step;
+        if let Some(s) = stats.iter().find(|s| s.step != first) {
+            return Err(WorkerError::Usage(format!(
+                "PS disagree on the step (PS 0 at {first}, PS {} at {}): call recover()",
+                s.shard, s.step
+            )));
+        }
+        Ok(first)
+    }
+
+    /// After a PS restart: finds the newest checkpoint step every PS holds, restores every
+    /// PS to it, and returns it. Training continues with `push(step, ..)`.
+    pub async fn recover(&self) -> Result<u64, WorkerError> {
+        let stats = self.stats().await?;
+        let mut common: Option<Vec<u64>> = None;
+        for s in &stats {
+            common = Some(match common {
+                None => s.checkpoint_steps.clone(),
+                Some(c) => c.into_iter().filter(|x| s.checkpoint_steps.contains(x)).collect(),
+            });
+        }
+        let Some(step) = common.unwrap_or_default().into_iter().max() else {
+            let have: Vec<String> = stats.iter().map(|s| format!("PS {}: {:?}", s.shard, s.checkpoint_steps)).collect();
+            return Err(WorkerError::Usage(format!(
+                "no checkpoint step is held by every PS ({}); cannot recover",
+                have.join(", ")
+            )));
+        };
+        try_join_all((0..self.clients.len()).map(|ps| async move {
+            self.count("Restore");
+            rpc!(self.clients[ps], restore, pb::RestoreRequest { step }).map_err(|s| WorkerError::from_status(ps, s))
+        }))
+        .await?;
+        Ok(step)
+    }
+
+    /// Every PS's `Stats`, in PS order.
+    pub async fn stats(&self) -> Result<Vec<pb::StatsResponse>, WorkerError> {
+        try_join_all((0..self.clients.len()).map(|ps| async move {
+            self.count("Stats");
+            let r = rpc!(self.clients[ps], stats, pb::StatsRequest {}).map_err(|s| WorkerError::from_status(ps, s))?;
+            Ok::<_, WorkerError>(r.into_inner())
+        }))
+        .await
+    }
+
+    /// Asks every PS to write a checkpoint now; returns their steps.
+    pub async fn save(&self) -> Result<Vec<u64>, WorkerError> {
+        try_join_all((0..self.clients.len()).map(|ps| async move {
+            self.count("Save");
+            let r = rpc!(self.clients[ps], save, pb::SaveRequest {}).map_err(|s| WorkerError::from_status(ps, s))?;
+            Ok::<_, WorkerError>(r.into_inner().step)
+        }))
+        .await
+    }
+
+    /// What this worker sent and received so far.
+    pub fn comm_profile(&self) -> CommProfile {
+        let mut p = self.profile.lock().map(|p| p.clone()).unwrap_or_default();
+        p.transport = self
+            .clients
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| match c {
+                Client::Ibex(_, ch) => Some((i, ch.connection().stats())),
+                Client::Tonic(_) => None,
+            })
+            .collect();
+        p
+    }
+
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic elsewhere cannot leave the map half-updated (inserts are single calls).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn count(&self, method: &'static str) {
+        if let Ok(mut p) = self.profile.lock() {
+            p.record_rpc(method);
+        }
+    }
+
+    fn lookup<'a>(&self, names: impl Iterator<Item = &'a str>) -> Result<Vec<Placement>, WorkerError> {
+        let st = self.lock_state();
+        names
+            .map(|n| st.vars.get(n).cloned().ok_or_else(|| WorkerError::UnknownVariable { name: n.to_string() }))
+            .collect()
+    }
+
+    fn table(&self, name: &str) -> Result<Placement, WorkerError> {
+        let p = self.lookup(std::iter::once(name))?.remove(0);
+        if !p.spec.sparse {
+            return Err(WorkerError::Usage(format!("{name:?} is a dense variable, not a sparse table")));
+        }
+        Ok(p)
+    }
+
+    /// One push request per PS (parts of all variables grouped), with the exposed buffers
+    /// that must outlive the call.
+    async fn push_requests(
+        &self,
+        step: u64,
+        grads: &[(&str, &[f32])],
+    ) -> Result<Vec<(usize, pb::PushRequest, Vec<RemoteBuf>)>, WorkerError> {
+        let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
+        let mut per_ps: Vec<(Vec<pb::Tensor>, Vec<RemoteBuf>)> = (0..self.clients.len()).map(|_| Default::default()).collect();
+        for (p, (name, g)) in places.iter().zip(grads) {
+            if p.spec.sparse {
+                return Err(WorkerError::Usage(format!("{name:?} is a sparse table: use push_sparse")));
+            }
+            if g.len() != p.spec.numel() {
+                return Err(WorkerError::ShapeMismatch { name: name.to_string(), expected: p.spec.numel(), got: g.len() });
+            }
+            let row = p.row_len();
+            for part in &p.parts {
+                let slice = &g[part.row_offset * row..(part.row_offset + part.rows) * row];
+                let (t, keep) = self.tensor(part.ps, &part.name, p.part_shape(part), slice).await?;
+                per_ps[part.ps].0.push(t);
+                per_ps[part.ps].1.extend(keep);
+            }
+        }
+        let worker = self.index;
+        Ok(per_ps
+            .into_iter()
+            .enumerate()
+            .filter(|(_, (t, _))| !t.is_empty())
+            .map(|(ps, (grads, keep))| (ps, pb::PushRequest { step, worker, grads }, keep))
+            .collect())
+    }
+
+    /// Encodes `values` for PS `ps`: inline, or exposed for a one-sided read when large and
+    /// the channel reads one-sided.
+    async fn tensor(
+        &self,
+        ps: usize,
+        name: &str,
+        shape: Vec<usize>,
+        values: &[f32],
+    ) -> Result<(pb::Tensor, Option<RemoteBuf>), WorkerError> {
+        let bytes = f32_to_bytes(values);
+        let len = bytes.len();
+        let mut t = pb::Tensor {
+            name: name.to_string(),
+            dtype: pb::Dtype::F32 as i32,
+            shape: shape.iter().map(|&d| d as u64).collect(),
+            data: None,
+        };
+        let mut keep = None;
+        match &self.clients[ps] {
+            Client::Ibex(_, ch) if len >= REMOTE_MIN_BYTES && ch.one_sided() => {
+                let remote = ch.expose(bytes).await?;
+                t.data = Some(pb::tensor::Data::Remote(pb::RemoteRef { descriptor: remote.descriptor(), len: len as u64 }));
+                keep = Some(remote);
+                self.record(Path::Remote, len);
+            }
+            _ => {
+                t.data = Some(pb::tensor::Data::Inline(bytes));
+                self.record(Path::Inline, len);
+            }
+        }
+        Ok((t, keep))
+    }
+
+    fn record(&self, path: Path, len: usize) {
+        if let Ok(mut p) = self.profile.lock() {
+            p.record_sent(path, len as u64);
+        }
+    }
+
+    fn decode(&self, ps: usize, t: &pb::Tensor) -> Result<Vec<f32>, WorkerError> {
+        let Some(pb::tensor::Data::Inline(b)) = &t.data else {
+            return Err(malformed(ps, &format!("tensor {:?} in a reply is not inline", t.name)));
+        };
+        if t.dtype != pb::Dtype::F32 as i32 || b.len() % 4 != 0 {
+            return Err(malformed(ps, &format!("tensor {:?} in a reply is not f32", t.name)));
+        }
+        if let Ok(mut p) = self.profile.lock() {
+            p.record_received(b.len() as u64);
+        }
+        Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    /// Reassembles whole variables (in `places` order) from the parts in `values`.
+    fn assemble(&self, places: &[Placement], values: impl Iterator<Item = pb::Tensor>) -> Result<Vec<Vec<f32>>, WorkerError> {
+        let mut by_name: HashMap<String, pb::Tensor> = values.map(|t| (t.name.clone(), t)).collect();
+        places
+            .iter()
+            .map(|p| {
+                let row = p.row_len();
+                let mut out = Vec::with_capacity(p.spec.numel());
+                for part in &p.parts {
+                    let t = by_name
+                        .remove(&part.name)
+                        .ok_or_else(|| malformed(part.ps, &format!("reply lacks {:?}", part.name)))?;
+                    let v = self.decode(part.ps, &t)?;
+                    if v.len() != part.rows * row {
+                        return Err(malformed(part.ps, &format!("{:?} has {} values, expected {}", part.name, v.len(), part.rows * row)));
+                    }
+                    out.extend_from_slice(&v);
+                }
+                Ok(out)
+            })
+            .collect()
+    }
+}
+
+fn malformed(ps: usize, what: &str) -> WorkerError {
+    WorkerError::Rpc { ps, code: tonic::Code::Internal, message: format!("malformed reply: {what}") }
+}
+
+/// For one part of a table: positions in the caller's `ids` it serves, and their part-local ids.
+type PartIds = (Vec<usize>, Vec<u64>);
+
+/// Splits `ids` by the part of the table that holds each.
+fn split_ids(p: &Placement, ids: &[u64]) -> Result<Vec<PartIds>, WorkerError> {
+    let rows = p.spec.shape.first().copied().unwrap_or(0) as u64;
+    let mut out: Vec<PartIds> = vec![Default::default(); p.parts.len()];
+    for (pos, &id) in ids.iter().enumerate() {
+        if id >= rows {
+            return Err(WorkerError::Rejected {
+                ps: p.parts.first().map(|x| x.ps).unwrap_or(0),
+                code: tonic::Code::OutOfRange,
+                message: format!("id {id} is out of range for table {:?} with {rows} rows", p.spec.name),
+            });
+        }
+        let k = p.parts.partition_point(|part: &Part| (part.row_offset as u64) <= id) - 1;
+        out[k].0.push(pos);
+        out[k].1.push(id - p.parts[k].row_offset as u64);
+    }
+    Ok(out)
+}
+
+pub(crate) fn f32_to_bytes(v: &[f32]) -> Bytes {
+    let mut b = Vec::with_capacity(v.len() * 4);
+    for x in v {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+    Bytes::from(b)
+}
+
+async fn connect_one(ps: usize, uri: String, kind: TransportKind) -> Result<Client, WorkerError> {
+    let deadline = Instant::now() + CONNECT_RETRY;
+    loop {
+        let attempt: Result<Client, Box<dyn std::error::Error + Send + Sync>> = match kind {
+            TransportKind::Grpc => match tonic::transport::Channel::from_shared(uri.clone()) {
+                Ok(ep) => ep.connect().await.map(|ch| {
+                    Client::Tonic(
+                        ParameterServerClient::new(ch)
+                            .max_decoding_message_size(MAX_MESSAGE)
+                            .max_encoding_message_size(MAX_MESSAGE),
+                    )
+                }).map_err(Into::into),
+                Err(e) => return Err(WorkerError::Usage(format!("bad PS {ps} URI {uri:?}: {e}"))),
+            },
+            _ => ibex_transport::grpc::Channel::connect(&uri).await.map(|ch| {
+                Client::Ibex(
+                    ParameterServerClient::new(ch.clone())
+                        .max_decoding_message_size(MAX_MESSAGE)
+                        .max_encoding_message_size(MAX_MESSAGE),
+                    ch,
+                )
+            }).map_err(Into::into),
+        };
+        match attempt {
+            Ok(c) => return Ok(c),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(WorkerError::Unavailable { ps, source: format!("{uri}: {e} (retried for {CONNECT_RETRY:?})").into() });
+            }
+            Err(e) => {
+                tracing::debug!(ps, %uri, %e, "PS not up yet; retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}

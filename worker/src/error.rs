@@ -1,0 +1,101 @@
+//! Typed worker errors: each PS status code that a training loop may want to act on has its
+//! own variant, and each names the PS it came from.
+
+/// What went wrong in a worker call.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// PS `ps` cannot be reached (not up yet, gone, or shutting down).
+    #[error("PS {ps} is unavailable: {source}; check that it runs and listens on the spec's address")]
+    Unavailable {
+        /// Which PS.
+        ps: usize,
+        /// Why.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The variable was never created through this worker (`create_variables`), or a PS
+    /// does not know it (NOT_FOUND).
+    #[error("unknown variable {name:?}: create it with create_variables first")]
+    UnknownVariable {
+        /// The name, or the PS's message.
+        name: String,
+    },
+    /// A tensor's element count or shape does not match the variable.
+    #[error("shape mismatch for {name:?}: expected {expected} elements, got {got}")]
+    ShapeMismatch {
+        /// Variable.
+        name: String,
+        /// Elements expected.
+        expected: usize,
+        /// Elements given.
+        got: usize,
+    },
+    /// The PS has already applied that step (FAILED_PRECONDITION), or this worker pushed it twice.
+    #[error("stale step at PS {ps}: {message}")]
+    StaleStep {
+        /// Which PS.
+        ps: usize,
+        /// The PS's message.
+        message: String,
+    },
+    /// A sync step did not complete in time: some worker has not pushed (DEADLINE_EXCEEDED).
+    #[error("timeout at PS {ps}: {message}")]
+    Timeout {
+        /// Which PS.
+        ps: usize,
+        /// The PS's message (names the step and the missing workers).
+        message: String,
+    },
+    /// The PS rejected the request as malformed (INVALID_ARGUMENT, OUT_OF_RANGE, ALREADY_EXISTS).
+    #[error("PS {ps} rejected the request ({code:?}): {message}")]
+    Rejected {
+        /// Which PS.
+        ps: usize,
+        /// The gRPC code.
+        code: tonic::Code,
+        /// The PS's message.
+        message: String,
+    },
+    /// Any other status from PS `ps`.
+    #[error("PS {ps} failed ({code:?}): {message}")]
+    Rpc {
+        /// Which PS.
+        ps: usize,
+        /// The gRPC code.
+        code: tonic::Code,
+        /// The PS's message.
+        message: String,
+    },
+    /// The Ibex transport failed outside a call (exposing a buffer).
+    #[error("transport: {0}")]
+    Transport(#[from] ibex_transport::Error),
+    /// Misuse of the API (bad arguments that never reach a PS).
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl WorkerError {
+    pub(crate) fn from_status(ps: usize, s: tonic::Status) -> WorkerError {
+        let message = s.message().to_string();
+        match s.code() {
+            tonic::Code::Unavailable => WorkerError::Unavailable { ps, source: message.into() },
+            tonic::Code::NotFound => WorkerError::UnknownVariable { name: message },
+            tonic::Code::FailedPrecondition => WorkerError::StaleStep { ps, message },
+            tonic::Code::DeadlineExceeded => WorkerError::Timeout { ps, message },
+            code @ (tonic::Code::InvalidArgument | tonic::Code::OutOfRange | tonic::Code::AlreadyExists) => {
+                WorkerError::Rejected { ps, code, message }
+            }
+            code => WorkerError::Rpc { ps, code, message },
+        }
+    }
+
+    /// The gRPC code behind this error, if it came from a PS.
+    pub fn code(&self) -> Option<tonic::Code> {
+        match self {
+            WorkerError::Unavailable { .. } => Some(tonic::Code::Unavailable),
+            WorkerError::StaleStep { .. } => Some(tonic::Code::FailedPrecondition),
+            WorkerError::Timeout { .. } => Some(tonic::Code::DeadlineExceeded),
+            WorkerError::Rejected { code, .. } | WorkerError::Rpc { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
