@@ -13,6 +13,7 @@ use bytes::Bytes;
 use ibex_proto::bench::v1::bench_client::BenchClient;
 use ibex_proto::bench::v1::bench_server::{Bench, BenchServer};
 use ibex_proto::bench::v1::{Ack, Payload, StreamRequest};
+use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
 const SINK: usize = 16 << 20;
@@ -49,7 +50,12 @@ fn server(kind: &str) {
             "tonic" => {
                 let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
                 println!("http://{}", l.local_addr().expect("addr"));
-                let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+                // serve_with_incoming leaves Nagle on: small calls would wait on delayed ACKs.
+                let incoming = tokio_stream::wrappers::TcpListenerStream::new(l).map(|s| {
+                    s.inspect(|s| {
+                        let _ = s.set_nodelay(true);
+                    })
+                });
                 tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming).await.expect("serve");
             }
             other => {

@@ -136,6 +136,8 @@ pub(crate) struct State {
     /// A receiver found nothing and is about to sleep: the driver busy-polls its budget
     /// first, because a reply usually arrives within microseconds.
     pub spin_requested: bool,
+    /// Whether receivers may request spinning ([`super::Connection::set_busy_poll`]).
+    pub busy_poll: bool,
     pub stats: super::ConnStats,
     /// For guards that report drops back to the driver.
     self_ref: std::sync::Weak<Shared>,
@@ -193,6 +195,7 @@ impl State {
             graveyard: Vec::new(),
             close_requested: false,
             spin_requested: false,
+            busy_poll: true,
             stats,
             self_ref,
         }
@@ -559,12 +562,19 @@ pub(crate) struct Driver {
     pub timer: Pin<Box<tokio::time::Sleep>>,
     /// Busy-poll budget before sleeping (`IBEX_SPIN_US`, default 50 µs).
     pub spin: Duration,
+    /// When the current spin began, while one is under way.
+    pub spinning_since: Option<Instant>,
 }
 
 impl Driver {
     pub fn new(shared: Arc<Shared>) -> Driver {
         let spin = std::env::var("IBEX_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
-        Driver { shared, timer: Box::pin(tokio::time::sleep(Duration::from_secs(3600))), spin: Duration::from_micros(spin) }
+        Driver {
+            shared,
+            timer: Box::pin(tokio::time::sleep(Duration::from_secs(3600))),
+            spin: Duration::from_micros(spin),
+            spinning_since: None,
+        }
     }
 }
 
@@ -585,30 +595,36 @@ impl Future for Driver {
                 shared.send_space.notify_waiters();
                 return Poll::Ready(());
             }
-            // Spin, then sleep: when a receiver waits, a peer that answers within the budget
-            // costs no syscall and no wake-up. Not while an application task was just woken
-            // on this runtime: spinning would keep it from running.
-            let spin = std::mem::take(&mut st.spin_requested);
-            if !spin || wake.app || !st.link.as_ref().is_some_and(|l| l.busy_poll()) || st.core.is_closed() {
+            // Spin, then sleep: while a receiver waits, a reply that arrives within the budget
+            // costs no syscall and no wake-up. The spin is cooperative: one poll of the link,
+            // then back to the runtime (re-woken), because the task that will produce the
+            // reply may be on this very thread (a gRPC handler, a call task). Blocking here
+            // would make every round trip cost the whole budget. It also yields the CPU once
+            // per round, for a peer process on a crowded machine. Never right after waking an
+            // application task: that task runs first.
+            let want = std::mem::take(&mut st.spin_requested) || this.spinning_since.is_some();
+            let can = want && !wake.app && !st.core.is_closed() && st.link.as_ref().is_some_and(|l| l.busy_poll());
+            if !can {
+                this.spinning_since = None;
                 break;
             }
-            let start = Instant::now();
-            let mut got = None;
-            while start.elapsed() < this.spin {
-                match st.link.as_mut().and_then(|l| l.try_event()) {
-                    Some(ev) => {
-                        got = Some(ev);
-                        break;
-                    }
-                    // Yield rather than pure spinning: when cores are scarce the peer we
-                    // wait for may need this one to produce its reply.
-                    None => std::thread::yield_now(),
+            let since = *this.spinning_since.get_or_insert_with(Instant::now);
+            match st.link.as_mut().and_then(|l| l.try_event()) {
+                Some(ev) => {
+                    // Something came: handle it, run a full turn, and stop spinning until a
+                    // receiver asks again.
+                    this.spinning_since = None;
+                    st.handle_event(ev, Instant::now(), &mut wake);
+                    continue;
                 }
-            }
-            match got {
-                Some(ev) => st.handle_event(ev, Instant::now(), &mut wake),
-                // Nothing came: one more turn re-arms the link's wake-up, then sleep.
+                None if since.elapsed() < this.spin => {
+                    std::thread::yield_now();
+                    cx.waker().wake_by_ref();
+                    break;
+                }
                 None => {
+                    // Budget spent: one more turn re-arms the link's wake-up, then sleep.
+                    this.spinning_since = None;
                     if st.turn(&shared, cx, &mut this.timer, &mut wake) {
                         drop(st);
                         shared.changed.notify_waiters();

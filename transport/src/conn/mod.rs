@@ -204,7 +204,7 @@ impl Connection {
                 if let Some(e) = &st.closed {
                     return Err(e.clone());
                 }
-                st.spin_requested = true;
+                st.spin_requested = st.busy_poll;
             }
             shared.wake_driver();
             notified.await;
@@ -288,7 +288,7 @@ impl Connection {
                         st.posted = Some(Posted { buf: rb, token });
                         my_token = Some(token);
                     }
-                st.spin_requested = true;
+                st.spin_requested = st.busy_poll;
             }
             shared.wake_driver();
             notified.await;
@@ -311,6 +311,14 @@ impl Connection {
         self.shared().lock().read_remote(&descriptor, dst, tx);
         self.shared().wake_driver();
         rx.await.map_err(|_| Error::LocallyClosed)?
+    }
+
+    /// Whether a receiver waiting in `recv` makes the driver busy-poll the link before it
+    /// sleeps (on by default; shm only). Worth it when replies come from another process;
+    /// harmful when they come from tasks on the receiver's own runtime, since the spin
+    /// keeps them from running. The gRPC layer turns it off for that reason.
+    pub fn set_busy_poll(&self, on: bool) {
+        self.shared().lock().busy_poll = on;
     }
 
     /// True when the provider reads peer memory without the peer's CPU (CMA, RDMA READ).

@@ -200,6 +200,8 @@ struct Partial {
 }
 
 async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
+    // Handlers run on this runtime and produce the replies; the reader must not spin.
+    conn.set_busy_poll(false);
     let peer = PeerHandle { conn: conn.clone() };
     let st = Arc::new(ConnState { mux: Arc::new(Mux::new(conn.clone(), Side::Server)), calls: Mutex::new(HashMap::new()) });
     let mut tasks = JoinSet::new();
