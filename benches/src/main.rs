@@ -229,7 +229,7 @@ fn bench(name: &str, a: BenchArgs) -> Res<()> {
     } else {
         a.connect.clone()
     };
-    let concurrent = name != "latency" && name != "tensor";
+    let concurrent = (name != "latency" && name != "tensor") || std::env::var_os("IBEX_BENCH_MT").is_some();
     let rt = if concurrent {
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?
     } else {

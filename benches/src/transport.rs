@@ -82,7 +82,7 @@ impl Client {
         Ok(match t {
             Transport::Tonic | Transport::Tonic1m => {
                 let uri = if addr.starts_with("http://") { addr.to_string() } else { format!("http://{addr}") };
-                let mut ep = tonic::transport::Endpoint::from_shared(uri)?;
+                let mut ep = tonic::transport::Endpoint::from_shared(uri)?.tcp_nodelay(true);
                 if t == Transport::Tonic1m {
                     ep = ep.max_frame_size((1u32 << 20) - 1);
                 }
