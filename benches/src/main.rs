@@ -46,6 +46,9 @@ enum Cmd {
         /// Listen address (`127.0.0.1:0` for tonic, an Ibex URI otherwise). Default: local.
         #[arg(long)]
         listen: Option<String>,
+        /// Runtime worker threads; 0: a single-threaded runtime.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
     },
     /// TF-gRPC-Bench P2P latency: the server echoes the payload.
     Latency(BenchArgs),
@@ -170,7 +173,7 @@ struct CompareArgs {
 fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Server { transport, listen } => server::serve(transport, listen),
+        Cmd::Server { transport, listen, threads } => server::serve(transport, listen, threads),
         Cmd::Compare(a) => compare(a),
         Cmd::Latency(a) => bench("latency", a),
         Cmd::Bw(a) => bench("bw", a),

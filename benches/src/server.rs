@@ -94,9 +94,15 @@ fn announce(addr: &str) -> Res<()> {
 }
 
 /// Runs a server until killed. Prints the client's connect address first.
-pub fn serve(t: Transport, listen: Option<String>) -> Res<()> {
+/// `threads` 0 runs everything on one thread (no cross-thread wake-ups between the
+/// connection driver and the handlers).
+pub fn serve(t: Transport, listen: Option<String>, threads: usize) -> Res<()> {
     let listen = listen.unwrap_or_else(|| default_listen(t));
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = if threads == 0 {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()?
+    } else {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?
+    };
     rt.block_on(async move {
         let svc = BenchServer::new(Svc).max_decoding_message_size(MAX_MSG).max_encoding_message_size(MAX_MSG);
         match t {
