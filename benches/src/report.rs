@@ -120,6 +120,11 @@ pub fn ratios(records: &[Record]) -> String {
         let (key, v, higher, what) = merit(r);
         let Some(base) = records.iter().find(|b| b.transport == "tonic" && merit(b).0 == key) else { continue };
         let b = merit(base).1;
+        // A point where no call finished in the measured time has no rate to compare.
+        if r.calls == 0 || base.calls == 0 {
+            let _ = writeln!(out, "{:<13} {:<18} {:>7} {:>4} {:>5} {:<10} {:>10} {:>12} {:>8}", r.bench, r.payload, fmt_size(r.bytes), r.window, r.topology, r.transport, what, "-", "no calls");
+            continue;
+        }
         let x = if higher { v / b } else { b / v };
         let _ = writeln!(out, "{:<13} {:<18} {:>7} {:>4} {:>5} {:<10} {:>10} {:>12.2} {:>8.2}", r.bench, r.payload, fmt_size(r.bytes), r.window, r.topology, r.transport, what, v, x);
     }
