@@ -41,9 +41,9 @@ pub struct Record {
 }
 
 fn fmt_size(s: usize) -> String {
-    if s >= 1 << 20 && s % (1 << 20) == 0 {
+    if s >= 1 << 20 && s.is_multiple_of(1 << 20) {
         format!("{}M", s >> 20)
-    } else if s >= 1 << 10 && s % (1 << 10) == 0 {
+    } else if s >= 1 << 10 && s.is_multiple_of(1 << 10) {
         format!("{}K", s >> 10)
     } else {
         format!("{s}")
