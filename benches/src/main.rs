@@ -1,0 +1,484 @@
+//! `ibex-bench`: TF-gRPC-Bench and OSU-style microbenchmarks over stock tonic and Ibex.
+//!
+//! Every benchmark talks to a server in another process: either one it spawns itself (this
+//! binary re-run as `ibex-bench server`), or one started by hand on another host and named
+//! with `--connect`. `compare` runs a set of benchmarks over every available transport, each
+//! client in its own process too, and prints a ratio table against stock tonic. See
+//! docs/benchmarks.md.
+
+#![warn(missing_docs)]
+
+mod payload;
+mod report;
+mod run;
+mod server;
+mod transport;
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand};
+
+use payload::{Category, PayloadSpec, Scheme};
+use report::Record;
+use run::{Op, Shape, Timing};
+use transport::{Client, Transport};
+
+/// Errors end the process with their message; nothing here is worth a backtrace.
+pub type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+#[derive(Parser)]
+#[command(name = "ibex-bench", version, about = "TF-gRPC-Bench and OSU-style benchmarks: stock tonic against Ibex")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serve the Bench service (or the raw peer) until killed; prints the connect address.
+    Server {
+        /// Transport to serve.
+        #[arg(long, value_enum)]
+        transport: Transport,
+        /// Listen address (`127.0.0.1:0` for tonic, an Ibex URI otherwise). Default: local.
+        #[arg(long)]
+        listen: Option<String>,
+        /// Runtime worker threads; 0: a single-threaded runtime.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+    },
+    /// TF-gRPC-Bench P2P latency: the server echoes the payload.
+    Latency(BenchArgs),
+    /// TF-gRPC-Bench P2P bandwidth: the server only acknowledges (`--window 64`: OSU-style
+    /// windowed bandwidth).
+    Bw(BenchArgs),
+    /// Bidirectional bandwidth: windowed Echo, both directions counted (default window 64).
+    Bibw(BenchArgs),
+    /// TF-gRPC-Bench PS throughput: every worker calls every server process at once.
+    PsThroughput(BenchArgs),
+    /// OSU-style sweep: Echo latency and windowed Sink bandwidth per power-of-two size.
+    Sweep(BenchArgs),
+    /// A tensor through registered buffers (Ibex: descriptor + server-side read_remote;
+    /// stock tonic: Sink of the same bytes), beside single-thread memcpy.
+    Tensor(BenchArgs),
+    /// Run benchmarks over every available transport in one go; ratio table against tonic.
+    Compare(CompareArgs),
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.trim_end_matches(['B', 'b', 'i']).char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1usize << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s.trim_end_matches('B'), 1),
+    };
+    num.parse::<usize>().map(|n| n * mult).map_err(|_| format!("`{s}` is not a size; write 64, 4K, 16M or 16MiB"))
+}
+
+#[derive(Args, Clone)]
+struct BenchArgs {
+    /// Transport.
+    #[arg(long, value_enum, default_value = "ibex-shm")]
+    transport: Transport,
+    /// Server address(es), comma separated (ps-throughput: one per PS). Default: spawn local
+    /// servers.
+    #[arg(long, value_delimiter = ',')]
+    connect: Vec<String>,
+    /// Payload scheme.
+    #[arg(long, value_enum, default_value = "skew")]
+    scheme: Scheme,
+    /// Category for `--scheme uniform`.
+    #[arg(long, value_enum, default_value = "small")]
+    category: Category,
+    /// Buffers per payload.
+    #[arg(long, default_value_t = 10)]
+    buffers: usize,
+    /// Large,Medium,Small percentages for `--scheme skew`.
+    #[arg(long, value_delimiter = ',', default_value = "60,30,10")]
+    skew: Vec<u32>,
+    /// Draw buffer sizes from each category's range instead of its default size.
+    #[arg(long)]
+    randomize_sizes: bool,
+    /// Seed of the payload generator.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// One buffer of this many bytes instead of a scheme payload (tensor: the tensor size,
+    /// default 16M).
+    #[arg(long, value_parser = parse_size)]
+    size: Option<usize>,
+    /// Calls outstanding per connection (bw: 1; bibw and sweep bandwidth: 64).
+    #[arg(long)]
+    window: Option<usize>,
+    /// ps-throughput: worker count.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// ps-throughput: PS (server process) count when spawning locally.
+    #[arg(long, default_value_t = 2)]
+    ps: usize,
+    /// Sweep: smallest size.
+    #[arg(long, value_parser = parse_size, default_value = "1")]
+    min_size: usize,
+    /// Sweep: largest size.
+    #[arg(long, value_parser = parse_size, default_value = "64M")]
+    max_size: usize,
+    /// Sweep: size factor between points.
+    #[arg(long, default_value_t = 2)]
+    step: usize,
+    /// Unmeasured seconds first.
+    #[arg(long, default_value_t = 2.0)]
+    warmup: f64,
+    /// Measured seconds per run (sweep: per point).
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Runs, summed (the paper reports the mean of 5).
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
+    /// JSON lines on stdout instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    /// Short settings: the whole run stays under 2 minutes on a 2-core machine.
+    #[arg(long)]
+    quick: bool,
+    /// Transports (default: every available one).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    transports: Vec<Transport>,
+    /// Benchmarks: latency, bw, bibw, ps-throughput, sweep, tensor (default: all).
+    #[arg(long, value_delimiter = ',')]
+    benches: Vec<String>,
+    /// Measured seconds per point (default 2, quick 0.2).
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Warm-up seconds per point (default 0.5, quick 0.05).
+    #[arg(long)]
+    warmup: Option<f64>,
+    /// Largest sweep size (default 64M, quick 16M).
+    #[arg(long, value_parser = parse_size)]
+    max_size: Option<usize>,
+    /// Where results.jsonl, latency.svg and bandwidth.svg go.
+    #[arg(long, default_value = "target/ibex-bench")]
+    out: PathBuf,
+    /// Also print every record as a JSON line on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Server { transport, listen, threads } => server::serve(transport, listen, threads),
+        Cmd::Compare(a) => compare(a),
+        Cmd::Latency(a) => bench("latency", a),
+        Cmd::Bw(a) => bench("bw", a),
+        Cmd::Bibw(a) => bench("bibw", a),
+        Cmd::PsThroughput(a) => bench("ps-throughput", a),
+        Cmd::Sweep(a) => bench("sweep", a),
+        Cmd::Tensor(a) => bench("tensor", a),
+    };
+    if let Err(e) = r {
+        eprintln!("ibex-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// A local server process; killed on drop.
+struct LocalServer {
+    child: Child,
+    addr: String,
+}
+
+impl LocalServer {
+    fn spawn(t: Transport) -> Res<LocalServer> {
+        let mut child = Command::new(std::env::current_exe()?).args(["server", "--transport", t.name()]).stdout(Stdio::piped()).spawn()?;
+        let out = child.stdout.take().ok_or("server stdout")?;
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line)?;
+        let addr = line.trim().to_string();
+        if addr.is_empty() {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("the {} server exited before printing its address (see its error above)", t.name()).into());
+        }
+        Ok(LocalServer { child, addr })
+    }
+    fn rss_kib(&self) -> u64 {
+        report::peak_rss_kib(self.child.id())
+    }
+}
+
+impl Drop for LocalServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs one benchmark subcommand: spawns local servers unless `--connect` names them.
+fn bench(name: &str, a: BenchArgs) -> Res<()> {
+    let want = if name == "ps-throughput" { a.ps.max(1) } else { 1 };
+    let mut servers = Vec::new();
+    let addrs = if a.connect.is_empty() {
+        for _ in 0..want {
+            servers.push(LocalServer::spawn(a.transport)?);
+        }
+        servers.iter().map(|s| s.addr.clone()).collect()
+    } else {
+        a.connect.clone()
+    };
+    let concurrent = (name != "latency" && name != "tensor") || std::env::var_os("IBEX_BENCH_MT").is_some();
+    let rt = if concurrent {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?
+    } else {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()?
+    };
+    let mut records = rt.block_on(client(name, &a, &addrs))?;
+    let srss: u64 = servers.iter().map(LocalServer::rss_kib).sum();
+    for r in &mut records {
+        r.server_rss_kib = srss;
+    }
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        for r in &records {
+            writeln!(out, "{}", serde_json::to_string(r)?)?;
+        }
+    } else {
+        writeln!(out, "{}", report::header())?;
+        for r in &records {
+            writeln!(out, "{}", report::row(r))?;
+        }
+    }
+    Ok(())
+}
+
+async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>> {
+    let spec = PayloadSpec {
+        scheme: a.scheme,
+        category: a.category,
+        buffers: a.buffers,
+        skew: [a.skew.first().copied().unwrap_or(60), a.skew.get(1).copied().unwrap_or(30), a.skew.get(2).copied().unwrap_or(10)],
+        randomize_sizes: a.randomize_sizes,
+        seed: a.seed,
+    };
+    let timing = Timing { warmup: Duration::from_secs_f64(a.warmup), duration: Duration::from_secs_f64(a.duration), runs: a.runs };
+    let t = a.transport;
+    let addr = addrs.first().ok_or("no server address")?;
+    let shape = |bench: &'static str, payload: String, window: usize, bytes: usize, per_call: usize| Shape {
+        bench,
+        transport: t,
+        payload,
+        window,
+        topology: "1x1".into(),
+        bytes_per_call: per_call,
+        bytes,
+    };
+    let mut out = Vec::new();
+    match name {
+        "latency" | "bw" | "bibw" => {
+            let c = Client::connect(t, addr).await?;
+            let echo = name != "bw";
+            let (msg, label) = run::p2p_msg(&spec, a.size, echo);
+            let window = a.window.unwrap_or(if name == "bibw" { 64 } else { 1 });
+            let window = if name == "latency" { 1 } else { window };
+            let bytes = msg.bytes;
+            let op = if echo { Op::Echo(msg) } else { Op::Sink(msg) };
+            let s = run::measure(run::windowed(&c, window), op, timing).await?;
+            let per_call = if name == "bibw" { 2 * bytes } else { bytes };
+            out.push(run::record(&s, shape(if name == "latency" { "latency" } else if echo { "bibw" } else { "bw" }, label, window, bytes, per_call)));
+            c.close().await;
+        }
+        "ps-throughput" => {
+            let mut groups = Vec::new();
+            for _ in 0..a.workers.max(1) {
+                let mut g = Vec::new();
+                for addr in addrs {
+                    g.push(Client::connect(t, addr).await?);
+                }
+                groups.push(g);
+            }
+            let (msg, label) = run::p2p_msg(&spec, a.size, true);
+            let bytes = msg.bytes;
+            let s = run::measure(groups, Op::Echo(msg), timing).await?;
+            let mut sh = shape("ps-throughput", label, 1, bytes, bytes);
+            sh.topology = format!("{}x{}", a.workers.max(1), addrs.len());
+            out.push(run::record(&s, sh));
+        }
+        "sweep" => {
+            let c = Client::connect(t, addr).await?;
+            let per_point = Timing { warmup: timing.warmup.min(Duration::from_millis(200)), ..timing };
+            for size in run::sweep_sizes(a.min_size, a.max_size, a.step) {
+                let (m, label) = run::p2p_msg(&spec, Some(size), true);
+                let s = run::measure(run::windowed(&c, 1), Op::Echo(m), per_point).await?;
+                out.push(run::record(&s, shape("sweep-lat", label, 1, size, size)));
+                let (m, label) = run::p2p_msg(&spec, Some(size), false);
+                let w = run::osu_window(a.window.unwrap_or(64), size);
+                let s = run::measure(run::windowed(&c, w), Op::Sink(m), per_point).await?;
+                out.push(run::record(&s, shape("sweep-bw", label, w, size, size)));
+            }
+            c.close().await;
+        }
+        "tensor" => {
+            let size = a.size.unwrap_or(16 << 20);
+            let c = Client::connect(t, addr).await?;
+            let data = c.tensor_buffer(size)?;
+            let s = run::measure(run::windowed(&c, 1), Op::Tensor(data), timing).await?;
+            let label = if matches!(c, Client::Tonic(_)) { "Sink body" } else { "registered" };
+            out.push(run::record(&s, shape("tensor", label.into(), 1, size, size)));
+            c.close().await;
+            let mb = run::memcpy_mb_s(size, timing);
+            let mut r = run::record(&s, shape("memcpy", "1 thread".into(), 1, size, size));
+            (r.mb_s, r.calls, r.rpc_s) = (mb, 0, mb * 1e6 / size as f64);
+            (r.p50_us, r.p99_us, r.p999_us, r.mean_us) = (0.0, 0.0, 0.0, 0.0);
+            r.transport = "local".into();
+            out.push(r);
+        }
+        other => return Err(format!("unknown benchmark `{other}`").into()),
+    }
+    Ok(out)
+}
+
+/// One client run of the compare plan: subcommand and its arguments.
+fn plan(benches: &[String], quick: bool, max_size: usize) -> Vec<(&'static str, Vec<String>)> {
+    let on = |b: &str| benches.is_empty() || benches.iter().any(|x| x == b);
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let mut p = Vec::new();
+    if on("latency") {
+        p.push(("latency", s(&["--size", "64"])));
+        p.push(("latency", s(&["--scheme", "skew"])));
+        if !quick {
+            p.push(("latency", s(&["--scheme", "uniform", "--category", "small"])));
+            p.push(("latency", s(&["--scheme", "random"])));
+        }
+    }
+    if on("bw") {
+        p.push(("bw", s(&["--scheme", "skew"])));
+        p.push(("bw", s(&["--size", "16M"])));
+        p.push(("bw", s(&["--size", "64K", "--window", "64"])));
+        if !quick {
+            p.push(("bw", s(&["--scheme", "uniform", "--category", "medium"])));
+            p.push(("bw", s(&["--size", "1M", "--window", "64"])));
+        }
+    }
+    if on("bibw") {
+        p.push(("bibw", s(&["--size", if quick { "64K" } else { "1M" }, "--window", "64"])));
+    }
+    if on("ps-throughput") {
+        p.push(("ps-throughput", s(&["--scheme", "uniform", "--category", "small", "--workers", "3", "--ps", "2"])));
+        if !quick {
+            p.push(("ps-throughput", s(&["--scheme", "skew", "--workers", "3", "--ps", "2"])));
+        }
+    }
+    if on("tensor") {
+        p.push(("tensor", s(&["--size", "16M"])));
+    }
+    if on("sweep") {
+        let m = max_size.to_string();
+        p.push(("sweep", s(&["--max-size", &m, "--step", if quick { "16" } else { "2" }])));
+    }
+    p
+}
+
+/// Runs one client process and collects its JSON records. A client that fails or hangs
+/// costs its own rows, not the whole comparison.
+fn run_client(args: &[String], limit: Duration) -> Res<Vec<Record>> {
+    let mut child = Command::new(std::env::current_exe()?).args(args).stdout(Stdio::piped()).spawn()?;
+    let out = child.stdout.take().ok_or("client stdout")?;
+    let reader = std::thread::spawn(move || BufReader::new(out).lines().map_while(Result::ok).collect::<Vec<String>>());
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("client `{}` ran past {limit:?}; killed", args.join(" ")).into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let lines = reader.join().map_err(|_| "client reader thread panicked")?;
+    if !status.success() {
+        return Err(format!("client `{}` failed ({status})", args.join(" ")).into());
+    }
+    let mut v = Vec::new();
+    for l in lines.iter().filter(|l| l.starts_with('{')) {
+        v.push(serde_json::from_str(l)?);
+    }
+    Ok(v)
+}
+
+fn compare(a: CompareArgs) -> Res<()> {
+    let transports = if a.transports.is_empty() { Transport::available() } else { a.transports.clone() };
+    let duration = a.duration.unwrap_or(if a.quick { 0.2 } else { 2.0 });
+    let warmup = a.warmup.unwrap_or(if a.quick { 0.05 } else { 0.5 });
+    let max_size = a.max_size.unwrap_or(if a.quick { 16 << 20 } else { 64 << 20 });
+    let plan = plan(&a.benches, a.quick, max_size);
+    let started = Instant::now();
+    let mut all: Vec<Record> = Vec::new();
+    let mut failures = Vec::new();
+    println!("{}", report::header());
+    for &t in &transports {
+        // One set of server processes per transport, shared by its benches; PS throughput
+        // uses two of them.
+        let servers: Vec<LocalServer> = match (0..2).map(|_| LocalServer::spawn(t)).collect::<Res<Vec<_>>>() {
+            Ok(s) => s,
+            Err(e) => {
+                failures.push(format!("{}: server: {e}", t.name()));
+                continue;
+            }
+        };
+        for (bench, extra) in &plan {
+            let n = if *bench == "ps-throughput" { 2 } else { 1 };
+            let connect: Vec<&str> = servers.iter().take(n).map(|s| s.addr.as_str()).collect();
+            let mut args: Vec<String> = vec![bench.to_string(), "--transport".into(), t.name().into(), "--connect".into(), connect.join(",")];
+            args.extend(["--json", "--duration", &duration.to_string(), "--warmup", &warmup.to_string()].map(String::from));
+            args.extend(extra.iter().cloned());
+            let points = if *bench == "sweep" { 60.0 } else { 1.0 };
+            let limit = Duration::from_secs_f64(60.0 + points * (duration + warmup) * 4.0);
+            match run_client(&args, limit) {
+                Ok(recs) => {
+                    let srss = servers.iter().take(n).map(LocalServer::rss_kib).sum();
+                    for mut r in recs {
+                        r.server_rss_kib = srss;
+                        println!("{}", report::row(&r));
+                        all.push(r);
+                    }
+                }
+                Err(e) => {
+                    eprintln!("ibex-bench compare: {e}");
+                    failures.push(format!("{}: {e}", t.name()));
+                }
+            }
+        }
+    }
+    print!("{}", report::ratios(&all));
+    print!("{}", report::bars(&all));
+    std::fs::create_dir_all(&a.out)?;
+    let mut jl = String::new();
+    for r in &all {
+        let line = serde_json::to_string(r)?;
+        if a.json {
+            println!("{line}");
+        }
+        jl.push_str(&line);
+        jl.push('\n');
+    }
+    std::fs::write(a.out.join("results.jsonl"), jl)?;
+    if let Some(s) = report::svg(&all, "sweep-lat", "Echo round trip p50 vs payload size", "µs", |r| r.p50_us) {
+        std::fs::write(a.out.join("latency.svg"), s)?;
+    }
+    if let Some(s) = report::svg(&all, "sweep-bw", "Sink bandwidth (OSU window) vs payload size", "MB/s", |r| r.mb_s) {
+        std::fs::write(a.out.join("bandwidth.svg"), s)?;
+    }
+    println!("\nwrote {} records to {} (results.jsonl, latency.svg, bandwidth.svg) in {:.1} s", all.len(), a.out.display(), started.elapsed().as_secs_f64());
+    if !failures.is_empty() {
+        return Err(format!("{} run(s) failed:\n  {}", failures.len(), failures.join("\n  ")).into());
+    }
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! The transports under test and one client type that calls the `Bench` service over any of
+//! them.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use clap::ValueEnum;
+use ibex_proto::bench::v1::Payload;
+use ibex_proto::bench::v1::bench_client::BenchClient;
+use ibex_transport::{Config, Connection};
+
+use crate::Res;
+use crate::payload::Msg;
+use crate::server::{MAX_MSG, RAW_ECHO, RAW_SINK, TENSOR_MAGIC};
+
+/// A transport under test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Transport {
+    /// Stock tonic, HTTP/2 over TCP loopback, default settings (16 KiB frames): the baseline.
+    Tonic,
+    /// Stock tonic with 1 MiB HTTP/2 frames on both sides (its best large-message setting).
+    #[value(name = "tonic-1m")]
+    #[serde(rename = "tonic-1m")]
+    Tonic1m,
+    /// The same gRPC service over Ibex shared memory.
+    IbexShm,
+    /// The same gRPC service over Ibex tcp.
+    IbexTcp,
+    /// The same gRPC service over Ibex verbs (build with `--features verbs`, needs a device).
+    IbexVerbs,
+    /// The Ibex transport without the gRPC layer, shm (messages, no protobuf, no calls).
+    RawShm,
+    /// The Ibex transport without the gRPC layer, tcp.
+    RawTcp,
+}
+
+impl Transport {
+    /// Every transport this build and host can run, baseline first.
+    pub fn available() -> Vec<Transport> {
+        let mut v = vec![Transport::Tonic, Transport::Tonic1m, Transport::IbexShm, Transport::IbexTcp];
+        if cfg!(feature = "verbs") && std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some()) {
+            v.push(Transport::IbexVerbs);
+        }
+        v.extend([Transport::RawShm, Transport::RawTcp]);
+        v
+    }
+
+    /// The name used on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Tonic => "tonic",
+            Transport::Tonic1m => "tonic-1m",
+            Transport::IbexShm => "ibex-shm",
+            Transport::IbexTcp => "ibex-tcp",
+            Transport::IbexVerbs => "ibex-verbs",
+            Transport::RawShm => "raw-shm",
+            Transport::RawTcp => "raw-tcp",
+        }
+    }
+}
+
+/// A client of the `Bench` service (or of the raw peer). Cheap to clone: clones share the
+/// underlying connection, as concurrent calls on one gRPC channel do.
+#[derive(Clone)]
+pub enum Client {
+    /// Stock tonic.
+    Tonic(BenchClient<tonic::transport::Channel>),
+    /// tonic's generated client over an Ibex channel.
+    Ibex(BenchClient<ibex_transport::grpc::Channel>, ibex_transport::grpc::Channel),
+    /// The raw transport.
+    Raw(Arc<Connection>),
+}
+
+fn err(what: &str, e: impl std::fmt::Display) -> Box<dyn std::error::Error + Send + Sync> {
+    format!("{what}: {e}").into()
+}
+
+impl Client {
+    /// Connects to a server started by `ibex-bench server --transport t`.
+    pub async fn connect(t: Transport, addr: &str) -> Res<Client> {
+        Ok(match t {
+            Transport::Tonic | Transport::Tonic1m => {
+                let uri = if addr.starts_with("http://") { addr.to_string() } else { format!("http://{addr}") };
+                let mut ep = tonic::transport::Endpoint::from_shared(uri)?.tcp_nodelay(true);
+                if t == Transport::Tonic1m {
+                    ep = ep.max_frame_size((1u32 << 20) - 1);
+                }
+                let ch = ep.connect().await.map_err(|e| err(&format!("connecting to {addr}"), e))?;
+                Client::Tonic(BenchClient::new(ch).max_decoding_message_size(MAX_MSG).max_encoding_message_size(MAX_MSG))
+            }
+            Transport::IbexShm | Transport::IbexTcp | Transport::IbexVerbs => {
+                let ch = ibex_transport::grpc::Channel::connect_with_config(addr, Config::from_env()?).await?;
+                let c = BenchClient::new(ch.clone()).max_decoding_message_size(MAX_MSG).max_encoding_message_size(MAX_MSG);
+                Client::Ibex(c, ch)
+            }
+            Transport::RawShm | Transport::RawTcp => {
+                let conn = ibex_transport::connect(addr, Config::from_env()?).await?;
+                conn.probe_done().await;
+                Client::Raw(Arc::new(conn))
+            }
+        })
+    }
+
+    /// One Echo call (raw: one message there and back). Returns the bytes that came back.
+    pub async fn echo(&mut self, m: &Msg) -> Res<usize> {
+        Ok(match self {
+            Client::Tonic(c) => size(&c.echo(m.payload.clone()).await?.into_inner()),
+            Client::Ibex(c, _) => size(&c.echo(m.payload.clone()).await?.into_inner()),
+            Client::Raw(c) => {
+                c.send(retag(&m.raw, RAW_ECHO)).await?;
+                c.recv().await?.len()
+            }
+        })
+    }
+
+    /// One Sink call (raw: one message, one 1-byte acknowledgement). Returns the bytes the
+    /// server says it got.
+    pub async fn sink(&mut self, m: &Msg) -> Res<usize> {
+        Ok(match self {
+            Client::Tonic(c) => c.sink(m.payload.clone()).await?.into_inner().bytes as usize,
+            Client::Ibex(c, _) => c.sink(m.payload.clone()).await?.into_inner().bytes as usize,
+            Client::Raw(c) => {
+                c.send(retag(&m.raw, RAW_SINK)).await?;
+                c.recv().await?;
+                m.raw.len()
+            }
+        })
+    }
+
+    /// A tensor of `data.len()` bytes to the server by the cheapest path this transport has:
+    /// Ibex gRPC sends a descriptor and the handler pulls the buffer (`read_remote`); the raw
+    /// transport sends the buffer itself; stock tonic sends it in the message body.
+    pub async fn tensor(&mut self, data: &Bytes) -> Res<usize> {
+        match self {
+            Client::Tonic(c) => Ok(c.sink(Payload { buffers: vec![data.clone()] }).await?.into_inner().bytes as usize),
+            Client::Ibex(c, ch) => {
+                // The exposure must outlive the call that carries its descriptor (docs/grpc.md).
+                let remote = ch.expose(data.clone()).await?;
+                let p = Payload {
+                    buffers: vec![Bytes::from_static(TENSOR_MAGIC), remote.descriptor(), Bytes::copy_from_slice(&(data.len() as u64).to_le_bytes())],
+                };
+                let n = c.sink(p).await?.into_inner().bytes as usize;
+                drop(remote);
+                Ok(n)
+            }
+            Client::Raw(c) => {
+                c.send(data.clone()).await?;
+                c.recv().await?;
+                Ok(data.len())
+            }
+        }
+    }
+
+    /// A tensor buffer to pass to [`Client::tensor`]: from the connection's registered pool
+    /// where it has one (no copy on shm), plain heap memory otherwise.
+    pub fn tensor_buffer(&self, len: usize) -> Res<Bytes> {
+        let pool = match self {
+            Client::Ibex(_, ch) => ch.connection().pool(),
+            Client::Raw(c) => c.pool(),
+            Client::Tonic(_) => None,
+        };
+        let mut v = match pool {
+            Some(p) => {
+                let mut b = p.alloc(len)?;
+                b.fill(0x33);
+                b[0] = RAW_SINK;
+                return Ok(b.freeze());
+            }
+            None => vec![0x33u8; len],
+        };
+        v[0] = RAW_SINK;
+        Ok(Bytes::from(v))
+    }
+
+    /// Closes the connection cleanly where the transport has a close.
+    pub async fn close(self) {
+        if let Client::Raw(c) = self {
+            c.close().await;
+        }
+    }
+}
+
+fn size(p: &Payload) -> usize {
+    p.buffers.iter().map(|b| b.len()).sum()
+}
+
+/// The raw message with its tag byte; reuses the buffer when the tag is already right.
+fn retag(raw: &Bytes, tag: u8) -> Bytes {
+    if raw.first() == Some(&tag) {
+        return raw.clone();
+    }
+    let mut v = raw.to_vec();
+    v[0] = tag;
+    Bytes::from(v)
+}

@@ -1,0 +1,49 @@
+//! End-to-end: the binary spawns its own server process and reports sane records. Timing is
+//! never asserted; only that the calls went through and were counted.
+
+use std::process::Command;
+
+fn run(args: &[&str]) -> Vec<serde_json::Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench")).args(args).args(["--json", "--warmup", "0.02", "--duration", "0.1"]).output().expect("run ibex-bench");
+    assert!(out.status.success(), "ibex-bench {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON record")).collect()
+}
+
+#[test]
+fn latency_over_tonic_ibex_and_raw() {
+    for t in ["tonic", "ibex-shm", "ibex-tcp", "raw-shm"] {
+        let r = run(&["latency", "--transport", t, "--size", "64"]);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0]["transport"], t);
+        assert_eq!(r[0]["bytes"], 64);
+        assert!(r[0]["calls"].as_u64().unwrap() > 0, "{t}: no calls counted");
+        assert!(r[0]["server_rss_kib"].as_u64().unwrap() > 0, "{t}: server RSS not read");
+    }
+}
+
+#[test]
+fn tensor_descriptor_path_and_ps_throughput() {
+    let r = run(&["tensor", "--transport", "ibex-shm", "--size", "1M"]);
+    assert_eq!(r[0]["payload"], "registered");
+    assert!(r[0]["calls"].as_u64().unwrap() > 0);
+    assert_eq!(r[1]["bench"], "memcpy");
+    let r = run(&["ps-throughput", "--transport", "ibex-tcp", "--scheme", "uniform", "--workers", "2", "--ps", "2"]);
+    assert_eq!(r[0]["topology"], "2x2");
+    assert!(r[0]["calls"].as_u64().unwrap() >= 2);
+}
+
+#[test]
+fn skew_bw_moves_the_paper_payload() {
+    let r = run(&["bw", "--transport", "raw-tcp", "--scheme", "skew"]);
+    assert_eq!(r[0]["bytes"], 6 * (1 << 20) + 3 * (10 << 10) + 10);
+}
+
+#[test]
+fn bad_server_address_is_an_error_not_a_hang() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench"))
+        .args(["latency", "--transport", "ibex-tcp", "--connect", "tcp://127.0.0.1:1", "--duration", "0.1"])
+        .output()
+        .expect("run ibex-bench");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("ibex-bench:"));
+}
