@@ -14,28 +14,11 @@ static GUARD: std::sync::LazyLock<Duration> = std::sync::LazyLock::new(|| {
     Duration::from_secs(std::env::var("IBEX_TEST_GUARD_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60))
 });
 
-fn pattern(len: usize, seed: u8) -> Bytes {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect::<Vec<u8>>().into()
-}
-
-fn fixed_threshold(t: usize) -> Config {
-    Config { eager_threshold: Some(t), ..Config::default() }
-}
-
-fn uri(provider: &str, tag: &str) -> String {
-    match provider {
-        "shm" => {
-            let p = std::env::temp_dir().join(format!("ibex-test-{}-{tag}.sock", std::process::id()));
-            format!("shm://{}", p.display())
-        }
-        // In the Soft-RoCE VM (scripts/verbs-test.sh) the harness says where and on which
-        // devices; two hosts = two rxe devices across a veth.
-        "verbs" => format!("verbs://{}", std::env::var("IBEX_TEST_LISTEN_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into())),
-        _ => "tcp://127.0.0.1:0".to_string(),
-    }
-}
+mod conn_util;
+use conn_util::{fixed_threshold, pattern, uri};
 
 /// verbs tests run only in the Soft-RoCE VM; elsewhere they say so and return.
+#[cfg(feature = "verbs")]
 fn skip(provider: &str) -> bool {
     if provider == "verbs" && std::env::var("RXE_VM").is_err() {
         println!("skipped: no RDMA device (run scripts/verbs-test.sh)");

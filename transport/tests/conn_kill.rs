@@ -7,29 +7,13 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use bytes::Bytes;
 use ibex_transport::{Config, Error, connect, listen};
 
 const GUARD: Duration = Duration::from_secs(60);
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn pattern(len: usize, seed: u8) -> Bytes {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect::<Vec<u8>>().into()
-}
-
-fn fixed_threshold(t: usize) -> Config {
-    Config { eager_threshold: Some(t), ..Config::default() }
-}
-
-fn uri(provider: &str, tag: &str) -> String {
-    match provider {
-        "shm" => {
-            let p = std::env::temp_dir().join(format!("ibex-test-{}-{tag}.sock", std::process::id()));
-            format!("shm://{}", p.display())
-        }
-        _ => "tcp://127.0.0.1:0".to_string(),
-    }
-}
+mod conn_util;
+use conn_util::{fixed_threshold, pattern, uri};
 
 // ---- A peer process killed mid-rendezvous -------------------------------------------------
 

@@ -144,7 +144,11 @@ pub fn ibex_config() -> ibex_transport::Config {
 }
 
 async fn ibex_serve(uri: String, routes: Routes) -> ServerHandle {
-    let listener = ibex_transport::listen(&uri, ibex_config()).await.unwrap();
+    ibex_serve_with(uri, routes, ibex_config()).await
+}
+
+async fn ibex_serve_with(uri: String, routes: Routes, config: ibex_transport::Config) -> ServerHandle {
+    let listener = ibex_transport::listen(&uri, config).await.unwrap();
     let addr = listener.local_uri();
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
@@ -160,7 +164,11 @@ async fn ibex_serve(uri: String, routes: Routes) -> ServerHandle {
 }
 
 async fn ibex_connect(addr: &str) -> Result<Chan, String> {
-    let ch = ibex_transport::grpc::Channel::connect_with_config(addr, ibex_config()).await.map_err(|e| chain(&e))?;
+    ibex_connect_with(addr, ibex_config()).await
+}
+
+async fn ibex_connect_with(addr: &str, config: ibex_transport::Config) -> Result<Chan, String> {
+    let ch = ibex_transport::grpc::Channel::connect_with_config(addr, config).await.map_err(|e| chain(&e))?;
     let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| r.map(tonic::body::Body::new));
     let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
     Ok(Chan::new(ch))
@@ -251,27 +259,11 @@ impl Transport for IbexVerbs {
 
     async fn serve(routes: Routes) -> ServerHandle {
         let at = std::env::var("IBEX_TEST_LISTEN_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into());
-        let listener = ibex_transport::listen(&format!("verbs://{at}"), verbs_config("IBEX_TEST_SERVER_DEV")).await.unwrap();
-        let addr = listener.local_uri();
-        let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            ibex_transport::grpc::Server::builder()
-                .add_routes(routes)
-                .serve_with_listener(listener, async {
-                    let _ = rx.await;
-                })
-                .await
-                .map_err(|e| chain(&e))
-        });
-        ServerHandle::new(addr, tx, task)
+        ibex_serve_with(format!("verbs://{at}"), routes, verbs_config("IBEX_TEST_SERVER_DEV")).await
     }
 
     async fn connect(addr: &str) -> Result<Chan, String> {
-        let cfg = verbs_config("IBEX_TEST_CLIENT_DEV");
-        let ch = ibex_transport::grpc::Channel::connect_with_config(addr, cfg).await.map_err(|e| chain(&e))?;
-        let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| r.map(tonic::body::Body::new));
-        let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
-        Ok(Chan::new(ch))
+        ibex_connect_with(addr, verbs_config("IBEX_TEST_CLIENT_DEV")).await
     }
 
     async fn dead_addr() -> String {
