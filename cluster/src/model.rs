@@ -22,11 +22,21 @@ pub type Params = Vec<Vec<f32>>;
 
 impl Mlp {
     /// PS variable names of `w1`, `b1`, `w2`, `b2`.
-    pub const NAMES: [&'static str; 4] = ["dense1/kernel", "dense1/bias", "dense2/kernel", "dense2/bias"];
+    pub const NAMES: [&'static str; 4] = [
+        "dense1/kernel",
+        "dense1/bias",
+        "dense2/kernel",
+        "dense2/bias",
+    ];
 
     /// Tensor shapes in [`Mlp::NAMES`] order.
     pub fn shapes(&self) -> [Vec<usize>; 4] {
-        [vec![self.input, self.hidden], vec![self.hidden], vec![self.hidden, self.classes], vec![self.classes]]
+        [
+            vec![self.input, self.hidden],
+            vec![self.hidden],
+            vec![self.hidden, self.classes],
+            vec![self.classes],
+        ]
     }
 
     /// Glorot-uniform weights and zero biases from `seed` (used when no PS chose them).
@@ -34,7 +44,9 @@ impl Mlp {
         let mut rng = SplitMix64::new(seed);
         let mut glorot = |fan_in: usize, fan_out: usize| -> Vec<f32> {
             let a = (6.0 / (fan_in + fan_out) as f32).sqrt();
-            (0..fan_in * fan_out).map(|_| (rng.next_f32() * 2.0 - 1.0) * a).collect()
+            (0..fan_in * fan_out)
+                .map(|_| (rng.next_f32() * 2.0 - 1.0) * a)
+                .collect()
         };
         let w1 = glorot(self.input, self.hidden);
         let w2 = glorot(self.hidden, self.classes);
@@ -46,7 +58,9 @@ impl Mlp {
         let want: Vec<usize> = self.shapes().iter().map(|s| s.iter().product()).collect();
         let got: Vec<usize> = p.iter().map(Vec::len).collect();
         if want != got {
-            return Err(format!("parameter sizes {got:?} do not match the model's {want:?}"));
+            return Err(format!(
+                "parameter sizes {got:?} do not match the model's {want:?}"
+            ));
         }
         Ok(())
     }
@@ -99,7 +113,11 @@ impl Mlp {
             return (0.0, g);
         }
         let scale = 1.0 / n as f32;
-        let (mut h, mut z, mut dh) = (vec![0.0; self.hidden], vec![0.0; self.classes], vec![0.0; self.hidden]);
+        let (mut h, mut z, mut dh) = (
+            vec![0.0; self.hidden],
+            vec![0.0; self.classes],
+            vec![0.0; self.hidden],
+        );
         let mut loss = 0.0f64;
         for e in 0..n {
             let x = d.row(e);
@@ -171,7 +189,11 @@ pub struct LocalMomentum {
 impl LocalMomentum {
     /// Zero velocity for tensors shaped like `p`.
     pub fn new(lr: f32, momentum: f32, p: &Params) -> Self {
-        LocalMomentum { lr, momentum, velocity: p.iter().map(|t| vec![0.0; t.len()]).collect() }
+        LocalMomentum {
+            lr,
+            momentum,
+            velocity: p.iter().map(|t| vec![0.0; t.len()]).collect(),
+        }
     }
 
     /// One update of `p` with gradient `g`.
@@ -194,14 +216,23 @@ mod tests {
     use super::*;
 
     fn toy() -> (Mlp, Params, Dataset) {
-        let m = Mlp { input: 5, hidden: 4, classes: 3 };
+        let m = Mlp {
+            input: 5,
+            hidden: 4,
+            classes: 3,
+        };
         let mut p = m.init(3);
         // Non-zero biases so every code path carries gradient.
         p[1] = vec![0.1, -0.05, 0.2, 0.0];
         p[3] = vec![0.05, -0.1, 0.02];
         let mut rng = SplitMix64::new(9);
         let x = (0..6 * 5).map(|_| rng.next_f32()).collect();
-        let d = Dataset { x, y: vec![0, 1, 2, 1, 0, 2], dim: 5, classes: 3 };
+        let d = Dataset {
+            x,
+            y: vec![0, 1, 2, 1, 0, 2],
+            dim: 5,
+            classes: 3,
+        };
         (m, p, d)
     }
 
@@ -218,10 +249,15 @@ mod tests {
                 let mut minus = p.clone();
                 minus[t][i] -= eps;
                 // Central differences in f64 accumulation keep the f32 error small.
-                let num = (m.loss_and_grad(&plus, &d).0 - m.loss_and_grad(&minus, &d).0) / (2.0 * eps);
+                let num =
+                    (m.loss_and_grad(&plus, &d).0 - m.loss_and_grad(&minus, &d).0) / (2.0 * eps);
                 let err = (num - g[t][i]).abs() / (num.abs() + g[t][i].abs()).max(1e-2);
                 worst = worst.max(err);
-                assert!(err < 2e-2, "tensor {t} index {i}: analytic {} numeric {num}", g[t][i]);
+                assert!(
+                    err < 2e-2,
+                    "tensor {t} index {i}: analytic {} numeric {num}",
+                    g[t][i]
+                );
             }
         }
         assert!(worst.is_finite());

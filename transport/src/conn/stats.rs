@@ -40,17 +40,34 @@ impl ConnStats {
 impl fmt::Display for ConnStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let p = &self.proto;
-        writeln!(f, "provider {} (rendezvous path: {})", self.provider, self.rendezvous_path)?;
-        writeln!(f, "eager threshold {} B ({})", p.eager_threshold, p.threshold_source)?;
+        writeln!(
+            f,
+            "provider {} (rendezvous path: {})",
+            self.provider, self.rendezvous_path
+        )?;
+        writeln!(
+            f,
+            "eager threshold {} B ({})",
+            p.eager_threshold, p.threshold_source
+        )?;
         writeln!(
             f,
             "sent:     eager {} msgs / {} B, rendezvous {} msgs / {} B ({} B from pool)",
-            p.eager_msgs_sent, p.eager_bytes_sent, p.rndv_msgs_sent, p.rndv_bytes_sent, self.pool_bytes_sent
+            p.eager_msgs_sent,
+            p.eager_bytes_sent,
+            p.rndv_msgs_sent,
+            p.rndv_bytes_sent,
+            self.pool_bytes_sent
         )?;
         writeln!(
             f,
             "received: eager {} msgs / {} B, rendezvous {} msgs / {} B ({} B read, {} B mapped zero-copy)",
-            p.eager_msgs_recv, p.eager_bytes_recv, p.rndv_msgs_recv, p.rndv_bytes_recv, self.rndv_read_bytes, self.rndv_mapped_bytes
+            p.eager_msgs_recv,
+            p.eager_bytes_recv,
+            p.rndv_msgs_recv,
+            p.rndv_bytes_recv,
+            self.rndv_read_bytes,
+            self.rndv_mapped_bytes
         )?;
         write!(
             f,
