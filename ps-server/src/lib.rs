@@ -76,6 +76,10 @@ pub async fn run(
         }
     }
     let metrics = Arc::new(Metrics::default());
+    let server = ibex_transport::grpc::Server::builder();
+    if !config.listen.starts_with("http://") {
+        metrics.set_transport(server.stats());
+    }
     let metrics_task = match &config.metrics {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
@@ -124,7 +128,7 @@ pub async fn run(
             .await
             .map_err(|e| serve_err(e.to_string()))
     } else {
-        ibex_transport::grpc::Server::builder()
+        server
             .add_service(svc)
             .serve_with_shutdown(&uri, shutdown)
             .await

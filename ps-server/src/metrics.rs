@@ -4,12 +4,14 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
+
+use ibex_transport::grpc::ServerStats;
 
 use crate::shard::Shard;
 
@@ -36,6 +38,8 @@ pub struct Metrics {
     pub bytes_pulled: AtomicU64,
     /// Gradient bytes that arrived by one-sided reads instead of the body.
     pub bytes_remote: AtomicU64,
+    /// The Ibex server's connection counters (absent when serving stock gRPC).
+    transport: OnceLock<ServerStats>,
 }
 
 impl Metrics {
@@ -52,6 +56,11 @@ impl Metrics {
                 }
             }
         }
+    }
+
+    /// Adds the Ibex server's transport counters to the exposition.
+    pub fn set_transport(&self, stats: ServerStats) {
+        let _ = self.transport.set(stats);
     }
 
     pub(crate) fn snapshot(&self) -> BTreeMap<&'static str, Rpc> {
@@ -137,7 +146,124 @@ impl Metrics {
                 r.count
             );
         }
+        if let Some(t) = self.transport.get() {
+            render_transport(&mut o, s, t);
+        }
         o
+    }
+}
+
+/// Transport counters summed over every worker connection (open or ended, so counters never
+/// go backwards), plus the registration-cache hit rate where memory gets registered (verbs).
+fn render_transport(o: &mut String, s: u32, t: &ServerStats) {
+    let (tot, conns) = t.totals();
+    let p = &tot.proto;
+    let open = t.connections().len();
+    let _ = writeln!(
+        o,
+        "# HELP ibex_transport_connections Worker connections open now.\n# TYPE ibex_transport_connections gauge"
+    );
+    let _ = writeln!(o, "ibex_transport_connections{{shard=\"{s}\"}} {open}");
+    let _ = writeln!(
+        o,
+        "# TYPE ibex_transport_connections_total counter\nibex_transport_connections_total{{shard=\"{s}\"}} {conns}"
+    );
+    if !tot.provider.is_empty() {
+        let _ = writeln!(
+            o,
+            "# HELP ibex_transport_info Provider, rendezvous path and eager threshold of the connections.\n# TYPE ibex_transport_info gauge"
+        );
+        let _ = writeln!(
+            o,
+            "ibex_transport_info{{shard=\"{s}\",provider=\"{}\",path=\"{}\",threshold_source=\"{}\"}} 1",
+            tot.provider, tot.rendezvous_path, p.threshold_source
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE ibex_transport_eager_threshold_bytes gauge\nibex_transport_eager_threshold_bytes{{shard=\"{s}\"}} {}",
+            p.eager_threshold
+        );
+    }
+    let _ = writeln!(
+        o,
+        "# HELP ibex_transport_messages_total Transport messages by protocol and direction.\n# TYPE ibex_transport_messages_total counter"
+    );
+    let _ = writeln!(
+        o,
+        "# HELP ibex_transport_bytes_total Transport payload bytes by protocol and direction.\n# TYPE ibex_transport_bytes_total counter"
+    );
+    for (proto, dir, msgs, bytes) in [
+        ("eager", "sent", p.eager_msgs_sent, p.eager_bytes_sent),
+        ("eager", "received", p.eager_msgs_recv, p.eager_bytes_recv),
+        ("rendezvous", "sent", p.rndv_msgs_sent, p.rndv_bytes_sent),
+        (
+            "rendezvous",
+            "received",
+            p.rndv_msgs_recv,
+            p.rndv_bytes_recv,
+        ),
+    ] {
+        let l = format!("shard=\"{s}\",protocol=\"{proto}\",direction=\"{dir}\"");
+        let _ = writeln!(o, "ibex_transport_messages_total{{{l}}} {msgs}");
+        let _ = writeln!(o, "ibex_transport_bytes_total{{{l}}} {bytes}");
+    }
+    for (name, help, v) in [
+        (
+            "ibex_transport_coalesced_messages_total",
+            "Messages that shared an eager frame.",
+            p.coalesced_msgs,
+        ),
+        (
+            "ibex_transport_credit_stalls_total",
+            "Times a ready frame waited for credits.",
+            p.credit_stalls,
+        ),
+        (
+            "ibex_transport_reads_total",
+            "Rendezvous fragment reads issued.",
+            p.reads_issued,
+        ),
+        (
+            "ibex_transport_bytes_copied_total",
+            "Payload bytes copied on receive (eager slots, rendezvous reads).",
+            tot.payload_bytes_copied(),
+        ),
+        (
+            "ibex_transport_bytes_mapped_total",
+            "Rendezvous bytes received as views of the peer's pool (no copy).",
+            tot.rndv_mapped_bytes,
+        ),
+        (
+            "ibex_transport_remote_read_bytes_total",
+            "Bytes moved by one-sided reads of exposed buffers.",
+            tot.remote_read_bytes,
+        ),
+        (
+            "ibex_transport_exposed_from_pool_total",
+            "Exposed buffers that lay in the registered pool.",
+            tot.exposed_from_pool,
+        ),
+        (
+            "ibex_transport_reg_cache_hits_total",
+            "Exposed buffers that reused a cached memory registration.",
+            tot.reg_cache_hits,
+        ),
+        (
+            "ibex_transport_reg_cache_misses_total",
+            "Exposed buffers that had to be registered.",
+            tot.reg_cache_misses,
+        ),
+    ] {
+        let _ = writeln!(
+            o,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{shard=\"{s}\"}} {v}"
+        );
+    }
+    if let Some(rate) = tot.reg_cache_hit_rate() {
+        let _ = writeln!(
+            o,
+            "# HELP ibex_transport_reg_cache_hit_ratio Exposures needing no new registration (pool or cache).\n# TYPE ibex_transport_reg_cache_hit_ratio gauge\nibex_transport_reg_cache_hit_ratio{{shard=\"{s}\"}} {rate}"
+        );
     }
 }
 

@@ -438,6 +438,121 @@ async fn large_gradients_travel_as_remote_buffers_over_shm() {
     assert_eq!(stats[0].bytes_pushed, 512 * 1024);
 }
 
+async fn scrape(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// The value of the sample line that starts with `series` (name and labels).
+fn sample(body: &str, series: &str) -> f64 {
+    let line = body
+        .lines()
+        .find(|l| l.starts_with(series))
+        .unwrap_or_else(|| panic!("no {series} in\n{body}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_carry_the_transport_counters() {
+    let port = common::free_port();
+    let c = Cluster::start(1, 1, Mode::Sync, TransportKind::Shm, move |cfg| {
+        cfg.metrics = Some(format!("127.0.0.1:{port}"))
+    })
+    .await;
+    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    w.create_variables(&[
+        var("big", &[256, 512], Init::Zeros, Optimizer::Sgd { lr: 1.0 }),
+        var("small", &[4], Init::Zeros, Optimizer::Sgd { lr: 1.0 }),
+    ])
+    .await
+    .unwrap();
+    let g = vec![1.0f32; 256 * 512];
+    for k in 0..3 {
+        w.push_pull(k, &[("big", &g), ("small", &[1.0; 4])])
+            .await
+            .unwrap();
+    }
+    let body = scrape(port).await;
+    assert_eq!(
+        sample(&body, "ibex_transport_connections{shard=\"0\"}"),
+        1.0,
+        "{body}"
+    );
+    assert!(
+        body.contains("ibex_transport_info{shard=\"0\",provider=\"shm\""),
+        "{body}"
+    );
+    // Three big gradients were read one-sided by the PS; every reply (512 KiB of values)
+    // went back by rendezvous, small calls eagerly.
+    assert_eq!(
+        sample(&body, "ibex_transport_remote_read_bytes_total{shard=\"0\"}"),
+        3.0 * 512.0 * 1024.0,
+        "{body}"
+    );
+    assert!(
+        sample(
+            &body,
+            "ibex_transport_messages_total{shard=\"0\",protocol=\"rendezvous\",direction=\"sent\"}"
+        ) >= 3.0,
+        "{body}"
+    );
+    assert!(
+        sample(
+            &body,
+            "ibex_transport_messages_total{shard=\"0\",protocol=\"eager\",direction=\"received\"}"
+        ) >= 4.0,
+        "{body}"
+    );
+    // shm reads any memory by CMA: nothing is registered, so there is no hit rate to show.
+    assert!(
+        !body.contains("ibex_transport_reg_cache_hit_ratio"),
+        "{body}"
+    );
+    // Counters survive the connection's end (Prometheus counters never go backwards).
+    let sent = sample(
+        &body,
+        "ibex_transport_bytes_total{shard=\"0\",protocol=\"rendezvous\",direction=\"sent\"}",
+    );
+    drop(w);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let body = loop {
+        let body = scrape(port).await;
+        if sample(&body, "ibex_transport_connections{shard=\"0\"}") == 0.0
+            || std::time::Instant::now() > deadline
+        {
+            break body;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        sample(&body, "ibex_transport_connections{shard=\"0\"}"),
+        0.0,
+        "{body}"
+    );
+    assert_eq!(
+        sample(&body, "ibex_transport_connections_total{shard=\"0\"}"),
+        1.0,
+        "{body}"
+    );
+    assert_eq!(
+        sample(
+            &body,
+            "ibex_transport_bytes_total{shard=\"0\",protocol=\"rendezvous\",direction=\"sent\"}"
+        ),
+        sent,
+        "{body}"
+    );
+    assert!(c.stop().await.iter().all(|r| r.is_ok()));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoint_save_restore_and_metrics() {
     let dir = tempfile::tempdir().unwrap();
@@ -492,18 +607,7 @@ async fn checkpoint_save_restore_and_metrics() {
         after[4]
     );
 
-    let body = {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", metrics_port))
-            .await
-            .unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        out
-    };
+    let body = scrape(metrics_port).await;
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
     assert!(body.contains("ibex_ps_step{shard=\"0\"} 5"), "{body}");
     assert!(

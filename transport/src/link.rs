@@ -60,6 +60,23 @@ pub struct Exposure {
     pub descriptor: Bytes,
     /// True when the peer can map this buffer directly (registered pool): no copy at all.
     pub zero_copy: bool,
+    /// What exposing it cost in memory registration (verbs); counted in the connection stats.
+    pub registration: Registration,
+}
+
+/// How an exposed buffer became readable by the peer. Registering memory with a NIC costs
+/// tens of microseconds per call plus pinning, so a cache of registrations is only worth
+/// keeping if it hits: these outcomes feed its hit rate (`ConnStats::reg_cache_hit_rate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Registration {
+    /// The provider reads arbitrary memory without registering it (shm CMA, tcp).
+    NotNeeded,
+    /// The buffer lies in the pre-registered pool.
+    Pool,
+    /// An earlier registration of the same range was reused.
+    CacheHit,
+    /// The range had to be registered now.
+    Registered,
 }
 
 /// Destination memory for rendezvous data. The owner keeps the memory alive; the pointer

@@ -267,6 +267,7 @@ impl State {
             proto::Protocol::Rendezvous => {
                 let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
                 let exposure = link.expose(msg)?;
+                self.stats.count_registration(exposure.registration);
                 if exposure.zero_copy {
                     self.stats.pool_bytes_sent += len;
                 }
@@ -296,7 +297,9 @@ impl State {
             return Err(e.clone());
         }
         let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
-        link.expose(buf)
+        let exposure = link.expose(buf)?;
+        self.stats.count_registration(exposure.registration);
+        Ok(exposure)
     }
 
     /// Starts a one-sided read of a peer buffer into `dst`, split into fragments.

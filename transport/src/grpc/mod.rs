@@ -43,7 +43,7 @@ use tokio::sync::Notify;
 
 pub use body::IncomingBody;
 pub use client::Channel;
-pub use server::{Builder, PeerHandle, Server};
+pub use server::{Builder, PeerHandle, Server, ServerStats};
 
 pub use crate::conn::RemoteBuf;
 

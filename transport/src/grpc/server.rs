@@ -20,7 +20,7 @@ use super::pump::{Side, pump};
 use super::wire::{Data, Head, Packet};
 use super::{CallShared, Flag, Mux, parse_timeout};
 use crate::config::Config;
-use crate::conn::{Connection, Listener};
+use crate::conn::{ConnStats, Connection, Listener};
 use crate::error::{Error, Result};
 use crate::link::RecvBuf;
 use crate::pool::Pool;
@@ -41,9 +41,77 @@ impl Server {
 pub struct Builder {
     routes: Option<Routes>,
     config: Option<Config>,
+    stats: ServerStats,
+}
+
+/// The transport counters of a server's connections, for metrics: take it with
+/// [`Builder::stats`] before serving, read it at any time while (and after) the server runs.
+#[derive(Debug, Clone, Default)]
+pub struct ServerStats {
+    inner: Arc<Mutex<StatsInner>>,
+}
+
+#[derive(Debug, Default)]
+struct StatsInner {
+    next: u64,
+    live: HashMap<u64, Connection>,
+    /// Counters of connections that have ended, so totals never go backwards.
+    closed: ConnStats,
+    closed_count: u64,
+}
+
+impl ServerStats {
+    fn lock(&self) -> std::sync::MutexGuard<'_, StatsInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add(&self, conn: &Connection) -> u64 {
+        let mut st = self.lock();
+        st.next += 1;
+        let id = st.next;
+        st.live.insert(id, conn.clone());
+        id
+    }
+
+    fn remove(&self, id: u64) {
+        let mut st = self.lock();
+        if let Some(c) = st.live.remove(&id) {
+            let s = c.stats();
+            st.closed.accumulate(&s);
+            st.closed_count += 1;
+        }
+    }
+
+    /// Each open connection's peer and counters.
+    pub fn connections(&self) -> Vec<(String, ConnStats)> {
+        let live: Vec<Connection> = self.lock().live.values().cloned().collect();
+        live.iter().map(|c| (c.peer(), c.stats())).collect()
+    }
+
+    /// Counters summed over every connection the server has had, open or ended, and how
+    /// many connections that is.
+    pub fn totals(&self) -> (ConnStats, u64) {
+        let (mut total, live, closed) = {
+            let st = self.lock();
+            (
+                st.closed.clone(),
+                st.live.values().cloned().collect::<Vec<_>>(),
+                st.closed_count,
+            )
+        };
+        for c in &live {
+            total.accumulate(&c.stats());
+        }
+        (total, closed + live.len() as u64)
+    }
 }
 
 impl Builder {
+    /// A handle on the counters of the connections this server will accept.
+    pub fn stats(&self) -> ServerStats {
+        self.stats.clone()
+    }
+
     /// The transport configuration for accepted connections (default: [`Config::from_env`]).
     pub fn config(mut self, config: Config) -> Self {
         self.config = Some(config);
@@ -120,7 +188,13 @@ impl Builder {
                 _ = &mut signal => break,
                 c = accepted.recv() => match c {
                     Some(conn) => {
-                        conns.spawn(serve_conn(conn, routes.clone(), shutdown.clone()));
+                        let stats = self.stats.clone();
+                        let id = stats.add(&conn);
+                        let (routes, shutdown) = (routes.clone(), shutdown.clone());
+                        conns.spawn(async move {
+                            serve_conn(conn, routes, shutdown).await;
+                            stats.remove(id);
+                        });
                     }
                     None => break,
                 },

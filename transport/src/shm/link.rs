@@ -26,7 +26,7 @@ use super::cma;
 use super::ring::{Consumer, HEADER_BYTES, Producer, RingHeader};
 use super::segment::{self, MappedSlice, Mapping};
 use crate::error::{Error, Result};
-use crate::link::{Exposure, Link, LinkEvent, LinkInfo};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, Registration};
 use crate::pool::Pool;
 
 /// How long `poll_send` spins for ring space before sleeping on an eventfd (the consumer
@@ -894,10 +894,16 @@ impl Link for ShmLink {
             ),
         };
         self.regions.insert(id, buf);
+        let registration = if zero_copy {
+            Registration::Pool
+        } else {
+            Registration::NotNeeded
+        };
         Ok(Exposure {
             id,
             descriptor: desc.encode(),
             zero_copy,
+            registration,
         })
     }
 

@@ -26,7 +26,7 @@ use tokio::net::TcpStream;
 use super::wire::{self, ReadRequest, ResponseHead};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::link::{Exposure, Link, LinkEvent, LinkInfo};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, Registration};
 use crate::pool::Pool;
 
 /// How much to read ahead into the record buffer at once. Small enough that a large read
@@ -686,6 +686,7 @@ impl Link for TcpLink {
             id,
             descriptor,
             zero_copy: false,
+            registration: Registration::NotNeeded,
         })
     }
 

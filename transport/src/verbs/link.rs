@@ -34,7 +34,7 @@ use tokio::net::TcpStream;
 use super::device::Slab;
 use super::progress::{AsyncEvents, Progress, Wc};
 use crate::error::{Error, Result};
-use crate::link::{Exposure, Link, LinkEvent, LinkInfo, RecvBuf};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, RecvBuf, Registration};
 use crate::pool::{Pool, PoolBufMut};
 
 pub(crate) const WR_RECV: u64 = 0;
@@ -769,16 +769,16 @@ impl Link for VerbsLink {
             return Err(e.clone());
         }
         let (ptr, len) = (buf.as_ptr() as usize, buf.len());
-        let (rkey, key) = if len == 0 {
-            (0, None)
+        let (rkey, key, registration) = if len == 0 {
+            (0, None, Registration::NotNeeded)
         } else if let Some(Some(p)) = self.pool.get().filter(|p| {
             p.as_ref()
                 .is_some_and(|p| p.pool.offset_of(buf.as_ptr(), len).is_some())
         }) {
-            (p.rkey, None)
+            (p.rkey, None, Registration::Pool)
         } else if let Some((mr, n)) = self.reg_cache.get_mut(&(ptr, len)) {
             *n += 1;
-            (mr.rkey(), Some((ptr, len)))
+            (mr.rkey(), Some((ptr, len)), Registration::CacheHit)
         } else {
             // SAFETY: the Bytes stays in `exposures` (keeping the memory alive and unchanged)
             // until withdraw, which drops the region with the last exposure of this range.
@@ -787,7 +787,7 @@ impl Link for VerbsLink {
             };
             let rkey = mr.rkey();
             self.reg_cache.insert((ptr, len), (mr, 1));
-            (rkey, Some((ptr, len)))
+            (rkey, Some((ptr, len)), Registration::Registered)
         };
         let id = self.next_exposure;
         self.next_exposure += 1;
@@ -802,6 +802,7 @@ impl Link for VerbsLink {
             id,
             descriptor,
             zero_copy: false,
+            registration,
         })
     }
 
