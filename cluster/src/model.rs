@@ -16,6 +16,18 @@ pub struct Mlp {
     pub classes: usize,
 }
 
+/// What the forward pass over a batch leaves for the backward pass.
+#[derive(Debug, Clone)]
+pub struct Forward {
+    n: usize,
+    /// Hidden activations, `n x hidden`.
+    h: Vec<f32>,
+    /// dLoss/dLogits of the batch mean, `n x classes`.
+    dz: Vec<f32>,
+    /// Mean loss over the batch.
+    pub loss: f32,
+}
+
 /// Parameters (or gradients) in [`Mlp::NAMES`] order: `w1` is `input x hidden` row-major,
 /// `w2` is `hidden x classes`.
 pub type Params = Vec<Vec<f32>>;
@@ -107,58 +119,91 @@ impl Mlp {
 
     /// Mean loss over `d` and its gradient with respect to every parameter.
     pub fn loss_and_grad(&self, p: &Params, d: &Dataset) -> (f32, Params) {
-        let mut g: Params = p.iter().map(|t| vec![0.0; t.len()]).collect();
+        let f = self.forward(p, d);
+        let (gw2, gb2) = self.backward_output(&f);
+        let (gw1, gb1) = self.backward_hidden(p, d, &f);
+        (f.loss, vec![gw1, gb1, gw2, gb2])
+    }
+
+    /// The forward pass over the batch `d`, keeping what the backward pass needs.
+    pub fn forward(&self, p: &Params, d: &Dataset) -> Forward {
         let n = d.len();
+        let mut f = Forward {
+            n,
+            h: vec![0.0; n * self.hidden],
+            dz: vec![0.0; n * self.classes],
+            loss: 0.0,
+        };
         if n == 0 {
-            return (0.0, g);
+            return f;
         }
         let scale = 1.0 / n as f32;
-        let (mut h, mut z, mut dh) = (
-            vec![0.0; self.hidden],
-            vec![0.0; self.classes],
-            vec![0.0; self.hidden],
-        );
         let mut loss = 0.0f64;
         for e in 0..n {
-            let x = d.row(e);
-            self.forward_one(p, x, &mut h, &mut z);
+            let h = &mut f.h[e * self.hidden..(e + 1) * self.hidden];
+            let z = &mut f.dz[e * self.classes..(e + 1) * self.classes];
+            self.forward_one(p, d.row(e), h, z);
             let y = usize::from(d.y[e]);
-            loss += f64::from(Self::softmax_xent(&mut z, y));
+            loss += f64::from(Self::softmax_xent(z, y));
             // dL/dz = (softmax - onehot) / n for the batch mean.
             z[y] -= 1.0;
             for v in z.iter_mut() {
                 *v *= scale;
             }
-            let (gw1, rest) = g.split_at_mut(1);
-            let (gb1, rest) = rest.split_at_mut(1);
-            let (gw2, gb2) = rest.split_at_mut(1);
-            for (b, &dz) in gb2[0].iter_mut().zip(&z) {
+        }
+        f.loss = (loss / n as f64) as f32;
+        f
+    }
+
+    /// Gradients of the output layer (`w2`, `b2`): available first in the backward pass, so
+    /// a worker can push them while it computes the hidden layer's.
+    pub fn backward_output(&self, f: &Forward) -> (Vec<f32>, Vec<f32>) {
+        let (mut gw2, mut gb2) = (
+            vec![0.0; self.hidden * self.classes],
+            vec![0.0; self.classes],
+        );
+        for e in 0..f.n {
+            let h = &f.h[e * self.hidden..(e + 1) * self.hidden];
+            let z = &f.dz[e * self.classes..(e + 1) * self.classes];
+            for (b, &dz) in gb2.iter_mut().zip(z) {
                 *b += dz;
             }
+            for (j, &hj) in h.iter().enumerate() {
+                let g2row = &mut gw2[j * self.classes..(j + 1) * self.classes];
+                for (g, &dz) in g2row.iter_mut().zip(z) {
+                    *g += hj * dz;
+                }
+            }
+        }
+        (gw2, gb2)
+    }
+
+    /// Gradients of the hidden layer (`w1`, `b1`), back through `w2` and the ReLU.
+    pub fn backward_hidden(&self, p: &Params, d: &Dataset, f: &Forward) -> (Vec<f32>, Vec<f32>) {
+        let (mut gw1, mut gb1) = (vec![0.0; self.input * self.hidden], vec![0.0; self.hidden]);
+        let mut dh = vec![0.0; self.hidden];
+        for e in 0..f.n {
+            let h = &f.h[e * self.hidden..(e + 1) * self.hidden];
+            let z = &f.dz[e * self.classes..(e + 1) * self.classes];
             for j in 0..self.hidden {
                 let w2row = &p[2][j * self.classes..(j + 1) * self.classes];
-                let g2row = &mut gw2[0][j * self.classes..(j + 1) * self.classes];
-                let mut back = 0.0;
-                for k in 0..self.classes {
-                    g2row[k] += h[j] * z[k];
-                    back += w2row[k] * z[k];
-                }
+                let back: f32 = w2row.iter().zip(z).map(|(w, dz)| w * dz).sum();
                 // ReLU passes the gradient only where the unit was active.
                 dh[j] = if h[j] > 0.0 { back } else { 0.0 };
             }
-            for (b, &v) in gb1[0].iter_mut().zip(&dh) {
+            for (b, &v) in gb1.iter_mut().zip(&dh) {
                 *b += v;
             }
-            for (i, &xi) in x.iter().enumerate() {
+            for (i, &xi) in d.row(e).iter().enumerate() {
                 if xi != 0.0 {
-                    let row = &mut gw1[0][i * self.hidden..(i + 1) * self.hidden];
+                    let row = &mut gw1[i * self.hidden..(i + 1) * self.hidden];
                     for (gw, &v) in row.iter_mut().zip(&dh) {
                         *gw += xi * v;
                     }
                 }
             }
         }
-        ((loss / n as f64) as f32, g)
+        (gw1, gb1)
     }
 
     /// Mean loss and accuracy over `d`.

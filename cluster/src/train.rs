@@ -2,6 +2,7 @@
 //! after a PS restart) and the single-process reference that does the same math locally.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, VarSpec, Worker, WorkerError};
@@ -41,6 +42,10 @@ pub struct TrainArgs {
     /// Print the loss every this many steps.
     #[arg(long, default_value_t = 25)]
     pub log_every: u64,
+    /// Push all gradients in one PushPull per PS after the whole backward pass, instead of
+    /// pushing the output layer's while the hidden layer's are computed.
+    #[arg(long)]
+    pub no_overlap: bool,
 }
 
 impl TrainArgs {
@@ -56,6 +61,9 @@ impl TrainArgs {
             format!("--test-size={}", self.test_size),
             format!("--log-every={}", self.log_every),
         ];
+        if self.no_overlap {
+            v.push("--no-overlap".into());
+        }
         if let Some(m) = &self.mnist {
             v.push(format!("--mnist={}", m.display()));
         }
@@ -314,13 +322,18 @@ pub async fn run_worker(
     let (t0, first_step) = (Instant::now(), step);
     while step < args.steps {
         let batch = job.train.gather(&job.schedule.shard(step, index, workers));
-        let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
-        let pairs: Vec<(&str, &[f32])> = names
-            .iter()
-            .copied()
-            .zip(grads.iter().map(Vec::as_slice))
-            .collect();
-        match worker.push_pull(step, &pairs).await {
+        let (loss, result) = if args.no_overlap {
+            let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
+            let pairs: Vec<(&str, &[f32])> = names
+                .iter()
+                .copied()
+                .zip(grads.iter().map(Vec::as_slice))
+                .collect();
+            (loss, worker.push_pull(step, &pairs).await)
+        } else {
+            overlapped_step(&job, &worker, step, &params, &batch).await
+        };
+        match result {
             Ok(fresh) => {
                 params = fresh;
                 log_step(args, step, loss, &mut losses);
@@ -354,12 +367,34 @@ async fn connect(
     spec: &ClusterSpec,
     index: usize,
     vars: &[VarSpec],
-) -> Result<Worker, WorkerError> {
+) -> Result<Arc<Worker>, WorkerError> {
     let w = Worker::connect(spec, index).await?;
     // Every worker creates the same list: identical specs are a no-op on the PS, and each
     // Worker needs the placement to know where a variable lives.
     w.create_variables(vars).await?;
-    Ok(w)
+    Ok(Arc::new(w))
+}
+
+/// One step with the output layer's gradients on the wire while the hidden layer's are
+/// computed (backpropagation order), then the next step's values.
+async fn overlapped_step(
+    job: &Job,
+    worker: &Arc<Worker>,
+    step: u64,
+    params: &Params,
+    batch: &Dataset,
+) -> (f32, Result<Params, WorkerError>) {
+    let [w1, b1, w2, b2] = Mlp::NAMES;
+    let f = job.mlp.forward(params, batch);
+    let sent = async {
+        let mut push = worker.begin_step(step);
+        let (gw2, gb2) = job.mlp.backward_output(&f);
+        push.push(vec![(w2.into(), gw2), (b2.into(), gb2)])?;
+        let (gw1, gb1) = job.mlp.backward_hidden(params, batch, &f);
+        push.push(vec![(w1.into(), gw1), (b1.into(), gb1)])?;
+        push.finish_pull(&Mlp::NAMES).await
+    };
+    (f.loss, sent.await)
 }
 
 /// The step to continue from on a fresh connection after a failure.
@@ -384,7 +419,7 @@ async fn reconnect_and_resume(
     spec: &ClusterSpec,
     index: usize,
     vars: &[VarSpec],
-) -> Result<(Worker, u64), String> {
+) -> Result<(Arc<Worker>, u64), String> {
     let mut last = String::new();
     for _ in 0..5 {
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
@@ -433,6 +468,7 @@ mod tests {
             test_size: 300,
             mnist: None,
             log_every: 1000,
+            no_overlap: false,
         }
     }
 
