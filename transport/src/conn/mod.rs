@@ -200,6 +200,7 @@ impl Connection {
         let _order = shared.recv_lock.lock().await;
         loop {
             let notified = shared.changed.notified();
+            let spin;
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
@@ -208,8 +209,13 @@ impl Connection {
                     let msg = ready.msg();
                     st.consumed += 1;
                     st.core.consumed(msg);
+                    let credit_due = st.core.credit_due();
                     drop(st);
-                    shared.wake_driver();
+                    // Owed credits below the batching threshold ride on the next frame; only
+                    // a full batch needs the driver now.
+                    if credit_due {
+                        shared.wake_driver();
+                    }
                     return Ok(match ready {
                         ReadyMsg::Bytes(_, b) => b,
                         ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
@@ -219,8 +225,12 @@ impl Connection {
                     return Err(e.clone());
                 }
                 st.spin_requested = st.busy_poll;
+                spin = st.busy_poll;
             }
-            shared.wake_driver();
+            // The link wakes the driver when data comes; it only needs a nudge to spin.
+            if spin {
+                shared.wake_driver();
+            }
             notified.await;
         }
     }
@@ -239,6 +249,7 @@ impl Connection {
         let mut my_token = None;
         loop {
             let notified = shared.changed.notified();
+            let spin;
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
@@ -287,8 +298,11 @@ impl Connection {
                     };
                     st.consumed += 1;
                     st.core.consumed(msg);
+                    let credit_due = st.core.credit_due();
                     drop(st);
-                    shared.wake_driver();
+                    if credit_due {
+                        shared.wake_driver();
+                    }
                     return result;
                 }
                 if let Some(e) = &st.closed {
@@ -312,8 +326,12 @@ impl Connection {
                     my_token = Some(token);
                 }
                 st.spin_requested = st.busy_poll;
+                spin = st.busy_poll;
             }
-            shared.wake_driver();
+            // The link wakes the driver when data comes; it only needs a nudge to spin.
+            if spin {
+                shared.wake_driver();
+            }
             notified.await;
         }
     }

@@ -588,7 +588,7 @@ impl Connection {
                 return Some(self.emit(body));
             }
         }
-        if self.owed > 0 && self.owed >= (self.cfg.credits / 2).max(1) {
+        if self.credit_due() {
             return Some(self.emit(Body::Credit));
         }
         if let Some(reason) = &self.closing
@@ -637,6 +637,12 @@ impl Connection {
     /// True once the peer's `Hello` arrived.
     pub fn is_established(&self) -> bool {
         self.peer.is_some()
+    }
+
+    /// True when enough credits are owed to the peer to send them in a frame of their own
+    /// (half the window): fewer ride on the next data frame.
+    pub fn credit_due(&self) -> bool {
+        self.owed > 0 && self.owed >= (self.cfg.credits / 2).max(1)
     }
 
     /// True if [`Connection::poll_action`] has something.
