@@ -5,6 +5,10 @@
 //! Clients are generic over the channel: `BenchClient::new(channel)` works with a stock
 //! `tonic::transport::Channel` and with `ibex_transport::grpc::Channel` alike.
 
+mod optimizer;
+
+pub use optimizer::Optimizer;
+
 /// `ibex.bench.v1`: the benchmark and conformance service `Bench`.
 pub mod bench {
     /// Version 1 of the package.

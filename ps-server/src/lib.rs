@@ -20,7 +20,7 @@ use ibex_proto::ps::v1::parameter_server_server::ParameterServerServer;
 pub use checkpoint::KEEP as CHECKPOINTS_KEPT;
 pub use config::PsConfig;
 pub use metrics::Metrics;
-pub use optim::Optim;
+pub use optim::Optimizer;
 pub use service::PsService;
 pub use shard::{Grad, Mode, Shard, ShardConfig, Values};
 

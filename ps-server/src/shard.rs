@@ -25,7 +25,7 @@ use tonic::Status;
 
 use crate::checkpoint;
 use crate::init;
-use crate::optim::Optim;
+use crate::optim::{self, Optimizer};
 
 /// How gradients become steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
@@ -62,7 +62,7 @@ impl Mode {
 #[derive(Debug, Clone)]
 pub(crate) struct Var {
     pub def: pb::VariableDef,
-    pub optim: Optim,
+    pub optim: Optimizer,
     pub shape: Vec<usize>,
     /// Values in f32, already rounded to the storage dtype.
     pub data: Vec<f32>,
@@ -81,7 +81,7 @@ impl Var {
             ));
         }
         dtype(def.dtype).map_err(bad)?;
-        let optim = Optim::from_pb(def.optimizer.as_ref()).map_err(bad)?;
+        let optim = Optimizer::from_pb(def.optimizer.as_ref()).map_err(bad)?;
         let shape: Vec<usize> = def.shape.iter().map(|&d| d as usize).collect();
         if def.sparse && shape.len() != 2 {
             return Err(bad(format!(
@@ -134,8 +134,7 @@ impl Var {
     }
 
     fn apply_dense(&mut self, g: &[f32]) {
-        self.optim
-            .apply(&mut self.data, g, &mut self.slots, self.t[0]);
+        optim::apply(&self.optim, &mut self.data, g, &mut self.slots, self.t[0]);
         self.t[0] += 1;
         round_to(self.def.dtype, &mut self.data);
     }
@@ -151,8 +150,13 @@ impl Var {
                 .iter()
                 .map(|s| s[span.clone()].to_vec())
                 .collect();
-            self.optim
-                .apply(&mut self.data[span.clone()], g, &mut slots, self.t[r]);
+            optim::apply(
+                &self.optim,
+                &mut self.data[span.clone()],
+                g,
+                &mut slots,
+                self.t[r],
+            );
             for (s, new) in self.slots.iter_mut().zip(slots) {
                 s[span.clone()].copy_from_slice(&new);
             }
