@@ -10,6 +10,9 @@ need_cargo
 start=$(date +%s)
 step() { echo; echo "== $* ($(( $(date +%s) - start ))s)"; }
 
+step "formatting (rustfmt, default configuration)"
+cargo fmt --all --check || { echo "run: cargo fmt --all" >&2; exit 1; }
+
 step "workspace tests"
 cargo test --workspace --locked
 
