@@ -42,10 +42,12 @@ pub struct TrainArgs {
     /// Print the loss every this many steps.
     #[arg(long, default_value_t = 25)]
     pub log_every: u64,
-    /// Push all gradients in one PushPull per PS after the whole backward pass, instead of
-    /// pushing the output layer's while the hidden layer's are computed.
+    /// Push the output layer's gradients while the hidden layer's are computed, then pull
+    /// (`Worker::begin_step`), instead of one PushPull per PS after the backward pass. Off
+    /// by default: with this small model on a few cores the extra RPCs cost more than the
+    /// overlap saves (see docs/demo.md).
     #[arg(long)]
-    pub no_overlap: bool,
+    pub overlap: bool,
 }
 
 impl TrainArgs {
@@ -61,8 +63,8 @@ impl TrainArgs {
             format!("--test-size={}", self.test_size),
             format!("--log-every={}", self.log_every),
         ];
-        if self.no_overlap {
-            v.push("--no-overlap".into());
+        if self.overlap {
+            v.push("--overlap".into());
         }
         if let Some(m) = &self.mnist {
             v.push(format!("--mnist={}", m.display()));
@@ -322,7 +324,7 @@ pub async fn run_worker(
     let (t0, first_step) = (Instant::now(), step);
     while step < args.steps {
         let batch = job.train.gather(&job.schedule.shard(step, index, workers));
-        let (loss, result) = if args.no_overlap {
+        let (loss, result) = if !args.overlap {
             let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
             let pairs: Vec<(&str, &[f32])> = names
                 .iter()
@@ -468,7 +470,7 @@ mod tests {
             test_size: 300,
             mnist: None,
             log_every: 1000,
-            no_overlap: false,
+            overlap: false,
         }
     }
 

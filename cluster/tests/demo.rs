@@ -117,9 +117,10 @@ fn demo_on_shm_reaches_the_bar_and_matches_the_reference() {
     );
 }
 
-/// `--transport grpc` runs the same job over stock tonic (HTTP/2 over TCP).
+/// `--transport grpc` runs the same job over stock tonic (HTTP/2 over TCP); with
+/// `--overlap`, each step pushes layer by layer and then pulls.
 #[test]
-fn demo_over_stock_grpc() {
+fn demo_over_stock_grpc_with_overlapped_pushes() {
     let dir = Dir::new("grpc");
     let rep = dir.0.join("demo.json");
     let o = ibex(
@@ -127,6 +128,7 @@ fn demo_over_stock_grpc() {
             "demo",
             "--transport",
             "grpc",
+            "--overlap",
             "--steps",
             "150",
             "--report",
@@ -138,6 +140,11 @@ fn demo_over_stock_grpc() {
     let r = report(&rep);
     assert_eq!(r["steps"], 150);
     assert!(r["test_accuracy"].as_f64().unwrap() >= 0.9);
+    let profile = r["comm_profile"].as_str().unwrap();
+    assert!(
+        profile.contains("Push ") && !profile.contains("PushPull"),
+        "{profile}"
+    );
 }
 
 /// `--transport tcp`, one PS and one worker: the smallest distributed shape still trains.
