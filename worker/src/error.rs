@@ -68,6 +68,15 @@ pub enum WorkerError {
     /// The Ibex transport failed outside a call (exposing a buffer).
     #[error("transport: {0}")]
     Transport(#[from] ibex_transport::Error),
+    /// A registered gradient buffer is still held: by a push whose RPC has not returned (the
+    /// PS may still read it) or by another staging lease. `Worker::stage` waits instead.
+    #[error(
+        "the staging buffer of {name:?} is still in use by a push in flight or another lease; wait with Worker::stage"
+    )]
+    BufferBusy {
+        /// The variable.
+        name: String,
+    },
     /// Misuse of the API (bad arguments that never reach a PS).
     #[error("{0}")]
     Usage(String),

@@ -11,6 +11,7 @@ mod error;
 mod placement;
 mod profile;
 mod spec;
+mod staging;
 mod types;
 
 pub use client::Worker;
@@ -19,4 +20,5 @@ pub use ibex_proto::ps::v1 as pb;
 pub use placement::{PARTITION_BYTES, Part, Placement, place};
 pub use profile::{CommProfile, Histogram};
 pub use spec::*;
+pub use staging::{Staged, StagedPart, StagingInfo};
 pub use types::{Dtype, Init, Optimizer, VarSpec};
