@@ -181,14 +181,22 @@ impl Worker {
 
     /// Sends one push request per PS; each exposed buffer lives until its call returned.
     pub(crate) async fn send_push(&self, reqs: Vec<PushReq>) -> Result<(), WorkerError> {
-        try_join_all(reqs.into_iter().map(|(ps, req, _keep)| async move {
-            self.count("Push");
-            let r = rpc!(self.clients[ps], push, req).map_err(|s| WorkerError::from_status(ps, s));
-            drop(_keep);
-            r
-        }))
-        .await?;
+        try_join_all(reqs.into_iter().map(|r| self.send_one(r, false))).await?;
         Ok(())
+    }
+
+    /// Sends one PS's push (or push-pull, returning its fresh values); the exposed buffers
+    /// live until the call returned, since the PS reads them during the call.
+    pub(crate) async fn send_one(&self, (ps, req, keep): PushReq, pull: bool) -> Result<Vec<pb::Tensor>, WorkerError> {
+        let values = if pull {
+            self.count("PushPull");
+            rpc!(self.clients[ps], push_pull, req).map(|r| r.into_inner().values)
+        } else {
+            self.count("Push");
+            rpc!(self.clients[ps], push, req).map(|_| Vec::new())
+        };
+        drop(keep);
+        values.map_err(|s| WorkerError::from_status(ps, s))
     }
 
     /// Pushes `grads` for `step`, waits until the step is applied, and returns the fresh
@@ -205,14 +213,7 @@ impl Worker {
         places: &[Placement],
         reqs: Vec<PushReq>,
     ) -> Result<Vec<Vec<f32>>, WorkerError> {
-        let replies = try_join_all(reqs.into_iter().map(|(ps, req, keep)| async move {
-            self.count("PushPull");
-            let r = rpc!(self.clients[ps], push_pull, req).map_err(|s| WorkerError::from_status(ps, s));
-            // The PS has read any exposed buffers once the call returned.
-            drop(keep);
-            Ok::<_, WorkerError>(r?.into_inner().values)
-        }))
-        .await?;
+        let replies = try_join_all(reqs.into_iter().map(|r| self.send_one(r, true))).await?;
         self.assemble(places, replies.into_iter().flatten())
     }
 
@@ -474,7 +475,7 @@ impl Worker {
     }
 
     /// Reassembles whole variables (in `places` order) from the parts in `values`.
-    fn assemble(&self, places: &[Placement], values: impl Iterator<Item = pb::Tensor>) -> Result<Vec<Vec<f32>>, WorkerError> {
+    pub(crate) fn assemble(&self, places: &[Placement], values: impl Iterator<Item = pb::Tensor>) -> Result<Vec<Vec<f32>>, WorkerError> {
         let mut by_name: HashMap<String, pb::Tensor> = values.map(|t| (t.name.clone(), t)).collect();
         places
             .iter()

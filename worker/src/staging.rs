@@ -30,7 +30,9 @@ use bytes::Bytes;
 use ibex_transport::pool::PoolBufMut;
 use tokio::sync::Notify;
 
-use crate::client::{Client, PushReq, Worker};
+use futures_util::future::try_join_all;
+
+use crate::client::{Client, Worker};
 use crate::error::WorkerError;
 use crate::pb;
 use crate::placement::Placement;
@@ -289,25 +291,46 @@ impl Staged {
         &self.vars
     }
 
-    /// Ends the lease: views for the transport, one per part, in variable then part order.
-    fn into_views(mut self) -> Vec<Bytes> {
-        // Taken out so that `Drop` (which runs on the emptied lease) releases nothing: each
-        // slot's lease becomes a view below.
+    /// Splits the lease by PS: each group's slots stay leased until turned into views.
+    fn into_groups(mut self) -> (Vec<Placement>, Vec<Group>) {
+        // Taken out so that `Drop` (which runs on the emptied lease) releases nothing: the
+        // groups own the leases now.
         let vars = std::mem::take(&mut self.vars);
-        let mut out = Vec::new();
+        let places: Vec<Placement> = vars.iter().map(|v| v.placement.clone()).collect();
+        let mut groups: Vec<Group> = Vec::new();
         for v in &vars {
-            for slot in &v.parts {
-                #[cfg(target_endian = "big")]
-                // SAFETY: as in `var_mut`; the lease is still held here.
-                unsafe {
-                    for x in std::slice::from_raw_parts_mut(slot.ptr, slot.len) {
-                        *x = f32::from_bits(x.to_bits().to_le());
-                    }
+            for (part, slot) in v.placement.parts.iter().zip(&v.parts) {
+                let item = (part.name.clone(), v.placement.part_shape(part), slot.clone());
+                match groups.iter_mut().find(|g| g.ps == part.ps) {
+                    Some(g) => g.parts.push(item),
+                    None => groups.push(Group { ps: part.ps, parts: vec![item] }),
                 }
-                out.push(slot.into_view());
             }
         }
-        out
+        (places, groups)
+    }
+}
+
+/// One PS's share of a staged push: part name, shape and leased slot of each part.
+pub(crate) struct Group {
+    pub(crate) ps: usize,
+    pub(crate) parts: Vec<(String, Vec<usize>, Arc<Slot>)>,
+}
+
+impl Group {
+    /// Bytes this group sends.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn bytes(&self) -> usize {
+        self.parts.iter().map(|(_, _, s)| s.len() * 4).sum()
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // Parts not yet handed to the transport (an error before the send) are released.
+        for (_, _, slot) in &self.parts {
+            slot.unlease();
+        }
     }
 }
 
@@ -383,15 +406,13 @@ impl Worker {
     /// [`Worker::push`] from the registered buffers of `staged`: no copy on the worker for
     /// descriptor-path parts, only the encoder's for inline ones.
     pub async fn push_staged(&self, step: u64, staged: Staged) -> Result<(), WorkerError> {
-        let (_, reqs) = self.staged_requests(step, staged).await?;
-        self.send_push(reqs).await
+        self.push_staged_when(step, staged, false, |_| async { Ok(()) }).await.map(drop)
     }
 
     /// [`Worker::push_pull`] from the registered buffers of `staged`; returns the fresh
     /// values of the staged variables in their staging order.
     pub async fn push_pull_staged(&self, step: u64, staged: Staged) -> Result<Vec<Vec<f32>>, WorkerError> {
-        let (places, reqs) = self.staged_requests(step, staged).await?;
-        self.send_push_pull(&places, reqs).await
+        self.push_staged_when(step, staged, true, |_| async { Ok(()) }).await
     }
 
     /// The cached buffers of `names`, allocating those not yet cached.
@@ -427,29 +448,44 @@ impl Worker {
         Ok(out)
     }
 
-    /// One push request per PS from the staged buffers, with the exposures to keep alive.
-    async fn staged_requests(&self, step: u64, staged: Staged) -> Result<(Vec<Placement>, Vec<PushReq>), WorkerError> {
-        let places: Vec<Placement> = staged.vars.iter().map(|v| v.placement.clone()).collect();
-        let mut views = staged.into_views().into_iter();
-        let mut per_ps: Vec<(Vec<pb::Tensor>, Vec<ibex_transport::RemoteBuf>)> =
-            (0..self.clients.len()).map(|_| Default::default()).collect();
-        for p in &places {
-            for part in &p.parts {
-                let bytes =
-                    views.next().ok_or_else(|| WorkerError::Usage("staging lease lost a part buffer".to_string()))?;
-                let (t, keep) = self.tensor_from_bytes(part.ps, &part.name, p.part_shape(part), bytes).await?;
-                per_ps[part.ps].0.push(t);
-                per_ps[part.ps].1.extend(keep);
-            }
-        }
+    /// Sends `staged` with one request per PS, each as soon as `ready(ps)` resolves (the
+    /// CUDA path resolves it when that PS's device-to-host copies are done, so the copies
+    /// for the next PS overlap this send). With `pull`, returns the fresh values in staging
+    /// order; otherwise an empty vector.
+    pub(crate) async fn push_staged_when<F, Fut>(
+        &self,
+        step: u64,
+        staged: Staged,
+        pull: bool,
+        ready: F,
+    ) -> Result<Vec<Vec<f32>>, WorkerError>
+    where
+        F: Fn(usize) -> Fut,
+        Fut: std::future::Future<Output = Result<(), WorkerError>>,
+    {
+        let (places, groups) = staged.into_groups();
         let worker = self.index;
-        let reqs = per_ps
-            .into_iter()
-            .enumerate()
-            .filter(|(_, (t, _))| !t.is_empty())
-            .map(|(ps, (grads, keep))| (ps, pb::PushRequest { step, worker, grads }, keep))
-            .collect();
-        Ok((places, reqs))
+        let ready = &ready;
+        let replies = try_join_all(groups.into_iter().map(|mut g| async move {
+            ready(g.ps).await?;
+            let mut grads = Vec::with_capacity(g.parts.len());
+            let mut keep = Vec::new();
+            while let Some((name, shape, slot)) = g.parts.pop() {
+                #[cfg(target_endian = "big")]
+                // SAFETY: the group still holds this slot's lease.
+                unsafe {
+                    for x in std::slice::from_raw_parts_mut(slot.ptr, slot.len) {
+                        *x = f32::from_bits(x.to_bits().to_le());
+                    }
+                }
+                let (t, k) = self.tensor_from_bytes(g.ps, &name, shape, slot.into_view()).await?;
+                grads.push(t);
+                keep.extend(k);
+            }
+            self.send_one((g.ps, pb::PushRequest { step, worker, grads }, keep), pull).await
+        }))
+        .await?;
+        if pull { self.assemble(&places, replies.into_iter().flatten()) } else { Ok(Vec::new()) }
     }
 }
 
