@@ -7,6 +7,8 @@
 #![warn(missing_docs)]
 
 mod client;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod placement;
 mod profile;
@@ -15,6 +17,11 @@ mod staging;
 mod types;
 
 pub use client::Worker;
+#[cfg(feature = "cuda")]
+pub use cuda::{Gpu, GpuPaths, device_count, probe_driver};
+/// The cudarc the `cuda` feature was built with: allocate device tensors with it.
+#[cfg(feature = "cuda")]
+pub use cudarc;
 pub use error::WorkerError;
 pub use ibex_proto::ps::v1 as pb;
 pub use placement::{PARTITION_BYTES, Part, Placement, place};

@@ -317,14 +317,6 @@ pub(crate) struct Group {
     pub(crate) parts: Vec<(String, Vec<usize>, Arc<Slot>)>,
 }
 
-impl Group {
-    /// Bytes this group sends.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn bytes(&self) -> usize {
-        self.parts.iter().map(|(_, _, s)| s.len() * 4).sum()
-    }
-}
-
 impl Drop for Group {
     fn drop(&mut self) {
         // Parts not yet handed to the transport (an error before the send) are released.
