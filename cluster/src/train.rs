@@ -8,6 +8,7 @@ use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, VarSpec, Worker, WorkerEr
 use serde::{Deserialize, Serialize};
 
 use crate::data::{self, Dataset, Schedule};
+use crate::gpu::{Device, Trainer};
 use crate::model::{LocalMomentum, Mlp, Params};
 
 /// Hyper-parameters and data of a training run; the same flags drive `ibex demo`,
@@ -41,6 +42,9 @@ pub struct TrainArgs {
     /// Print the loss every this many steps.
     #[arg(long, default_value_t = 25)]
     pub log_every: u64,
+    /// Where workers compute: `cpu`, or `cuda` (a build with `--features cuda` and a GPU).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
 }
 
 impl TrainArgs {
@@ -55,6 +59,7 @@ impl TrainArgs {
             format!("--seed={}", self.seed),
             format!("--test-size={}", self.test_size),
             format!("--log-every={}", self.log_every),
+            format!("--device={}", self.device.as_str()),
         ];
         if let Some(m) = &self.mnist {
             v.push(format!("--mnist={}", m.display()));
@@ -262,16 +267,29 @@ pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs, tick
     };
     let mut params = worker.pull(&names, step).await.map_err(|e| e.to_string())?;
     job.mlp.check(&params)?;
+    let mut gpu = Trainer::open(job.mlp, args.device, args.batch / workers)?;
+    if let Some(g) = &mut gpu {
+        g.load(&params)?;
+    }
     let initial = (step == 0).then(|| params.clone());
     let (mut losses, mut recoveries) = (Vec::new(), 0u32);
     let (t0, first_step) = (Instant::now(), step);
     while step < args.steps {
         let batch = job.train.gather(&job.schedule.shard(step, index, workers));
-        let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
-        let pairs: Vec<(&str, &[f32])> = names.iter().copied().zip(grads.iter().map(Vec::as_slice)).collect();
-        match worker.push_pull(step, &pairs).await {
-            Ok(fresh) => {
-                params = fresh;
+        let pushed = match &mut gpu {
+            // Device parameters are updated in place; `params` is refreshed at the end.
+            Some(g) => g.step(&worker, step, &batch).await.map(|loss| (loss, None)),
+            None => {
+                let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
+                let pairs: Vec<(&str, &[f32])> = names.iter().copied().zip(grads.iter().map(Vec::as_slice)).collect();
+                worker.push_pull(step, &pairs).await.map(|fresh| (loss, Some(fresh)))
+            }
+        };
+        match pushed {
+            Ok((loss, fresh)) => {
+                if let Some(fresh) = fresh {
+                    params = fresh;
+                }
                 log_step(args, step, loss, &mut losses);
                 step += 1;
                 if ticks {
@@ -284,6 +302,9 @@ pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs, tick
                 drop(worker);
                 let (w, s) = reconnect_and_resume(spec, index, &vars).await?;
                 params = w.pull(&names, s).await.map_err(|e| e.to_string())?;
+                if let Some(g) = &mut gpu {
+                    g.load(&params)?;
+                }
                 println!("recovered at step {s} (was at {step})");
                 (worker, step) = (w, s);
             }
@@ -291,6 +312,9 @@ pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs, tick
         }
     }
     let secs = t0.elapsed().as_secs_f64();
+    if let Some(g) = &gpu {
+        params = g.params()?;
+    }
     let mut r = job.finish(workers, step, losses, params);
     r.steps_per_sec = (step - first_step) as f64 / secs.max(1e-9);
     r.recoveries = recoveries;
@@ -374,6 +398,7 @@ mod tests {
             test_size: 300,
             mnist: None,
             log_every: 1000,
+            device: Device::Cpu,
         }
     }
 
