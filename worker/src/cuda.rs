@@ -469,6 +469,10 @@ impl Worker {
         }
         let order = plan_groups(&groups.iter().map(|g| g.bytes).collect::<Vec<_>>());
         let mut events: HashMap<usize, (CudaEvent, Vec<Bounced>)> = HashMap::new();
+        // Until each group's copies are known complete, a failure must not release the
+        // leases (the next `stage` could hand out a buffer the GPU is still writing): the
+        // guard waits for the stream first.
+        let enqueued = StreamGuard::new(&gpu.stream);
         gpu.ctx.bind_to_thread().map_err(|e| driver_err("cuCtxSetCurrent", e, 0))?;
         for gi in order {
             let CopyGroup { ps, parts, bytes } = &groups[gi];
@@ -501,9 +505,14 @@ impl Worker {
             let ev = gpu.stream.record_event(None).map_err(|e| driver_err("cuEventRecord", e, *bytes))?;
             events.insert(*ps, (ev, bounced));
         }
+        enqueued.disarm();
         let events = &events;
+        let stream = &gpu.stream;
         self.push_staged_when(step, staged, pull, |ps| async move {
             let Some((ev, bounced)) = events.get(&ps) else { return Ok(()) };
+            // Dropped on an error or when the push is cancelled (then this group's lease is
+            // released right after): waits for the copies first.
+            let waiting = StreamGuard::new(stream);
             wait_event(ev).await?;
             for b in bounced {
                 let buf = b.buf.lock().unwrap_or_else(|e| e.into_inner());
@@ -513,9 +522,37 @@ impl Worker {
                 let dst = unsafe { std::slice::from_raw_parts_mut(b.slot.as_ptr(), b.slot.len()) };
                 dst.copy_from_slice(&host[..dst.len()]);
             }
+            waiting.disarm();
             Ok(())
         })
         .await
+    }
+}
+
+/// Synchronizes a stream when dropped armed: on error and cancellation paths, so that
+/// buffers the stream still copies into are not released before the copies finished.
+struct StreamGuard<'a> {
+    stream: &'a CudaStream,
+    armed: bool,
+}
+
+impl<'a> StreamGuard<'a> {
+    fn new(stream: &'a CudaStream) -> Self {
+        StreamGuard { stream, armed: true }
+    }
+
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for StreamGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed
+            && let Err(e) = self.stream.synchronize()
+        {
+            tracing::warn!(code = ?e.0, "synchronizing the copy stream after a failed push");
+        }
     }
 }
 
