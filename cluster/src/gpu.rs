@@ -47,6 +47,40 @@ pub fn ensure(device: Device) -> Result<(), String> {
     }
 }
 
+/// Column-major (cuBLAS) GEMM arguments that compute the row-major product
+/// C (m x n) = op(A) (m x k) * op(B) (k x n): cuBLAS sees each row-major matrix as its
+/// transpose, so it computes C^T = op(B)^T op(A)^T, with B's buffer as its first operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct ColMajorGemm {
+    /// Transpose cuBLAS's first operand (B's buffer).
+    trans_first: bool,
+    /// Transpose its second operand (A's buffer).
+    trans_second: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    ld_first: usize,
+    ld_second: usize,
+    ldc: usize,
+}
+
+/// See [`ColMajorGemm`]; `ta`/`tb` say whether A/B are stored transposed (A as k x m, B as
+/// n x k, row-major).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn row_major_gemm(ta: bool, tb: bool, m: usize, k: usize, n: usize) -> ColMajorGemm {
+    ColMajorGemm {
+        trans_first: tb,
+        trans_second: ta,
+        m: n,
+        n: m,
+        k,
+        ld_first: if tb { k } else { n },
+        ld_second: if ta { m } else { k },
+        ldc: n,
+    }
+}
+
 #[cfg(not(feature = "cuda"))]
 const NOT_BUILT: &str = "--device cuda: this ibex was built without CUDA support; rebuild with \
                          `cargo build --release -p ibex-cluster --features cuda` (needs no CUDA toolkit to build; \
@@ -233,7 +267,7 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
                 params,
                 grads,
             };
-            println!("device: {:?}", gpu.paths());
+            eprintln!("device: {:?}", gpu.paths());
             Ok(Some(t))
         }
 
@@ -264,17 +298,18 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
             (m, k, n): (usize, usize, usize),
         ) -> Result<(), String> {
             let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+            let g = row_major_gemm(ta, tb, m, k, n);
             let cfg = GemmConfig {
-                transa: op(tb),
-                transb: op(ta),
-                m: int(n)?,
-                n: int(m)?,
-                k: int(k)?,
+                transa: op(g.trans_first),
+                transb: op(g.trans_second),
+                m: int(g.m)?,
+                n: int(g.n)?,
+                k: int(g.k)?,
                 alpha: 1.0f32,
-                lda: int(if tb { k } else { n })?,
-                ldb: int(if ta { m } else { k })?,
+                lda: int(g.ld_first)?,
+                ldb: int(g.ld_second)?,
                 beta: 0.0f32,
-                ldc: int(n)?,
+                ldc: int(g.ldc)?,
             };
             // SAFETY: the operands hold at least m*k, k*n and m*n values (sized at `open`
             // for `cap` rows; `step` checks the batch against it).
@@ -380,6 +415,71 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// BLAS sgemm semantics, column-major: C = op(A) op(B), op(A) m x k, op(B) k x n.
+    #[allow(clippy::too_many_arguments)]
+    fn sgemm_col_major(
+        ta: bool,
+        tb: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
+        lda: usize,
+        b: &[f32],
+        ldb: usize,
+        c: &mut [f32],
+        ldc: usize,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0;
+                for p in 0..k {
+                    let x = if ta { a[p + i * lda] } else { a[i + p * lda] };
+                    let y = if tb { b[j + p * ldb] } else { b[p + j * ldb] };
+                    s += x * y;
+                }
+                c[i + j * ldc] = s;
+            }
+        }
+    }
+
+    /// The argument mapping the GPU model hands cuBLAS gives the row-major products the
+    /// CPU model computes, for every transpose combination it uses (and the fourth).
+    #[test]
+    fn row_major_gemm_through_column_major_blas() {
+        let (m, k, n) = (3, 4, 5);
+        let val = |i: usize| ((i * 7) % 11) as f32 - 5.0;
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            // Logical A (m x k) and B (k x n), row-major.
+            let a: Vec<f32> = (0..m * k).map(val).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| val(i + 3)).collect();
+            // How they are stored: transposed when ta / tb.
+            let a_st: Vec<f32> = if ta { (0..k * m).map(|i| a[(i % m) * k + i / m]).collect() } else { a.clone() };
+            let b_st: Vec<f32> = if tb { (0..n * k).map(|i| b[(i % k) * n + i / k]).collect() } else { b.clone() };
+            let g = row_major_gemm(ta, tb, m, k, n);
+            let mut c = vec![0.0; m * n];
+            sgemm_col_major(
+                g.trans_first,
+                g.trans_second,
+                g.m,
+                g.n,
+                g.k,
+                &b_st,
+                g.ld_first,
+                &a_st,
+                g.ld_second,
+                &mut c,
+                g.ldc,
+            );
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+                    assert_eq!(c[i * n + j], want, "ta {ta} tb {tb} at ({i}, {j})");
+                }
+            }
+        }
+    }
 
     #[test]
     fn the_cpu_needs_no_trainer() {
