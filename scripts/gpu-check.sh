@@ -4,8 +4,11 @@
 #   1. the GPU test suite (ibex-worker --features cuda); a skip counts as a failure here
 #   2. the staging-path bandwidth: device -> PS -> device through Ibex shm against a plain
 #      cudaMemcpy D2H + H2D in the same run (worker example gpu_staging_bw [MIB] [ITERS])
-#   3. ibex demo --device cuda (reaches the accuracy bar or fails)
-# Output also goes to target/gpu-check.log. Extra arguments go to the demo.
+#   3. ibex demo --device cuda (reaches the accuracy bar or fails), then its final weights
+#      against the CPU single-process reference from the same initial weights (printed:
+#      cuBLAS sums in another order than the CPU, so a difference near the 1e-4 tolerance
+#      is rounding, one near 1 a bug)
+# Output also goes to target/gpu-check.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -32,6 +35,9 @@ cargo run --release --locked -q -p ibex-worker --features cuda --example gpu_sta
 
 step "ibex demo --device cuda"
 cargo build --release -q --locked -p ibex-cluster --features cuda
-target/release/ibex demo --device cuda "$@"
+report=target/gpu-demo.json
+target/release/ibex demo --device cuda --report "$report"
+target/release/ibex train --reference --init-from "$report" --compare "$report" \
+    || echo "note: the GPU run differs from the CPU reference beyond the CPU runs' tolerance (see above)"
 
 step "done (log: $log)"
