@@ -30,7 +30,11 @@ use transport::{Client, Transport};
 pub type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[derive(Parser)]
-#[command(name = "ibex-bench", version, about = "TF-gRPC-Bench and OSU-style benchmarks: stock tonic against Ibex")]
+#[command(
+    name = "ibex-bench",
+    version,
+    about = "TF-gRPC-Bench and OSU-style benchmarks: stock tonic against Ibex"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -76,7 +80,9 @@ fn parse_size(s: &str) -> Result<usize, String> {
         Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
         _ => (s.trim_end_matches('B'), 1),
     };
-    num.parse::<usize>().map(|n| n * mult).map_err(|_| format!("`{s}` is not a size; write 64, 4K, 16M or 16MiB"))
+    num.parse::<usize>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("`{s}` is not a size; write 64, 4K, 16M or 16MiB"))
 }
 
 #[derive(Args, Clone)]
@@ -173,7 +179,11 @@ struct CompareArgs {
 fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Server { transport, listen, threads } => server::serve(transport, listen, threads),
+        Cmd::Server {
+            transport,
+            listen,
+            threads,
+        } => server::serve(transport, listen, threads),
         Cmd::Compare(a) => compare(a),
         Cmd::Latency(a) => bench("latency", a),
         Cmd::Bw(a) => bench("bw", a),
@@ -196,7 +206,10 @@ struct LocalServer {
 
 impl LocalServer {
     fn spawn(t: Transport) -> Res<LocalServer> {
-        let mut child = Command::new(std::env::current_exe()?).args(["server", "--transport", t.name()]).stdout(Stdio::piped()).spawn()?;
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["server", "--transport", t.name()])
+            .stdout(Stdio::piped())
+            .spawn()?;
         let out = child.stdout.take().ok_or("server stdout")?;
         let mut line = String::new();
         BufReader::new(out).read_line(&mut line)?;
@@ -204,7 +217,11 @@ impl LocalServer {
         if addr.is_empty() {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(format!("the {} server exited before printing its address (see its error above)", t.name()).into());
+            return Err(format!(
+                "the {} server exited before printing its address (see its error above)",
+                t.name()
+            )
+            .into());
         }
         Ok(LocalServer { child, addr })
     }
@@ -222,7 +239,11 @@ impl Drop for LocalServer {
 
 /// Runs one benchmark subcommand: spawns local servers unless `--connect` names them.
 fn bench(name: &str, a: BenchArgs) -> Res<()> {
-    let want = if name == "ps-throughput" { a.ps.max(1) } else { 1 };
+    let want = if name == "ps-throughput" {
+        a.ps.max(1)
+    } else {
+        1
+    };
     let mut servers = Vec::new();
     let addrs = if a.connect.is_empty() {
         for _ in 0..want {
@@ -232,11 +253,17 @@ fn bench(name: &str, a: BenchArgs) -> Res<()> {
     } else {
         a.connect.clone()
     };
-    let concurrent = (name != "latency" && name != "tensor") || std::env::var_os("IBEX_BENCH_MT").is_some();
+    let concurrent =
+        (name != "latency" && name != "tensor") || std::env::var_os("IBEX_BENCH_MT").is_some();
     let rt = if concurrent {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?
     } else {
-        tokio::runtime::Builder::new_current_thread().enable_all().build()?
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
     };
     let mut records = rt.block_on(client(name, &a, &addrs))?;
     let srss: u64 = servers.iter().map(LocalServer::rss_kib).sum();
@@ -262,22 +289,33 @@ async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>>
         scheme: a.scheme,
         category: a.category,
         buffers: a.buffers,
-        skew: [a.skew.first().copied().unwrap_or(60), a.skew.get(1).copied().unwrap_or(30), a.skew.get(2).copied().unwrap_or(10)],
+        skew: [
+            a.skew.first().copied().unwrap_or(60),
+            a.skew.get(1).copied().unwrap_or(30),
+            a.skew.get(2).copied().unwrap_or(10),
+        ],
         randomize_sizes: a.randomize_sizes,
         seed: a.seed,
     };
-    let timing = Timing { warmup: Duration::from_secs_f64(a.warmup), duration: Duration::from_secs_f64(a.duration), runs: a.runs };
+    let timing = Timing {
+        warmup: Duration::from_secs_f64(a.warmup),
+        duration: Duration::from_secs_f64(a.duration),
+        runs: a.runs,
+    };
     let t = a.transport;
     let addr = addrs.first().ok_or("no server address")?;
-    let shape = |bench: &'static str, payload: String, window: usize, bytes: usize, per_call: usize| Shape {
-        bench,
-        transport: t,
-        payload,
-        window,
-        topology: "1x1".into(),
-        bytes_per_call: per_call,
-        bytes,
-    };
+    let shape =
+        |bench: &'static str, payload: String, window: usize, bytes: usize, per_call: usize| {
+            Shape {
+                bench,
+                transport: t,
+                payload,
+                window,
+                topology: "1x1".into(),
+                bytes_per_call: per_call,
+                bytes,
+            }
+        };
     let mut out = Vec::new();
     match name {
         "latency" | "bw" | "bibw" => {
@@ -290,7 +328,22 @@ async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>>
             let op = if echo { Op::Echo(msg) } else { Op::Sink(msg) };
             let s = run::measure(run::windowed(&c, window), op, timing).await?;
             let per_call = if name == "bibw" { 2 * bytes } else { bytes };
-            out.push(run::record(&s, shape(if name == "latency" { "latency" } else if echo { "bibw" } else { "bw" }, label, window, bytes, per_call)));
+            out.push(run::record(
+                &s,
+                shape(
+                    if name == "latency" {
+                        "latency"
+                    } else if echo {
+                        "bibw"
+                    } else {
+                        "bw"
+                    },
+                    label,
+                    window,
+                    bytes,
+                    per_call,
+                ),
+            ));
             c.close().await;
         }
         "ps-throughput" => {
@@ -311,7 +364,10 @@ async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>>
         }
         "sweep" => {
             let c = Client::connect(t, addr).await?;
-            let per_point = Timing { warmup: timing.warmup.min(Duration::from_millis(200)), ..timing };
+            let per_point = Timing {
+                warmup: timing.warmup.min(Duration::from_millis(200)),
+                ..timing
+            };
             for size in run::sweep_sizes(a.min_size, a.max_size, a.step) {
                 let (m, label) = run::p2p_msg(&spec, Some(size), true);
                 let s = run::measure(run::windowed(&c, 1), Op::Echo(m), per_point).await?;
@@ -328,8 +384,15 @@ async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>>
             let c = Client::connect(t, addr).await?;
             let data = c.tensor_buffer(size)?;
             let s = run::measure(run::windowed(&c, 1), Op::Tensor(data), timing).await?;
-            let label = if matches!(c, Client::Tonic(_)) { "Sink body" } else { "registered" };
-            out.push(run::record(&s, shape("tensor", label.into(), 1, size, size)));
+            let label = if matches!(c, Client::Tonic(_)) {
+                "Sink body"
+            } else {
+                "registered"
+            };
+            out.push(run::record(
+                &s,
+                shape("tensor", label.into(), 1, size, size),
+            ));
             c.close().await;
             let mb = run::memcpy_mb_s(size, timing);
             let mut r = run::record(&s, shape("memcpy", "1 thread".into(), 1, size, size));
@@ -352,7 +415,10 @@ fn plan(benches: &[String], quick: bool, max_size: usize) -> Vec<(&'static str, 
         p.push(("latency", s(&["--size", "64"])));
         p.push(("latency", s(&["--scheme", "skew"])));
         if !quick {
-            p.push(("latency", s(&["--scheme", "uniform", "--category", "small"])));
+            p.push((
+                "latency",
+                s(&["--scheme", "uniform", "--category", "small"]),
+            ));
             p.push(("latency", s(&["--scheme", "random"])));
         }
     }
@@ -366,12 +432,30 @@ fn plan(benches: &[String], quick: bool, max_size: usize) -> Vec<(&'static str, 
         }
     }
     if on("bibw") {
-        p.push(("bibw", s(&["--size", if quick { "64K" } else { "1M" }, "--window", "64"])));
+        p.push((
+            "bibw",
+            s(&["--size", if quick { "64K" } else { "1M" }, "--window", "64"]),
+        ));
     }
     if on("ps-throughput") {
-        p.push(("ps-throughput", s(&["--scheme", "uniform", "--category", "small", "--workers", "3", "--ps", "2"])));
+        p.push((
+            "ps-throughput",
+            s(&[
+                "--scheme",
+                "uniform",
+                "--category",
+                "small",
+                "--workers",
+                "3",
+                "--ps",
+                "2",
+            ]),
+        ));
         if !quick {
-            p.push(("ps-throughput", s(&["--scheme", "skew", "--workers", "3", "--ps", "2"])));
+            p.push((
+                "ps-throughput",
+                s(&["--scheme", "skew", "--workers", "3", "--ps", "2"]),
+            ));
         }
     }
     if on("tensor") {
@@ -379,7 +463,10 @@ fn plan(benches: &[String], quick: bool, max_size: usize) -> Vec<(&'static str, 
     }
     if on("sweep") {
         let m = max_size.to_string();
-        p.push(("sweep", s(&["--max-size", &m, "--step", if quick { "16" } else { "2" }])));
+        p.push((
+            "sweep",
+            s(&["--max-size", &m, "--step", if quick { "16" } else { "2" }]),
+        ));
     }
     p
 }
@@ -387,9 +474,17 @@ fn plan(benches: &[String], quick: bool, max_size: usize) -> Vec<(&'static str, 
 /// Runs one client process and collects its JSON records. A client that fails or hangs
 /// costs its own rows, not the whole comparison.
 fn run_client(args: &[String], limit: Duration) -> Res<Vec<Record>> {
-    let mut child = Command::new(std::env::current_exe()?).args(args).stdout(Stdio::piped()).spawn()?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()?;
     let out = child.stdout.take().ok_or("client stdout")?;
-    let reader = std::thread::spawn(move || BufReader::new(out).lines().map_while(Result::ok).collect::<Vec<String>>());
+    let reader = std::thread::spawn(move || {
+        BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<String>>()
+    });
     let deadline = Instant::now() + limit;
     let status = loop {
         if let Some(st) = child.try_wait()? {
@@ -414,10 +509,16 @@ fn run_client(args: &[String], limit: Duration) -> Res<Vec<Record>> {
 }
 
 fn compare(a: CompareArgs) -> Res<()> {
-    let transports = if a.transports.is_empty() { Transport::available() } else { a.transports.clone() };
+    let transports = if a.transports.is_empty() {
+        Transport::available()
+    } else {
+        a.transports.clone()
+    };
     let duration = a.duration.unwrap_or(if a.quick { 0.2 } else { 2.0 });
     let warmup = a.warmup.unwrap_or(if a.quick { 0.05 } else { 0.5 });
-    let max_size = a.max_size.unwrap_or(if a.quick { 16 << 20 } else { 64 << 20 });
+    let max_size = a
+        .max_size
+        .unwrap_or(if a.quick { 16 << 20 } else { 64 << 20 });
     let plan = plan(&a.benches, a.quick, max_size);
     let started = Instant::now();
     let mut all: Vec<Record> = Vec::new();
@@ -426,7 +527,10 @@ fn compare(a: CompareArgs) -> Res<()> {
     for &t in &transports {
         // One set of server processes per transport, shared by its benches; PS throughput
         // uses two of them.
-        let servers: Vec<LocalServer> = match (0..2).map(|_| LocalServer::spawn(t)).collect::<Res<Vec<_>>>() {
+        let servers: Vec<LocalServer> = match (0..2)
+            .map(|_| LocalServer::spawn(t))
+            .collect::<Res<Vec<_>>>()
+        {
             Ok(s) => s,
             Err(e) => {
                 failures.push(format!("{}: server: {e}", t.name()));
@@ -436,8 +540,23 @@ fn compare(a: CompareArgs) -> Res<()> {
         for (bench, extra) in &plan {
             let n = if *bench == "ps-throughput" { 2 } else { 1 };
             let connect: Vec<&str> = servers.iter().take(n).map(|s| s.addr.as_str()).collect();
-            let mut args: Vec<String> = vec![bench.to_string(), "--transport".into(), t.name().into(), "--connect".into(), connect.join(",")];
-            args.extend(["--json", "--duration", &duration.to_string(), "--warmup", &warmup.to_string()].map(String::from));
+            let mut args: Vec<String> = vec![
+                bench.to_string(),
+                "--transport".into(),
+                t.name().into(),
+                "--connect".into(),
+                connect.join(","),
+            ];
+            args.extend(
+                [
+                    "--json",
+                    "--duration",
+                    &duration.to_string(),
+                    "--warmup",
+                    &warmup.to_string(),
+                ]
+                .map(String::from),
+            );
             args.extend(extra.iter().cloned());
             let points = if *bench == "sweep" { 60.0 } else { 1.0 };
             let limit = Duration::from_secs_f64(60.0 + points * (duration + warmup) * 4.0);
@@ -470,15 +589,37 @@ fn compare(a: CompareArgs) -> Res<()> {
         jl.push('\n');
     }
     std::fs::write(a.out.join("results.jsonl"), jl)?;
-    if let Some(s) = report::svg(&all, "sweep-lat", "Echo round trip p50 vs payload size", "µs", |r| r.p50_us) {
+    if let Some(s) = report::svg(
+        &all,
+        "sweep-lat",
+        "Echo round trip p50 vs payload size",
+        "µs",
+        |r| r.p50_us,
+    ) {
         std::fs::write(a.out.join("latency.svg"), s)?;
     }
-    if let Some(s) = report::svg(&all, "sweep-bw", "Sink bandwidth (OSU window) vs payload size", "MB/s", |r| r.mb_s) {
+    if let Some(s) = report::svg(
+        &all,
+        "sweep-bw",
+        "Sink bandwidth (OSU window) vs payload size",
+        "MB/s",
+        |r| r.mb_s,
+    ) {
         std::fs::write(a.out.join("bandwidth.svg"), s)?;
     }
-    println!("\nwrote {} records to {} (results.jsonl, latency.svg, bandwidth.svg) in {:.1} s", all.len(), a.out.display(), started.elapsed().as_secs_f64());
+    println!(
+        "\nwrote {} records to {} (results.jsonl, latency.svg, bandwidth.svg) in {:.1} s",
+        all.len(),
+        a.out.display(),
+        started.elapsed().as_secs_f64()
+    );
     if !failures.is_empty() {
-        return Err(format!("{} run(s) failed:\n  {}", failures.len(), failures.join("\n  ")).into());
+        return Err(format!(
+            "{} run(s) failed:\n  {}",
+            failures.len(),
+            failures.join("\n  ")
+        )
+        .into());
     }
     Ok(())
 }

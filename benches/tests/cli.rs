@@ -4,9 +4,20 @@
 use std::process::Command;
 
 fn run(args: &[&str]) -> Vec<serde_json::Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench")).args(args).args(["--json", "--warmup", "0.02", "--duration", "0.1"]).output().expect("run ibex-bench");
-    assert!(out.status.success(), "ibex-bench {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON record")).collect()
+    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench"))
+        .args(args)
+        .args(["--json", "--warmup", "0.02", "--duration", "0.1"])
+        .output()
+        .expect("run ibex-bench");
+    assert!(
+        out.status.success(),
+        "ibex-bench {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON record"))
+        .collect()
 }
 
 #[test]
@@ -17,7 +28,10 @@ fn latency_over_tonic_ibex_and_raw() {
         assert_eq!(r[0]["transport"], t);
         assert_eq!(r[0]["bytes"], 64);
         assert!(r[0]["calls"].as_u64().unwrap() > 0, "{t}: no calls counted");
-        assert!(r[0]["server_rss_kib"].as_u64().unwrap() > 0, "{t}: server RSS not read");
+        assert!(
+            r[0]["server_rss_kib"].as_u64().unwrap() > 0,
+            "{t}: server RSS not read"
+        );
     }
 }
 
@@ -27,7 +41,17 @@ fn tensor_descriptor_path_and_ps_throughput() {
     assert_eq!(r[0]["payload"], "registered");
     assert!(r[0]["calls"].as_u64().unwrap() > 0);
     assert_eq!(r[1]["bench"], "memcpy");
-    let r = run(&["ps-throughput", "--transport", "ibex-tcp", "--scheme", "uniform", "--workers", "2", "--ps", "2"]);
+    let r = run(&[
+        "ps-throughput",
+        "--transport",
+        "ibex-tcp",
+        "--scheme",
+        "uniform",
+        "--workers",
+        "2",
+        "--ps",
+        "2",
+    ]);
     assert_eq!(r[0]["topology"], "2x2");
     assert!(r[0]["calls"].as_u64().unwrap() >= 2);
 }
@@ -41,7 +65,15 @@ fn skew_bw_moves_the_paper_payload() {
 #[test]
 fn bad_server_address_is_an_error_not_a_hang() {
     let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench"))
-        .args(["latency", "--transport", "ibex-tcp", "--connect", "tcp://127.0.0.1:1", "--duration", "0.1"])
+        .args([
+            "latency",
+            "--transport",
+            "ibex-tcp",
+            "--connect",
+            "tcp://127.0.0.1:1",
+            "--duration",
+            "0.1",
+        ])
         .output()
         .expect("run ibex-bench");
     assert!(!out.status.success());

@@ -35,13 +35,15 @@ pub fn ensure(device: Device) -> Result<(), String> {
     match device {
         Device::Cpu => Ok(()),
         #[cfg(feature = "cuda")]
-        Device::Cuda => ibex_worker::device_count().map_err(|e| format!("--device cuda: {e}")).and_then(|n| {
-            if n == 0 {
-                Err("--device cuda: the CUDA driver reports no device; check nvidia-smi".into())
-            } else {
-                Ok(())
-            }
-        }),
+        Device::Cuda => ibex_worker::device_count()
+            .map_err(|e| format!("--device cuda: {e}"))
+            .and_then(|n| {
+                if n == 0 {
+                    Err("--device cuda: the CUDA driver reports no device; check nvidia-smi".into())
+                } else {
+                    Ok(())
+                }
+            }),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => Err(NOT_BUILT.into()),
     }
@@ -185,11 +187,16 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
     }
 
     fn grid(n: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: (n.div_ceil(256).max(1) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig {
+            grid_dim: (n.div_ceil(256).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     fn int(n: usize) -> Result<i32, String> {
-        i32::try_from(n).map_err(|_| format!("--device cuda: dimension {n} does not fit a kernel argument"))
+        i32::try_from(n)
+            .map_err(|_| format!("--device cuda: dimension {n} does not fit a kernel argument"))
     }
 
     struct Kernels {
@@ -238,8 +245,15 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
                     .into());
             }
             let ptx = nvrtc::compile_ptx(KERNELS).map_err(|e| cuda("NVRTC compile", e))?;
-            let module = gpu.context().load_module(ptx).map_err(|e| cuda("cuModuleLoadData", e))?;
-            let f = |name: &str| module.load_function(name).map_err(|e| cuda("cuModuleGetFunction", e));
+            let module = gpu
+                .context()
+                .load_module(ptx)
+                .map_err(|e| cuda("cuModuleLoadData", e))?;
+            let f = |name: &str| {
+                module
+                    .load_function(name)
+                    .map_err(|e| cuda("cuModuleGetFunction", e))
+            };
             let k = Kernels {
                 bias_act: f("bias_act")?,
                 softmax_xent: f("softmax_xent")?,
@@ -251,7 +265,10 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
             let sizes: Vec<usize> = mlp.shapes().iter().map(|s| s.iter().product()).collect();
             let params = sizes.iter().map(|&n| z(n)).collect::<Result<Vec<_>, _>>()?;
             let grads = sizes.iter().map(|&n| z(n)).collect::<Result<Vec<_>, _>>()?;
-            let y = gpu.stream().alloc_zeros::<i32>(batch).map_err(|e| cuda("cuMemAlloc", e))?;
+            let y = gpu
+                .stream()
+                .alloc_zeros::<i32>(batch)
+                .map_err(|e| cuda("cuMemAlloc", e))?;
             let t = Trainer {
                 x: z(batch * mlp.input)?,
                 h: z(batch * mlp.hidden)?,
@@ -275,14 +292,20 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
         pub fn load(&mut self, p: &Params) -> Result<(), String> {
             self.mlp.check(p)?;
             for (d, h) in self.params.iter_mut().zip(p) {
-                self.gpu.stream().memcpy_htod(h.as_slice(), d).map_err(|e| cuda("cuMemcpyHtoD", e))?;
+                self.gpu
+                    .stream()
+                    .memcpy_htod(h.as_slice(), d)
+                    .map_err(|e| cuda("cuMemcpyHtoD", e))?;
             }
             Ok(())
         }
 
         /// The device parameters, copied to the host.
         pub fn params(&self) -> Result<Params, String> {
-            self.params.iter().map(|d| self.gpu.download(d).map_err(worker_err)).collect()
+            self.params
+                .iter()
+                .map(|d| self.gpu.download(d).map_err(worker_err))
+                .collect()
         }
 
         /// C (m x n) = op(A) (m x k) * op(B) (k x n), all row-major, through column-major
@@ -297,7 +320,13 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
             c: &mut CudaSlice<f32>,
             (m, k, n): (usize, usize, usize),
         ) -> Result<(), String> {
-            let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+            let op = |t: bool| {
+                if t {
+                    cublasOperation_t::CUBLAS_OP_T
+                } else {
+                    cublasOperation_t::CUBLAS_OP_N
+                }
+            };
             let g = row_major_gemm(ta, tb, m, k, n);
             let cfg = GemmConfig {
                 transa: op(g.trans_first),
@@ -319,13 +348,23 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
         /// One sync step: forward and backward on the device for `batch`, then the gradients
         /// go to the PS and the fresh parameters come back into device memory. Returns the
         /// batch's mean loss.
-        pub async fn step(&mut self, w: &Worker, step: u64, batch: &Dataset) -> Result<f32, WorkerError> {
+        pub async fn step(
+            &mut self,
+            w: &Worker,
+            step: u64,
+            batch: &Dataset,
+        ) -> Result<f32, WorkerError> {
             let n = batch.len();
-            let loss = self.compute(batch).map_err(|e| WorkerError::Cuda { op: "training step".into(), code: e })?;
+            let loss = self.compute(batch).map_err(|e| WorkerError::Cuda {
+                op: "training step".into(),
+                code: e,
+            })?;
             let g = &self.grads;
-            let grads: Vec<(&str, &CudaSlice<f32>)> = Mlp::NAMES.iter().copied().zip(g.iter()).collect();
+            let grads: Vec<(&str, &CudaSlice<f32>)> =
+                Mlp::NAMES.iter().copied().zip(g.iter()).collect();
             let mut params: Vec<&mut CudaSlice<f32>> = self.params.iter_mut().collect();
-            w.push_pull_device(&self.gpu, step, &grads, &mut params).await?;
+            w.push_pull_device(&self.gpu, step, &grads, &mut params)
+                .await?;
             Ok(if n == 0 { 0.0 } else { loss })
         }
 
@@ -333,23 +372,41 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
             let n = batch.len();
             let (d, hdim, c) = (self.mlp.input, self.mlp.hidden, self.mlp.classes);
             if n > self.cap || batch.dim != d {
-                return Err(format!("batch of {n} x {} does not fit the {} x {d} buffers", batch.dim, self.cap));
+                return Err(format!(
+                    "batch of {n} x {} does not fit the {} x {d} buffers",
+                    batch.dim, self.cap
+                ));
             }
             if n == 0 {
                 for g in &mut self.grads {
-                    self.gpu.stream().memset_zeros(g).map_err(|e| cuda("cuMemsetD8", e))?;
+                    self.gpu
+                        .stream()
+                        .memset_zeros(g)
+                        .map_err(|e| cuda("cuMemsetD8", e))?;
                 }
                 return Ok(0.0);
             }
             let s = self.gpu.stream().clone();
-            s.memcpy_htod(batch.x.as_slice(), &mut self.x).map_err(|e| cuda("cuMemcpyHtoD", e))?;
+            s.memcpy_htod(batch.x.as_slice(), &mut self.x)
+                .map_err(|e| cuda("cuMemcpyHtoD", e))?;
             let labels: Vec<i32> = batch.y.iter().map(|&l| i32::from(l)).collect();
-            s.memcpy_htod(labels.as_slice(), &mut self.y).map_err(|e| cuda("cuMemcpyHtoD", e))?;
+            s.memcpy_htod(labels.as_slice(), &mut self.y)
+                .map_err(|e| cuda("cuMemcpyHtoD", e))?;
             let (ni, hi, ci) = (int(n)?, int(hdim)?, int(c)?);
             let (relu, linear, scale) = (1i32, 0i32, 1.0f32 / n as f32);
-            let [w1, b1, w2, b2] = &self.params[..] else { return Err("the MLP has four tensors".into()) };
+            let [w1, b1, w2, b2] = &self.params[..] else {
+                return Err("the MLP has four tensors".into());
+            };
             // Forward: h = relu(x w1 + b1); z = h w2 + b2.
-            Self::gemm(&self.blas, &self.x, false, w1, false, &mut self.h, (n, d, hdim))?;
+            Self::gemm(
+                &self.blas,
+                &self.x,
+                false,
+                w1,
+                false,
+                &mut self.h,
+                (n, d, hdim),
+            )?;
             let launch = |r: Result<(), _>| r.map_err(|e| cuda("cuLaunchKernel", e));
             // SAFETY (every launch below): the kernels index only below rows*cols of buffers
             // sized for `cap` >= n rows, and take the argument types passed here.
@@ -363,7 +420,15 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
                     .launch(grid(n * hdim))
                     .map(drop)
             })?;
-            Self::gemm(&self.blas, &self.h, false, w2, false, &mut self.z, (n, hdim, c))?;
+            Self::gemm(
+                &self.blas,
+                &self.h,
+                false,
+                w2,
+                false,
+                &mut self.z,
+                (n, hdim, c),
+            )?;
             launch(unsafe {
                 s.launch_builder(&self.k.bias_act)
                     .arg(&mut self.z)
@@ -387,12 +452,28 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
                     .map(drop)
             })?;
             // Backward.
-            let [gw1, gb1, gw2, gb2] = &mut self.grads[..] else { return Err("the MLP has four tensors".into()) };
+            let [gw1, gb1, gw2, gb2] = &mut self.grads[..] else {
+                return Err("the MLP has four tensors".into());
+            };
             Self::gemm(&self.blas, &self.h, true, &self.z, false, gw2, (hdim, n, c))?;
             launch(unsafe {
-                s.launch_builder(&self.k.col_sum).arg(&self.z).arg(gb2).arg(&ni).arg(&ci).launch(grid(c)).map(drop)
+                s.launch_builder(&self.k.col_sum)
+                    .arg(&self.z)
+                    .arg(gb2)
+                    .arg(&ni)
+                    .arg(&ci)
+                    .launch(grid(c))
+                    .map(drop)
             })?;
-            Self::gemm(&self.blas, &self.z, false, w2, true, &mut self.dh, (n, c, hdim))?;
+            Self::gemm(
+                &self.blas,
+                &self.z,
+                false,
+                w2,
+                true,
+                &mut self.dh,
+                (n, c, hdim),
+            )?;
             let nh = int(n * hdim)?;
             launch(unsafe {
                 s.launch_builder(&self.k.relu_grad)
@@ -402,11 +483,27 @@ extern "C" __global__ void col_sum(const float* a, float* out, int rows, int col
                     .launch(grid(n * hdim))
                     .map(drop)
             })?;
-            Self::gemm(&self.blas, &self.x, true, &self.dh, false, gw1, (d, n, hdim))?;
+            Self::gemm(
+                &self.blas,
+                &self.x,
+                true,
+                &self.dh,
+                false,
+                gw1,
+                (d, n, hdim),
+            )?;
             launch(unsafe {
-                s.launch_builder(&self.k.col_sum).arg(&self.dh).arg(gb1).arg(&ni).arg(&hi).launch(grid(hdim)).map(drop)
+                s.launch_builder(&self.k.col_sum)
+                    .arg(&self.dh)
+                    .arg(gb1)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .launch(grid(hdim))
+                    .map(drop)
             })?;
-            let losses = s.clone_dtoh(&self.loss.slice(0..n)).map_err(|e| cuda("cuMemcpyDtoH", e))?;
+            let losses = s
+                .clone_dtoh(&self.loss.slice(0..n))
+                .map_err(|e| cuda("cuMemcpyDtoH", e))?;
             Ok((losses.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64) as f32)
         }
     }
@@ -455,8 +552,16 @@ mod tests {
             let a: Vec<f32> = (0..m * k).map(val).collect();
             let b: Vec<f32> = (0..k * n).map(|i| val(i + 3)).collect();
             // How they are stored: transposed when ta / tb.
-            let a_st: Vec<f32> = if ta { (0..k * m).map(|i| a[(i % m) * k + i / m]).collect() } else { a.clone() };
-            let b_st: Vec<f32> = if tb { (0..n * k).map(|i| b[(i % k) * n + i / k]).collect() } else { b.clone() };
+            let a_st: Vec<f32> = if ta {
+                (0..k * m).map(|i| a[(i % m) * k + i / m]).collect()
+            } else {
+                a.clone()
+            };
+            let b_st: Vec<f32> = if tb {
+                (0..n * k).map(|i| b[(i % k) * n + i / k]).collect()
+            } else {
+                b.clone()
+            };
             let g = row_major_gemm(ta, tb, m, k, n);
             let mut c = vec![0.0; m * n];
             sgemm_col_major(
@@ -483,7 +588,11 @@ mod tests {
 
     #[test]
     fn the_cpu_needs_no_trainer() {
-        let mlp = Mlp { input: 4, hidden: 3, classes: 2 };
+        let mlp = Mlp {
+            input: 4,
+            hidden: 3,
+            classes: 2,
+        };
         assert!(Trainer::open(mlp, Device::Cpu, 8).unwrap().is_none());
         assert_eq!(ensure(Device::Cpu), Ok(()));
     }
@@ -493,7 +602,11 @@ mod tests {
     fn cuda_without_the_feature_says_how_to_rebuild() {
         let e = ensure(Device::Cuda).unwrap_err();
         assert!(e.contains("--features cuda"), "{e}");
-        let mlp = Mlp { input: 4, hidden: 3, classes: 2 };
+        let mlp = Mlp {
+            input: 4,
+            hidden: 3,
+            classes: 2,
+        };
         assert!(Trainer::open(mlp, Device::Cuda, 8).is_err());
     }
 
@@ -501,12 +614,18 @@ mod tests {
     #[test]
     fn cuda_without_a_driver_says_what_to_install() {
         if ibex_worker::probe_driver().is_ok() {
-            println!("skipped: a CUDA driver is installed here; this test checks the refusal without one");
+            println!(
+                "skipped: a CUDA driver is installed here; this test checks the refusal without one"
+            );
             return;
         }
         let e = ensure(Device::Cuda).unwrap_err();
         assert!(e.contains("install the NVIDIA driver"), "{e}");
-        let mlp = Mlp { input: 4, hidden: 3, classes: 2 };
+        let mlp = Mlp {
+            input: 4,
+            hidden: 3,
+            classes: 2,
+        };
         assert!(Trainer::open(mlp, Device::Cuda, 8).is_err());
     }
 }

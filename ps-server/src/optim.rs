@@ -42,15 +42,30 @@ impl Optim {
     /// Validates the protobuf form; the error says what is wrong.
     pub fn from_pb(o: Option<&pb::Optimizer>) -> Result<Optim, String> {
         use pb::optimizer::Kind;
-        let kind = o.and_then(|o| o.kind.as_ref()).ok_or("no optimizer given: set sgd, momentum, adagrad or adam")?;
+        let kind = o
+            .and_then(|o| o.kind.as_ref())
+            .ok_or("no optimizer given: set sgd, momentum, adagrad or adam")?;
         let o = match *kind {
             Kind::Sgd(pb::Sgd { lr }) => Optim::Sgd { lr },
             Kind::Momentum(pb::Momentum { lr, momentum }) => Optim::Momentum { lr, momentum },
             Kind::Adagrad(pb::Adagrad { lr, eps }) => Optim::Adagrad { lr, eps },
-            Kind::Adam(pb::Adam { lr, beta1, beta2, eps }) => Optim::Adam { lr, beta1, beta2, eps },
+            Kind::Adam(pb::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            }) => Optim::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            },
         };
         let lr = match o {
-            Optim::Sgd { lr } | Optim::Momentum { lr, .. } | Optim::Adagrad { lr, .. } | Optim::Adam { lr, .. } => lr,
+            Optim::Sgd { lr }
+            | Optim::Momentum { lr, .. }
+            | Optim::Adagrad { lr, .. }
+            | Optim::Adam { lr, .. } => lr,
         };
         if !lr.is_finite() || lr < 0.0 {
             return Err(format!("learning rate {lr} must be finite and >= 0"));
@@ -59,10 +74,14 @@ impl Optim {
             Optim::Momentum { momentum, .. } if !(0.0..1.0).contains(&momentum) => {
                 Err(format!("momentum {momentum} must be in [0, 1)"))
             }
-            Optim::Adam { beta1, beta2, .. } if !(0.0..1.0).contains(&beta1) || !(0.0..1.0).contains(&beta2) => {
+            Optim::Adam { beta1, beta2, .. }
+                if !(0.0..1.0).contains(&beta1) || !(0.0..1.0).contains(&beta2) =>
+            {
                 Err(format!("Adam betas ({beta1}, {beta2}) must be in [0, 1)"))
             }
-            Optim::Adagrad { eps, .. } | Optim::Adam { eps, .. } if !(eps.is_finite() && eps >= 0.0) => {
+            Optim::Adagrad { eps, .. } | Optim::Adam { eps, .. }
+                if !(eps.is_finite() && eps >= 0.0) =>
+            {
                 Err(format!("eps {eps} must be finite and >= 0"))
             }
             o => Ok(o),
@@ -99,12 +118,22 @@ impl Optim {
                     *w -= lr * g / (a.sqrt() + eps);
                 }
             }
-            Optim::Adam { lr, beta1, beta2, eps } => {
+            Optim::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
                 let t = (t + 1) as i32;
                 let c1 = 1.0 - beta1.powi(t);
                 let c2 = 1.0 - beta2.powi(t);
                 let (ms, vs) = slots.split_at_mut(1);
-                for (((w, g), m), v) in w.iter_mut().zip(g).zip(ms[0].iter_mut()).zip(vs[0].iter_mut()) {
+                for (((w, g), m), v) in w
+                    .iter_mut()
+                    .zip(g)
+                    .zip(ms[0].iter_mut())
+                    .zip(vs[0].iter_mut())
+                {
                     *m = beta1 * *m + (1.0 - beta1) * g;
                     *v = beta2 * *v + (1.0 - beta2) * g * g;
                     *w -= lr * (*m / c1) / ((*v / c2).sqrt() + eps);

@@ -10,7 +10,9 @@
 use std::time::{Duration, Instant};
 
 use ibex_ps::{Mode, PsConfig};
-use ibex_worker::{ClusterSpec, Dtype, Gpu, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError};
+use ibex_worker::{
+    ClusterSpec, Dtype, Gpu, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError,
+};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -32,7 +34,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Two PS: the variable's 1 MiB parts spread over both, so the copies for one PS
     // overlap the send to the other.
     let ports: Vec<u16> = (0..2)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()))
+        .map(|_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+        })
         .collect::<Result<_, _>>()?;
     let spec = ClusterSpec {
         ps: ports.iter().map(|p| format!("127.0.0.1:{p}")).collect(),
@@ -68,11 +74,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Warm-up allocates and pins the registered buffers.
     for step in 0..2 {
-        w.push_pull_device(&gpu, step, &[("t", &src)], &mut [&mut dst]).await?;
+        w.push_pull_device(&gpu, step, &[("t", &src)], &mut [&mut dst])
+            .await?;
     }
     let t0 = Instant::now();
     for step in 0..u64::from(iters) {
-        w.push_pull_device(&gpu, 2 + step, &[("t", &src)], &mut [&mut dst]).await?;
+        w.push_pull_device(&gpu, 2 + step, &[("t", &src)], &mut [&mut dst])
+            .await?;
     }
     let ibex = t0.elapsed().as_secs_f64() / f64::from(iters);
     if gpu.download(&dst)?.iter().any(|v| *v != 1.0) {
@@ -82,13 +90,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let stream = gpu.stream().clone();
     for _ in 0..2 {
         let h = stream.clone_dtoh(&src).map_err(|e| format!("{e:?}"))?;
-        stream.memcpy_htod(h.as_slice(), &mut dst).map_err(|e| format!("{e:?}"))?;
+        stream
+            .memcpy_htod(h.as_slice(), &mut dst)
+            .map_err(|e| format!("{e:?}"))?;
     }
     stream.synchronize().map_err(|e| format!("{e:?}"))?;
     let t0 = Instant::now();
     for _ in 0..iters {
         let h = stream.clone_dtoh(&src).map_err(|e| format!("{e:?}"))?;
-        stream.memcpy_htod(h.as_slice(), &mut dst).map_err(|e| format!("{e:?}"))?;
+        stream
+            .memcpy_htod(h.as_slice(), &mut dst)
+            .map_err(|e| format!("{e:?}"))?;
         stream.synchronize().map_err(|e| format!("{e:?}"))?;
     }
     let plain = t0.elapsed().as_secs_f64() / f64::from(iters);
@@ -98,8 +110,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let gbs = |secs: f64| 2.0 * bytes / secs / 1e9;
     println!("tensor {mib} MiB, {iters} iterations, each moving it device->host->device");
-    println!("ibex shm staging (push_pull_device): {:8.3} ms  {:6.2} GB/s", ibex * 1e3, gbs(ibex));
-    println!("plain cudaMemcpy D2H + H2D:          {:8.3} ms  {:6.2} GB/s", plain * 1e3, gbs(plain));
+    println!(
+        "ibex shm staging (push_pull_device): {:8.3} ms  {:6.2} GB/s",
+        ibex * 1e3,
+        gbs(ibex)
+    );
+    println!(
+        "plain cudaMemcpy D2H + H2D:          {:8.3} ms  {:6.2} GB/s",
+        plain * 1e3,
+        gbs(plain)
+    );
     println!("ratio ibex / plain (time): {:.2}", ibex / plain);
     println!("pinning: {:?}", gpu.pinning());
     for s in stops {

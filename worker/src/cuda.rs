@@ -77,9 +77,15 @@ pub fn probe_driver() -> Result<(), WorkerError> {
     // libcuda runs no code of ours.
     if !unsafe { sys::is_culib_present() } {
         let names = cudarc::get_lib_name_candidates("cuda");
-        let mut shown: Vec<&str> = names.iter().map(String::as_str).filter(|n| n.starts_with("libcuda.so")).collect();
+        let mut shown: Vec<&str> = names
+            .iter()
+            .map(String::as_str)
+            .filter(|n| n.starts_with("libcuda.so"))
+            .collect();
         shown.dedup();
-        return Err(WorkerError::NoCudaDriver { detail: format!("could not load any of {shown:?}") });
+        return Err(WorkerError::NoCudaDriver {
+            detail: format!("could not load any of {shown:?}"),
+        });
     }
     // SAFETY: the library is present (checked above), so `culib` loads it instead of
     // panicking; `get` only looks the names up.
@@ -92,7 +98,9 @@ pub fn probe_driver() -> Result<(), WorkerError> {
         .collect();
     if !missing.is_empty() {
         return Err(WorkerError::NoCudaDriver {
-            detail: format!("the driver library lacks {missing:?} (a CUDA 12.4 or newer driver is needed)"),
+            detail: format!(
+                "the driver library lacks {missing:?} (a CUDA 12.4 or newer driver is needed)"
+            ),
         });
     }
     Ok(())
@@ -109,14 +117,24 @@ fn has_symbol(name: &str) -> bool {
 /// driver, which may be absent.
 pub(crate) fn driver_err(op: &str, e: DriverError, bytes: usize) -> WorkerError {
     match e.0 {
-        CUresult::CUDA_ERROR_OUT_OF_MEMORY => WorkerError::CudaOutOfMemory { op: op.to_string(), bytes },
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY => WorkerError::CudaOutOfMemory {
+            op: op.to_string(),
+            bytes,
+        },
         CUresult::CUDA_ERROR_NO_DEVICE | CUresult::CUDA_ERROR_INVALID_DEVICE => {
-            WorkerError::NoCudaDevice { detail: format!("{op}: {:?}", e.0) }
+            WorkerError::NoCudaDevice {
+                detail: format!("{op}: {:?}", e.0),
+            }
         }
         CUresult::CUDA_ERROR_NOT_INITIALIZED | CUresult::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH => {
-            WorkerError::NoCudaDriver { detail: format!("{op}: {:?}", e.0) }
+            WorkerError::NoCudaDriver {
+                detail: format!("{op}: {:?}", e.0),
+            }
         }
-        code => WorkerError::Cuda { op: op.to_string(), code: format!("{code:?}") },
+        code => WorkerError::Cuda {
+            op: op.to_string(),
+            code: format!("{code:?}"),
+        },
     }
 }
 
@@ -135,7 +153,12 @@ pub struct GpuPaths {
 /// How one host range is page-locked for DMA.
 enum Pin {
     /// `cuMemHostRegister`ed; unregistered on drop. Keeps the memory alive meanwhile.
-    Registered { base: usize, ctx: Arc<CudaContext>, _pool: Option<Arc<Pool>>, _slot: Option<Arc<Slot>> },
+    Registered {
+        base: usize,
+        ctx: Arc<CudaContext>,
+        _pool: Option<Arc<Pool>>,
+        _slot: Option<Arc<Slot>>,
+    },
     /// Registration failed (why); parts in this range go through a `cuMemHostAlloc` buffer.
     Failed(String),
 }
@@ -171,7 +194,10 @@ pub struct Gpu {
 
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gpu").field("ordinal", &self.ctx.ordinal()).field("paths", &self.paths).finish()
+        f.debug_struct("Gpu")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("paths", &self.paths)
+            .finish()
     }
 }
 
@@ -191,23 +217,41 @@ impl Gpu {
     pub fn open(ordinal: usize) -> Result<Gpu, WorkerError> {
         let count = device_count()?;
         if count == 0 {
-            return Err(WorkerError::NoCudaDevice { detail: "the driver reports 0 devices".into() });
+            return Err(WorkerError::NoCudaDevice {
+                detail: "the driver reports 0 devices".into(),
+            });
         }
         if ordinal >= count {
-            return Err(WorkerError::NoCudaDevice { detail: format!("device {ordinal} asked for, {count} present") });
+            return Err(WorkerError::NoCudaDevice {
+                detail: format!("device {ordinal} asked for, {count} present"),
+            });
         }
         // cudarc panics on symbols the probe did not foresee; keep that an error.
         let opened = std::panic::catch_unwind(|| -> Result<_, WorkerError> {
-            let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e, 0))?;
-            let stream = ctx.new_stream().map_err(|e| driver_err("cuStreamCreate", e, 0))?;
-            let name = ctx.name().map_err(|e| driver_err("cuDeviceGetName", e, 0))?;
+            let ctx = CudaContext::new(ordinal)
+                .map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e, 0))?;
+            let stream = ctx
+                .new_stream()
+                .map_err(|e| driver_err("cuStreamCreate", e, 0))?;
+            let name = ctx
+                .name()
+                .map_err(|e| driver_err("cuDeviceGetName", e, 0))?;
             Ok((ctx, stream, name))
         })
-        .map_err(|p| WorkerError::Cuda { op: "open device".into(), code: panic_text(&p) })?;
+        .map_err(|p| WorkerError::Cuda {
+            op: "open device".into(),
+            code: panic_text(&p),
+        })?;
         let (ctx, stream, name) = opened?;
         let paths = detect_paths(&ctx, name);
         tracing::info!(device = %paths.device, gpudirect = ?paths.gpudirect_rdma, ipc = ?paths.cuda_ipc, "CUDA device opened");
-        Ok(Gpu { ctx, stream, pins: Mutex::default(), bounce: Mutex::default(), paths })
+        Ok(Gpu {
+            ctx,
+            stream,
+            pins: Mutex::default(),
+            bounce: Mutex::default(),
+            paths,
+        })
     }
 
     /// The context (to allocate device tensors in).
@@ -223,18 +267,26 @@ impl Gpu {
     /// A zeroed device tensor of `len` f32 on the copy stream; out of memory is
     /// [`WorkerError::CudaOutOfMemory`].
     pub fn alloc_zeros(&self, len: usize) -> Result<CudaSlice<f32>, WorkerError> {
-        let bytes = len.checked_mul(4).ok_or_else(|| WorkerError::Usage(format!("{len} f32 overflow usize bytes")))?;
-        self.stream.alloc_zeros::<f32>(len).map_err(|e| driver_err("cuMemAlloc", e, bytes))
+        let bytes = len
+            .checked_mul(4)
+            .ok_or_else(|| WorkerError::Usage(format!("{len} f32 overflow usize bytes")))?;
+        self.stream
+            .alloc_zeros::<f32>(len)
+            .map_err(|e| driver_err("cuMemAlloc", e, bytes))
     }
 
     /// A device tensor holding `values`.
     pub fn upload(&self, values: &[f32]) -> Result<CudaSlice<f32>, WorkerError> {
-        self.stream.clone_htod(values).map_err(|e| driver_err("cuMemcpyHtoD", e, values.len() * 4))
+        self.stream
+            .clone_htod(values)
+            .map_err(|e| driver_err("cuMemcpyHtoD", e, values.len() * 4))
     }
 
     /// The values of a device tensor (waits for the copy).
     pub fn download(&self, t: &CudaSlice<f32>) -> Result<Vec<f32>, WorkerError> {
-        self.stream.clone_dtoh(t).map_err(|e| driver_err("cuMemcpyDtoH", e, t.len() * 4))
+        self.stream
+            .clone_dtoh(t)
+            .map_err(|e| driver_err("cuMemcpyDtoH", e, t.len() * 4))
     }
 
     /// Transfer paths beyond staging, and why they are not used.
@@ -259,7 +311,10 @@ impl Gpu {
     /// returns `false` when it must go through a bounce buffer.
     fn pin(&self, slot: &Arc<Slot>, pool: Option<Arc<Pool>>) -> bool {
         let addr = slot.as_ptr() as usize;
-        let pool = pool.filter(|p| p.offset_of(slot.as_ptr().cast::<u8>(), slot.len() * 4).is_some());
+        let pool = pool.filter(|p| {
+            p.offset_of(slot.as_ptr().cast::<u8>(), slot.len() * 4)
+                .is_some()
+        });
         let (key, len) = match &pool {
             Some(p) => (p.base() as usize, p.size()),
             None => (addr, slot.len() * 4),
@@ -273,18 +328,31 @@ impl Gpu {
             // buffer), kept alive by the `Pin` that owns a reference to it until it is
             // unregistered.
             let r = unsafe {
-                sys::cuMemHostRegister_v2(key as *mut std::ffi::c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+                sys::cuMemHostRegister_v2(
+                    key as *mut std::ffi::c_void,
+                    len,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                )
             };
             if r == CUresult::CUDA_SUCCESS {
                 let (_pool, _slot) = match pool {
                     Some(p) => (Some(p), None),
                     None => (None, Some(slot.clone())),
                 };
-                Pin::Registered { base: key, ctx: self.ctx.clone(), _pool, _slot }
+                Pin::Registered {
+                    base: key,
+                    ctx: self.ctx.clone(),
+                    _pool,
+                    _slot,
+                }
             } else {
                 let why = format!(
                     "cuMemHostRegister of {len} B at {key:#x} ({}) failed with {r:?}",
-                    if pool.is_some() { "transport pool" } else { "heap staging buffer" }
+                    if pool.is_some() {
+                        "transport pool"
+                    } else {
+                        "heap staging buffer"
+                    }
                 );
                 tracing::warn!(%why, "staging through cuMemHostAlloc bounce buffers instead");
                 Pin::Failed(why)
@@ -315,7 +383,8 @@ fn detect_paths(ctx: &Arc<CudaContext>, device: String) -> GpuPaths {
     use sys::CUdevice_attribute as A;
     let attr = |a: A| ctx.attribute(a).unwrap_or(0);
     let gdr = attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED) == 1;
-    let dmabuf = attr(A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) == 1 && has_symbol("cuMemGetHandleForAddressRange");
+    let dmabuf = attr(A::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) == 1
+        && has_symbol("cuMemGetHandleForAddressRange");
     let gpudirect_rdma = Err(match (gdr, dmabuf) {
         (true, true) => "the device supports GPUDirect RDMA with DMA-BUF export, but registering device memory \
                          with the NIC (ibv_reg_dmabuf_mr) is not implemented in the Ibex verbs provider; staging"
@@ -326,7 +395,8 @@ fn detect_paths(ctx: &Arc<CudaContext>, device: String) -> GpuPaths {
             .to_string(),
         _ => "the device does not support GPUDirect RDMA; staging".to_string(),
     });
-    let unified = attr(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) == 1 && has_symbol("cuIpcGetMemHandle");
+    let unified =
+        attr(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) == 1 && has_symbol("cuIpcGetMemHandle");
     let cuda_ipc = Err(if unified {
         "the device supports CUDA IPC, but the PS holds its variables in host memory (ibex-ps has no GPU \
          storage), so there is no GPU peer to map; staging"
@@ -334,7 +404,11 @@ fn detect_paths(ctx: &Arc<CudaContext>, device: String) -> GpuPaths {
     } else {
         "the device does not support CUDA IPC (no unified addressing); staging".to_string()
     });
-    GpuPaths { device, gpudirect_rdma, cuda_ipc }
+    GpuPaths {
+        device,
+        gpudirect_rdma,
+        cuda_ipc,
+    }
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
@@ -463,7 +537,11 @@ impl Worker {
                         g.parts.push((vi, pi));
                         g.bytes += bytes;
                     }
-                    None => groups.push(CopyGroup { ps: part.ps, parts: vec![(vi, pi)], bytes }),
+                    None => groups.push(CopyGroup {
+                        ps: part.ps,
+                        parts: vec![(vi, pi)],
+                        bytes,
+                    }),
                 }
             }
         }
@@ -473,7 +551,9 @@ impl Worker {
         // leases (the next `stage` could hand out a buffer the GPU is still writing): the
         // guard waits for the stream first.
         let enqueued = StreamGuard::new(&gpu.stream);
-        gpu.ctx.bind_to_thread().map_err(|e| driver_err("cuCtxSetCurrent", e, 0))?;
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("cuCtxSetCurrent", e, 0))?;
         for gi in order {
             let CopyGroup { ps, parts, bytes } = &groups[gi];
             let pool = match &self.clients[*ps] {
@@ -486,37 +566,53 @@ impl Worker {
                 let slot = &v.parts[pi];
                 let part = &v.placement.parts[pi];
                 let row = v.placement.row_len();
-                let src = grads[vi].1.slice(part.row_offset * row..(part.row_offset + part.rows) * row);
+                let src = grads[vi]
+                    .1
+                    .slice(part.row_offset * row..(part.row_offset + part.rows) * row);
                 if gpu.pin(slot, pool.clone()) {
                     // SAFETY: the staging lease (`staged`) holds the slot exclusively until
                     // the group's event has completed and the slot is handed to the transport;
                     // the memory is page-locked, so the copy is truly asynchronous.
                     let dst = unsafe { std::slice::from_raw_parts_mut(slot.as_ptr(), slot.len()) };
-                    gpu.stream.memcpy_dtoh(&src, dst).map_err(|e| driver_err("cuMemcpyDtoHAsync", e, 0))?;
+                    gpu.stream
+                        .memcpy_dtoh(&src, dst)
+                        .map_err(|e| driver_err("cuMemcpyDtoHAsync", e, 0))?;
                 } else {
                     let buf = gpu.bounce_for(slot)?;
                     {
                         let mut b = buf.lock().unwrap_or_else(|e| e.into_inner());
-                        gpu.stream.memcpy_dtoh(&src, &mut *b).map_err(|e| driver_err("cuMemcpyDtoHAsync", e, 0))?;
+                        gpu.stream
+                            .memcpy_dtoh(&src, &mut *b)
+                            .map_err(|e| driver_err("cuMemcpyDtoHAsync", e, 0))?;
                     }
-                    bounced.push(Bounced { slot: slot.clone(), buf });
+                    bounced.push(Bounced {
+                        slot: slot.clone(),
+                        buf,
+                    });
                 }
             }
-            let ev = gpu.stream.record_event(None).map_err(|e| driver_err("cuEventRecord", e, *bytes))?;
+            let ev = gpu
+                .stream
+                .record_event(None)
+                .map_err(|e| driver_err("cuEventRecord", e, *bytes))?;
             events.insert(*ps, (ev, bounced));
         }
         enqueued.disarm();
         let events = &events;
         let stream = &gpu.stream;
         self.push_staged_when(step, staged, pull, |ps| async move {
-            let Some((ev, bounced)) = events.get(&ps) else { return Ok(()) };
+            let Some((ev, bounced)) = events.get(&ps) else {
+                return Ok(());
+            };
             // Dropped on an error or when the push is cancelled (then this group's lease is
             // released right after): waits for the copies first.
             let waiting = StreamGuard::new(stream);
             wait_event(ev).await?;
             for b in bounced {
                 let buf = b.buf.lock().unwrap_or_else(|e| e.into_inner());
-                let host = buf.as_slice().map_err(|e| driver_err("cuEventSynchronize", e, 0))?;
+                let host = buf
+                    .as_slice()
+                    .map_err(|e| driver_err("cuEventSynchronize", e, 0))?;
                 // SAFETY: the slot is still leased by this push (the group has not handed
                 // it to the transport yet), so nothing else reads or writes it.
                 let dst = unsafe { std::slice::from_raw_parts_mut(b.slot.as_ptr(), b.slot.len()) };
@@ -538,7 +634,10 @@ struct StreamGuard<'a> {
 
 impl<'a> StreamGuard<'a> {
     fn new(stream: &'a CudaStream) -> Self {
-        StreamGuard { stream, armed: true }
+        StreamGuard {
+            stream,
+            armed: true,
+        }
     }
 
     fn disarm(mut self) {
@@ -563,16 +662,27 @@ async fn upload(
     fresh: &[Vec<f32>],
     params: &mut [&mut CudaSlice<f32>],
 ) -> Result<(), WorkerError> {
-    gpu.ctx.bind_to_thread().map_err(|e| driver_err("cuCtxSetCurrent", e, 0))?;
+    gpu.ctx
+        .bind_to_thread()
+        .map_err(|e| driver_err("cuCtxSetCurrent", e, 0))?;
     for ((name, v), dst) in names.iter().zip(fresh).zip(params.iter_mut()) {
         if dst.len() != v.len() {
-            return Err(WorkerError::ShapeMismatch { name: name.to_string(), expected: v.len(), got: dst.len() });
+            return Err(WorkerError::ShapeMismatch {
+                name: name.to_string(),
+                expected: v.len(),
+                got: dst.len(),
+            });
         }
-        gpu.stream.memcpy_htod(v.as_slice(), &mut **dst).map_err(|e| driver_err("cuMemcpyHtoDAsync", e, 0))?;
+        gpu.stream
+            .memcpy_htod(v.as_slice(), &mut **dst)
+            .map_err(|e| driver_err("cuMemcpyHtoDAsync", e, 0))?;
     }
     // The host vectors are pageable: the driver has staged them by the time each call
     // returned, but the device values are ready only once the stream got there.
-    let ev = gpu.stream.record_event(None).map_err(|e| driver_err("cuEventRecord", e, 0))?;
+    let ev = gpu
+        .stream
+        .record_event(None)
+        .map_err(|e| driver_err("cuEventRecord", e, 0))?;
     wait_event(&ev).await
 }
 
@@ -582,18 +692,35 @@ mod tests {
 
     #[test]
     fn groups_go_smallest_first_ties_by_ps() {
-        assert_eq!(plan_groups(&[4 << 20, 1 << 20, 4 << 20, 0]), vec![3, 1, 0, 2]);
+        assert_eq!(
+            plan_groups(&[4 << 20, 1 << 20, 4 << 20, 0]),
+            vec![3, 1, 0, 2]
+        );
         assert_eq!(plan_groups(&[]), Vec::<usize>::new());
     }
 
     #[test]
     fn driver_errors_map_to_typed_errors_without_calling_the_driver() {
-        let oom = driver_err("cuMemAlloc", DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY), 1 << 30);
-        assert!(matches!(oom, WorkerError::CudaOutOfMemory { bytes, .. } if bytes == 1 << 30), "{oom}");
+        let oom = driver_err(
+            "cuMemAlloc",
+            DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+            1 << 30,
+        );
+        assert!(
+            matches!(oom, WorkerError::CudaOutOfMemory { bytes, .. } if bytes == 1 << 30),
+            "{oom}"
+        );
         assert!(oom.to_string().contains("out of memory"), "{oom}");
         let nodev = driver_err("cuInit", DriverError(CUresult::CUDA_ERROR_NO_DEVICE), 0);
         assert!(matches!(nodev, WorkerError::NoCudaDevice { .. }), "{nodev}");
-        let other = driver_err("cuLaunchKernel", DriverError(CUresult::CUDA_ERROR_LAUNCH_FAILED), 0);
-        assert!(other.to_string().contains("CUDA_ERROR_LAUNCH_FAILED"), "{other}");
+        let other = driver_err(
+            "cuLaunchKernel",
+            DriverError(CUresult::CUDA_ERROR_LAUNCH_FAILED),
+            0,
+        );
+        assert!(
+            other.to_string().contains("CUDA_ERROR_LAUNCH_FAILED"),
+            "{other}"
+        );
     }
 }

@@ -5,7 +5,9 @@
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// PS `ps` cannot be reached (not up yet, gone, or shutting down).
-    #[error("PS {ps} is unavailable: {source}; check that it runs and listens on the spec's address")]
+    #[error(
+        "PS {ps} is unavailable: {source}; check that it runs and listens on the spec's address"
+    )]
     Unavailable {
         /// Which PS.
         ps: usize,
@@ -87,13 +89,17 @@ pub enum WorkerError {
         detail: String,
     },
     /// The driver loaded but there is no (such) CUDA device.
-    #[error("no CUDA device: {detail}; check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on the CPU (--device cpu)")]
+    #[error(
+        "no CUDA device: {detail}; check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on the CPU (--device cpu)"
+    )]
     NoCudaDevice {
         /// Device count, ordinal asked for, or the driver's code.
         detail: String,
     },
     /// A device or pinned-host allocation failed for lack of memory.
-    #[error("CUDA out of memory in {op} ({bytes} B requested); free GPU memory or use smaller tensors")]
+    #[error(
+        "CUDA out of memory in {op} ({bytes} B requested); free GPU memory or use smaller tensors"
+    )]
     CudaOutOfMemory {
         /// What was being allocated.
         op: String,
@@ -117,13 +123,16 @@ impl WorkerError {
     pub(crate) fn from_status(ps: usize, s: tonic::Status) -> WorkerError {
         let message = s.message().to_string();
         match s.code() {
-            tonic::Code::Unavailable => WorkerError::Unavailable { ps, source: message.into() },
+            tonic::Code::Unavailable => WorkerError::Unavailable {
+                ps,
+                source: message.into(),
+            },
             tonic::Code::NotFound => WorkerError::UnknownVariable { name: message },
             tonic::Code::FailedPrecondition => WorkerError::StaleStep { ps, message },
             tonic::Code::DeadlineExceeded => WorkerError::Timeout { ps, message },
-            code @ (tonic::Code::InvalidArgument | tonic::Code::OutOfRange | tonic::Code::AlreadyExists) => {
-                WorkerError::Rejected { ps, code, message }
-            }
+            code @ (tonic::Code::InvalidArgument
+            | tonic::Code::OutOfRange
+            | tonic::Code::AlreadyExists) => WorkerError::Rejected { ps, code, message },
             code => WorkerError::Rpc { ps, code, message },
         }
     }

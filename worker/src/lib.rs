@@ -10,6 +10,7 @@ mod client;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
+mod overlap;
 mod placement;
 mod profile;
 mod spec;
@@ -24,6 +25,7 @@ pub use cuda::{Gpu, GpuPaths, device_count, probe_driver};
 pub use cudarc;
 pub use error::WorkerError;
 pub use ibex_proto::ps::v1 as pb;
+pub use overlap::{LayerGrads, StepPush};
 pub use placement::{PARTITION_BYTES, Part, Placement, place};
 pub use profile::{CommProfile, Histogram};
 pub use spec::*;

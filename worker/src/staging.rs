@@ -87,13 +87,24 @@ impl Slot {
     fn new(conn_pool: Option<&ibex_transport::grpc::Channel>, elems: usize) -> Slot {
         let bytes = elems * 4;
         let (mem, fallback) = match conn_pool {
-            None => (None, Some("stock gRPC channel: no registered pool".to_string())),
+            None => (
+                None,
+                Some("stock gRPC channel: no registered pool".to_string()),
+            ),
             Some(ch) => match ch.connection().alloc(bytes) {
                 // Pool buffers are 64-byte aligned within a page-aligned region; the check
                 // keeps the f32 view sound should that ever change.
-                Ok(b) if (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>()) => (Some(b), None),
-                Ok(_) => (None, Some("registered pool buffer is not 4-byte aligned".to_string())),
-                Err(e) => (None, Some(format!("registered pool allocation failed: {e}"))),
+                Ok(b) if (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>()) => {
+                    (Some(b), None)
+                }
+                Ok(_) => (
+                    None,
+                    Some("registered pool buffer is not 4-byte aligned".to_string()),
+                ),
+                Err(e) => (
+                    None,
+                    Some(format!("registered pool allocation failed: {e}")),
+                ),
             },
         };
         let (ptr, mem) = match mem {
@@ -106,7 +117,14 @@ impl Slot {
         if let Some(why) = &fallback {
             tracing::debug!(elems, %why, "staging buffer in heap memory");
         }
-        Slot { ptr, len: elems, _mem: mem, fallback, state: Mutex::new(SlotState::default()), freed: Notify::new() }
+        Slot {
+            ptr,
+            len: elems,
+            _mem: mem,
+            fallback,
+            state: Mutex::new(SlotState::default()),
+            freed: Notify::new(),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
@@ -209,7 +227,9 @@ pub struct Staged {
 
 impl std::fmt::Debug for Staged {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(self.vars.iter().map(|v| &v.placement.spec.name)).finish()
+        f.debug_list()
+            .entries(self.vars.iter().map(|v| &v.placement.spec.name))
+            .finish()
     }
 }
 
@@ -231,9 +251,14 @@ impl Staged {
     }
 
     fn find(&self, name: &str) -> Result<&Arc<VarBufs>, WorkerError> {
-        self.vars.iter().find(|v| v.placement.spec.name == name).ok_or_else(|| {
-            WorkerError::Usage(format!("{name:?} is not part of this staging lease: pass it to Worker::stage"))
-        })
+        self.vars
+            .iter()
+            .find(|v| v.placement.spec.name == name)
+            .ok_or_else(|| {
+                WorkerError::Usage(format!(
+                    "{name:?} is not part of this staging lease: pass it to Worker::stage"
+                ))
+            })
     }
 
     /// The whole gradient buffer of `name`, when the variable has a single part (it is not
@@ -274,7 +299,11 @@ impl Staged {
     pub fn write(&mut self, name: &str, values: &[f32]) -> Result<(), WorkerError> {
         let expected = self.find(name)?.placement.spec.numel();
         if values.len() != expected {
-            return Err(WorkerError::ShapeMismatch { name: name.to_string(), expected, got: values.len() });
+            return Err(WorkerError::ShapeMismatch {
+                name: name.to_string(),
+                expected,
+                got: values.len(),
+            });
         }
         let mut at = 0;
         for p in self.parts_mut(name)? {
@@ -300,10 +329,17 @@ impl Staged {
         let mut groups: Vec<Group> = Vec::new();
         for v in &vars {
             for (part, slot) in v.placement.parts.iter().zip(&v.parts) {
-                let item = (part.name.clone(), v.placement.part_shape(part), slot.clone());
+                let item = (
+                    part.name.clone(),
+                    v.placement.part_shape(part),
+                    slot.clone(),
+                );
                 match groups.iter_mut().find(|g| g.ps == part.ps) {
                     Some(g) => g.parts.push(item),
-                    None => groups.push(Group { ps: part.ps, parts: vec![item] }),
+                    None => groups.push(Group {
+                        ps: part.ps,
+                        parts: vec![item],
+                    }),
                 }
             }
         }
@@ -398,13 +434,20 @@ impl Worker {
     /// [`Worker::push`] from the registered buffers of `staged`: no copy on the worker for
     /// descriptor-path parts, only the encoder's for inline ones.
     pub async fn push_staged(&self, step: u64, staged: Staged) -> Result<(), WorkerError> {
-        self.push_staged_when(step, staged, false, |_| async { Ok(()) }).await.map(drop)
+        self.push_staged_when(step, staged, false, |_| async { Ok(()) })
+            .await
+            .map(drop)
     }
 
     /// [`Worker::push_pull`] from the registered buffers of `staged`; returns the fresh
     /// values of the staged variables in their staging order.
-    pub async fn push_pull_staged(&self, step: u64, staged: Staged) -> Result<Vec<Vec<f32>>, WorkerError> {
-        self.push_staged_when(step, staged, true, |_| async { Ok(()) }).await
+    pub async fn push_pull_staged(
+        &self,
+        step: u64,
+        staged: Staged,
+    ) -> Result<Vec<Vec<f32>>, WorkerError> {
+        self.push_staged_when(step, staged, true, |_| async { Ok(()) })
+            .await
     }
 
     /// The cached buffers of `names`, allocating those not yet cached.
@@ -415,10 +458,14 @@ impl Worker {
         for p in places {
             let name = p.spec.name.clone();
             if p.spec.sparse {
-                return Err(WorkerError::Usage(format!("{name:?} is a sparse table: use push_sparse")));
+                return Err(WorkerError::Usage(format!(
+                    "{name:?} is a sparse table: use push_sparse"
+                )));
             }
             if out.iter().any(|v| v.placement.spec.name == name) {
-                return Err(WorkerError::Usage(format!("variable {name:?} is listed twice")));
+                return Err(WorkerError::Usage(format!(
+                    "variable {name:?} is listed twice"
+                )));
             }
             let bufs = cache.entry(name).or_insert_with(|| {
                 let row = p.row_len();
@@ -433,7 +480,10 @@ impl Worker {
                         Arc::new(Slot::new(ch, part.rows * row))
                     })
                     .collect();
-                Arc::new(VarBufs { placement: p, parts })
+                Arc::new(VarBufs {
+                    placement: p,
+                    parts,
+                })
             });
             out.push(bufs.clone());
         }
@@ -470,14 +520,32 @@ impl Worker {
                         *x = f32::from_bits(x.to_bits().to_le());
                     }
                 }
-                let (t, k) = self.tensor_from_bytes(g.ps, &name, shape, slot.into_view()).await?;
+                let (t, k) = self
+                    .tensor_from_bytes(g.ps, &name, shape, slot.into_view())
+                    .await?;
                 grads.push(t);
                 keep.extend(k);
             }
-            self.send_one((g.ps, pb::PushRequest { step, worker, grads }, keep), pull).await
+            self.send_one(
+                (
+                    g.ps,
+                    pb::PushRequest {
+                        step,
+                        worker,
+                        grads,
+                    },
+                    keep,
+                ),
+                pull,
+            )
+            .await
         }))
         .await?;
-        if pull { self.assemble(&places, replies.into_iter().flatten()) } else { Ok(Vec::new()) }
+        if pull {
+            self.assemble(&places, replies.into_iter().flatten())
+        } else {
+            Ok(Vec::new())
+        }
     }
 }
 

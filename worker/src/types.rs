@@ -108,7 +108,17 @@ impl Optimizer {
             Optimizer::Sgd { lr } => Kind::Sgd(pb::Sgd { lr }),
             Optimizer::Momentum { lr, momentum } => Kind::Momentum(pb::Momentum { lr, momentum }),
             Optimizer::Adagrad { lr, eps } => Kind::Adagrad(pb::Adagrad { lr, eps }),
-            Optimizer::Adam { lr, beta1, beta2, eps } => Kind::Adam(pb::Adam { lr, beta1, beta2, eps }),
+            Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => Kind::Adam(pb::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            }),
         };
         pb::Optimizer { kind: Some(kind) }
     }

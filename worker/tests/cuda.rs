@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use ibex_ps::{Mode, PsConfig};
-use ibex_worker::{ClusterSpec, Dtype, Gpu, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError};
+use ibex_worker::{
+    ClusterSpec, Dtype, Gpu, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError,
+};
 
 const LR: f32 = 0.1;
 /// 640 x 512 f32: two parts of 640 KiB across two PS (descriptor path on shm).
@@ -26,24 +28,41 @@ fn gpu() -> Option<Gpu> {
 #[test]
 fn a_missing_driver_is_a_typed_error_not_a_panic() {
     if ibex_worker::probe_driver().is_ok() {
-        println!("skipped: a CUDA driver is installed here; this test checks the error when it is absent");
+        println!(
+            "skipped: a CUDA driver is installed here; this test checks the error when it is absent"
+        );
         return;
     }
     let e = Gpu::open(0).unwrap_err();
     assert!(matches!(e, WorkerError::NoCudaDriver { .. }), "{e}");
     let msg = e.to_string();
-    assert!(msg.contains("libcuda.so") && msg.contains("install the NVIDIA driver"), "{msg}");
+    assert!(
+        msg.contains("libcuda.so") && msg.contains("install the NVIDIA driver"),
+        "{msg}"
+    );
     // Asking twice gives the same answer (nothing cached a half-loaded library).
-    assert!(matches!(ibex_worker::device_count(), Err(WorkerError::NoCudaDriver { .. })));
+    assert!(matches!(
+        ibex_worker::device_count(),
+        Err(WorkerError::NoCudaDriver { .. })
+    ));
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
-fn start_ps(transport: TransportKind, num_ps: usize) -> (ClusterSpec, Vec<tokio::sync::oneshot::Sender<()>>) {
+fn start_ps(
+    transport: TransportKind,
+    num_ps: usize,
+) -> (ClusterSpec, Vec<tokio::sync::oneshot::Sender<()>>) {
     let spec = ClusterSpec {
-        ps: (0..num_ps).map(|_| format!("127.0.0.1:{}", free_port())).collect(),
+        ps: (0..num_ps)
+            .map(|_| format!("127.0.0.1:{}", free_port()))
+            .collect(),
         workers: vec!["127.0.0.1:0".into()],
         transport,
     };
@@ -85,30 +104,63 @@ async fn device_matches_host(transport: TransportKind) {
     let (spec, _stops) = start_ps(transport, 2);
     let w = Worker::connect(&spec, 0).await.unwrap();
     let small = [7usize];
-    w.create_variables(&[var("a_big", &BIG), var("a_small", &small), var("b_big", &BIG), var("b_small", &small)])
-        .await
-        .unwrap();
+    w.create_variables(&[
+        var("a_big", &BIG),
+        var("a_small", &small),
+        var("b_big", &BIG),
+        var("b_small", &small),
+    ])
+    .await
+    .unwrap();
     let numel = BIG[0] * BIG[1];
-    let mut params = [gpu.alloc_zeros(numel).unwrap(), gpu.alloc_zeros(small[0]).unwrap()];
+    let mut params = [
+        gpu.alloc_zeros(numel).unwrap(),
+        gpu.alloc_zeros(small[0]).unwrap(),
+    ];
     {
         let [p0, p1] = &mut params;
-        w.pull_device(&gpu, &["b_big", "b_small"], 0, &mut [p0, p1]).await.unwrap();
+        w.pull_device(&gpu, &["b_big", "b_small"], 0, &mut [p0, p1])
+            .await
+            .unwrap();
     }
     assert!(gpu.download(&params[1]).unwrap().iter().all(|v| *v == 0.5));
     for step in 0..3u64 {
         let gb: Vec<f32> = (0..numel).map(|i| g(step, i)).collect();
         let gs: Vec<f32> = (0..small[0]).map(|i| g(step, i + 1000)).collect();
-        w.push(step, &[("a_big", &gb), ("a_small", &gs)]).await.unwrap();
+        w.push(step, &[("a_big", &gb), ("a_small", &gs)])
+            .await
+            .unwrap();
         let (db, ds) = (gpu.upload(&gb).unwrap(), gpu.upload(&gs).unwrap());
         let [p0, p1] = &mut params;
-        w.push_pull_device(&gpu, step, &[("b_big", &db), ("b_small", &ds)], &mut [p0, p1]).await.unwrap();
-        let host = w.pull(&["a_big", "a_small", "b_big", "b_small"], step + 1).await.unwrap();
-        assert_eq!(host[0], host[2], "device and host pushes leave the same PS state");
+        w.push_pull_device(
+            &gpu,
+            step,
+            &[("b_big", &db), ("b_small", &ds)],
+            &mut [p0, p1],
+        )
+        .await
+        .unwrap();
+        let host = w
+            .pull(&["a_big", "a_small", "b_big", "b_small"], step + 1)
+            .await
+            .unwrap();
+        assert_eq!(
+            host[0], host[2],
+            "device and host pushes leave the same PS state"
+        );
         assert_eq!(host[1], host[3]);
-        assert_eq!(gpu.download(&params[0]).unwrap(), host[2], "fresh values reached the device");
+        assert_eq!(
+            gpu.download(&params[0]).unwrap(),
+            host[2],
+            "fresh values reached the device"
+        );
         assert_eq!(gpu.download(&params[1]).unwrap(), host[3]);
     }
-    println!("{transport:?}: pinning {:?}; paths {:?}", gpu.pinning(), gpu.paths());
+    println!(
+        "{transport:?}: pinning {:?}; paths {:?}",
+        gpu.pinning(),
+        gpu.paths()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,7 +181,11 @@ async fn device_errors_are_typed() {
     w.create_variables(&[var("v", &[5])]).await.unwrap();
     let wrong = gpu.alloc_zeros(3).unwrap();
     match w.push_device(&gpu, 0, &[("v", &wrong)]).await {
-        Err(WorkerError::ShapeMismatch { expected: 5, got: 3, .. }) => {}
+        Err(WorkerError::ShapeMismatch {
+            expected: 5,
+            got: 3,
+            ..
+        }) => {}
         other => panic!("expected a shape mismatch, got {other:?}"),
     }
     let total = gpu.context().total_mem().unwrap();
@@ -137,8 +193,21 @@ async fn device_errors_are_typed() {
         Err(WorkerError::CudaOutOfMemory { bytes, .. }) => assert!(bytes > total),
         other => panic!("expected out of memory, got {:?}", other.map(|s| s.len())),
     }
-    assert!(matches!(Gpu::open(1 << 20), Err(WorkerError::NoCudaDevice { .. })));
+    assert!(matches!(
+        Gpu::open(1 << 20),
+        Err(WorkerError::NoCudaDevice { .. })
+    ));
     let paths = gpu.paths();
-    assert!(paths.gpudirect_rdma.as_ref().unwrap_err().contains("staging"), "{paths:?}");
-    assert!(paths.cuda_ipc.as_ref().unwrap_err().contains("staging"), "{paths:?}");
+    assert!(
+        paths
+            .gpudirect_rdma
+            .as_ref()
+            .unwrap_err()
+            .contains("staging"),
+        "{paths:?}"
+    );
+    assert!(
+        paths.cuda_ipc.as_ref().unwrap_err().contains("staging"),
+        "{paths:?}"
+    );
 }

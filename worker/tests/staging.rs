@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ibex_ps::{Mode, PsConfig};
-use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError};
+use ibex_worker::{
+    ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError,
+};
 
 const LR: f32 = 0.1;
 /// 640 x 512 f32 = 1.25 MiB: split into two parts of 640 KiB, each above the descriptor
@@ -15,7 +17,11 @@ const LR: f32 = 0.1;
 const BIG: [usize; 2] = [640, 512];
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Starts `num_ps` sync-mode PS for `workers` workers; returns the spec and their stop handles.
@@ -25,7 +31,9 @@ fn start_ps(
     workers: u32,
 ) -> (ClusterSpec, Vec<tokio::sync::oneshot::Sender<()>>) {
     let spec = ClusterSpec {
-        ps: (0..num_ps).map(|_| format!("127.0.0.1:{}", free_port())).collect(),
+        ps: (0..num_ps)
+            .map(|_| format!("127.0.0.1:{}", free_port()))
+            .collect(),
         workers: vec!["127.0.0.1:0".into(); workers as usize],
         transport,
     };
@@ -67,10 +75,19 @@ async fn staged_equals_slices(transport: TransportKind) -> Worker {
     let (spec, _stops) = start_ps(transport, 2, 1);
     let w = Worker::connect(&spec, 0).await.unwrap();
     let small = [7usize];
-    w.create_variables(&[var("a_big", &BIG), var("a_small", &small), var("b_big", &BIG), var("b_small", &small)])
-        .await
-        .unwrap();
-    assert_eq!(w.placement("b_big").unwrap().parts.len(), 2, "the big variable is split across both PS");
+    w.create_variables(&[
+        var("a_big", &BIG),
+        var("a_small", &small),
+        var("b_big", &BIG),
+        var("b_small", &small),
+    ])
+    .await
+    .unwrap();
+    assert_eq!(
+        w.placement("b_big").unwrap().parts.len(),
+        2,
+        "the big variable is split across both PS"
+    );
     let row = BIG[1];
     let numel = BIG[0] * BIG[1];
     let mut expect_big = vec![0.5f32; numel];
@@ -81,7 +98,9 @@ async fn staged_equals_slices(transport: TransportKind) -> Worker {
         let gs: Vec<f32> = (0..small[0]).map(|i| g(step, i + 1000)).collect();
         // Sync mode, one worker: the step applies once both pushes are in, so the slice
         // push returns first and the staged push-pull completes the step.
-        w.push(step, &[("a_big", &gb), ("a_small", &gs)]).await.unwrap();
+        w.push(step, &[("a_big", &gb), ("a_small", &gs)])
+            .await
+            .unwrap();
 
         let mut staged = w.stage(&["b_big", "b_small"]).await.unwrap();
         let mut ptrs = Vec::new();
@@ -89,7 +108,12 @@ async fn staged_equals_slices(transport: TransportKind) -> Worker {
             if step == 1 {
                 // Reused buffers still hold what step 0 wrote.
                 let base = p.row_offset * row;
-                assert!(p.values.iter().enumerate().all(|(i, v)| *v == g(0, base + i)));
+                assert!(
+                    p.values
+                        .iter()
+                        .enumerate()
+                        .all(|(i, v)| *v == g(0, base + i))
+                );
             }
             for (i, v) in p.values.iter_mut().enumerate() {
                 *v = g(step, p.row_offset * row + i);
@@ -100,7 +124,10 @@ async fn staged_equals_slices(transport: TransportKind) -> Worker {
         if step == 0 {
             first_ptrs = ptrs;
         } else {
-            assert_eq!(ptrs, first_ptrs, "the registered buffers are reused across steps");
+            assert_eq!(
+                ptrs, first_ptrs,
+                "the registered buffers are reused across steps"
+            );
         }
         let fresh = w.push_pull_staged(step, staged).await.unwrap();
 
@@ -112,8 +139,14 @@ async fn staged_equals_slices(transport: TransportKind) -> Worker {
         }
         assert_eq!(fresh[0], expect_big);
         assert_eq!(fresh[1], expect_small);
-        let all = w.pull(&["a_big", "a_small", "b_big", "b_small"], step + 1).await.unwrap();
-        assert_eq!(all[0], all[2], "staged and slice pushes leave the same PS state");
+        let all = w
+            .pull(&["a_big", "a_small", "b_big", "b_small"], step + 1)
+            .await
+            .unwrap();
+        assert_eq!(
+            all[0], all[2],
+            "staged and slice pushes leave the same PS state"
+        );
         assert_eq!(all[1], all[3]);
         assert_eq!(all[2], expect_big);
     }
@@ -125,7 +158,10 @@ async fn staged_pushes_over_shm_send_pool_descriptors() {
     let w = staged_equals_slices(TransportKind::Shm).await;
     for name in ["b_big", "b_small"] {
         for part in w.staging_info(name).unwrap() {
-            assert_eq!(part.fallback, None, "{name}: every buffer lies in the shm connection's registered pool");
+            assert_eq!(
+                part.fallback, None,
+                "{name}: every buffer lies in the shm connection's registered pool"
+            );
         }
     }
     let p = w.comm_profile();
@@ -150,7 +186,11 @@ async fn staged_pushes_over_stock_grpc_go_inline_from_heap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staged_pushes_over_tcp_go_inline() {
     let w = staged_equals_slices(TransportKind::Tcp).await;
-    assert_eq!(w.comm_profile().sent_remote.bytes, 0, "tcp reads are not one-sided");
+    assert_eq!(
+        w.comm_profile().sent_remote.bytes,
+        0,
+        "tcp reads are not one-sided"
+    );
 }
 
 /// A buffer whose push has not returned is not handed out again; it is once the call returns.
@@ -166,7 +206,9 @@ async fn a_buffer_in_flight_is_not_handed_out_again() {
     let mut staged = w0.stage(&["w"]).await.unwrap();
     staged.var_mut("w").unwrap().fill(1.0);
     // While a lease is held, nobody else gets the buffer.
-    assert!(matches!(w0.try_stage(&["w"]), Err(WorkerError::BufferBusy { ref name }) if name == "w"));
+    assert!(
+        matches!(w0.try_stage(&["w"]), Err(WorkerError::BufferBusy { ref name }) if name == "w")
+    );
     let inflight = {
         let w0 = w0.clone();
         tokio::spawn(async move { w0.push_pull_staged(0, staged).await })
@@ -176,14 +218,29 @@ async fn a_buffer_in_flight_is_not_handed_out_again() {
     assert!(!inflight.is_finished());
     let e = w0.try_stage(&["w"]).unwrap_err();
     assert!(e.to_string().contains("in flight"), "{e}");
-    assert!(tokio::time::timeout(Duration::from_millis(300), w0.stage(&["w"])).await.is_err(), "stage must wait");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), w0.stage(&["w"]))
+            .await
+            .is_err(),
+        "stage must wait"
+    );
 
     w1.push(0, &[("w", &vec![3.0; 100_000])]).await.unwrap();
     let fresh = inflight.await.unwrap().unwrap();
     // The PS averages the two workers: 0.5 - 0.1 * (1 + 3) / 2.
-    assert!(fresh[0].iter().all(|v| (*v - 0.3).abs() < 1e-6), "{:?}", &fresh[0][..4]);
-    let mut again = tokio::time::timeout(Duration::from_secs(5), w0.stage(&["w"])).await.unwrap().unwrap();
-    assert!(again.var_mut("w").unwrap().iter().all(|v| *v == 1.0), "the same buffer, untouched by the PS");
+    assert!(
+        fresh[0].iter().all(|v| (*v - 0.3).abs() < 1e-6),
+        "{:?}",
+        &fresh[0][..4]
+    );
+    let mut again = tokio::time::timeout(Duration::from_secs(5), w0.stage(&["w"]))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        again.var_mut("w").unwrap().iter().all(|v| *v == 1.0),
+        "the same buffer, untouched by the PS"
+    );
     // A lease dropped unsent releases its buffers.
     drop(again);
     w0.try_stage(&["w"]).unwrap();
@@ -193,18 +250,30 @@ async fn a_buffer_in_flight_is_not_handed_out_again() {
 async fn misuse_gets_typed_errors() {
     let (spec, _stops) = start_ps(TransportKind::Tcp, 2, 1);
     let w = Worker::connect(&spec, 0).await.unwrap();
-    let table = VarSpec { sparse: true, ..var("emb", &[10, 4]) };
-    w.create_variables(&[var("big", &BIG), var("v", &[5]), table]).await.unwrap();
+    let table = VarSpec {
+        sparse: true,
+        ..var("emb", &[10, 4])
+    };
+    w.create_variables(&[var("big", &BIG), var("v", &[5]), table])
+        .await
+        .unwrap();
 
     let mut s = w.stage(&["v", "big"]).await.unwrap();
     match s.write("v", &[1.0; 3]) {
-        Err(WorkerError::ShapeMismatch { name, expected: 5, got: 3 }) => assert_eq!(name, "v"),
+        Err(WorkerError::ShapeMismatch {
+            name,
+            expected: 5,
+            got: 3,
+        }) => assert_eq!(name, "v"),
         other => panic!("expected a shape mismatch, got {other:?}"),
     }
     let e = s.var_mut("big").unwrap_err();
     assert!(e.to_string().contains("parts_mut"), "{e}");
     let e = s.var_mut("other").unwrap_err();
-    assert!(e.to_string().contains("not part of this staging lease"), "{e}");
+    assert!(
+        e.to_string().contains("not part of this staging lease"),
+        "{e}"
+    );
     // `write` scatters a whole gradient over the parts.
     let whole: Vec<f32> = (0..BIG[0] * BIG[1]).map(|i| i as f32).collect();
     s.write("big", &whole).unwrap();
@@ -212,7 +281,10 @@ async fn misuse_gets_typed_errors() {
     assert_eq!(parts[1].values[0], (parts[1].row_offset * BIG[1]) as f32);
     drop(s);
 
-    assert!(matches!(w.stage(&["nope"]).await, Err(WorkerError::UnknownVariable { .. })));
+    assert!(matches!(
+        w.stage(&["nope"]).await,
+        Err(WorkerError::UnknownVariable { .. })
+    ));
     let e = w.stage(&["emb"]).await.unwrap_err();
     assert!(e.to_string().contains("sparse table"), "{e}");
     let e = w.stage(&["v", "v"]).await.unwrap_err();
