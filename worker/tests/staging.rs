@@ -166,10 +166,13 @@ async fn staged_pushes_over_shm_send_pool_descriptors() {
     }
     let p = w.comm_profile();
     // Remote: the two slice pushes' big parts, the two staged pushes' big parts, two parts each.
-    // The shm provider names a buffer inside the pool by its offset there (the PS reads it
-    // through its mapping of the pool; no CMA read, no copy on the worker). The connection
-    // stats do not count exposures, so the pool membership above is what shows it.
     assert_eq!(p.sent_remote.bytes, 4 * (BIG[0] * BIG[1] * 4) as u64, "{p}");
+    // The shm provider names a buffer inside the pool by its offset there: the PS reads it
+    // through its mapping of the pool (no CMA read), and the worker copied nothing. The
+    // connections count such exposures: the staged big parts (two per step), and not the
+    // slice pushes' heap copies.
+    let from_pool: u64 = p.transport.iter().map(|(_, s)| s.exposed_from_pool).sum();
+    assert_eq!(from_pool, 2 * 2, "{p}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
