@@ -4,6 +4,10 @@
 //! transport (Ibex shm/tcp/verbs, or stock gRPC), places variables across the PS shards
 //! greedily by bytes (large variables are split along dim 0), and pulls/pushes many
 //! variables with one concurrent request per shard. See `docs/ps.md`.
+//!
+//! [`Worker::stage`] hands out registered buffers to write gradients into, sent with no copy
+//! ([`Worker::push_staged`]). With the `cuda` feature, `Worker::push_device` and friends move
+//! tensors that live in GPU memory through those buffers (see `docs/gpu.md`).
 #![warn(missing_docs)]
 
 mod client;
