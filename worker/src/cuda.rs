@@ -566,6 +566,11 @@ impl Worker {
                 let slot = &v.parts[pi];
                 let part = &v.placement.parts[pi];
                 let row = v.placement.row_len();
+                if slot.len() == 0 {
+                    // Nothing to copy, and zero-byte registrations or pinned allocations
+                    // are errors (or null pointers) in the driver.
+                    continue;
+                }
                 let src = grads[vi]
                     .1
                     .slice(part.row_offset * row..(part.row_offset + part.rows) * row);
