@@ -175,13 +175,18 @@ fn render_transport(o: &mut String, s: u32, t: &ServerStats) {
         );
         let _ = writeln!(
             o,
-            "ibex_transport_info{{shard=\"{s}\",provider=\"{}\",path=\"{}\",threshold_source=\"{}\"}} 1",
-            tot.provider, tot.rendezvous_path, p.threshold_source
+            "ibex_transport_info{{shard=\"{s}\",provider=\"{}\",path=\"{}\",threshold_source=\"{}\",fragment_source=\"{}\"}} 1",
+            tot.provider, tot.rendezvous_path, p.threshold_source, p.fragment_source
         );
         let _ = writeln!(
             o,
             "# TYPE ibex_transport_eager_threshold_bytes gauge\nibex_transport_eager_threshold_bytes{{shard=\"{s}\"}} {}",
             p.eager_threshold
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE ibex_transport_fragment_size_bytes gauge\nibex_transport_fragment_size_bytes{{shard=\"{s}\"}} {}",
+            p.fragment_size
         );
     }
     let _ = writeln!(

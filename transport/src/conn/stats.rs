@@ -78,6 +78,8 @@ impl ConnStats {
             self.rendezvous_path = other.rendezvous_path.clone();
             p.eager_threshold = o.eager_threshold;
             p.threshold_source = o.threshold_source;
+            p.fragment_size = o.fragment_size;
+            p.fragment_source = o.fragment_source;
         }
         self.rndv_read_bytes += other.rndv_read_bytes;
         self.rndv_mapped_bytes += other.rndv_mapped_bytes;
