@@ -8,7 +8,10 @@ use serde::{Deserialize, Serialize};
 /// One measured point. Serialized as one JSON line.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Record {
-    /// `latency`, `bw`, `bibw`, `ps-throughput`, `sweep-lat`, `sweep-bw`, `tensor`, `memcpy`.
+    /// `latency`, `bw`, `bibw`, `ps-throughput`, `sweep-lat`, `sweep-bw`, `tensor`, `memcpy`,
+    /// `ps-step` (there: `calls` = measured steps, `rpc_s` = steps/s, percentiles per step,
+    /// `mb_s` = every worker's pulled variables plus pushed gradients per second, `bytes` =
+    /// the model's f32 bytes, `payload` = the model).
     pub bench: String,
     /// Transport name (`tonic`, `ibex-shm`, ...).
     pub transport: String,
@@ -103,6 +106,7 @@ fn merit(r: &Record) -> (String, f64, bool, &'static str) {
     match r.bench.as_str() {
         "latency" | "sweep-lat" => (key, r.p50_us, false, "p50 lower"),
         "ps-throughput" => (key, r.rpc_s, true, "RPC/s"),
+        "ps-step" => (key, r.rpc_s, true, "steps/s"),
         _ => (key, r.mb_s, true, "MB/s"),
     }
 }
@@ -155,6 +159,8 @@ pub fn bars(records: &[Record]) -> String {
     bar("PS throughput uniform small, ibex-shm / tonic RPC/s", ps("ibex-shm").zip(ps("tonic")).map(|(a, b)| a / b), 4.0, "x");
     let big = |t: &str| find("bw", t, &|r| r.bytes == 16 << 20 && r.payload == "1 buffer").map(|r| r.mb_s);
     bar("large payload 16 MiB Sink, ibex-tcp / tonic", big("ibex-tcp").zip(big("tonic")).map(|(a, b)| a / b), 1.5, "x");
+    let step = |t: &str| find("ps-step", t, &|r| r.payload == "resnet50" && r.topology == "2x2").map(|r| r.rpc_s);
+    bar("ps-step resnet50 2x2, ibex-shm / tonic steps/s", step("ibex-shm").zip(step("tonic")).map(|(a, b)| a / b), 3.0, "x");
     let cost = lat64("ibex-shm").zip(lat64("raw-shm")).map(|(g, r)| 3.0 - (g - r));
     bar("gRPC layer cost 64 B: 3 µs - (ibex-shm p50 - raw-shm p50), headroom", cost, 0.0, " µs");
     out
