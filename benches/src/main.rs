@@ -591,10 +591,10 @@ fn compare(a: CompareArgs) -> Res<()> {
         jl.push('\n');
     }
     std::fs::write(a.out.join("results.jsonl"), jl)?;
-    if let Some(s) = report::svg(&all, "sweep-lat", "Echo round trip p50 vs payload size", "µs", |r| r.p50_us) {
+    if let Some(s) = report::svg(&all, "sweep-lat", "Echo round trip p50 vs payload size", "µs", |r| r.p50_us)? {
         std::fs::write(a.out.join("latency.svg"), s)?;
     }
-    if let Some(s) = report::svg(&all, "sweep-bw", "Sink bandwidth (OSU window) vs payload size", "MB/s", |r| r.mb_s) {
+    if let Some(s) = report::svg(&all, "sweep-bw", "Sink bandwidth (OSU window) vs payload size", "MB/s", |r| r.mb_s)? {
         std::fs::write(a.out.join("bandwidth.svg"), s)?;
     }
     println!("\nwrote {} records to {} (results.jsonl, latency.svg, bandwidth.svg) in {:.1} s", all.len(), a.out.display(), started.elapsed().as_secs_f64());
