@@ -64,7 +64,7 @@ pub fn header() -> String {
 /// One human-readable table row.
 pub fn row(r: &Record) -> String {
     format!(
-        "{:<13} {:<10} {:<18} {:>7} {:>4} {:>5} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>10.0} {:>8.1} {:>8.1}",
+        "{:<13} {:<10} {:<18} {:>7} {:>4} {:>5} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>10.*} {:>8.1} {:>8.1}",
         r.bench,
         r.transport,
         r.payload,
@@ -77,6 +77,8 @@ pub fn row(r: &Record) -> String {
         r.p999_us,
         r.mean_us,
         r.mb_s,
+        // ps-step's steps/s are small numbers.
+        if r.rpc_s < 100.0 { 2 } else { 0 },
         r.rpc_s,
         r.client_rss_kib as f64 / 1024.0,
         r.server_rss_kib as f64 / 1024.0
