@@ -2,8 +2,17 @@
 //! never asserted; only that the calls went through and were counted.
 
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
+
+/// The ps-step test keeps both cores busy for seconds; the timed tests beside it would then
+/// finish no call in their 0.1 s windows. One test at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn run(args: &[&str]) -> Vec<serde_json::Value> {
+    let _one = serial();
     let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench")).args(args).args(["--json", "--warmup", "0.02", "--duration", "0.1"]).output().expect("run ibex-bench");
     assert!(out.status.success(), "ibex-bench {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON record")).collect()
@@ -52,6 +61,7 @@ fn bad_server_address_is_an_error_not_a_hang() {
 /// --workspace` builds it).
 #[test]
 fn ps_step_runs_real_ps_processes_and_workers() {
+    let _one = serial();
     let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench"))
         .args(["ps-step", "--model", "resnet50", "--transport", "tcp", "--workers", "2", "--ps", "2", "--steps", "1", "--warmup-steps", "0", "--json"])
         .output()
