@@ -212,6 +212,7 @@ struct Proc {
     what: String,
     child: Child,
     stderr: Arc<Mutex<Vec<String>>>,
+    stderr_reader: Option<std::thread::JoinHandle<()>>,
     stdout: Option<std::thread::JoinHandle<Vec<String>>>,
 }
 
@@ -219,7 +220,7 @@ impl Proc {
     fn spawn(what: String, mut cmd: Command) -> Res<Proc> {
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| format!("starting {what}: {e}"))?;
         let stderr = Arc::new(Mutex::new(Vec::new()));
-        if let Some(err) = child.stderr.take() {
+        let stderr_reader = child.stderr.take().map(|err| {
             let keep = stderr.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(err).lines().map_while(Result::ok) {
@@ -230,13 +231,18 @@ impl Proc {
                         v.push(line);
                     }
                 }
-            });
-        }
+            })
+        });
         let stdout = child.stdout.take().map(|out| std::thread::spawn(move || BufReader::new(out).lines().map_while(Result::ok).collect()));
-        Ok(Proc { what, child, stderr, stdout })
+        Ok(Proc { what, child, stderr, stderr_reader, stdout })
     }
 
-    fn stderr_tail(&self) -> String {
+    /// The last lines the process wrote to stderr; call once it has exited, so that the
+    /// reader has seen them all.
+    fn stderr_tail(&mut self) -> String {
+        if let Some(r) = self.stderr_reader.take() {
+            let _ = r.join();
+        }
         let lines = self.stderr.lock().map(|v| v.join("\n    ")).unwrap_or_default();
         if lines.is_empty() { String::new() } else { format!("; its stderr:\n    {lines}") }
     }
@@ -332,14 +338,16 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
         for (w, d) in workers.iter_mut().zip(done.iter_mut()).filter(|(_, d)| !**d) {
             if let Some(st) = w.child.try_wait()? {
                 if !st.success() {
-                    return Err(format!("ps-step: {} failed ({st}){}", w.what, w.stderr_tail()).into());
+                    let tail = w.stderr_tail();
+                    return Err(format!("ps-step: {} failed ({st}){tail}", w.what).into());
                 }
                 *d = true;
             }
         }
         for p in &mut ps_procs {
             if let Some(st) = p.child.try_wait()? {
-                return Err(format!("ps-step: {} exited early ({st}){}", p.what, p.stderr_tail()).into());
+                let tail = p.stderr_tail();
+                return Err(format!("ps-step: {} exited early ({st}){tail}", p.what).into());
             }
         }
         if Instant::now() > deadline {
@@ -351,7 +359,10 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
     let mut results = Vec::new();
     for w in &mut workers {
         let lines = w.stdout.take().ok_or("worker stdout")?.join().map_err(|_| "worker reader thread panicked")?;
-        let line = lines.iter().find(|l| l.starts_with('{')).ok_or_else(|| format!("{} printed no result{}", w.what, w.stderr_tail()))?;
+        let Some(line) = lines.iter().find(|l| l.starts_with('{')) else {
+            let tail = w.stderr_tail();
+            return Err(format!("ps-step: {} printed no result{tail}", w.what).into());
+        };
         results.push(serde_json::from_str::<WorkerResult>(line)?);
     }
     fold(a, &results, server_rss_kib)
