@@ -4,7 +4,11 @@ use std::path::PathBuf;
 
 /// One file per protobuf package: each later package (the parameter-server service, ...)
 /// adds its own file here.
-const PROTOS: &[&str] = &["ibex/bench/v1/bench.proto", "helloworld/helloworld.proto", "ibex/ps/v1/ps.proto"];
+const PROTOS: &[&str] = &[
+    "ibex/bench/v1/bench.proto",
+    "helloworld/helloworld.proto",
+    "ibex/ps/v1/ps.proto",
+];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("protos");

@@ -10,6 +10,13 @@ need_cargo
 start=$(date +%s)
 step() { echo; echo "== $* ($(( $(date +%s) - start ))s)"; }
 
+step "formatting (rustfmt, default configuration)"
+if cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt >/dev/null 2>&1; then
+    cargo fmt --all --check || { echo "formatting differs: run cargo fmt --all" >&2; exit 1; }
+else
+    echo "skipped: rustfmt is not installed and rustup could not add it"
+fi
+
 step "workspace tests"
 cargo test --workspace --locked
 

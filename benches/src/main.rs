@@ -32,7 +32,11 @@ use transport::{Client, Transport};
 pub type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[derive(Parser)]
-#[command(name = "ibex-bench", version, about = "TF-gRPC-Bench and OSU-style benchmarks: stock tonic against Ibex")]
+#[command(
+    name = "ibex-bench",
+    version,
+    about = "TF-gRPC-Bench and OSU-style benchmarks: stock tonic against Ibex"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -84,7 +88,9 @@ fn parse_size(s: &str) -> Result<usize, String> {
         Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
         _ => (s.trim_end_matches('B'), 1),
     };
-    num.parse::<usize>().map(|n| n * mult).map_err(|_| format!("`{s}` is not a size; write 64, 4K, 16M or 16MiB"))
+    num.parse::<usize>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("`{s}` is not a size; write 64, 4K, 16M or 16MiB"))
 }
 
 #[derive(Args, Clone)]
@@ -185,7 +191,11 @@ struct CompareArgs {
 fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Server { transport, listen, threads } => server::serve(transport, listen, threads),
+        Cmd::Server {
+            transport,
+            listen,
+            threads,
+        } => server::serve(transport, listen, threads),
         Cmd::Compare(a) => compare(a),
         Cmd::Latency(a) => bench("latency", a),
         Cmd::Bw(a) => bench("bw", a),
@@ -210,7 +220,10 @@ struct LocalServer {
 
 impl LocalServer {
     fn spawn(t: Transport) -> Res<LocalServer> {
-        let mut child = Command::new(std::env::current_exe()?).args(["server", "--transport", t.name()]).stdout(Stdio::piped()).spawn()?;
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["server", "--transport", t.name()])
+            .stdout(Stdio::piped())
+            .spawn()?;
         let out = child.stdout.take().ok_or("server stdout")?;
         let mut line = String::new();
         BufReader::new(out).read_line(&mut line)?;
@@ -218,7 +231,11 @@ impl LocalServer {
         if addr.is_empty() {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(format!("the {} server exited before printing its address (see its error above)", t.name()).into());
+            return Err(format!(
+                "the {} server exited before printing its address (see its error above)",
+                t.name()
+            )
+            .into());
         }
         Ok(LocalServer { child, addr })
     }
@@ -236,7 +253,11 @@ impl Drop for LocalServer {
 
 /// Runs one benchmark subcommand: spawns local servers unless `--connect` names them.
 fn bench(name: &str, a: BenchArgs) -> Res<()> {
-    let want = if name == "ps-throughput" { a.ps.max(1) } else { 1 };
+    let want = if name == "ps-throughput" {
+        a.ps.max(1)
+    } else {
+        1
+    };
     let mut servers = Vec::new();
     let addrs = if a.connect.is_empty() {
         for _ in 0..want {
@@ -246,11 +267,17 @@ fn bench(name: &str, a: BenchArgs) -> Res<()> {
     } else {
         a.connect.clone()
     };
-    let concurrent = (name != "latency" && name != "tensor") || std::env::var_os("IBEX_BENCH_MT").is_some();
+    let concurrent =
+        (name != "latency" && name != "tensor") || std::env::var_os("IBEX_BENCH_MT").is_some();
     let rt = if concurrent {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?
     } else {
-        tokio::runtime::Builder::new_current_thread().enable_all().build()?
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
     };
     let mut records = rt.block_on(client(name, &a, &addrs))?;
     let srss: u64 = servers.iter().map(LocalServer::rss_kib).sum();
@@ -276,22 +303,33 @@ async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>>
         scheme: a.scheme,
         category: a.category,
         buffers: a.buffers,
-        skew: [a.skew.first().copied().unwrap_or(60), a.skew.get(1).copied().unwrap_or(30), a.skew.get(2).copied().unwrap_or(10)],
+        skew: [
+            a.skew.first().copied().unwrap_or(60),
+            a.skew.get(1).copied().unwrap_or(30),
+            a.skew.get(2).copied().unwrap_or(10),
+        ],
         randomize_sizes: a.randomize_sizes,
         seed: a.seed,
     };
-    let timing = Timing { warmup: Duration::from_secs_f64(a.warmup), duration: Duration::from_secs_f64(a.duration), runs: a.runs };
+    let timing = Timing {
+        warmup: Duration::from_secs_f64(a.warmup),
+        duration: Duration::from_secs_f64(a.duration),
+        runs: a.runs,
+    };
     let t = a.transport;
     let addr = addrs.first().ok_or("no server address")?;
-    let shape = |bench: &'static str, payload: String, window: usize, bytes: usize, per_call: usize| Shape {
-        bench,
-        transport: t,
-        payload,
-        window,
-        topology: "1x1".into(),
-        bytes_per_call: per_call,
-        bytes,
-    };
+    let shape =
+        |bench: &'static str, payload: String, window: usize, bytes: usize, per_call: usize| {
+            Shape {
+                bench,
+                transport: t,
+                payload,
+                window,
+                topology: "1x1".into(),
+                bytes_per_call: per_call,
+                bytes,
+            }
+        };
     let mut out = Vec::new();
     match name {
         "latency" | "bw" | "bibw" => {
@@ -304,7 +342,22 @@ async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>>
             let op = if echo { Op::Echo(msg) } else { Op::Sink(msg) };
             let s = run::measure(run::windowed(&c, window), op, timing).await?;
             let per_call = if name == "bibw" { 2 * bytes } else { bytes };
-            out.push(run::record(&s, shape(if name == "latency" { "latency" } else if echo { "bibw" } else { "bw" }, label, window, bytes, per_call)));
+            out.push(run::record(
+                &s,
+                shape(
+                    if name == "latency" {
+                        "latency"
+                    } else if echo {
+                        "bibw"
+                    } else {
+                        "bw"
+                    },
+                    label,
+                    window,
+                    bytes,
+                    per_call,
+                ),
+            ));
             c.close().await;
         }
         "ps-throughput" => {
@@ -325,7 +378,10 @@ async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>>
         }
         "sweep" => {
             let c = Client::connect(t, addr).await?;
-            let per_point = Timing { warmup: timing.warmup.min(Duration::from_millis(200)), ..timing };
+            let per_point = Timing {
+                warmup: timing.warmup.min(Duration::from_millis(200)),
+                ..timing
+            };
             for size in run::sweep_sizes(a.min_size, a.max_size, a.step) {
                 let (m, label) = run::p2p_msg(&spec, Some(size), true);
                 let s = run::measure(run::windowed(&c, 1), Op::Echo(m), per_point).await?;
@@ -342,8 +398,15 @@ async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>>
             let c = Client::connect(t, addr).await?;
             let data = c.tensor_buffer(size)?;
             let s = run::measure(run::windowed(&c, 1), Op::Tensor(data), timing).await?;
-            let label = if matches!(c, Client::Tonic(_)) { "Sink body" } else { "registered" };
-            out.push(run::record(&s, shape("tensor", label.into(), 1, size, size)));
+            let label = if matches!(c, Client::Tonic(_)) {
+                "Sink body"
+            } else {
+                "registered"
+            };
+            out.push(run::record(
+                &s,
+                shape("tensor", label.into(), 1, size, size),
+            ));
             c.close().await;
             let mb = run::memcpy_mb_s(size, timing);
             let mut r = run::record(&s, shape("memcpy", "1 thread".into(), 1, size, size));
@@ -377,7 +440,10 @@ fn plan(benches: &[String], mode: Mode, max_size: usize) -> Vec<(&'static str, V
             p.push(("latency", s(&["--scheme", "skew"])));
         }
         if !quick {
-            p.push(("latency", s(&["--scheme", "uniform", "--category", "small"])));
+            p.push((
+                "latency",
+                s(&["--scheme", "uniform", "--category", "small"]),
+            ));
             p.push(("latency", s(&["--scheme", "random"])));
         }
     }
@@ -404,9 +470,24 @@ fn plan(benches: &[String], mode: Mode, max_size: usize) -> Vec<(&'static str, V
     }
     if on("ps-throughput") {
         let workers = if smoke { "2" } else { "3" };
-        p.push(("ps-throughput", s(&["--scheme", "uniform", "--category", "small", "--workers", workers, "--ps", "2"])));
+        p.push((
+            "ps-throughput",
+            s(&[
+                "--scheme",
+                "uniform",
+                "--category",
+                "small",
+                "--workers",
+                workers,
+                "--ps",
+                "2",
+            ]),
+        ));
         if !quick {
-            p.push(("ps-throughput", s(&["--scheme", "skew", "--workers", "3", "--ps", "2"])));
+            p.push((
+                "ps-throughput",
+                s(&["--scheme", "skew", "--workers", "3", "--ps", "2"]),
+            ));
         }
     }
     if on("tensor") {
@@ -454,7 +535,11 @@ fn applies(bench: &str, t: Transport) -> bool {
 
 /// `--smoke`'s check: every benchmark kind of the plan left a record for every transport it
 /// applies to. Returns what is missing, as `transport: record`.
-fn missing(plan: &[(&'static str, Vec<String>)], transports: &[Transport], records: &[Record]) -> Vec<String> {
+fn missing(
+    plan: &[(&'static str, Vec<String>)],
+    transports: &[Transport],
+    records: &[Record],
+) -> Vec<String> {
     let mut out = Vec::new();
     for &t in transports {
         for (bench, _) in plan {
@@ -462,7 +547,9 @@ fn missing(plan: &[(&'static str, Vec<String>)], transports: &[Transport], recor
                 continue;
             }
             for want in produces(bench) {
-                let have = records.iter().any(|r| r.bench == *want && (r.transport == t.name() || r.transport == "local"));
+                let have = records.iter().any(|r| {
+                    r.bench == *want && (r.transport == t.name() || r.transport == "local")
+                });
                 let line = format!("{}: {want}", t.name());
                 if !have && !out.contains(&line) {
                     out.push(line);
@@ -476,9 +563,17 @@ fn missing(plan: &[(&'static str, Vec<String>)], transports: &[Transport], recor
 /// Runs one client process and collects its JSON records. A client that fails or hangs
 /// costs its own rows, not the whole comparison.
 fn run_client(args: &[String], limit: Duration) -> Res<Vec<Record>> {
-    let mut child = Command::new(std::env::current_exe()?).args(args).stdout(Stdio::piped()).spawn()?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()?;
     let out = child.stdout.take().ok_or("client stdout")?;
-    let reader = std::thread::spawn(move || BufReader::new(out).lines().map_while(Result::ok).collect::<Vec<String>>());
+    let reader = std::thread::spawn(move || {
+        BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<String>>()
+    });
     let deadline = Instant::now() + limit;
     let status = loop {
         if let Some(st) = child.try_wait()? {
@@ -503,7 +598,11 @@ fn run_client(args: &[String], limit: Duration) -> Res<Vec<Record>> {
 }
 
 fn compare(a: CompareArgs) -> Res<()> {
-    let transports = if a.transports.is_empty() { Transport::available() } else { a.transports.clone() };
+    let transports = if a.transports.is_empty() {
+        Transport::available()
+    } else {
+        a.transports.clone()
+    };
     let mode = if a.smoke {
         Mode::Smoke
     } else if a.quick {
@@ -516,13 +615,20 @@ fn compare(a: CompareArgs) -> Res<()> {
         Mode::Quick => (0.2, 0.05, 16 << 20),
         Mode::Smoke => (0.05, 0.0, 1 << 10),
     };
-    let (duration, warmup, max_size) = (a.duration.unwrap_or(duration), a.warmup.unwrap_or(warmup), a.max_size.unwrap_or(max_size));
+    let (duration, warmup, max_size) = (
+        a.duration.unwrap_or(duration),
+        a.warmup.unwrap_or(warmup),
+        a.max_size.unwrap_or(max_size),
+    );
     let plan = plan(&a.benches, mode, max_size);
     if let Some(unknown) = a.benches.iter().find(|b| produces(b).is_empty()) {
         return Err(format!("unknown benchmark `{unknown}` in --benches: use latency, bw, bibw, ps-throughput, sweep, tensor, ps-step").into());
     }
-    if plan.iter().any(|(b, _)| *b == "ps-step") && transports.iter().any(|&t| applies("ps-step", t)) {
-        ps_step::ibex_ps_binary().map_err(|e| format!("{e} (or leave ps-step out with --benches)"))?;
+    if plan.iter().any(|(b, _)| *b == "ps-step")
+        && transports.iter().any(|&t| applies("ps-step", t))
+    {
+        ps_step::ibex_ps_binary()
+            .map_err(|e| format!("{e} (or leave ps-step out with --benches)"))?;
     }
     let mut served = Vec::new();
     let started = Instant::now();
@@ -532,7 +638,10 @@ fn compare(a: CompareArgs) -> Res<()> {
     for &t in &transports {
         // One set of server processes per transport, shared by its benches; PS throughput
         // uses two of them.
-        let servers: Vec<LocalServer> = match (0..2).map(|_| LocalServer::spawn(t)).collect::<Res<Vec<_>>>() {
+        let servers: Vec<LocalServer> = match (0..2)
+            .map(|_| LocalServer::spawn(t))
+            .collect::<Res<Vec<_>>>()
+        {
             Ok(s) => s,
             Err(e) => {
                 failures.push(format!("{}: server: {e}", t.name()));
@@ -545,13 +654,28 @@ fn compare(a: CompareArgs) -> Res<()> {
                 continue;
             }
             let n = if *bench == "ps-throughput" { 2 } else { 1 };
-            let mut args: Vec<String> = vec![bench.to_string(), "--transport".into(), t.name().into(), "--json".into()];
+            let mut args: Vec<String> = vec![
+                bench.to_string(),
+                "--transport".into(),
+                t.name().into(),
+                "--json".into(),
+            ];
             let limit = if *bench == "ps-step" {
                 // It starts its own PS and workers, and counts steps, not seconds.
                 Duration::from_secs(900)
             } else {
                 let connect: Vec<&str> = servers.iter().take(n).map(|s| s.addr.as_str()).collect();
-                args.extend(["--connect", &connect.join(","), "--duration", &duration.to_string(), "--warmup", &warmup.to_string()].map(String::from));
+                args.extend(
+                    [
+                        "--connect",
+                        &connect.join(","),
+                        "--duration",
+                        &duration.to_string(),
+                        "--warmup",
+                        &warmup.to_string(),
+                    ]
+                    .map(String::from),
+                );
                 let points = if *bench == "sweep" { 60.0 } else { 1.0 };
                 Duration::from_secs_f64(60.0 + points * (duration + warmup) * 4.0)
             };
@@ -591,23 +715,52 @@ fn compare(a: CompareArgs) -> Res<()> {
         jl.push('\n');
     }
     std::fs::write(a.out.join("results.jsonl"), jl)?;
-    if let Some(s) = report::svg(&all, "sweep-lat", "Echo round trip p50 vs payload size", "µs", |r| r.p50_us)? {
+    if let Some(s) = report::svg(
+        &all,
+        "sweep-lat",
+        "Echo round trip p50 vs payload size",
+        "µs",
+        |r| r.p50_us,
+    )? {
         std::fs::write(a.out.join("latency.svg"), s)?;
     }
-    if let Some(s) = report::svg(&all, "sweep-bw", "Sink bandwidth (OSU window) vs payload size", "MB/s", |r| r.mb_s)? {
+    if let Some(s) = report::svg(
+        &all,
+        "sweep-bw",
+        "Sink bandwidth (OSU window) vs payload size",
+        "MB/s",
+        |r| r.mb_s,
+    )? {
         std::fs::write(a.out.join("bandwidth.svg"), s)?;
     }
-    println!("\nwrote {} records to {} (results.jsonl, latency.svg, bandwidth.svg) in {:.1} s", all.len(), a.out.display(), started.elapsed().as_secs_f64());
+    println!(
+        "\nwrote {} records to {} (results.jsonl, latency.svg, bandwidth.svg) in {:.1} s",
+        all.len(),
+        a.out.display(),
+        started.elapsed().as_secs_f64()
+    );
     if mode == Mode::Smoke {
         for m in missing(&plan, &served, &all) {
             failures.push(format!("{m}: no record"));
         }
         if failures.is_empty() {
-            println!("smoke: every benchmark left its record over {}", served.iter().map(|t| t.name()).collect::<Vec<_>>().join(", "));
+            println!(
+                "smoke: every benchmark left its record over {}",
+                served
+                    .iter()
+                    .map(|t| t.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
         }
     }
     if !failures.is_empty() {
-        return Err(format!("{} run(s) failed:\n  {}", failures.len(), failures.join("\n  ")).into());
+        return Err(format!(
+            "{} run(s) failed:\n  {}",
+            failures.len(),
+            failures.join("\n  ")
+        )
+        .into());
     }
     Ok(())
 }
@@ -640,11 +793,30 @@ mod tests {
     fn smoke_plan_covers_every_bench_and_ps_step_only_where_the_ps_serves() {
         let p = plan(&[], Mode::Smoke, 1024);
         let kinds: Vec<&str> = p.iter().map(|(b, _)| *b).collect();
-        assert_eq!(kinds, ["latency", "bw", "bibw", "ps-throughput", "tensor", "sweep", "ps-step"]);
+        assert_eq!(
+            kinds,
+            [
+                "latency",
+                "bw",
+                "bibw",
+                "ps-throughput",
+                "tensor",
+                "sweep",
+                "ps-step"
+            ]
+        );
         let ts = [Transport::IbexShm, Transport::RawTcp];
         let mut have: Vec<Record> = Vec::new();
         for t in ["ibex-shm", "raw-tcp"] {
-            for b in ["latency", "bw", "bibw", "ps-throughput", "tensor", "sweep-lat", "sweep-bw"] {
+            for b in [
+                "latency",
+                "bw",
+                "bibw",
+                "ps-throughput",
+                "tensor",
+                "sweep-lat",
+                "sweep-bw",
+            ] {
                 have.push(rec(b, t));
             }
         }
@@ -660,6 +832,10 @@ mod tests {
     fn quick_plan_runs_ps_step_resnet50_2x2() {
         let p = plan(&["ps-step".into()], Mode::Quick, 1024);
         assert_eq!(p.len(), 1);
-        assert!(p[0].1.join(" ").contains("--model resnet50 --workers 2 --ps 2 --quick"));
+        assert!(
+            p[0].1
+                .join(" ")
+                .contains("--model resnet50 --workers 2 --ps 2 --quick")
+        );
     }
 }

@@ -103,7 +103,10 @@ fn resnet50() -> Vec<Var> {
     let mut n = Net::default();
     n.conv_bn("conv1", (7, 7), 3, 64);
     let mut cin = 64;
-    for (stage, (blocks, width)) in [(3, 64), (4, 128), (6, 256), (3, 512)].into_iter().enumerate() {
+    for (stage, (blocks, width)) in [(3, 64), (4, 128), (6, 256), (3, 512)]
+        .into_iter()
+        .enumerate()
+    {
         for b in 0..blocks {
             let p = format!("layer{}.{b}", stage + 1);
             n.conv_bn(&format!("{p}.conv1"), (1, 1), cin, width);
@@ -124,7 +127,10 @@ fn resnet50() -> Vec<Var> {
 fn vgg16() -> Vec<Var> {
     let mut n = Net::default();
     let mut cin = 3;
-    for (g, (convs, width)) in [(2, 64), (2, 128), (3, 256), (3, 512), (3, 512)].into_iter().enumerate() {
+    for (g, (convs, width)) in [(2, 64), (2, 128), (3, 256), (3, 512), (3, 512)]
+        .into_iter()
+        .enumerate()
+    {
         for c in 0..convs {
             n.conv_bias(&format!("conv{}_{}", g + 1, c + 1), 3, cin, width);
             cin = width;
@@ -164,7 +170,12 @@ fn inception3(aux: bool) -> Vec<Var> {
     n.conv_bn("Mixed_6a.branch3x3dbl_3", sq(3), 96, 96);
     cin += 384 + 96;
     // InceptionC: factorized 7x7 convolutions with c7 inner channels.
-    for (name, c7) in [("Mixed_6b", 128), ("Mixed_6c", 160), ("Mixed_6d", 160), ("Mixed_6e", 192)] {
+    for (name, c7) in [
+        ("Mixed_6b", 128),
+        ("Mixed_6c", 160),
+        ("Mixed_6d", 160),
+        ("Mixed_6e", 192),
+    ] {
         n.conv_bn(&format!("{name}.branch1x1"), sq(1), cin, 192);
         n.conv_bn(&format!("{name}.branch7x7_1"), sq(1), cin, c7);
         n.conv_bn(&format!("{name}.branch7x7_2"), (1, 7), c7, c7);
@@ -212,7 +223,9 @@ mod tests {
     use super::*;
 
     fn kernels(v: &[Var], rank: usize) -> usize {
-        v.iter().filter(|x| x.name.ends_with("/kernel") && x.shape.len() == rank).count()
+        v.iter()
+            .filter(|x| x.name.ends_with("/kernel") && x.shape.len() == rank)
+            .count()
     }
 
     #[test]
@@ -241,7 +254,11 @@ mod tests {
         assert_eq!(v.len(), 284);
         assert_eq!(params(&v), 23_834_568);
         // Keras InceptionV3: no gammas, plus moving mean and variance per channel.
-        let channels: usize = v.iter().filter(|x| x.name.ends_with("/gamma")).map(Var::numel).sum();
+        let channels: usize = v
+            .iter()
+            .filter(|x| x.name.ends_with("/gamma"))
+            .map(Var::numel)
+            .sum();
         assert_eq!(params(&v) - channels + 2 * channels, 23_851_784);
         let with_aux = inception3(true);
         assert_eq!(with_aux.len(), 292);

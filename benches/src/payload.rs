@@ -92,18 +92,25 @@ impl PayloadSpec {
         let cats: Vec<Category> = match self.scheme {
             Scheme::Uniform => vec![self.category; self.buffers],
             Scheme::Random => (0..self.buffers)
-                .map(|_| [Category::Small, Category::Medium, Category::Large][rng.below(3) as usize])
+                .map(|_| {
+                    [Category::Small, Category::Medium, Category::Large][rng.below(3) as usize]
+                })
                 .collect(),
             Scheme::Skew => {
                 // Exact shares, rounded, so a 10-buffer payload is always 6 L + 3 M + 1 S.
                 let total: u32 = self.skew.iter().sum::<u32>().max(1);
-                let large = (self.buffers as u64 * self.skew[0] as u64 + total as u64 / 2) / total as u64;
-                let medium = (self.buffers as u64 * self.skew[1] as u64 + total as u64 / 2) / total as u64;
+                let large =
+                    (self.buffers as u64 * self.skew[0] as u64 + total as u64 / 2) / total as u64;
+                let medium =
+                    (self.buffers as u64 * self.skew[1] as u64 + total as u64 / 2) / total as u64;
                 let large = (large as usize).min(self.buffers);
                 let medium = (medium as usize).min(self.buffers - large);
                 let mut v = vec![Category::Large; large];
                 v.extend(std::iter::repeat_n(Category::Medium, medium));
-                v.extend(std::iter::repeat_n(Category::Small, self.buffers - large - medium));
+                v.extend(std::iter::repeat_n(
+                    Category::Small,
+                    self.buffers - large - medium,
+                ));
                 // Interleave, as a real tensor list would be.
                 for i in (1..v.len()).rev() {
                     v.swap(i, rng.below(i as u64 + 1) as usize);
@@ -127,7 +134,11 @@ impl PayloadSpec {
     pub fn label(&self) -> String {
         let r = if self.randomize_sizes { " rnd" } else { "" };
         match self.scheme {
-            Scheme::Uniform => format!("uniform/{} x{}{r}", format!("{:?}", self.category).to_lowercase(), self.buffers),
+            Scheme::Uniform => format!(
+                "uniform/{} x{}{r}",
+                format!("{:?}", self.category).to_lowercase(),
+                self.buffers
+            ),
             Scheme::Random => format!("random x{}{r}", self.buffers),
             Scheme::Skew => format!("skew x{}{r}", self.buffers),
         }
@@ -149,11 +160,19 @@ pub struct Msg {
 impl Msg {
     /// Builds the message for the given buffer sizes. `tag` is the raw transport's first byte.
     pub fn new(sizes: &[usize], tag: u8) -> Msg {
-        let buffers: Vec<Bytes> = sizes.iter().enumerate().map(|(i, &s)| Bytes::from(vec![i as u8 | 1; s])).collect();
+        let buffers: Vec<Bytes> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| Bytes::from(vec![i as u8 | 1; s]))
+            .collect();
         let bytes: usize = sizes.iter().sum();
         let mut raw = vec![0x5a; bytes.max(1)];
         raw[0] = tag;
-        Msg { payload: Payload { buffers }, raw: Bytes::from(raw), bytes }
+        Msg {
+            payload: Payload { buffers },
+            raw: Bytes::from(raw),
+            bytes,
+        }
     }
 }
 
@@ -162,7 +181,14 @@ mod tests {
     use super::*;
 
     fn spec(scheme: Scheme) -> PayloadSpec {
-        PayloadSpec { scheme, category: Category::Small, buffers: 10, skew: [60, 30, 10], randomize_sizes: false, seed: 1 }
+        PayloadSpec {
+            scheme,
+            category: Category::Small,
+            buffers: 10,
+            skew: [60, 30, 10],
+            randomize_sizes: false,
+            seed: 1,
+        }
     }
 
     #[test]

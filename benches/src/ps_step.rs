@@ -129,28 +129,44 @@ pub fn var_specs(model: Model) -> Vec<VarSpec> {
             } else {
                 Init::Zeros
             };
-            VarSpec { name: v.name, dtype: Dtype::F32, shape: v.shape, init, optimizer: Optimizer::Sgd { lr: 0.01 }, sparse: false }
+            VarSpec {
+                name: v.name,
+                dtype: Dtype::F32,
+                shape: v.shape,
+                init,
+                optimizer: Optimizer::Sgd { lr: 0.01 },
+                sparse: false,
+            }
         })
         .collect()
 }
 
 fn cluster(ps: &[String], workers: usize, kind: TransportKind) -> Res<ClusterSpec> {
     // Worker addresses only count the workers here: nothing dials them.
-    let w = (0..workers).map(|i| format!("127.0.0.1:{}", i + 1)).collect();
+    let w = (0..workers)
+        .map(|i| format!("127.0.0.1:{}", i + 1))
+        .collect();
     Ok(ClusterSpec::new(ps.to_vec(), w, kind)?)
 }
 
 /// One worker process: create the variables, then timed steps; prints a [`WorkerResult`].
 pub fn worker(a: PsWorkerArgs) -> Res<()> {
     let spec = cluster(&a.ps, a.workers, kind_or_err(a.transport)?)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let r = rt.block_on(async {
         let w = Worker::connect(&spec, a.index).await?;
         let vars = var_specs(a.model);
         w.create_variables(&vars).await?;
         let names: Vec<&str> = vars.iter().map(|v| v.name.as_str()).collect();
         let grads: Vec<Vec<f32>> = vars.iter().map(|v| vec![1e-3; v.numel()]).collect();
-        let pairs: Vec<(&str, &[f32])> = names.iter().copied().zip(grads.iter().map(Vec::as_slice)).collect();
+        let pairs: Vec<(&str, &[f32])> = names
+            .iter()
+            .copied()
+            .zip(grads.iter().map(Vec::as_slice))
+            .collect();
         // A PS given with --connect may have served an earlier run: continue from its step.
         let mut step = w.current_step().await?;
         let mut steps_ns = Vec::with_capacity(a.steps);
@@ -189,7 +205,15 @@ pub fn worker(a: PsWorkerArgs) -> Res<()> {
 pub fn ibex_ps_binary() -> Res<PathBuf> {
     if let Some(p) = std::env::var_os("IBEX_PS") {
         let p = PathBuf::from(p);
-        return if p.is_file() { Ok(p) } else { Err(format!("IBEX_PS={} is not a file; point it at the ibex-ps binary", p.display()).into()) };
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!(
+                "IBEX_PS={} is not a file; point it at the ibex-ps binary",
+                p.display()
+            )
+            .into())
+        };
     }
     let exe = std::env::current_exe()?;
     let dir = exe.parent().ok_or("this executable has no directory")?;
@@ -218,7 +242,11 @@ struct Proc {
 
 impl Proc {
     fn spawn(what: String, mut cmd: Command) -> Res<Proc> {
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().map_err(|e| format!("starting {what}: {e}"))?;
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting {what}: {e}"))?;
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let stderr_reader = child.stderr.take().map(|err| {
             let keep = stderr.clone();
@@ -233,8 +261,16 @@ impl Proc {
                 }
             })
         });
-        let stdout = child.stdout.take().map(|out| std::thread::spawn(move || BufReader::new(out).lines().map_while(Result::ok).collect()));
-        Ok(Proc { what, child, stderr, stderr_reader, stdout })
+        let stdout = child.stdout.take().map(|out| {
+            std::thread::spawn(move || BufReader::new(out).lines().map_while(Result::ok).collect())
+        });
+        Ok(Proc {
+            what,
+            child,
+            stderr,
+            stderr_reader,
+            stdout,
+        })
     }
 
     /// The last lines the process wrote to stderr; call once it has exited, so that the
@@ -243,8 +279,16 @@ impl Proc {
         if let Some(r) = self.stderr_reader.take() {
             let _ = r.join();
         }
-        let lines = self.stderr.lock().map(|v| v.join("\n    ")).unwrap_or_default();
-        if lines.is_empty() { String::new() } else { format!("; its stderr:\n    {lines}") }
+        let lines = self
+            .stderr
+            .lock()
+            .map(|v| v.join("\n    "))
+            .unwrap_or_default();
+        if lines.is_empty() {
+            String::new()
+        } else {
+            format!("; its stderr:\n    {lines}")
+        }
     }
 }
 
@@ -256,7 +300,9 @@ impl Drop for Proc {
 }
 
 fn free_port() -> Res<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// Runs `ps-step`: PS and workers as processes; prints one record.
@@ -307,11 +353,22 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
             return Err("--ps must be at least 1".into());
         }
         let bin = ibex_ps_binary()?;
-        let addrs = (0..a.ps).map(|_| Ok(format!("127.0.0.1:{}", free_port()?))).collect::<Res<Vec<String>>>()?;
+        let addrs = (0..a.ps)
+            .map(|_| Ok(format!("127.0.0.1:{}", free_port()?)))
+            .collect::<Res<Vec<String>>>()?;
         let spec = cluster(&addrs, a.workers, kind)?;
         for i in 0..a.ps {
             let mut c = Command::new(&bin);
-            c.args(["--listen", &spec.ps_uri(i), "--shard", &i.to_string(), "--num-workers", &a.workers.to_string(), "--mode", "sync"]);
+            c.args([
+                "--listen",
+                &spec.ps_uri(i),
+                "--shard",
+                &i.to_string(),
+                "--num-workers",
+                &a.workers.to_string(),
+                "--mode",
+                "sync",
+            ]);
             c.args(["--sync-timeout-secs", "120"]);
             ps_procs.push(Proc::spawn(format!("ibex-ps shard {i}"), c)?);
         }
@@ -323,8 +380,25 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
     let mut workers = Vec::new();
     for i in 0..a.workers {
         let mut c = Command::new(&exe);
-        c.args(["ps-worker", "--model", a.model.name(), "--transport", a.transport.name(), "--ps", &addrs.join(",")]);
-        c.args(["--workers", &a.workers.to_string(), "--index", &i.to_string(), "--steps", &steps.to_string(), "--warmup-steps", &warmup.to_string()]);
+        c.args([
+            "ps-worker",
+            "--model",
+            a.model.name(),
+            "--transport",
+            a.transport.name(),
+            "--ps",
+            &addrs.join(","),
+        ]);
+        c.args([
+            "--workers",
+            &a.workers.to_string(),
+            "--index",
+            &i.to_string(),
+            "--steps",
+            &steps.to_string(),
+            "--warmup-steps",
+            &warmup.to_string(),
+        ]);
         if a.fused {
             c.arg("--fused");
         }
@@ -335,7 +409,11 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
     let deadline = Instant::now() + limit;
     let mut done = vec![false; workers.len()];
     while done.iter().any(|d| !d) {
-        for (w, d) in workers.iter_mut().zip(done.iter_mut()).filter(|(_, d)| !**d) {
+        for (w, d) in workers
+            .iter_mut()
+            .zip(done.iter_mut())
+            .filter(|(_, d)| !**d)
+        {
             if let Some(st) = w.child.try_wait()? {
                 if !st.success() {
                     let tail = w.stderr_tail();
@@ -355,10 +433,18 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let server_rss_kib = ps_procs.iter().map(|p| report::peak_rss_kib(p.child.id())).sum();
+    let server_rss_kib = ps_procs
+        .iter()
+        .map(|p| report::peak_rss_kib(p.child.id()))
+        .sum();
     let mut results = Vec::new();
     for w in &mut workers {
-        let lines = w.stdout.take().ok_or("worker stdout")?.join().map_err(|_| "worker reader thread panicked")?;
+        let lines = w
+            .stdout
+            .take()
+            .ok_or("worker stdout")?
+            .join()
+            .map_err(|_| "worker reader thread panicked")?;
         let Some(line) = lines.iter().find(|l| l.starts_with('{')) else {
             let tail = w.stderr_tail();
             return Err(format!("ps-step: {} printed no result{tail}", w.what).into());
@@ -376,15 +462,27 @@ fn fold(a: &PsStepArgs, results: &[WorkerResult], server_rss_kib: u64) -> Res<Re
         }
     }
     let steps = results.iter().map(|r| r.steps_ns.len()).min().unwrap_or(0);
-    let window = results.iter().map(|r| r.window_s).fold(0.0, f64::max).max(1e-9);
+    let window = results
+        .iter()
+        .map(|r| r.window_s)
+        .fold(0.0, f64::max)
+        .max(1e-9);
     let bytes = params(&a.model.variables()) * 4;
     let steps_s = steps as f64 / window;
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1e3;
-    let n_ps = if a.connect.is_empty() { a.ps } else { a.connect.len() };
+    let n_ps = if a.connect.is_empty() {
+        a.ps
+    } else {
+        a.connect.len()
+    };
     Ok(Record {
         bench: "ps-step".into(),
         transport: a.transport.name().into(),
-        payload: if a.fused { format!("{} fused", a.model.name()) } else { a.model.name().into() },
+        payload: if a.fused {
+            format!("{} fused", a.model.name())
+        } else {
+            a.model.name().into()
+        },
         bytes,
         window: 1,
         topology: format!("{}x{}", results.len(), n_ps),
@@ -409,7 +507,10 @@ mod tests {
         let v = var_specs(Model::Resnet50);
         assert_eq!(v.len(), 161);
         assert_eq!(v.iter().map(VarSpec::numel).sum::<usize>(), 25_557_032);
-        assert!(v.iter().all(|s| s.optimizer == Optimizer::Sgd { lr: 0.01 } && !s.sparse));
+        assert!(
+            v.iter()
+                .all(|s| s.optimizer == Optimizer::Sgd { lr: 0.01 } && !s.sparse)
+        );
     }
 
     #[test]
@@ -417,7 +518,12 @@ mod tests {
         assert_eq!(kind(Transport::Tonic), Some(TransportKind::Grpc));
         assert_eq!(kind(Transport::IbexShm), Some(TransportKind::Shm));
         assert!(kind(Transport::RawTcp).is_none());
-        assert!(kind_or_err(Transport::Tonic1m).unwrap_err().to_string().contains("gRPC only"));
+        assert!(
+            kind_or_err(Transport::Tonic1m)
+                .unwrap_err()
+                .to_string()
+                .contains("gRPC only")
+        );
     }
 
     #[test]
@@ -434,12 +540,29 @@ mod tests {
             fused: false,
             json: true,
         };
-        let w = |i| WorkerResult { index: i, steps_ns: vec![1_000_000; 4], window_s: 0.004, rss_kib: 10 };
+        let w = |i| WorkerResult {
+            index: i,
+            steps_ns: vec![1_000_000; 4],
+            window_s: 0.004,
+            rss_kib: 10,
+        };
         let r = fold(&a, &[w(0), w(1)], 7).unwrap();
-        assert_eq!((r.calls, r.topology.as_str(), r.server_rss_kib, r.client_rss_kib), (4, "2x2", 7, 20));
+        assert_eq!(
+            (
+                r.calls,
+                r.topology.as_str(),
+                r.server_rss_kib,
+                r.client_rss_kib
+            ),
+            (4, "2x2", 7, 20)
+        );
         assert!((r.rpc_s - 1000.0).abs() < 1e-6);
         // 2 workers x (pull + push) x 553.4 MB x 1000 steps/s.
-        assert!((r.mb_s - 4.0 * 138_357_544.0 * 4.0 * 1000.0 / 1e6).abs() < 1.0, "{}", r.mb_s);
+        assert!(
+            (r.mb_s - 4.0 * 138_357_544.0 * 4.0 * 1000.0 / 1e6).abs() < 1.0,
+            "{}",
+            r.mb_s
+        );
         assert!((r.p50_us - 1000.0).abs() < 1.0);
     }
 }

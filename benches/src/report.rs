@@ -57,7 +57,21 @@ fn fmt_size(s: usize) -> String {
 pub fn header() -> String {
     format!(
         "{:<13} {:<10} {:<18} {:>7} {:>4} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8} {:>8}",
-        "bench", "transport", "payload", "#bytes", "win", "topo", "#calls", "p50 µs", "p99 µs", "p99.9 µs", "mean µs", "MB/s", "RPC/s", "cRSS MiB", "sRSS MiB"
+        "bench",
+        "transport",
+        "payload",
+        "#bytes",
+        "win",
+        "topo",
+        "#calls",
+        "p50 µs",
+        "p99 µs",
+        "p99.9 µs",
+        "mean µs",
+        "MB/s",
+        "RPC/s",
+        "cRSS MiB",
+        "sRSS MiB"
     )
 }
 
@@ -90,21 +104,32 @@ pub fn self_peak_rss_kib() -> u64 {
     // SAFETY: getrusage only writes the struct we pass; zeroed is a valid `rusage`.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: `ru` is a valid, writable rusage.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } == 0 { ru.ru_maxrss.max(0) as u64 } else { 0 }
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } == 0 {
+        ru.ru_maxrss.max(0) as u64
+    } else {
+        0
+    }
 }
 
 /// Peak RSS of another local process, KiB (`VmHWM` in /proc/<pid>/status); 0 if unknown.
 pub fn peak_rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
         .unwrap_or(0)
 }
 
 /// How a bench's figure of merit compares: the key that pairs records across transports,
 /// the value, and whether higher is better.
 fn merit(r: &Record) -> (String, f64, bool, &'static str) {
-    let key = format!("{} {} {} w{} {}", r.bench, r.payload, r.bytes, r.window, r.topology);
+    let key = format!(
+        "{} {} {} w{} {}",
+        r.bench, r.payload, r.bytes, r.window, r.topology
+    );
     match r.bench.as_str() {
         "latency" | "sweep-lat" => (key, r.p50_us, false, "p50 lower"),
         "ps-throughput" => (key, r.rpc_s, true, "RPC/s"),
@@ -117,22 +142,58 @@ fn merit(r: &Record) -> (String, f64, bool, &'static str) {
 /// payload. `x` is always "times better than stock tonic".
 pub fn ratios(records: &[Record]) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "\nratios against stock tonic (same run; > 1 means better than tonic):");
-    let _ = writeln!(out, "{:<13} {:<18} {:>7} {:>4} {:>5} {:<10} {:>10} {:>12} {:>8}", "bench", "payload", "#bytes", "win", "topo", "transport", "merit", "value", "x tonic");
+    let _ = writeln!(
+        out,
+        "\nratios against stock tonic (same run; > 1 means better than tonic):"
+    );
+    let _ = writeln!(
+        out,
+        "{:<13} {:<18} {:>7} {:>4} {:>5} {:<10} {:>10} {:>12} {:>8}",
+        "bench", "payload", "#bytes", "win", "topo", "transport", "merit", "value", "x tonic"
+    );
     for r in records {
         if r.transport == "tonic" {
             continue;
         }
         let (key, v, higher, what) = merit(r);
-        let Some(base) = records.iter().find(|b| b.transport == "tonic" && merit(b).0 == key) else { continue };
+        let Some(base) = records
+            .iter()
+            .find(|b| b.transport == "tonic" && merit(b).0 == key)
+        else {
+            continue;
+        };
         let b = merit(base).1;
         // A point where no call finished in the measured time has no rate to compare.
         if r.calls == 0 || base.calls == 0 {
-            let _ = writeln!(out, "{:<13} {:<18} {:>7} {:>4} {:>5} {:<10} {:>10} {:>12} {:>8}", r.bench, r.payload, fmt_size(r.bytes), r.window, r.topology, r.transport, what, "-", "no calls");
+            let _ = writeln!(
+                out,
+                "{:<13} {:<18} {:>7} {:>4} {:>5} {:<10} {:>10} {:>12} {:>8}",
+                r.bench,
+                r.payload,
+                fmt_size(r.bytes),
+                r.window,
+                r.topology,
+                r.transport,
+                what,
+                "-",
+                "no calls"
+            );
             continue;
         }
         let x = if higher { v / b } else { b / v };
-        let _ = writeln!(out, "{:<13} {:<18} {:>7} {:>4} {:>5} {:<10} {:>10} {:>12.2} {:>8.2}", r.bench, r.payload, fmt_size(r.bytes), r.window, r.topology, r.transport, what, v, x);
+        let _ = writeln!(
+            out,
+            "{:<13} {:<18} {:>7} {:>4} {:>5} {:<10} {:>10} {:>12.2} {:>8.2}",
+            r.bench,
+            r.payload,
+            fmt_size(r.bytes),
+            r.window,
+            r.topology,
+            r.transport,
+            what,
+            v,
+            x
+        );
     }
     out
 }
@@ -140,31 +201,94 @@ pub fn ratios(records: &[Record]) -> String {
 /// The issue's performance bars, judged on this run's records. Informational: timings on a
 /// shared machine vary, so nothing fails on them.
 pub fn bars(records: &[Record]) -> String {
-    let find = |bench: &str, t: &str, pred: &dyn Fn(&Record) -> bool| records.iter().find(|r| r.bench == bench && r.transport == t && pred(r));
+    let find = |bench: &str, t: &str, pred: &dyn Fn(&Record) -> bool| {
+        records
+            .iter()
+            .find(|r| r.bench == bench && r.transport == t && pred(r))
+    };
     let mut out = String::from("\nperformance bars (this run):\n");
     let mut bar = |name: &str, got: Option<f64>, need: f64, unit: &str| {
         let line = match got {
-            Some(g) => format!("  [{}] {name}: {g:.2}{unit} (bar {need}{unit})\n", if g >= need { "met " } else { "MISS" }),
+            Some(g) => format!(
+                "  [{}] {name}: {g:.2}{unit} (bar {need}{unit})\n",
+                if g >= need { "met " } else { "MISS" }
+            ),
             None => format!("  [n/a ] {name}: not measured in this run\n"),
         };
         out.push_str(&line);
     };
     let lat64 = |t: &str| find("latency", t, &|r| r.bytes == 64).map(|r| r.p50_us);
-    bar("P2P latency 64 B, tonic p50 / ibex-shm p50", lat64("tonic").zip(lat64("ibex-shm")).map(|(a, b)| a / b), 10.0, "x");
-    let skew = |t: &str| find("bw", t, &|r| r.payload.starts_with("skew") && r.window == 1).map(|r| r.mb_s);
-    bar("P2P bandwidth skew, ibex-shm / tonic", skew("ibex-shm").zip(skew("tonic")).map(|(a, b)| a / b), 1.5, "x");
+    bar(
+        "P2P latency 64 B, tonic p50 / ibex-shm p50",
+        lat64("tonic").zip(lat64("ibex-shm")).map(|(a, b)| a / b),
+        10.0,
+        "x",
+    );
+    let skew = |t: &str| {
+        find("bw", t, &|r| r.payload.starts_with("skew") && r.window == 1).map(|r| r.mb_s)
+    };
+    bar(
+        "P2P bandwidth skew, ibex-shm / tonic",
+        skew("ibex-shm").zip(skew("tonic")).map(|(a, b)| a / b),
+        1.5,
+        "x",
+    );
     let tensor = |t: &str| find("tensor", t, &|_| true).map(|r| r.mb_s);
-    bar("tensor 16 MiB, ibex-shm registered / tonic Sink", tensor("ibex-shm").zip(tensor("tonic")).map(|(a, b)| a / b), 4.0, "x");
+    bar(
+        "tensor 16 MiB, ibex-shm registered / tonic Sink",
+        tensor("ibex-shm").zip(tensor("tonic")).map(|(a, b)| a / b),
+        4.0,
+        "x",
+    );
     let memcpy = records.iter().find(|r| r.bench == "memcpy").map(|r| r.mb_s);
-    bar("tensor 16 MiB, ibex-shm registered / memcpy", tensor("ibex-shm").zip(memcpy).map(|(a, b)| a / b), 0.5, "x");
-    let ps = |t: &str| find("ps-throughput", t, &|r| r.payload.starts_with("uniform/small")).map(|r| r.rpc_s);
-    bar("PS throughput uniform small, ibex-shm / tonic RPC/s", ps("ibex-shm").zip(ps("tonic")).map(|(a, b)| a / b), 4.0, "x");
-    let big = |t: &str| find("bw", t, &|r| r.bytes == 16 << 20 && r.payload == "1 buffer").map(|r| r.mb_s);
-    bar("large payload 16 MiB Sink, ibex-tcp / tonic", big("ibex-tcp").zip(big("tonic")).map(|(a, b)| a / b), 1.5, "x");
-    let step = |t: &str| find("ps-step", t, &|r| r.payload == "resnet50" && r.topology == "2x2").map(|r| r.rpc_s);
-    bar("ps-step resnet50 2x2, ibex-shm / tonic steps/s", step("ibex-shm").zip(step("tonic")).map(|(a, b)| a / b), 3.0, "x");
-    let cost = lat64("ibex-shm").zip(lat64("raw-shm")).map(|(g, r)| 3.0 - (g - r));
-    bar("gRPC layer cost 64 B: 3 µs - (ibex-shm p50 - raw-shm p50), headroom", cost, 0.0, " µs");
+    bar(
+        "tensor 16 MiB, ibex-shm registered / memcpy",
+        tensor("ibex-shm").zip(memcpy).map(|(a, b)| a / b),
+        0.5,
+        "x",
+    );
+    let ps = |t: &str| {
+        find("ps-throughput", t, &|r| {
+            r.payload.starts_with("uniform/small")
+        })
+        .map(|r| r.rpc_s)
+    };
+    bar(
+        "PS throughput uniform small, ibex-shm / tonic RPC/s",
+        ps("ibex-shm").zip(ps("tonic")).map(|(a, b)| a / b),
+        4.0,
+        "x",
+    );
+    let big = |t: &str| {
+        find("bw", t, &|r| r.bytes == 16 << 20 && r.payload == "1 buffer").map(|r| r.mb_s)
+    };
+    bar(
+        "large payload 16 MiB Sink, ibex-tcp / tonic",
+        big("ibex-tcp").zip(big("tonic")).map(|(a, b)| a / b),
+        1.5,
+        "x",
+    );
+    let step = |t: &str| {
+        find("ps-step", t, &|r| {
+            r.payload == "resnet50" && r.topology == "2x2"
+        })
+        .map(|r| r.rpc_s)
+    };
+    bar(
+        "ps-step resnet50 2x2, ibex-shm / tonic steps/s",
+        step("ibex-shm").zip(step("tonic")).map(|(a, b)| a / b),
+        3.0,
+        "x",
+    );
+    let cost = lat64("ibex-shm")
+        .zip(lat64("raw-shm"))
+        .map(|(g, r)| 3.0 - (g - r));
+    bar(
+        "gRPC layer cost 64 B: 3 µs - (ibex-shm p50 - raw-shm p50), headroom",
+        cost,
+        0.0,
+        " µs",
+    );
     out
 }
 
@@ -172,10 +296,19 @@ pub fn bars(records: &[Record]) -> String {
 /// plotters' SVG backend. Without plotters' `ttf` feature its text layout is estimated
 /// (`naive` font metrics) and the text goes into the SVG as `<text>` for the viewer to
 /// render, so no font files or system libraries are needed to produce it.
-pub fn svg(records: &[Record], bench: &str, title: &str, unit: &str, value: fn(&Record) -> f64) -> crate::Res<Option<String>> {
+pub fn svg(
+    records: &[Record],
+    bench: &str,
+    title: &str,
+    unit: &str,
+    value: fn(&Record) -> f64,
+) -> crate::Res<Option<String>> {
     use plotters::prelude::*;
 
-    let pts: Vec<&Record> = records.iter().filter(|r| r.bench == bench && value(r) > 0.0).collect();
+    let pts: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.bench == bench && value(r) > 0.0)
+        .collect();
     if pts.is_empty() {
         return Ok(None);
     }
@@ -185,11 +318,18 @@ pub fn svg(records: &[Record], bench: &str, title: &str, unit: &str, value: fn(&
             names.push(&r.transport);
         }
     }
-    let (x0, x1) = pts.iter().fold((f64::MAX, f64::MIN), |(a, b), r| (a.min(r.bytes.max(1) as f64), b.max(r.bytes.max(1) as f64)));
+    let (x0, x1) = pts.iter().fold((f64::MAX, f64::MIN), |(a, b), r| {
+        (a.min(r.bytes.max(1) as f64), b.max(r.bytes.max(1) as f64))
+    });
     let x1 = if x1 > x0 { x1 } else { x0 * 2.0 };
-    let (y0, y1) = pts.iter().fold((f64::MAX, f64::MIN), |(a, b), r| (a.min(value(r)), b.max(value(r))));
+    let (y0, y1) = pts.iter().fold((f64::MAX, f64::MIN), |(a, b), r| {
+        (a.min(value(r)), b.max(value(r)))
+    });
     // Whole decades, so the axis starts and ends on labelled lines.
-    let (y0, y1) = (10f64.powf(y0.log10().floor()), 10f64.powf(y1.log10().ceil().max(y0.log10().floor() + 1.0)));
+    let (y0, y1) = (
+        10f64.powf(y0.log10().floor()),
+        10f64.powf(y1.log10().ceil().max(y0.log10().floor() + 1.0)),
+    );
     const COLORS: [RGBColor; 8] = [
         RGBColor(0, 0, 0),
         RGBColor(127, 127, 127),
@@ -222,15 +362,27 @@ pub fn svg(records: &[Record], bench: &str, title: &str, unit: &str, value: fn(&
             .draw()?;
         for (i, n) in names.iter().enumerate() {
             let c = COLORS[i % COLORS.len()];
-            let mut line: Vec<(f64, f64)> = pts.iter().filter(|r| r.transport == *n).map(|r| (r.bytes.max(1) as f64, value(r))).collect();
+            let mut line: Vec<(f64, f64)> = pts
+                .iter()
+                .filter(|r| r.transport == *n)
+                .map(|r| (r.bytes.max(1) as f64, value(r)))
+                .collect();
             line.sort_by(|a, b| a.0.total_cmp(&b.0));
             chart
                 .draw_series(LineSeries::new(line.iter().copied(), c.stroke_width(2)))?
                 .label(*n)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
             chart.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
         }
-        chart.configure_series_labels().label_font(("sans-serif", 15)).position(SeriesLabelPosition::UpperLeft).background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+        chart
+            .configure_series_labels()
+            .label_font(("sans-serif", 15))
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
         root.present()?;
     }
     Ok(Some(out))
@@ -262,24 +414,50 @@ mod tests {
 
     #[test]
     fn ratio_pairs_records_and_inverts_latency() {
-        let rs = vec![rec("latency", "tonic", 64, 30.0, 1.0), rec("latency", "ibex-shm", 64, 3.0, 1.0), rec("bw", "tonic", 64, 1.0, 100.0), rec("bw", "ibex-shm", 64, 1.0, 250.0)];
+        let rs = vec![
+            rec("latency", "tonic", 64, 30.0, 1.0),
+            rec("latency", "ibex-shm", 64, 3.0, 1.0),
+            rec("bw", "tonic", 64, 1.0, 100.0),
+            rec("bw", "ibex-shm", 64, 1.0, 250.0),
+        ];
         let t = ratios(&rs);
-        assert!(t.lines().any(|l| l.starts_with("latency") && l.trim_end().ends_with("10.00")), "{t}");
-        assert!(t.lines().any(|l| l.starts_with("bw") && l.trim_end().ends_with("2.50")), "{t}");
+        assert!(
+            t.lines()
+                .any(|l| l.starts_with("latency") && l.trim_end().ends_with("10.00")),
+            "{t}"
+        );
+        assert!(
+            t.lines()
+                .any(|l| l.starts_with("bw") && l.trim_end().ends_with("2.50")),
+            "{t}"
+        );
         assert!(bars(&rs).contains("[met ] P2P latency 64 B"));
     }
 
     #[test]
     fn svg_has_one_line_per_transport_and_round_trips_json() {
-        let rs = vec![rec("sweep-lat", "tonic", 1, 30.0, 1.0), rec("sweep-lat", "tonic", 1024, 40.0, 1.0), rec("sweep-lat", "ibex-shm", 1, 3.0, 1.0)];
-        let s = svg(&rs, "sweep-lat", "Echo p50", "µs", |r| r.p50_us).expect("plot").expect("points");
+        let rs = vec![
+            rec("sweep-lat", "tonic", 1, 30.0, 1.0),
+            rec("sweep-lat", "tonic", 1024, 40.0, 1.0),
+            rec("sweep-lat", "ibex-shm", 1, 3.0, 1.0),
+        ];
+        let s = svg(&rs, "sweep-lat", "Echo p50", "µs", |r| r.p50_us)
+            .expect("plot")
+            .expect("points");
         // One line per transport plus its legend swatch, one marker per point, labelled axes.
         assert_eq!(s.matches(r#"stroke-width="2" points"#).count(), 4, "{s}");
         assert_eq!(s.matches("<circle").count(), 3, "{s}");
         for text in ["Echo p50", "payload bytes", "µs", "tonic", "ibex-shm", "1K"] {
-            assert!(s.lines().any(|l| l.trim() == text), "text {text:?} missing in {s}");
+            assert!(
+                s.lines().any(|l| l.trim() == text),
+                "text {text:?} missing in {s}"
+            );
         }
-        assert!(svg(&rs, "sweep-bw", "t", "MB/s", |r| r.mb_s).expect("plot").is_none());
+        assert!(
+            svg(&rs, "sweep-bw", "t", "MB/s", |r| r.mb_s)
+                .expect("plot")
+                .is_none()
+        );
         let line = serde_json::to_string(&rs[0]).expect("json");
         let back: Record = serde_json::from_str(&line).expect("parse");
         assert_eq!(back.bytes, 1);

@@ -37,7 +37,11 @@ impl Op {
             Op::Tensor(b) => c.tensor(b).await?,
         };
         // The raw transport cannot send an empty message, so its payloads are at least 1 B.
-        let want = if matches!(c, Client::Raw(_)) { self.bytes().max(1) } else { self.bytes() };
+        let want = if matches!(c, Client::Raw(_)) {
+            self.bytes().max(1)
+        } else {
+            self.bytes()
+        };
         if got != want {
             return Err(format!("server answered {got} bytes for a {want}-byte call: the peer is not an ibex-bench server of this version").into());
         }
@@ -71,7 +75,11 @@ fn new_hist() -> Res<Histogram<u64>> {
 /// (one outstanding call slot, or one PS worker): each iteration it calls all its clients at
 /// once and waits for all of them, and that iteration's time is one histogram sample.
 pub async fn measure(groups: Vec<Vec<Client>>, op: Op, t: Timing) -> Res<Sample> {
-    let mut total = Sample { hist: new_hist()?, calls: 0, secs: 0.0 };
+    let mut total = Sample {
+        hist: new_hist()?,
+        calls: 0,
+        secs: 0.0,
+    };
     let mut groups = groups;
     // One call on every connection before the clock starts: a first call that outlasts the
     // warm-up (connection set-up, first large allocation on a loaded machine) would otherwise
@@ -96,7 +104,8 @@ pub async fn measure(groups: Vec<Vec<Client>>, op: Op, t: Timing) -> Res<Sample>
                     if t0 >= end {
                         break;
                     }
-                    let results = futures_util::future::join_all(g.iter_mut().map(|c| op.call(c))).await;
+                    let results =
+                        futures_util::future::join_all(g.iter_mut().map(|c| op.call(c))).await;
                     for r in results {
                         r?;
                     }

@@ -12,8 +12,8 @@ use ibex_transport::grpc::PeerHandle;
 use ibex_transport::{Config, Connection, RecvBuf};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::transport::Transport;
 use crate::Res;
+use crate::transport::Transport;
 
 /// First buffer of a Sink payload that carries a descriptor instead of data: the handler
 /// pulls the client's exposed buffer with [`PeerHandle::read_remote`].
@@ -38,19 +38,31 @@ impl Bench for Svc {
     async fn sink(&self, req: Request<Payload>) -> Result<Response<Ack>, Status> {
         let peer = req.extensions().get::<PeerHandle>().cloned();
         let p = req.into_inner();
-        if p.buffers.first().is_some_and(|b| b.as_ref() == TENSOR_MAGIC) {
+        if p.buffers
+            .first()
+            .is_some_and(|b| b.as_ref() == TENSOR_MAGIC)
+        {
             return tensor(peer, &p).await.map(Response::new);
         }
-        Ok(Response::new(Ack { bytes: p.buffers.iter().map(|b| b.len() as u64).sum(), buffers: p.buffers.len() as u32 }))
+        Ok(Response::new(Ack {
+            bytes: p.buffers.iter().map(|b| b.len() as u64).sum(),
+            buffers: p.buffers.len() as u32,
+        }))
     }
 
     type StreamStream = tokio_stream::Empty<Result<Payload, Status>>;
-    async fn stream(&self, _: Request<StreamRequest>) -> Result<Response<Self::StreamStream>, Status> {
+    async fn stream(
+        &self,
+        _: Request<StreamRequest>,
+    ) -> Result<Response<Self::StreamStream>, Status> {
         Err(Status::unimplemented("ibex-bench does not use Stream"))
     }
 
     type ChatStream = tokio_stream::Empty<Result<Payload, Status>>;
-    async fn chat(&self, _: Request<Streaming<Payload>>) -> Result<Response<Self::ChatStream>, Status> {
+    async fn chat(
+        &self,
+        _: Request<Streaming<Payload>>,
+    ) -> Result<Response<Self::ChatStream>, Status> {
         Err(Status::unimplemented("ibex-bench does not use Chat"))
     }
 
@@ -61,17 +73,34 @@ impl Bench for Svc {
 
 /// The descriptor path: `[TENSOR_MAGIC, descriptor, len as u64 LE]`.
 async fn tensor(peer: Option<PeerHandle>, p: &Payload) -> Result<Ack, Status> {
-    let peer = peer.ok_or_else(|| Status::failed_precondition("tensor descriptors need an Ibex transport (no PeerHandle over stock tonic)"))?;
+    let peer = peer.ok_or_else(|| {
+        Status::failed_precondition(
+            "tensor descriptors need an Ibex transport (no PeerHandle over stock tonic)",
+        )
+    })?;
     let (Some(desc), Some(len)) = (p.buffers.get(1), p.buffers.get(2)) else {
-        return Err(Status::invalid_argument("tensor payload must be [magic, descriptor, length]"));
+        return Err(Status::invalid_argument(
+            "tensor payload must be [magic, descriptor, length]",
+        ));
     };
-    let len: [u8; 8] = len.as_ref().try_into().map_err(|_| Status::invalid_argument("tensor length must be 8 bytes (u64 LE)"))?;
+    let len: [u8; 8] = len
+        .as_ref()
+        .try_into()
+        .map_err(|_| Status::invalid_argument("tensor length must be 8 bytes (u64 LE)"))?;
     let len = u64::from_le_bytes(len) as usize;
     if len > MAX_MSG {
-        return Err(Status::invalid_argument(format!("tensor of {len} bytes is over the {MAX_MSG}-byte limit")));
+        return Err(Status::invalid_argument(format!(
+            "tensor of {len} bytes is over the {MAX_MSG}-byte limit"
+        )));
     }
-    let buf = peer.read_remote(desc.clone(), RecvBuf::heap(len)).await.map_err(|e| Status::internal(format!("read_remote: {e}")))?;
-    Ok(Ack { bytes: buf.len() as u64, buffers: 1 })
+    let buf = peer
+        .read_remote(desc.clone(), RecvBuf::heap(len))
+        .await
+        .map_err(|e| Status::internal(format!("read_remote: {e}")))?;
+    Ok(Ack {
+        bytes: buf.len() as u64,
+        buffers: 1,
+    })
 }
 
 /// The default listen address of a transport on this host.
@@ -79,7 +108,12 @@ pub fn default_listen(t: Transport) -> String {
     match t {
         Transport::Tonic | Transport::Tonic1m => "127.0.0.1:0".into(),
         Transport::IbexShm | Transport::RawShm => {
-            format!("shm://{}", std::env::temp_dir().join(format!("ibex-bench-{}.sock", std::process::id())).display())
+            format!(
+                "shm://{}",
+                std::env::temp_dir()
+                    .join(format!("ibex-bench-{}.sock", std::process::id()))
+                    .display()
+            )
         }
         Transport::IbexTcp | Transport::RawTcp => "tcp://127.0.0.1:0".into(),
         Transport::IbexVerbs => "verbs://127.0.0.1:0".into(),
@@ -99,12 +133,19 @@ fn announce(addr: &str) -> Res<()> {
 pub fn serve(t: Transport, listen: Option<String>, threads: usize) -> Res<()> {
     let listen = listen.unwrap_or_else(|| default_listen(t));
     let rt = if threads == 0 {
-        tokio::runtime::Builder::new_current_thread().enable_all().build()?
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
     } else {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .enable_all()
+            .build()?
     };
     rt.block_on(async move {
-        let svc = BenchServer::new(Svc).max_decoding_message_size(MAX_MSG).max_encoding_message_size(MAX_MSG);
+        let svc = BenchServer::new(Svc)
+            .max_decoding_message_size(MAX_MSG)
+            .max_encoding_message_size(MAX_MSG);
         match t {
             Transport::Tonic | Transport::Tonic1m => {
                 let l = tokio::net::TcpListener::bind(listen.trim_start_matches("http://")).await?;
@@ -115,18 +156,24 @@ pub fn serve(t: Transport, listen: Option<String>, threads: usize) -> Res<()> {
                 }
                 // Only `serve(addr)` sets TCP_NODELAY itself; without it small calls wait for
                 // delayed ACKs (40 ms) and the baseline would be unfairly slow.
-                let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), |s| {
-                    s.and_then(|s| {
-                        s.set_nodelay(true)?;
-                        Ok(s)
-                    })
-                });
+                let incoming = tokio_stream::StreamExt::map(
+                    tokio_stream::wrappers::TcpListenerStream::new(l),
+                    |s| {
+                        s.and_then(|s| {
+                            s.set_nodelay(true)?;
+                            Ok(s)
+                        })
+                    },
+                );
                 b.add_service(svc).serve_with_incoming(incoming).await?;
             }
             Transport::IbexShm | Transport::IbexTcp | Transport::IbexVerbs => {
                 let l = ibex_transport::listen(&listen, Config::from_env()?).await?;
                 announce(&l.local_uri())?;
-                ibex_transport::grpc::Server::builder().add_service(svc).serve_with_listener(l, std::future::pending()).await?;
+                ibex_transport::grpc::Server::builder()
+                    .add_service(svc)
+                    .serve_with_listener(l, std::future::pending())
+                    .await?;
             }
             Transport::RawShm | Transport::RawTcp => {
                 let l = ibex_transport::listen(&listen, Config::from_env()?).await?;
@@ -152,7 +199,9 @@ async fn raw_peer(conn: Connection) {
             Some(&RAW_ECHO) => m,
             Some(&RAW_SINK) => Bytes::from_static(&[RAW_SINK]),
             _ => {
-                eprintln!("ibex-bench server: raw message without an echo/sink tag; closing that connection");
+                eprintln!(
+                    "ibex-bench server: raw message without an echo/sink tag; closing that connection"
+                );
                 break;
             }
         };

@@ -42,8 +42,15 @@ pub enum Transport {
 impl Transport {
     /// Every transport this build and host can run, baseline first.
     pub fn available() -> Vec<Transport> {
-        let mut v = vec![Transport::Tonic, Transport::Tonic1m, Transport::IbexShm, Transport::IbexTcp];
-        if cfg!(feature = "verbs") && std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some()) {
+        let mut v = vec![
+            Transport::Tonic,
+            Transport::Tonic1m,
+            Transport::IbexShm,
+            Transport::IbexTcp,
+        ];
+        if cfg!(feature = "verbs")
+            && std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
+        {
             v.push(Transport::IbexVerbs);
         }
         v.extend([Transport::RawShm, Transport::RawTcp]);
@@ -71,7 +78,10 @@ pub enum Client {
     /// Stock tonic.
     Tonic(BenchClient<tonic::transport::Channel>),
     /// tonic's generated client over an Ibex channel.
-    Ibex(BenchClient<ibex_transport::grpc::Channel>, ibex_transport::grpc::Channel),
+    Ibex(
+        BenchClient<ibex_transport::grpc::Channel>,
+        ibex_transport::grpc::Channel,
+    ),
     /// The raw transport.
     Raw(Arc<Connection>),
 }
@@ -85,17 +95,32 @@ impl Client {
     pub async fn connect(t: Transport, addr: &str) -> Res<Client> {
         Ok(match t {
             Transport::Tonic | Transport::Tonic1m => {
-                let uri = if addr.starts_with("http://") { addr.to_string() } else { format!("http://{addr}") };
+                let uri = if addr.starts_with("http://") {
+                    addr.to_string()
+                } else {
+                    format!("http://{addr}")
+                };
                 let mut ep = tonic::transport::Endpoint::from_shared(uri)?.tcp_nodelay(true);
                 if t == Transport::Tonic1m {
                     ep = ep.max_frame_size((1u32 << 20) - 1);
                 }
-                let ch = ep.connect().await.map_err(|e| err(&format!("connecting to {addr}"), e))?;
-                Client::Tonic(BenchClient::new(ch).max_decoding_message_size(MAX_MSG).max_encoding_message_size(MAX_MSG))
+                let ch = ep
+                    .connect()
+                    .await
+                    .map_err(|e| err(&format!("connecting to {addr}"), e))?;
+                Client::Tonic(
+                    BenchClient::new(ch)
+                        .max_decoding_message_size(MAX_MSG)
+                        .max_encoding_message_size(MAX_MSG),
+                )
             }
             Transport::IbexShm | Transport::IbexTcp | Transport::IbexVerbs => {
-                let ch = ibex_transport::grpc::Channel::connect_with_config(addr, Config::from_env()?).await?;
-                let c = BenchClient::new(ch.clone()).max_decoding_message_size(MAX_MSG).max_encoding_message_size(MAX_MSG);
+                let ch =
+                    ibex_transport::grpc::Channel::connect_with_config(addr, Config::from_env()?)
+                        .await?;
+                let c = BenchClient::new(ch.clone())
+                    .max_decoding_message_size(MAX_MSG)
+                    .max_encoding_message_size(MAX_MSG);
                 Client::Ibex(c, ch)
             }
             Transport::RawShm | Transport::RawTcp => {
@@ -137,12 +162,22 @@ impl Client {
     /// transport sends the buffer itself; stock tonic sends it in the message body.
     pub async fn tensor(&mut self, data: &Bytes) -> Res<usize> {
         match self {
-            Client::Tonic(c) => Ok(c.sink(Payload { buffers: vec![data.clone()] }).await?.into_inner().bytes as usize),
+            Client::Tonic(c) => Ok(c
+                .sink(Payload {
+                    buffers: vec![data.clone()],
+                })
+                .await?
+                .into_inner()
+                .bytes as usize),
             Client::Ibex(c, ch) => {
                 // The exposure must outlive the call that carries its descriptor (docs/grpc.md).
                 let remote = ch.expose(data.clone()).await?;
                 let p = Payload {
-                    buffers: vec![Bytes::from_static(TENSOR_MAGIC), remote.descriptor(), Bytes::copy_from_slice(&(data.len() as u64).to_le_bytes())],
+                    buffers: vec![
+                        Bytes::from_static(TENSOR_MAGIC),
+                        remote.descriptor(),
+                        Bytes::copy_from_slice(&(data.len() as u64).to_le_bytes()),
+                    ],
                 };
                 let n = c.sink(p).await?.into_inner().bytes as usize;
                 drop(remote);

@@ -13,9 +13,20 @@ fn serial() -> MutexGuard<'static, ()> {
 
 fn run(args: &[&str]) -> Vec<serde_json::Value> {
     let _one = serial();
-    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench")).args(args).args(["--json", "--warmup", "0.02", "--duration", "0.1"]).output().expect("run ibex-bench");
-    assert!(out.status.success(), "ibex-bench {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON record")).collect()
+    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench"))
+        .args(args)
+        .args(["--json", "--warmup", "0.02", "--duration", "0.1"])
+        .output()
+        .expect("run ibex-bench");
+    assert!(
+        out.status.success(),
+        "ibex-bench {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON record"))
+        .collect()
 }
 
 #[test]
@@ -26,7 +37,10 @@ fn latency_over_tonic_ibex_and_raw() {
         assert_eq!(r[0]["transport"], t);
         assert_eq!(r[0]["bytes"], 64);
         assert!(r[0]["calls"].as_u64().unwrap() > 0, "{t}: no calls counted");
-        assert!(r[0]["server_rss_kib"].as_u64().unwrap() > 0, "{t}: server RSS not read");
+        assert!(
+            r[0]["server_rss_kib"].as_u64().unwrap() > 0,
+            "{t}: server RSS not read"
+        );
     }
 }
 
@@ -36,7 +50,17 @@ fn tensor_descriptor_path_and_ps_throughput() {
     assert_eq!(r[0]["payload"], "registered");
     assert!(r[0]["calls"].as_u64().unwrap() > 0);
     assert_eq!(r[1]["bench"], "memcpy");
-    let r = run(&["ps-throughput", "--transport", "ibex-tcp", "--scheme", "uniform", "--workers", "2", "--ps", "2"]);
+    let r = run(&[
+        "ps-throughput",
+        "--transport",
+        "ibex-tcp",
+        "--scheme",
+        "uniform",
+        "--workers",
+        "2",
+        "--ps",
+        "2",
+    ]);
     assert_eq!(r[0]["topology"], "2x2");
     assert!(r[0]["calls"].as_u64().unwrap() >= 2);
 }
@@ -50,7 +74,15 @@ fn skew_bw_moves_the_paper_payload() {
 #[test]
 fn bad_server_address_is_an_error_not_a_hang() {
     let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench"))
-        .args(["latency", "--transport", "ibex-tcp", "--connect", "tcp://127.0.0.1:1", "--duration", "0.1"])
+        .args([
+            "latency",
+            "--transport",
+            "ibex-tcp",
+            "--connect",
+            "tcp://127.0.0.1:1",
+            "--duration",
+            "0.1",
+        ])
         .output()
         .expect("run ibex-bench");
     assert!(!out.status.success());
@@ -63,11 +95,31 @@ fn bad_server_address_is_an_error_not_a_hang() {
 fn ps_step_runs_real_ps_processes_and_workers() {
     let _one = serial();
     let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench"))
-        .args(["ps-step", "--model", "resnet50", "--transport", "tcp", "--workers", "2", "--ps", "2", "--steps", "1", "--warmup-steps", "0", "--json"])
+        .args([
+            "ps-step",
+            "--model",
+            "resnet50",
+            "--transport",
+            "tcp",
+            "--workers",
+            "2",
+            "--ps",
+            "2",
+            "--steps",
+            "1",
+            "--warmup-steps",
+            "0",
+            "--json",
+        ])
         .output()
         .expect("run ibex-bench");
-    assert!(out.status.success(), "ps-step failed: {}", String::from_utf8_lossy(&out.stderr));
-    let r: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).expect("one JSON record");
+    assert!(
+        out.status.success(),
+        "ps-step failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).expect("one JSON record");
     assert_eq!(r["bench"], "ps-step");
     assert_eq!(r["transport"], "ibex-tcp");
     assert_eq!(r["topology"], "2x2");
@@ -78,10 +130,23 @@ fn ps_step_runs_real_ps_processes_and_workers() {
 
 #[test]
 fn ps_step_explains_bad_transport_and_missing_ps_binary() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench")).args(["ps-step", "--transport", "raw-shm"]).output().expect("run ibex-bench");
+    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench"))
+        .args(["ps-step", "--transport", "raw-shm"])
+        .output()
+        .expect("run ibex-bench");
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("gRPC only"), "{}", String::from_utf8_lossy(&out.stderr));
-    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench")).args(["ps-step"]).env("IBEX_PS", "/nonexistent/ibex-ps").output().expect("run ibex-bench");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("gRPC only"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ibex-bench"))
+        .args(["ps-step"])
+        .env("IBEX_PS", "/nonexistent/ibex-ps")
+        .output()
+        .expect("run ibex-bench");
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("IBEX_PS=/nonexistent/ibex-ps is not a file"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("IBEX_PS=/nonexistent/ibex-ps is not a file")
+    );
 }

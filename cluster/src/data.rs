@@ -40,13 +40,21 @@ impl Dataset {
         for &i in idx {
             x.extend_from_slice(self.row(i));
         }
-        Dataset { x, y: idx.iter().map(|&i| self.y[i]).collect(), dim: self.dim, classes: self.classes }
+        Dataset {
+            x,
+            y: idx.iter().map(|&i| self.y[i]).collect(),
+            dim: self.dim,
+            classes: self.classes,
+        }
     }
 
     /// A seeded shuffle into `(train, test)` with `test_size` test examples.
     pub fn split(&self, seed: u64, test_size: usize) -> Result<(Dataset, Dataset), String> {
         if test_size == 0 || test_size >= self.len() {
-            return Err(format!("test size {test_size} must be in 1..{}", self.len()));
+            return Err(format!(
+                "test size {test_size} must be in 1..{}",
+                self.len()
+            ));
         }
         let perm = SplitMix64::new(seed).permutation(self.len());
         let (test, train) = perm.split_at(test_size);
@@ -67,22 +75,44 @@ pub fn digits() -> Result<Dataset, String> {
 fn parse_digits_csv(text: &str) -> Result<Dataset, String> {
     let mut x = Vec::new();
     let mut y = Vec::new();
-    for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let vals: Vec<&str> = line.split(',').collect();
         if vals.len() != 65 {
-            return Err(format!("digits line {}: {} fields, expected 64 pixels and a label", n + 1, vals.len()));
+            return Err(format!(
+                "digits line {}: {} fields, expected 64 pixels and a label",
+                n + 1,
+                vals.len()
+            ));
         }
         for v in &vals[..64] {
-            let p: f32 = v.trim().parse().map_err(|_| format!("digits line {}: pixel {v:?} is not a number", n + 1))?;
+            let p: f32 = v
+                .trim()
+                .parse()
+                .map_err(|_| format!("digits line {}: pixel {v:?} is not a number", n + 1))?;
             x.push(p / 16.0);
         }
-        let label: u8 = vals[64].trim().parse().map_err(|_| format!("digits line {}: bad label", n + 1))?;
+        let label: u8 = vals[64]
+            .trim()
+            .parse()
+            .map_err(|_| format!("digits line {}: bad label", n + 1))?;
         if label > 9 {
-            return Err(format!("digits line {}: label {label} is not a digit", n + 1));
+            return Err(format!(
+                "digits line {}: label {label} is not a digit",
+                n + 1
+            ));
         }
         y.push(label);
     }
-    Ok(Dataset { x, y, dim: 64, classes: 10 })
+    Ok(Dataset {
+        x,
+        y,
+        dim: 64,
+        classes: 10,
+    })
 }
 
 /// MNIST from `dir`: `train-images-idx3-ubyte` and `train-labels-idx1-ubyte` plus the
@@ -103,9 +133,15 @@ pub fn mnist(dir: &Path) -> Result<Dataset, String> {
                 ));
             }
             (Err(e), _) | (_, Err(e)) => return Err(e),
-            _ => return Err(format!("{}: {prefix}-images-idx3-ubyte and {prefix}-labels-idx1-ubyte must both exist", dir.display())),
+            _ => {
+                return Err(format!(
+                    "{}: {prefix}-images-idx3-ubyte and {prefix}-labels-idx1-ubyte must both exist",
+                    dir.display()
+                ));
+            }
         };
-        let part = parse_idx(&images, &labels).map_err(|e| format!("{}: {prefix} files: {e}", dir.display()))?;
+        let part = parse_idx(&images, &labels)
+            .map_err(|e| format!("{}: {prefix} files: {e}", dir.display()))?;
         match &mut all {
             None => all = Some(part),
             Some(a) => {
@@ -151,9 +187,15 @@ fn parse_idx(images: &[u8], labels: &[u8]) -> Result<Dataset, String> {
     }
     let (n, rows, cols) = (be(images, 4)?, be(images, 8)?, be(images, 12)?);
     let dim = rows.checked_mul(cols).ok_or("image size overflows")?;
-    let need = n.checked_mul(dim).and_then(|v| v.checked_add(16)).ok_or("image count overflows")?;
+    let need = n
+        .checked_mul(dim)
+        .and_then(|v| v.checked_add(16))
+        .ok_or("image count overflows")?;
     if images.len() != need {
-        return Err(format!("images: {} bytes, the header promises {need}", images.len()));
+        return Err(format!(
+            "images: {} bytes, the header promises {need}",
+            images.len()
+        ));
     }
     if be(labels, 4)? != n || labels.len() != 8 + n {
         return Err(format!("labels: count does not match the {n} images"));
@@ -163,7 +205,12 @@ fn parse_idx(images: &[u8], labels: &[u8]) -> Result<Dataset, String> {
         return Err(format!("labels: {bad} is not a digit"));
     }
     let x = images[16..].iter().map(|&p| f32::from(p) / 255.0).collect();
-    Ok(Dataset { x, y, dim, classes: 10 })
+    Ok(Dataset {
+        x,
+        y,
+        dim,
+        classes: 10,
+    })
 }
 
 /// Which training examples make up each step's minibatch. It depends only on the seed and
@@ -178,7 +225,10 @@ pub struct Schedule {
 impl Schedule {
     /// Cycles through one seeded permutation of `n` examples, `batch` at a time.
     pub fn new(n: usize, batch: usize, seed: u64) -> Schedule {
-        Schedule { order: SplitMix64::new(seed ^ 0x5EED_BA7C).permutation(n), batch }
+        Schedule {
+            order: SplitMix64::new(seed ^ 0x5EED_BA7C).permutation(n),
+            batch,
+        }
     }
 
     /// The examples of step `step` that worker `worker` of `workers` computes on: its
@@ -187,7 +237,9 @@ impl Schedule {
         let per = self.batch / workers;
         let n = self.order.len();
         let start = (step as usize).wrapping_mul(self.batch) % n;
-        (worker * per..(worker + 1) * per).map(|j| self.order[(start + j) % n]).collect()
+        (worker * per..(worker + 1) * per)
+            .map(|j| self.order[(start + j) % n])
+            .collect()
     }
 }
 
@@ -210,7 +262,11 @@ mod tests {
 
     #[test]
     fn bad_csv_is_an_error() {
-        assert!(parse_digits_csv("1,2,3\n").unwrap_err().contains("3 fields"));
+        assert!(
+            parse_digits_csv("1,2,3\n")
+                .unwrap_err()
+                .contains("3 fields")
+        );
         let row = format!("{}12", "0,".repeat(64));
         assert!(parse_digits_csv(&row).unwrap_err().contains("not a digit"));
     }

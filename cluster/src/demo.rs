@@ -58,7 +58,9 @@ impl Drop for Procs {
 
 /// Sends SIGTERM so the PS checkpoints and shuts down gracefully.
 fn terminate(c: &Child) {
-    let Ok(pid) = libc::pid_t::try_from(c.id()) else { return };
+    let Ok(pid) = libc::pid_t::try_from(c.id()) else {
+        return;
+    };
     // SAFETY: kill(2) on a child we spawned and have not reaped yet, so the pid is ours.
     unsafe {
         libc::kill(pid, libc::SIGTERM);
@@ -79,13 +81,20 @@ pub fn free_ports(count: usize) -> Result<Vec<u16>, String> {
         .collect::<Result<_, _>>()
         .map_err(|e| format!("cannot find free local ports: {e}"))?;
     held.iter()
-        .map(|l| l.local_addr().map(|a| a.port()).map_err(|e| format!("cannot find free local ports: {e}")))
+        .map(|l| {
+            l.local_addr()
+                .map(|a| a.port())
+                .map_err(|e| format!("cannot find free local ports: {e}"))
+        })
         .collect()
 }
 
 /// A fresh job directory under the system temp dir.
 pub fn job_dir(tag: &str) -> Result<PathBuf, String> {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     let dir = std::env::temp_dir().join(format!("ibex-{tag}-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     Ok(dir)
@@ -96,7 +105,9 @@ pub fn check_transport(t: TransportKind) -> Result<(), String> {
     if t != TransportKind::Verbs {
         return Ok(());
     }
-    let devices = std::fs::read_dir("/sys/class/infiniband").map(|d| d.count()).unwrap_or(0);
+    let devices = std::fs::read_dir("/sys/class/infiniband")
+        .map(|d| d.count())
+        .unwrap_or(0);
     if devices == 0 {
         return Err("--transport verbs needs an RDMA device (InfiniBand/RoCE) and Ibex built with its verbs \
                     provider; /sys/class/infiniband lists none here. Use --transport shm (same host) or tcp."
@@ -131,23 +142,34 @@ fn run_in(args: &DemoArgs, dir: &Path) -> Result<Report, String> {
     )
     .map_err(|e| e.to_string())?;
     let spec_path = dir.join("cluster.toml");
-    std::fs::write(&spec_path, spec.to_toml()).map_err(|e| format!("cannot write {}: {e}", spec_path.display()))?;
+    std::fs::write(&spec_path, spec.to_toml())
+        .map_err(|e| format!("cannot write {}: {e}", spec_path.display()))?;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the ibex binary: {e}"))?;
     let launch = |job: &str, index: usize| {
         let mut c = Command::new(&exe);
-        c.arg("launch").arg("--spec").arg(&spec_path).args(["--job", job, "--index", &index.to_string()]);
+        c.arg("launch").arg("--spec").arg(&spec_path).args([
+            "--job",
+            job,
+            "--index",
+            &index.to_string(),
+        ]);
         // shm sockets of this job live in its own directory, away from other jobs' ports.
         c.env("IBEX_SHM_DIR", dir).stdin(Stdio::null());
         c
     };
     let log = |name: &str| -> Result<Stdio, String> {
         let p = dir.join(format!("{name}.log"));
-        std::fs::File::create(&p).map(Stdio::from).map_err(|e| format!("cannot create {}: {e}", p.display()))
+        std::fs::File::create(&p)
+            .map(Stdio::from)
+            .map_err(|e| format!("cannot create {}: {e}", p.display()))
     };
     let both = |name: &str| -> Result<(Stdio, Stdio), String> {
         let p = dir.join(format!("{name}.log"));
-        let f = std::fs::File::create(&p).map_err(|e| format!("cannot create {}: {e}", p.display()))?;
-        let f2 = f.try_clone().map_err(|e| format!("cannot open {}: {e}", p.display()))?;
+        let f =
+            std::fs::File::create(&p).map_err(|e| format!("cannot create {}: {e}", p.display()))?;
+        let f2 = f
+            .try_clone()
+            .map_err(|e| format!("cannot open {}: {e}", p.display()))?;
         Ok((Stdio::from(f), Stdio::from(f2)))
     };
 
@@ -164,23 +186,38 @@ fn run_in(args: &DemoArgs, dir: &Path) -> Result<Report, String> {
     for i in 0..args.ps {
         let (out, err) = both(&format!("ps-{i}"))?;
         let mut c = launch("ps", i);
-        c.args(["--mode", "sync", "--checkpoint-every", &args.checkpoint_every.to_string()]);
+        c.args([
+            "--mode",
+            "sync",
+            "--checkpoint-every",
+            &args.checkpoint_every.to_string(),
+        ]);
         c.arg("--checkpoint-dir").arg(dir.join(format!("ckpt-{i}")));
-        let child = c.stdout(out).stderr(err).spawn().map_err(|e| format!("cannot start PS {i}: {e}"))?;
+        let child = c
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("cannot start PS {i}: {e}"))?;
         ps.list.push((format!("ps-{i}"), child));
     }
     let mut workers = Procs { list: Vec::new() };
     let mut lines = None;
     for i in 0..args.workers {
         let mut c = launch("worker", i);
-        c.args(args.train.to_args()).arg("--report").arg(dir.join(format!("report-{i}.json")));
+        c.args(args.train.to_args())
+            .arg("--report")
+            .arg(dir.join(format!("report-{i}.json")));
         if i == 0 {
-            c.arg("--ticks").stdout(Stdio::piped()).stderr(log("worker-0")?);
+            c.arg("--ticks")
+                .stdout(Stdio::piped())
+                .stderr(log("worker-0")?);
         } else {
             let (out, err) = both(&format!("worker-{i}"))?;
             c.stdout(out).stderr(err);
         }
-        let mut child = c.spawn().map_err(|e| format!("cannot start worker {i}: {e}"))?;
+        let mut child = c
+            .spawn()
+            .map_err(|e| format!("cannot start worker {i}: {e}"))?;
         if let Some(out) = child.stdout.take() {
             let (tx, rx) = mpsc::channel();
             std::thread::spawn(move || {
@@ -207,16 +244,25 @@ fn run_in(args: &DemoArgs, dir: &Path) -> Result<Report, String> {
             if !pending[i] {
                 continue;
             }
-            if let Some(status) = c.try_wait().map_err(|e| format!("cannot wait for {name}: {e}"))? {
+            if let Some(status) = c
+                .try_wait()
+                .map_err(|e| format!("cannot wait for {name}: {e}"))?
+            {
                 pending[i] = false;
                 if !status.success() {
                     progress.finish();
-                    return Err(format!("{name} failed ({status}):\n{}", tail(&dir.join(format!("{name}.log")), 15)));
+                    return Err(format!(
+                        "{name} failed ({status}):\n{}",
+                        tail(&dir.join(format!("{name}.log")), 15)
+                    ));
                 }
             }
         }
         for (name, c) in &mut ps.list {
-            if let Some(status) = c.try_wait().map_err(|e| format!("cannot wait for {name}: {e}"))? {
+            if let Some(status) = c
+                .try_wait()
+                .map_err(|e| format!("cannot wait for {name}: {e}"))?
+            {
                 progress.finish();
                 return Err(format!(
                     "{name} exited early ({status}):\n{}",
@@ -238,7 +284,11 @@ fn run_in(args: &DemoArgs, dir: &Path) -> Result<Report, String> {
     if let Some(p) = &args.report {
         report.write(p)?;
     }
-    println!("final test accuracy: {:.2}% ({} test examples)", report.test_accuracy * 100.0, args.train.test_size);
+    println!(
+        "final test accuracy: {:.2}% ({} test examples)",
+        report.test_accuracy * 100.0,
+        args.train.test_size
+    );
     println!("final training loss: {:.5}", report.train_loss);
     println!("steps/s (worker 0): {:.1}", report.steps_per_sec);
     println!("communication profile (worker 0):\n{}", report.comm_profile);
@@ -246,12 +296,16 @@ fn run_in(args: &DemoArgs, dir: &Path) -> Result<Report, String> {
 }
 
 fn show(progress: &mut Progress, line: &str) {
-    if let Some(done) = line.strip_prefix("tick ").and_then(|s| s.parse::<u64>().ok()) {
+    if let Some(done) = line
+        .strip_prefix("tick ")
+        .and_then(|s| s.parse::<u64>().ok())
+    {
         progress.tick(done);
         return;
     }
     let mut it = line.split_whitespace();
-    if let (Some("step"), Some(step), Some("loss"), Some(loss)) = (it.next(), it.next(), it.next(), it.next())
+    if let (Some("step"), Some(step), Some("loss"), Some(loss)) =
+        (it.next(), it.next(), it.next(), it.next())
         && let (Ok(step), Ok(loss)) = (step.parse::<u64>(), loss.parse::<f32>())
     {
         progress.line(&format!("  step {step:>5}  loss {loss:.5}"));
@@ -272,9 +326,14 @@ fn shutdown_ps(ps: &mut Procs, dir: &Path) -> Result<(), String> {
             match c.try_wait() {
                 Ok(Some(s)) if s.success() => break,
                 Ok(Some(s)) => {
-                    return Err(format!("{name} failed at shutdown ({s}):\n{}", tail(&dir.join(format!("{name}.log")), 15)));
+                    return Err(format!(
+                        "{name} failed at shutdown ({s}):\n{}",
+                        tail(&dir.join(format!("{name}.log")), 15)
+                    ));
                 }
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
                 Ok(None) => return Err(format!("{name} did not shut down within 15 s of SIGTERM")),
                 Err(e) => return Err(format!("cannot wait for {name}: {e}")),
             }

@@ -65,9 +65,15 @@ pub fn resolve(args: &LaunchArgs) -> Result<(ClusterSpec, JobKind, usize), Strin
         return Err("no task given: pass --spec FILE --job ps|worker --index N, or set TF_CONFIG, or run under srun".into());
     };
     let (job, index) = (args.job.unwrap_or(job), args.index.unwrap_or(index));
-    let n = if job == JobKind::Ps { spec.ps.len() } else { spec.workers.len() };
+    let n = if job == JobKind::Ps {
+        spec.ps.len()
+    } else {
+        spec.workers.len()
+    };
     if index >= n {
-        return Err(format!("{job} index {index} is out of range: the spec lists {n} {job} tasks"));
+        return Err(format!(
+            "{job} index {index} is out of range: the spec lists {n} {job} tasks"
+        ));
     }
     Ok((spec, job, index))
 }
@@ -120,8 +126,8 @@ async fn shutdown_signal() {
 async fn run_ps(spec: &ClusterSpec, index: usize, args: &LaunchArgs) -> Result<(), String> {
     let mut config = ibex_ps::PsConfig::new(spec.ps_listen_uri(index));
     config.shard = u32::try_from(index).map_err(|_| format!("PS index {index} is too large"))?;
-    config.num_workers =
-        u32::try_from(spec.workers.len()).map_err(|_| format!("{} workers is too many", spec.workers.len()))?;
+    config.num_workers = u32::try_from(spec.workers.len())
+        .map_err(|_| format!("{} workers is too many", spec.workers.len()))?;
     config.mode = args.mode.parse().map_err(|e| format!("--mode: {e}"))?;
     config.checkpoint_dir = Some(
         args.checkpoint_dir
@@ -132,5 +138,7 @@ async fn run_ps(spec: &ClusterSpec, index: usize, args: &LaunchArgs) -> Result<(
     config.restore = args.restore;
     config.sync_timeout = std::time::Duration::from_secs(args.sync_timeout_secs);
     config.metrics = args.metrics.clone();
-    ibex_ps::run(config, shutdown_signal()).await.map_err(|e| format!("PS {index}: {e}"))
+    ibex_ps::run(config, shutdown_signal())
+        .await
+        .map_err(|e| format!("PS {index}: {e}"))
 }

@@ -21,7 +21,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ibex", version, about = "Parameter-server training over the Ibex transport")]
+#[command(
+    name = "ibex",
+    version,
+    about = "Parameter-server training over the Ibex transport"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -85,16 +89,19 @@ fn main() -> ExitCode {
 
 fn reference(t: &TrainCmd) -> Result<(), String> {
     if !t.reference {
-        return Err("`ibex train` runs only the single-process reference: pass --reference \
+        return Err(
+            "`ibex train` runs only the single-process reference: pass --reference \
                     (distributed training is `ibex demo` or `ibex launch`)"
-            .into());
+                .into(),
+        );
     }
     let initial = match &t.init_from {
-        Some(p) => Some(
-            train::Report::read(p)?
-                .initial
-                .ok_or_else(|| format!("{} holds no initial weights (the run did not start at step 0)", p.display()))?,
-        ),
+        Some(p) => Some(train::Report::read(p)?.initial.ok_or_else(|| {
+            format!(
+                "{} holds no initial weights (the run did not start at step 0)",
+                p.display()
+            )
+        })?),
         None => None,
     };
     let r = train::run_reference(&t.train, initial)?;
@@ -107,7 +114,12 @@ fn reference(t: &TrainCmd) -> Result<(), String> {
     if let Some(p) = &t.compare {
         let other = train::Report::read(p)?;
         if other.steps != r.steps {
-            return Err(format!("{} ran {} steps, this reference {}", p.display(), other.steps, r.steps));
+            return Err(format!(
+                "{} ran {} steps, this reference {}",
+                p.display(),
+                other.steps,
+                r.steps
+            ));
         }
         r.mlp_check_same_shape(&other)?;
         let diff = train::max_rel_diff(&other.params, &r.params);
@@ -118,7 +130,10 @@ fn reference(t: &TrainCmd) -> Result<(), String> {
             train::MATCH_TOLERANCE
         );
         if diff > train::MATCH_TOLERANCE || loss_diff > train::MATCH_TOLERANCE {
-            return Err(format!("the runs differ by more than the tolerance {:.0e}", train::MATCH_TOLERANCE));
+            return Err(format!(
+                "the runs differ by more than the tolerance {:.0e}",
+                train::MATCH_TOLERANCE
+            ));
         }
     }
     Ok(())

@@ -16,17 +16,39 @@ pub struct Mlp {
     pub classes: usize,
 }
 
+/// What the forward pass over a batch leaves for the backward pass.
+#[derive(Debug, Clone)]
+pub struct Forward {
+    n: usize,
+    /// Hidden activations, `n x hidden`.
+    h: Vec<f32>,
+    /// dLoss/dLogits of the batch mean, `n x classes`.
+    dz: Vec<f32>,
+    /// Mean loss over the batch.
+    pub loss: f32,
+}
+
 /// Parameters (or gradients) in [`Mlp::NAMES`] order: `w1` is `input x hidden` row-major,
 /// `w2` is `hidden x classes`.
 pub type Params = Vec<Vec<f32>>;
 
 impl Mlp {
     /// PS variable names of `w1`, `b1`, `w2`, `b2`.
-    pub const NAMES: [&'static str; 4] = ["dense1/kernel", "dense1/bias", "dense2/kernel", "dense2/bias"];
+    pub const NAMES: [&'static str; 4] = [
+        "dense1/kernel",
+        "dense1/bias",
+        "dense2/kernel",
+        "dense2/bias",
+    ];
 
     /// Tensor shapes in [`Mlp::NAMES`] order.
     pub fn shapes(&self) -> [Vec<usize>; 4] {
-        [vec![self.input, self.hidden], vec![self.hidden], vec![self.hidden, self.classes], vec![self.classes]]
+        [
+            vec![self.input, self.hidden],
+            vec![self.hidden],
+            vec![self.hidden, self.classes],
+            vec![self.classes],
+        ]
     }
 
     /// Glorot-uniform weights and zero biases from `seed` (used when no PS chose them).
@@ -34,7 +56,9 @@ impl Mlp {
         let mut rng = SplitMix64::new(seed);
         let mut glorot = |fan_in: usize, fan_out: usize| -> Vec<f32> {
             let a = (6.0 / (fan_in + fan_out) as f32).sqrt();
-            (0..fan_in * fan_out).map(|_| (rng.next_f32() * 2.0 - 1.0) * a).collect()
+            (0..fan_in * fan_out)
+                .map(|_| (rng.next_f32() * 2.0 - 1.0) * a)
+                .collect()
         };
         let w1 = glorot(self.input, self.hidden);
         let w2 = glorot(self.hidden, self.classes);
@@ -46,7 +70,9 @@ impl Mlp {
         let want: Vec<usize> = self.shapes().iter().map(|s| s.iter().product()).collect();
         let got: Vec<usize> = p.iter().map(Vec::len).collect();
         if want != got {
-            return Err(format!("parameter sizes {got:?} do not match the model's {want:?}"));
+            return Err(format!(
+                "parameter sizes {got:?} do not match the model's {want:?}"
+            ));
         }
         Ok(())
     }
@@ -93,54 +119,91 @@ impl Mlp {
 
     /// Mean loss over `d` and its gradient with respect to every parameter.
     pub fn loss_and_grad(&self, p: &Params, d: &Dataset) -> (f32, Params) {
-        let mut g: Params = p.iter().map(|t| vec![0.0; t.len()]).collect();
+        let f = self.forward(p, d);
+        let (gw2, gb2) = self.backward_output(&f);
+        let (gw1, gb1) = self.backward_hidden(p, d, &f);
+        (f.loss, vec![gw1, gb1, gw2, gb2])
+    }
+
+    /// The forward pass over the batch `d`, keeping what the backward pass needs.
+    pub fn forward(&self, p: &Params, d: &Dataset) -> Forward {
         let n = d.len();
+        let mut f = Forward {
+            n,
+            h: vec![0.0; n * self.hidden],
+            dz: vec![0.0; n * self.classes],
+            loss: 0.0,
+        };
         if n == 0 {
-            return (0.0, g);
+            return f;
         }
         let scale = 1.0 / n as f32;
-        let (mut h, mut z, mut dh) = (vec![0.0; self.hidden], vec![0.0; self.classes], vec![0.0; self.hidden]);
         let mut loss = 0.0f64;
         for e in 0..n {
-            let x = d.row(e);
-            self.forward_one(p, x, &mut h, &mut z);
+            let h = &mut f.h[e * self.hidden..(e + 1) * self.hidden];
+            let z = &mut f.dz[e * self.classes..(e + 1) * self.classes];
+            self.forward_one(p, d.row(e), h, z);
             let y = usize::from(d.y[e]);
-            loss += f64::from(Self::softmax_xent(&mut z, y));
+            loss += f64::from(Self::softmax_xent(z, y));
             // dL/dz = (softmax - onehot) / n for the batch mean.
             z[y] -= 1.0;
             for v in z.iter_mut() {
                 *v *= scale;
             }
-            let (gw1, rest) = g.split_at_mut(1);
-            let (gb1, rest) = rest.split_at_mut(1);
-            let (gw2, gb2) = rest.split_at_mut(1);
-            for (b, &dz) in gb2[0].iter_mut().zip(&z) {
+        }
+        f.loss = (loss / n as f64) as f32;
+        f
+    }
+
+    /// Gradients of the output layer (`w2`, `b2`): available first in the backward pass, so
+    /// a worker can push them while it computes the hidden layer's.
+    pub fn backward_output(&self, f: &Forward) -> (Vec<f32>, Vec<f32>) {
+        let (mut gw2, mut gb2) = (
+            vec![0.0; self.hidden * self.classes],
+            vec![0.0; self.classes],
+        );
+        for e in 0..f.n {
+            let h = &f.h[e * self.hidden..(e + 1) * self.hidden];
+            let z = &f.dz[e * self.classes..(e + 1) * self.classes];
+            for (b, &dz) in gb2.iter_mut().zip(z) {
                 *b += dz;
             }
+            for (j, &hj) in h.iter().enumerate() {
+                let g2row = &mut gw2[j * self.classes..(j + 1) * self.classes];
+                for (g, &dz) in g2row.iter_mut().zip(z) {
+                    *g += hj * dz;
+                }
+            }
+        }
+        (gw2, gb2)
+    }
+
+    /// Gradients of the hidden layer (`w1`, `b1`), back through `w2` and the ReLU.
+    pub fn backward_hidden(&self, p: &Params, d: &Dataset, f: &Forward) -> (Vec<f32>, Vec<f32>) {
+        let (mut gw1, mut gb1) = (vec![0.0; self.input * self.hidden], vec![0.0; self.hidden]);
+        let mut dh = vec![0.0; self.hidden];
+        for e in 0..f.n {
+            let h = &f.h[e * self.hidden..(e + 1) * self.hidden];
+            let z = &f.dz[e * self.classes..(e + 1) * self.classes];
             for j in 0..self.hidden {
                 let w2row = &p[2][j * self.classes..(j + 1) * self.classes];
-                let g2row = &mut gw2[0][j * self.classes..(j + 1) * self.classes];
-                let mut back = 0.0;
-                for k in 0..self.classes {
-                    g2row[k] += h[j] * z[k];
-                    back += w2row[k] * z[k];
-                }
+                let back: f32 = w2row.iter().zip(z).map(|(w, dz)| w * dz).sum();
                 // ReLU passes the gradient only where the unit was active.
                 dh[j] = if h[j] > 0.0 { back } else { 0.0 };
             }
-            for (b, &v) in gb1[0].iter_mut().zip(&dh) {
+            for (b, &v) in gb1.iter_mut().zip(&dh) {
                 *b += v;
             }
-            for (i, &xi) in x.iter().enumerate() {
+            for (i, &xi) in d.row(e).iter().enumerate() {
                 if xi != 0.0 {
-                    let row = &mut gw1[0][i * self.hidden..(i + 1) * self.hidden];
+                    let row = &mut gw1[i * self.hidden..(i + 1) * self.hidden];
                     for (gw, &v) in row.iter_mut().zip(&dh) {
                         *gw += xi * v;
                     }
                 }
             }
         }
-        ((loss / n as f64) as f32, g)
+        (gw1, gb1)
     }
 
     /// Mean loss and accuracy over `d`.
@@ -171,7 +234,11 @@ pub struct LocalMomentum {
 impl LocalMomentum {
     /// Zero velocity for tensors shaped like `p`.
     pub fn new(lr: f32, momentum: f32, p: &Params) -> Self {
-        LocalMomentum { lr, momentum, velocity: p.iter().map(|t| vec![0.0; t.len()]).collect() }
+        LocalMomentum {
+            lr,
+            momentum,
+            velocity: p.iter().map(|t| vec![0.0; t.len()]).collect(),
+        }
     }
 
     /// One update of `p` with gradient `g`.
@@ -194,14 +261,23 @@ mod tests {
     use super::*;
 
     fn toy() -> (Mlp, Params, Dataset) {
-        let m = Mlp { input: 5, hidden: 4, classes: 3 };
+        let m = Mlp {
+            input: 5,
+            hidden: 4,
+            classes: 3,
+        };
         let mut p = m.init(3);
         // Non-zero biases so every code path carries gradient.
         p[1] = vec![0.1, -0.05, 0.2, 0.0];
         p[3] = vec![0.05, -0.1, 0.02];
         let mut rng = SplitMix64::new(9);
         let x = (0..6 * 5).map(|_| rng.next_f32()).collect();
-        let d = Dataset { x, y: vec![0, 1, 2, 1, 0, 2], dim: 5, classes: 3 };
+        let d = Dataset {
+            x,
+            y: vec![0, 1, 2, 1, 0, 2],
+            dim: 5,
+            classes: 3,
+        };
         (m, p, d)
     }
 
@@ -218,10 +294,15 @@ mod tests {
                 let mut minus = p.clone();
                 minus[t][i] -= eps;
                 // Central differences in f64 accumulation keep the f32 error small.
-                let num = (m.loss_and_grad(&plus, &d).0 - m.loss_and_grad(&minus, &d).0) / (2.0 * eps);
+                let num =
+                    (m.loss_and_grad(&plus, &d).0 - m.loss_and_grad(&minus, &d).0) / (2.0 * eps);
                 let err = (num - g[t][i]).abs() / (num.abs() + g[t][i].abs()).max(1e-2);
                 worst = worst.max(err);
-                assert!(err < 2e-2, "tensor {t} index {i}: analytic {} numeric {num}", g[t][i]);
+                assert!(
+                    err < 2e-2,
+                    "tensor {t} index {i}: analytic {} numeric {num}",
+                    g[t][i]
+                );
             }
         }
         assert!(worst.is_finite());

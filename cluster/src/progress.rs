@@ -46,16 +46,28 @@ impl Progress {
             return;
         }
         let now = std::time::Instant::now();
-        if done < self.total && self.last_draw.is_some_and(|t| now.duration_since(t).as_millis() < 50) {
+        if done < self.total
+            && self
+                .last_draw
+                .is_some_and(|t| now.duration_since(t).as_millis() < 50)
+        {
             return;
         }
         self.last_draw = Some(now);
         let loss = self.loss;
         const WIDTH: u64 = 40;
         let filled = (done.min(self.total) * WIDTH / self.total) as usize;
-        let bar = format!("{}{}", "#".repeat(filled), "-".repeat(WIDTH as usize - filled));
+        let bar = format!(
+            "{}{}",
+            "#".repeat(filled),
+            "-".repeat(WIDTH as usize - filled)
+        );
         let mut out = std::io::stdout().lock();
-        let _ = write!(out, "\r\x1b[2K  [{bar}] {done}/{} loss {loss:.4}", self.total);
+        let _ = write!(
+            out,
+            "\r\x1b[2K  [{bar}] {done}/{} loss {loss:.4}",
+            self.total
+        );
         let _ = out.flush();
         self.drawn = true;
     }

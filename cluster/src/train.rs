@@ -2,6 +2,7 @@
 //! after a PS restart) and the single-process reference that does the same math locally.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, VarSpec, Worker, WorkerError};
@@ -41,6 +42,12 @@ pub struct TrainArgs {
     /// Print the loss every this many steps.
     #[arg(long, default_value_t = 25)]
     pub log_every: u64,
+    /// Push the output layer's gradients while the hidden layer's are computed, then pull
+    /// (`Worker::begin_step`), instead of one PushPull per PS after the backward pass. Off
+    /// by default: with this small model on a few cores the extra RPCs cost more than the
+    /// overlap saves (see docs/demo.md).
+    #[arg(long)]
+    pub overlap: bool,
 }
 
 impl TrainArgs {
@@ -56,6 +63,9 @@ impl TrainArgs {
             format!("--test-size={}", self.test_size),
             format!("--log-every={}", self.log_every),
         ];
+        if self.overlap {
+            v.push("--overlap".into());
+        }
         if let Some(m) = &self.mnist {
             v.push(format!("--mnist={}", m.display()));
         }
@@ -94,20 +104,26 @@ impl Report {
     pub fn mlp_check_same_shape(&self, other: &Report) -> Result<(), String> {
         let sizes = |r: &Report| r.params.iter().map(Vec::len).collect::<Vec<_>>();
         if sizes(self) != sizes(other) {
-            return Err(format!("the reports hold different models: {:?} vs {:?}", sizes(self), sizes(other)));
+            return Err(format!(
+                "the reports hold different models: {:?} vs {:?}",
+                sizes(self),
+                sizes(other)
+            ));
         }
         Ok(())
     }
 
     /// Reads a report written with `--report`.
     pub fn read(path: &Path) -> Result<Report, String> {
-        let s = std::fs::read_to_string(path).map_err(|e| format!("cannot read report {}: {e}", path.display()))?;
+        let s = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read report {}: {e}", path.display()))?;
         serde_json::from_str(&s).map_err(|e| format!("report {} is not valid: {e}", path.display()))
     }
 
     /// Writes the report as JSON.
     pub fn write(&self, path: &Path) -> Result<(), String> {
-        let s = serde_json::to_string(self).map_err(|e| format!("cannot encode the report: {e}"))?;
+        let s =
+            serde_json::to_string(self).map_err(|e| format!("cannot encode the report: {e}"))?;
         std::fs::write(path, s).map_err(|e| format!("cannot write report {}: {e}", path.display()))
     }
 }
@@ -129,7 +145,10 @@ impl Job {
     /// average equals the full-batch gradient only when the shares are equal).
     pub fn new(args: &TrainArgs, workers: usize) -> Result<Job, String> {
         if workers == 0 || args.batch == 0 || !args.batch.is_multiple_of(workers) {
-            return Err(format!("--batch {} must be a positive multiple of the {workers} workers", args.batch));
+            return Err(format!(
+                "--batch {} must be a positive multiple of the {workers} workers",
+                args.batch
+            ));
         }
         if args.steps == 0 || args.hidden == 0 || args.log_every == 0 {
             return Err("--steps, --hidden and --log-every must be positive".into());
@@ -139,9 +158,18 @@ impl Job {
             None => data::digits()?,
         };
         let (train, test) = all.split(args.seed, args.test_size)?;
-        let mlp = Mlp { input: all.dim, hidden: args.hidden, classes: all.classes };
+        let mlp = Mlp {
+            input: all.dim,
+            hidden: args.hidden,
+            classes: all.classes,
+        };
         let schedule = Schedule::new(train.len(), args.batch, args.seed);
-        Ok(Job { mlp, train, test, schedule })
+        Ok(Job {
+            mlp,
+            train,
+            test,
+            schedule,
+        })
     }
 
     /// The PS variables: one per tensor, f32, momentum (or SGD) applied server-side.
@@ -149,7 +177,10 @@ impl Job {
         let optimizer = if args.momentum == 0.0 {
             Optimizer::Sgd { lr: args.lr }
         } else {
-            Optimizer::Momentum { lr: args.lr, momentum: args.momentum }
+            Optimizer::Momentum {
+                lr: args.lr,
+                momentum: args.momentum,
+            }
         };
         Mlp::NAMES
             .iter()
@@ -158,7 +189,13 @@ impl Job {
             .map(|(i, (name, shape))| VarSpec {
                 name: (*name).to_string(),
                 dtype: Dtype::F32,
-                init: if shape.len() == 2 { Init::GlorotUniform { seed: args.seed.wrapping_add(i as u64) } } else { Init::Zeros },
+                init: if shape.len() == 2 {
+                    Init::GlorotUniform {
+                        seed: args.seed.wrapping_add(i as u64),
+                    }
+                } else {
+                    Init::Zeros
+                },
                 shape,
                 optimizer,
                 sparse: false,
@@ -166,7 +203,13 @@ impl Job {
             .collect()
     }
 
-    fn finish(&self, workers: usize, steps: u64, losses: Vec<(u64, f32)>, params: Params) -> Report {
+    fn finish(
+        &self,
+        workers: usize,
+        steps: u64,
+        losses: Vec<(u64, f32)>,
+        params: Params,
+    ) -> Report {
         let (train_loss, _) = self.mlp.evaluate(&params, &self.train);
         let (_, test_accuracy) = self.mlp.evaluate(&params, &self.test);
         Report {
@@ -231,7 +274,10 @@ fn recoverable(e: &WorkerError) -> bool {
         | WorkerError::Transport(_) => true,
         WorkerError::Rpc { code, .. } => matches!(
             code,
-            tonic::Code::Unavailable | tonic::Code::Aborted | tonic::Code::Cancelled | tonic::Code::Unknown
+            tonic::Code::Unavailable
+                | tonic::Code::Aborted
+                | tonic::Code::Cancelled
+                | tonic::Code::Unknown
         ),
         _ => false,
     }
@@ -246,19 +292,30 @@ const MAX_RECOVERIES: u32 = 10;
 /// the others wait until the PS agree on a step. Both resume at that step, and since the
 /// minibatch depends only on the step, no step is lost or applied twice.
 /// With `ticks`, it also prints `tick K` after every step, for `ibex demo`'s progress bar.
-pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs, ticks: bool) -> Result<Report, String> {
+pub async fn run_worker(
+    spec: &ClusterSpec,
+    index: usize,
+    args: &TrainArgs,
+    ticks: bool,
+) -> Result<Report, String> {
     let workers = spec.workers.len();
     if index >= workers {
-        return Err(format!("worker index {index} is out of range: the spec lists {workers} workers"));
+        return Err(format!(
+            "worker index {index} is out of range: the spec lists {workers} workers"
+        ));
     }
     let job = Job::new(args, workers)?;
     let vars = job.var_specs(args);
     let names: Vec<&str> = Mlp::NAMES.to_vec();
-    let mut worker = connect(spec, index, &vars).await.map_err(|e| e.to_string())?;
+    let mut worker = connect(spec, index, &vars)
+        .await
+        .map_err(|e| e.to_string())?;
     let mut step = match worker.current_step().await {
         Ok(s) => s,
         // The PS disagree: a previous run died mid-recovery. Only worker 0 restores.
-        Err(_) => resume_step(&worker, index).await.map_err(|e| e.to_string())?,
+        Err(_) => resume_step(&worker, index)
+            .await
+            .map_err(|e| e.to_string())?,
     };
     let mut params = worker.pull(&names, step).await.map_err(|e| e.to_string())?;
     job.mlp.check(&params)?;
@@ -267,9 +324,18 @@ pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs, tick
     let (t0, first_step) = (Instant::now(), step);
     while step < args.steps {
         let batch = job.train.gather(&job.schedule.shard(step, index, workers));
-        let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
-        let pairs: Vec<(&str, &[f32])> = names.iter().copied().zip(grads.iter().map(Vec::as_slice)).collect();
-        match worker.push_pull(step, &pairs).await {
+        let (loss, result) = if !args.overlap {
+            let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
+            let pairs: Vec<(&str, &[f32])> = names
+                .iter()
+                .copied()
+                .zip(grads.iter().map(Vec::as_slice))
+                .collect();
+            (loss, worker.push_pull(step, &pairs).await)
+        } else {
+            overlapped_step(&job, &worker, step, &params, &batch).await
+        };
+        match result {
             Ok(fresh) => {
                 params = fresh;
                 log_step(args, step, loss, &mut losses);
@@ -299,12 +365,38 @@ pub async fn run_worker(spec: &ClusterSpec, index: usize, args: &TrainArgs, tick
     Ok(r)
 }
 
-async fn connect(spec: &ClusterSpec, index: usize, vars: &[VarSpec]) -> Result<Worker, WorkerError> {
+async fn connect(
+    spec: &ClusterSpec,
+    index: usize,
+    vars: &[VarSpec],
+) -> Result<Arc<Worker>, WorkerError> {
     let w = Worker::connect(spec, index).await?;
     // Every worker creates the same list: identical specs are a no-op on the PS, and each
     // Worker needs the placement to know where a variable lives.
     w.create_variables(vars).await?;
-    Ok(w)
+    Ok(Arc::new(w))
+}
+
+/// One step with the output layer's gradients on the wire while the hidden layer's are
+/// computed (backpropagation order), then the next step's values.
+async fn overlapped_step(
+    job: &Job,
+    worker: &Arc<Worker>,
+    step: u64,
+    params: &Params,
+    batch: &Dataset,
+) -> (f32, Result<Params, WorkerError>) {
+    let [w1, b1, w2, b2] = Mlp::NAMES;
+    let f = job.mlp.forward(params, batch);
+    let sent = async {
+        let mut push = worker.begin_step(step);
+        let (gw2, gb2) = job.mlp.backward_output(&f);
+        push.push(vec![(w2.into(), gw2), (b2.into(), gb2)])?;
+        let (gw1, gb1) = job.mlp.backward_hidden(params, batch, &f);
+        push.push(vec![(w1.into(), gw1), (b1.into(), gb1)])?;
+        push.finish_pull(&Mlp::NAMES).await
+    };
+    (f.loss, sent.await)
 }
 
 /// The step to continue from on a fresh connection after a failure.
@@ -325,7 +417,11 @@ async fn resume_step(w: &Worker, index: usize) -> Result<u64, WorkerError> {
     }
 }
 
-async fn reconnect_and_resume(spec: &ClusterSpec, index: usize, vars: &[VarSpec]) -> Result<(Worker, u64), String> {
+async fn reconnect_and_resume(
+    spec: &ClusterSpec,
+    index: usize,
+    vars: &[VarSpec],
+) -> Result<(Arc<Worker>, u64), String> {
     let mut last = String::new();
     for _ in 0..5 {
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
@@ -374,6 +470,7 @@ mod tests {
             test_size: 300,
             mnist: None,
             log_every: 1000,
+            overlap: false,
         }
     }
 

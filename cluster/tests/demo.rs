@@ -41,11 +41,19 @@ impl Drop for Kids {
 }
 
 fn ibex(args: &[&str], dir: &Path) -> Output {
-    Command::new(IBEX).args(args).env("IBEX_SHM_DIR", dir).output().unwrap()
+    Command::new(IBEX)
+        .args(args)
+        .env("IBEX_SHM_DIR", dir)
+        .output()
+        .unwrap()
 }
 
 fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn report(path: &Path) -> serde_json::Value {
@@ -59,10 +67,26 @@ fn demo_on_shm_reaches_the_bar_and_matches_the_reference() {
     let dir = Dir::new("shm");
     let rep = dir.0.join("demo.json");
     let rep_s = rep.to_str().unwrap();
-    let o = ibex(&["demo", "--steps", "150", "--log-every", "50", "--report", rep_s], &dir.0);
+    let o = ibex(
+        &[
+            "demo",
+            "--steps",
+            "150",
+            "--log-every",
+            "50",
+            "--report",
+            rep_s,
+        ],
+        &dir.0,
+    );
     let out = text(&o);
     assert!(o.status.success(), "{out}");
-    for want in ["step     0", "final test accuracy", "steps/s", "communication profile"] {
+    for want in [
+        "step     0",
+        "final test accuracy",
+        "steps/s",
+        "communication profile",
+    ] {
         assert!(out.contains(want), "missing {want:?} in:\n{out}");
     }
     let r = report(&rep);
@@ -71,37 +95,87 @@ fn demo_on_shm_reaches_the_bar_and_matches_the_reference() {
     assert!(r["test_accuracy"].as_f64().unwrap() >= 0.9, "{out}");
     // The same math in one process from the same initial weights (the PS chose them).
     let o = ibex(
-        &["train", "--reference", "--steps", "150", "--log-every", "50", "--init-from", rep_s, "--compare", rep_s],
+        &[
+            "train",
+            "--reference",
+            "--steps",
+            "150",
+            "--log-every",
+            "50",
+            "--init-from",
+            rep_s,
+            "--compare",
+            rep_s,
+        ],
         &dir.0,
     );
     assert!(o.status.success(), "{}", text(&o));
-    assert!(text(&o).contains("max relative weight difference"), "{}", text(&o));
+    assert!(
+        text(&o).contains("max relative weight difference"),
+        "{}",
+        text(&o)
+    );
 }
 
-/// `--transport grpc` runs the same job over stock tonic (HTTP/2 over TCP).
+/// `--transport grpc` runs the same job over stock tonic (HTTP/2 over TCP); with
+/// `--overlap`, each step pushes layer by layer and then pulls.
 #[test]
-fn demo_over_stock_grpc() {
+fn demo_over_stock_grpc_with_overlapped_pushes() {
     let dir = Dir::new("grpc");
     let rep = dir.0.join("demo.json");
-    let o = ibex(&["demo", "--transport", "grpc", "--steps", "150", "--report", rep.to_str().unwrap()], &dir.0);
+    let o = ibex(
+        &[
+            "demo",
+            "--transport",
+            "grpc",
+            "--overlap",
+            "--steps",
+            "150",
+            "--report",
+            rep.to_str().unwrap(),
+        ],
+        &dir.0,
+    );
     assert!(o.status.success(), "{}", text(&o));
     let r = report(&rep);
     assert_eq!(r["steps"], 150);
     assert!(r["test_accuracy"].as_f64().unwrap() >= 0.9);
+    let profile = r["comm_profile"].as_str().unwrap();
+    assert!(
+        profile.contains("Push ") && !profile.contains("PushPull"),
+        "{profile}"
+    );
 }
 
 /// `--transport tcp`, one PS and one worker: the smallest distributed shape still trains.
 #[test]
 fn demo_over_ibex_tcp_with_one_ps() {
     let dir = Dir::new("tcp");
-    let o = ibex(&["demo", "--transport", "tcp", "--ps", "1", "--workers", "1", "--steps", "120"], &dir.0);
+    let o = ibex(
+        &[
+            "demo",
+            "--transport",
+            "tcp",
+            "--ps",
+            "1",
+            "--workers",
+            "1",
+            "--steps",
+            "120",
+        ],
+        &dir.0,
+    );
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("final test accuracy"));
 }
 
 #[test]
 fn verbs_without_a_device_is_a_clear_error() {
-    if std::fs::read_dir("/sys/class/infiniband").map(|d| d.count()).unwrap_or(0) > 0 {
+    if std::fs::read_dir("/sys/class/infiniband")
+        .map(|d| d.count())
+        .unwrap_or(0)
+        > 0
+    {
         eprintln!("skipped: this machine has an RDMA device");
         return;
     }
@@ -115,29 +189,54 @@ fn verbs_without_a_device_is_a_clear_error() {
 fn launcher_reports_bad_task_descriptions() {
     let dir = Dir::new("launch");
     let spec = dir.0.join("cluster.toml");
-    std::fs::write(&spec, "[cluster]\nps = [\"127.0.0.1:1\"]\nworkers = [\"127.0.0.1:2\"]\n").unwrap();
+    std::fs::write(
+        &spec,
+        "[cluster]\nps = [\"127.0.0.1:1\"]\nworkers = [\"127.0.0.1:2\"]\n",
+    )
+    .unwrap();
     let s = spec.to_str().unwrap();
-    let o = ibex(&["launch", "--spec", s, "--job", "worker", "--index", "3"], &dir.0);
+    let o = ibex(
+        &["launch", "--spec", s, "--job", "worker", "--index", "3"],
+        &dir.0,
+    );
     assert!(!o.status.success());
     assert!(text(&o).contains("out of range"), "{}", text(&o));
     let o = ibex(&["launch", "--spec", s, "--index", "0"], &dir.0);
     assert!(text(&o).contains("--spec needs --job"), "{}", text(&o));
-    std::fs::write(&spec, "[cluster]\nps = [\"nohost\"]\nworkers = [\"127.0.0.1:2\"]\n").unwrap();
-    let o = ibex(&["launch", "--spec", s, "--job", "ps", "--index", "0"], &dir.0);
+    std::fs::write(
+        &spec,
+        "[cluster]\nps = [\"nohost\"]\nworkers = [\"127.0.0.1:2\"]\n",
+    )
+    .unwrap();
+    let o = ibex(
+        &["launch", "--spec", s, "--job", "ps", "--index", "0"],
+        &dir.0,
+    );
     assert!(text(&o).contains("\"nohost\""), "{}", text(&o));
 
     let o = Command::new(IBEX)
         .args(["launch"])
         .env_remove("SLURM_PROCID")
-        .env("TF_CONFIG", r#"{"cluster":{"ps":["a:1"],"worker":["b:2"]},"task":{"type":"worker","index":5}}"#)
+        .env(
+            "TF_CONFIG",
+            r#"{"cluster":{"ps":["a:1"],"worker":["b:2"]},"task":{"type":"worker","index":5}}"#,
+        )
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(text(&o).contains("TF_CONFIG") && text(&o).contains("out of range"), "{}", text(&o));
+    assert!(
+        text(&o).contains("TF_CONFIG") && text(&o).contains("out of range"),
+        "{}",
+        text(&o)
+    );
     let o = Command::new(IBEX)
         .args(["launch"])
         .env_remove("TF_CONFIG")
-        .envs([("SLURM_PROCID", "0"), ("SLURM_NTASKS", "3"), ("SLURM_JOB_NODELIST", "node[01-")])
+        .envs([
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "3"),
+            ("SLURM_JOB_NODELIST", "node[01-"),
+        ])
         .output()
         .unwrap();
     assert!(!o.status.success());
@@ -170,13 +269,23 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
     let steps = "150";
     let ps = |i: usize, restore: bool| -> Child {
         let mut c = Command::new(IBEX);
-        c.args(["launch", "--spec", spec.to_str().unwrap(), "--job", "ps", "--index", &i.to_string()])
-            .args(["--checkpoint-every", "20", "--sync-timeout-secs", "5"])
-            .arg("--checkpoint-dir")
-            .arg(d.join(format!("ckpt-{i}")))
-            .env("IBEX_SHM_DIR", d)
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(std::fs::File::create(d.join(format!("ps-{i}-{restore}.log"))).unwrap()));
+        c.args([
+            "launch",
+            "--spec",
+            spec.to_str().unwrap(),
+            "--job",
+            "ps",
+            "--index",
+            &i.to_string(),
+        ])
+        .args(["--checkpoint-every", "20", "--sync-timeout-secs", "5"])
+        .arg("--checkpoint-dir")
+        .arg(d.join(format!("ckpt-{i}")))
+        .env("IBEX_SHM_DIR", d)
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(
+            std::fs::File::create(d.join(format!("ps-{i}-{restore}.log"))).unwrap(),
+        ));
         if restore {
             c.arg("--restore");
         }
@@ -184,13 +293,23 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
     };
     let worker = |i: usize| -> Child {
         Command::new(IBEX)
-            .args(["launch", "--spec", spec.to_str().unwrap(), "--job", "worker", "--index", &i.to_string()])
+            .args([
+                "launch",
+                "--spec",
+                spec.to_str().unwrap(),
+                "--job",
+                "worker",
+                "--index",
+                &i.to_string(),
+            ])
             .args(["--steps", steps, "--log-every", "10"])
             .arg("--report")
             .arg(d.join(format!("report-{i}.json")))
             .env("IBEX_SHM_DIR", d)
             .stdout(Stdio::piped())
-            .stderr(Stdio::from(std::fs::File::create(d.join(format!("worker-{i}.log"))).unwrap()))
+            .stderr(Stdio::from(
+                std::fs::File::create(d.join(format!("worker-{i}.log"))).unwrap(),
+            ))
             .spawn()
             .unwrap()
     };
@@ -205,8 +324,13 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
     // Kill PS 0 once training is past a few checkpoints.
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let l = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("worker 0 went quiet");
-        let step = l.strip_prefix("step ").and_then(|r| r.split_whitespace().next()).and_then(|s| s.parse::<u64>().ok());
+        let l = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("worker 0 went quiet");
+        let step = l
+            .strip_prefix("step ")
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|s| s.parse::<u64>().ok());
         if step.is_some_and(|s| s >= 90) {
             break;
         }
@@ -224,7 +348,8 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
                 lines.push(l);
             }
             if let Some(s) = kids.0[i].try_wait().unwrap() {
-                let log = std::fs::read_to_string(d.join(format!("worker-{}.log", i - 2))).unwrap_or_default();
+                let log = std::fs::read_to_string(d.join(format!("worker-{}.log", i - 2)))
+                    .unwrap_or_default();
                 assert!(s.success(), "worker {} failed: {log}", i - 2);
                 break;
             }
@@ -237,15 +362,33 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
     }
     let r = report(&d.join("report-0.json"));
     assert_eq!(r["steps"], 150, "final step count");
-    assert!(r["recoveries"].as_u64().unwrap() >= 1, "worker 0 never saw the PS die");
-    assert!(lines.iter().any(|l| l.starts_with("recovered at step")), "{lines:?}");
+    assert!(
+        r["recoveries"].as_u64().unwrap() >= 1,
+        "worker 0 never saw the PS die"
+    );
+    assert!(
+        lines.iter().any(|l| l.starts_with("recovered at step")),
+        "{lines:?}"
+    );
     assert!(r["test_accuracy"].as_f64().unwrap() >= 0.9);
     let r1 = report(&d.join("report-1.json"));
     assert_eq!(r1["steps"], 150);
     // Same weights as an uninterrupted single-process run from the same start.
     let rep = d.join("report-0.json");
     let rep = rep.to_str().unwrap();
-    let o = ibex(&["train", "--reference", "--steps", steps, "--init-from", rep, "--compare", rep], d);
+    let o = ibex(
+        &[
+            "train",
+            "--reference",
+            "--steps",
+            steps,
+            "--init-from",
+            rep,
+            "--compare",
+            rep,
+        ],
+        d,
+    );
     assert!(o.status.success(), "{}", text(&o));
 }
 
@@ -300,7 +443,14 @@ fn launch_from_slurm_and_tf_config() {
     );
     let rep = dir.0.join("w.json");
     let o = Command::new(IBEX)
-        .args(["launch", "--steps", "120", "--log-every", "1000", "--report"])
+        .args([
+            "launch",
+            "--steps",
+            "120",
+            "--log-every",
+            "1000",
+            "--report",
+        ])
         .arg(&rep)
         .env_remove("SLURM_PROCID")
         .env("TF_CONFIG", tf)
@@ -309,8 +459,15 @@ fn launch_from_slurm_and_tf_config() {
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let r = report(&rep);
-    assert_eq!((r["steps"].as_u64(), r["workers"].as_u64()), (Some(120), Some(1)));
+    assert_eq!(
+        (r["steps"].as_u64(), r["workers"].as_u64()),
+        (Some(120), Some(1))
+    );
     assert!(r["test_accuracy"].as_f64().unwrap() >= 0.9);
-    assert!(r["comm_profile"].as_str().unwrap().contains("tcp"), "{}", r["comm_profile"]);
+    assert!(
+        r["comm_profile"].as_str().unwrap().contains("tcp"),
+        "{}",
+        r["comm_profile"]
+    );
     kids.0[0].kill().unwrap();
 }

@@ -5,6 +5,10 @@
 //! Clients are generic over the channel: `BenchClient::new(channel)` works with a stock
 //! `tonic::transport::Channel` and with `ibex_transport::grpc::Channel` alike.
 
+mod optimizer;
+
+pub use optimizer::Optimizer;
+
 /// `ibex.bench.v1`: the benchmark and conformance service `Bench`.
 pub mod bench {
     /// Version 1 of the package.
@@ -39,7 +43,9 @@ mod tests {
     #[test]
     fn bytes_fields_decode_as_slices_of_the_input() {
         let big = Bytes::from(vec![0xab; 4096]);
-        let msg = Payload { buffers: vec![big.clone(), Bytes::new(), Bytes::from_static(b"x")] };
+        let msg = Payload {
+            buffers: vec![big.clone(), Bytes::new(), Bytes::from_static(b"x")],
+        };
         let wire = Bytes::from(msg.encode_to_vec());
         let back = Payload::decode(wire.clone()).unwrap();
         assert_eq!(back, msg);
@@ -50,7 +56,10 @@ mod tests {
 
     #[test]
     fn ack_round_trips() {
-        let a = Ack { bytes: u64::MAX, buffers: 7 };
+        let a = Ack {
+            bytes: u64::MAX,
+            buffers: 7,
+        };
         assert_eq!(Ack::decode(a.encode_to_vec().as_slice()).unwrap(), a);
     }
 }

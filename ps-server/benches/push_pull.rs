@@ -10,11 +10,17 @@ use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").map(|l| l.local_addr().map(|a| a.port()).unwrap_or(0)).unwrap_or(0)
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .map(|l| l.local_addr().map(|a| a.port()).unwrap_or(0))
+        .unwrap_or(0)
 }
 
 async fn bench(transport: TransportKind, steps: u64) -> Result<(), Box<dyn std::error::Error>> {
-    let spec = ClusterSpec { ps: vec![format!("127.0.0.1:{}", free_port())], workers: vec!["127.0.0.1:0".into()], transport };
+    let spec = ClusterSpec {
+        ps: vec![format!("127.0.0.1:{}", free_port())],
+        workers: vec!["127.0.0.1:0".into()],
+        transport,
+    };
     let mut cfg = PsConfig::new(spec.ps_uri(0));
     cfg.mode = Mode::Sync;
     cfg.sync_timeout = Duration::from_secs(30);
@@ -39,7 +45,11 @@ async fn bench(transport: TransportKind, steps: u64) -> Result<(), Box<dyn std::
     w.create_variables(&vars).await?;
     let grads: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![1e-3; n]).collect();
     let names: Vec<String> = (0..sizes.len()).map(|i| format!("v{i}")).collect();
-    let pairs: Vec<(&str, &[f32])> = names.iter().map(|n| n.as_str()).zip(grads.iter().map(|g| g.as_slice())).collect();
+    let pairs: Vec<(&str, &[f32])> = names
+        .iter()
+        .map(|n| n.as_str())
+        .zip(grads.iter().map(|g| g.as_slice()))
+        .collect();
     let bytes: usize = sizes.iter().sum::<usize>() * 4;
     // Warm-up: connection set-up, threshold probe, buffer caches.
     for k in 0..3 {
@@ -66,7 +76,10 @@ async fn bench(transport: TransportKind, steps: u64) -> Result<(), Box<dyn std::
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let steps = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(50);
+    let steps = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(50);
     for t in [TransportKind::Shm, TransportKind::Tcp, TransportKind::Grpc] {
         bench(t, steps).await?;
     }

@@ -54,12 +54,16 @@ impl PsConfig {
         let a = Args::try_parse_from(args).map_err(|e| PsError::Config(e.to_string()))?;
         let file: FileConfig = match &a.config {
             Some(p) => {
-                let s = std::fs::read_to_string(p).map_err(|e| PsError::Config(format!("{}: {e}", p.display())))?;
+                let s = std::fs::read_to_string(p)
+                    .map_err(|e| PsError::Config(format!("{}: {e}", p.display())))?;
                 toml::from_str(&s).map_err(|e| PsError::Config(format!("{}: {e}", p.display())))?
             }
             None => FileConfig::default(),
         };
-        let listen = a.listen.or(file.listen).ok_or_else(|| PsError::Config("--listen URI is required".into()))?;
+        let listen = a
+            .listen
+            .or(file.listen)
+            .ok_or_else(|| PsError::Config("--listen URI is required".into()))?;
         let mode = match a.mode {
             Some(m) => m.parse().map_err(PsError::Config)?,
             None => file.mode.unwrap_or(Mode::Sync),
@@ -77,7 +81,9 @@ impl PsConfig {
             checkpoint_every: a.checkpoint_every.or(file.checkpoint_every).unwrap_or(0),
             restore: a.restore || file.restore.unwrap_or(false),
             metrics: a.metrics.or(file.metrics),
-            sync_timeout: Duration::from_secs(a.sync_timeout_secs.or(file.sync_timeout_secs).unwrap_or(30)),
+            sync_timeout: Duration::from_secs(
+                a.sync_timeout_secs.or(file.sync_timeout_secs).unwrap_or(30),
+            ),
         })
     }
 
@@ -152,7 +158,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("ps.toml");
         std::fs::write(&f, "listen = \"tcp://127.0.0.1:7000\"\nnum_workers = 4\nmode = \"async\"\ncheckpoint_every = 5\n").unwrap();
-        let args = ["ibex-ps", "--config", f.to_str().unwrap(), "--num-workers", "2", "--restore"];
+        let args = [
+            "ibex-ps",
+            "--config",
+            f.to_str().unwrap(),
+            "--num-workers",
+            "2",
+            "--restore",
+        ];
         let c = PsConfig::from_args(args.iter().map(|s| s.to_string())).unwrap();
         assert_eq!(c.listen, "tcp://127.0.0.1:7000");
         assert_eq!(c.num_workers, 2);
@@ -166,7 +179,12 @@ mod tests {
     fn bad_config_is_explained() {
         let e = PsConfig::from_args(["ibex-ps".to_string()]).unwrap_err();
         assert!(e.to_string().contains("--listen"), "{e}");
-        let e = PsConfig::from_args(["ibex-ps", "--listen", "x", "--mode", "fast"].iter().map(|s| s.to_string())).unwrap_err();
+        let e = PsConfig::from_args(
+            ["ibex-ps", "--listen", "x", "--mode", "fast"]
+                .iter()
+                .map(|s| s.to_string()),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("sync or async"), "{e}");
     }
 }

@@ -19,9 +19,16 @@ fn uniform(seed: u64, i: u64, k: u64) -> f64 {
 }
 
 /// Values for `numel` elements starting at element `first` of a variable of `full_shape`.
-pub fn values(init: Option<&pb::Initializer>, full_shape: &[u64], first: u64, numel: usize) -> Result<Vec<f32>, String> {
+pub fn values(
+    init: Option<&pb::Initializer>,
+    full_shape: &[u64],
+    first: u64,
+    numel: usize,
+) -> Result<Vec<f32>, String> {
     use pb::initializer::Kind;
-    let kind = init.and_then(|i| i.kind.as_ref()).ok_or("no initializer given: set zeros, constant, normal or glorot_uniform")?;
+    let kind = init
+        .and_then(|i| i.kind.as_ref())
+        .ok_or("no initializer given: set zeros, constant, normal or glorot_uniform")?;
     let idx = (0..numel as u64).map(|i| first + i);
     Ok(match *kind {
         Kind::Zeros(_) => vec![0.0; numel],
@@ -32,15 +39,21 @@ pub fn values(init: Option<&pb::Initializer>, full_shape: &[u64], first: u64, nu
             }
             idx.map(|i| {
                 let (u1, u2) = (uniform(seed, i, 0), uniform(seed, i, 1));
-                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * f64::from(std)) as f32
+                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * f64::from(std))
+                    as f32
             })
             .collect()
         }
         Kind::GlorotUniform(pb::GlorotUniformInit { seed }) => {
             let fan_in = full_shape.first().copied().unwrap_or(1) as f64;
-            let fan_out = if full_shape.len() > 1 { full_shape[1..].iter().product::<u64>() as f64 } else { fan_in };
+            let fan_out = if full_shape.len() > 1 {
+                full_shape[1..].iter().product::<u64>() as f64
+            } else {
+                fan_in
+            };
             let limit = (6.0 / (fan_in + fan_out).max(1.0)).sqrt();
-            idx.map(|i| ((uniform(seed, i, 0) * 2.0 - 1.0) * limit) as f32).collect()
+            idx.map(|i| ((uniform(seed, i, 0) * 2.0 - 1.0) * limit) as f32)
+                .collect()
         }
     })
 }
@@ -55,7 +68,10 @@ mod tests {
 
     #[test]
     fn partitions_match_the_whole() {
-        let i = init(pb::initializer::Kind::Normal(pb::NormalInit { std: 0.5, seed: 7 }));
+        let i = init(pb::initializer::Kind::Normal(pb::NormalInit {
+            std: 0.5,
+            seed: 7,
+        }));
         let whole = values(Some(&i), &[10, 3], 0, 30).unwrap();
         let tail = values(Some(&i), &[10, 3], 12, 18).unwrap();
         assert_eq!(&whole[12..], &tail[..]);
@@ -65,10 +81,15 @@ mod tests {
 
     #[test]
     fn glorot_stays_within_its_limit() {
-        let i = init(pb::initializer::Kind::GlorotUniform(pb::GlorotUniformInit { seed: 1 }));
+        let i = init(pb::initializer::Kind::GlorotUniform(
+            pb::GlorotUniformInit { seed: 1 },
+        ));
         let v = values(Some(&i), &[64, 10], 0, 640).unwrap();
         let limit = (6.0f32 / 74.0).sqrt();
         assert!(v.iter().all(|x| x.abs() <= limit));
-        assert!(v.iter().any(|x| x.abs() > limit * 0.9), "spread over the whole range");
+        assert!(
+            v.iter().any(|x| x.abs() > limit * 0.9),
+            "spread over the whole range"
+        );
     }
 }

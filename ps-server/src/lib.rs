@@ -20,7 +20,7 @@ use ibex_proto::ps::v1::parameter_server_server::ParameterServerServer;
 pub use checkpoint::KEEP as CHECKPOINTS_KEPT;
 pub use config::PsConfig;
 pub use metrics::Metrics;
-pub use optim::Optim;
+pub use optim::Optimizer;
 pub use service::PsService;
 pub use shard::{Grad, Mode, Shard, ShardConfig, Values};
 
@@ -56,27 +56,48 @@ pub enum PsError {
 
 /// Runs one PS shard until `shutdown` resolves, then finishes the calls in flight and
 /// writes a final checkpoint (when a checkpoint directory is set).
-pub async fn run(config: PsConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), PsError> {
+pub async fn run(
+    config: PsConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), PsError> {
     let shard = Arc::new(Shard::new(config.shard_config()));
     let id = config.shard;
     if config.restore {
         match shard.checkpoints().last() {
             Some(&step) => {
-                shard.restore(step).map_err(|s| PsError::Checkpoint(s.message().to_string()))?;
+                shard
+                    .restore(step)
+                    .map_err(|s| PsError::Checkpoint(s.message().to_string()))?;
                 eprintln!("ibex-ps shard {id}: restored step {step}");
             }
-            None => eprintln!("ibex-ps shard {id}: --restore found no checkpoint; starting at step 0"),
+            None => {
+                eprintln!("ibex-ps shard {id}: --restore found no checkpoint; starting at step 0")
+            }
         }
     }
     let metrics = Arc::new(Metrics::default());
+    let server = ibex_transport::grpc::Server::builder();
+    if !config.listen.starts_with("http://") {
+        metrics.set_transport(server.stats());
+    }
     let metrics_task = match &config.metrics {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
                 .await
-                .map_err(|source| PsError::Metrics { addr: addr.clone(), source })?;
-            let local = l.local_addr().map_err(|source| PsError::Metrics { addr: addr.clone(), source })?;
+                .map_err(|source| PsError::Metrics {
+                    addr: addr.clone(),
+                    source,
+                })?;
+            let local = l.local_addr().map_err(|source| PsError::Metrics {
+                addr: addr.clone(),
+                source,
+            })?;
             eprintln!("ibex-ps shard {id}: metrics on http://{local}/metrics");
-            Some(tokio::spawn(metrics::serve(l, metrics.clone(), shard.clone())))
+            Some(tokio::spawn(metrics::serve(
+                l,
+                metrics.clone(),
+                shard.clone(),
+            )))
         }
         None => None,
     };
@@ -91,7 +112,10 @@ pub async fn run(config: PsConfig, shutdown: impl Future<Output = ()> + Send + '
         shard.step()
     );
     let uri = config.listen.clone();
-    let serve_err = |message: String| PsError::Serve { uri: uri.clone(), message };
+    let serve_err = |message: String| PsError::Serve {
+        uri: uri.clone(),
+        message,
+    };
     let served = if let Some(hostport) = uri.strip_prefix("http://") {
         let addr = tokio::net::lookup_host(hostport.trim_end_matches('/'))
             .await
@@ -104,7 +128,7 @@ pub async fn run(config: PsConfig, shutdown: impl Future<Output = ()> + Send + '
             .await
             .map_err(|e| serve_err(e.to_string()))
     } else {
-        ibex_transport::grpc::Server::builder()
+        server
             .add_service(svc)
             .serve_with_shutdown(&uri, shutdown)
             .await
@@ -115,8 +139,13 @@ pub async fn run(config: PsConfig, shutdown: impl Future<Output = ()> + Send + '
     }
     served?;
     if config.checkpoint_dir.is_some() {
-        let (step, path) = shard.save().map_err(|s| PsError::Checkpoint(s.message().to_string()))?;
-        eprintln!("ibex-ps shard {id}: shut down at step {step}, checkpoint {}", path.display());
+        let (step, path) = shard
+            .save()
+            .map_err(|s| PsError::Checkpoint(s.message().to_string()))?;
+        eprintln!(
+            "ibex-ps shard {id}: shut down at step {step}, checkpoint {}",
+            path.display()
+        );
     }
     Ok(())
 }

@@ -28,7 +28,11 @@ impl PsService {
         PsService { shard, metrics }
     }
 
-    async fn timed<T>(&self, method: &'static str, f: impl Future<Output = Result<T, Status>>) -> Result<Response<T>, Status> {
+    async fn timed<T>(
+        &self,
+        method: &'static str,
+        f: impl Future<Output = Result<T, Status>>,
+    ) -> Result<Response<T>, Status> {
         let t0 = Instant::now();
         let r = f.await;
         self.metrics.observe(method, t0.elapsed(), r.is_ok());
@@ -41,7 +45,12 @@ impl PsService {
     /// The f32 values of `t`, read from the worker's memory when it sent a descriptor.
     /// `expected` is the element count the variable takes: checked before anything is read
     /// or allocated, so a bogus shape or length costs nothing.
-    async fn values(&self, peer: Option<&PeerHandle>, t: &pb::Tensor, expected: u64) -> Result<Vec<f32>, Status> {
+    async fn values(
+        &self,
+        peer: Option<&PeerHandle>,
+        t: &pb::Tensor,
+        expected: u64,
+    ) -> Result<Vec<f32>, Status> {
         if t.dtype != pb::Dtype::F32 as i32 {
             return Err(Status::invalid_argument(format!(
                 "tensor {:?} has dtype {}; gradients travel as F32 whatever the variable's storage dtype",
@@ -74,11 +83,23 @@ impl PsService {
                 let buf = peer
                     .read_remote(r.descriptor.clone(), RecvBuf::heap(r.len as usize))
                     .await
-                    .map_err(|e| Status::invalid_argument(format!("reading tensor {:?} from the worker: {e}", t.name)))?;
-                self.metrics.bytes_remote.fetch_add(r.len, Ordering::Relaxed);
+                    .map_err(|e| {
+                        Status::invalid_argument(format!(
+                            "reading tensor {:?} from the worker: {e}",
+                            t.name
+                        ))
+                    })?;
+                self.metrics
+                    .bytes_remote
+                    .fetch_add(r.len, Ordering::Relaxed);
                 buf.into_bytes()
             }
-            None => return Err(Status::invalid_argument(format!("tensor {:?} carries no data", t.name))),
+            None => {
+                return Err(Status::invalid_argument(format!(
+                    "tensor {:?} carries no data",
+                    t.name
+                )));
+            }
         };
         if bytes.len() as u64 != numel * 4 {
             return Err(Status::invalid_argument(format!(
@@ -89,12 +110,21 @@ impl PsService {
                 numel * 4
             )));
         }
-        self.metrics.bytes_pushed.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        self.metrics
+            .bytes_pushed
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
 
     /// Decodes dense gradients, checking each tensor's declared shape against its variable.
-    async fn grads(&self, peer: Option<&PeerHandle>, tensors: &[pb::Tensor]) -> Result<Vec<Grad>, Status> {
+    async fn grads(
+        &self,
+        peer: Option<&PeerHandle>,
+        tensors: &[pb::Tensor],
+    ) -> Result<Vec<Grad>, Status> {
         let defs = self.shard.defs();
         let mut out = Vec::with_capacity(tensors.len());
         for t in tensors {
@@ -111,7 +141,10 @@ impl PsService {
                 )));
             }
             let n = shard::numel(&d.shape).unwrap_or(0);
-            out.push(Grad::Dense { name: t.name.clone(), values: self.values(peer, t, n).await? });
+            out.push(Grad::Dense {
+                name: t.name.clone(),
+                values: self.values(peer, t, n).await?,
+            });
         }
         Ok(out)
     }
@@ -120,7 +153,9 @@ impl PsService {
         vals.into_iter()
             .map(|(name, shape, v)| {
                 let b = f32_bytes(&v);
-                self.metrics.bytes_pulled.fetch_add(b.len() as u64, Ordering::Relaxed);
+                self.metrics
+                    .bytes_pulled
+                    .fetch_add(b.len() as u64, Ordering::Relaxed);
                 pb::Tensor {
                     name,
                     dtype: pb::Dtype::F32 as i32,
@@ -162,17 +197,26 @@ impl ParameterServer for PsService {
         .await
     }
 
-    async fn pull(&self, req: Request<pb::PullRequest>) -> Result<Response<pb::PullResponse>, Status> {
+    async fn pull(
+        &self,
+        req: Request<pb::PullRequest>,
+    ) -> Result<Response<pb::PullResponse>, Status> {
         self.timed("Pull", async {
             let r = req.into_inner();
             self.shard.wait_for(r.step).await?;
             let (step, vals) = self.shard.read(&r.names)?;
-            Ok(pb::PullResponse { step, values: self.tensors(vals) })
+            Ok(pb::PullResponse {
+                step,
+                values: self.tensors(vals),
+            })
         })
         .await
     }
 
-    async fn push(&self, req: Request<pb::PushRequest>) -> Result<Response<pb::PushResponse>, Status> {
+    async fn push(
+        &self,
+        req: Request<pb::PushRequest>,
+    ) -> Result<Response<pb::PushResponse>, Status> {
         self.timed("Push", async {
             let (step, _) = self.do_push(req).await?;
             Ok(pb::PushResponse { step })
@@ -180,51 +224,82 @@ impl ParameterServer for PsService {
         .await
     }
 
-    async fn push_pull(&self, req: Request<pb::PushRequest>) -> Result<Response<pb::PullResponse>, Status> {
+    async fn push_pull(
+        &self,
+        req: Request<pb::PushRequest>,
+    ) -> Result<Response<pb::PullResponse>, Status> {
         self.timed("PushPull", async {
             let step = req.get_ref().step;
             let (_, names) = self.do_push(req).await?;
             // Sync: the values after step `step`; async: the values right after this push.
             self.shard.wait_for(step + 1).await?;
             let (now, vals) = self.shard.read(&names)?;
-            Ok(pb::PullResponse { step: now, values: self.tensors(vals) })
+            Ok(pb::PullResponse {
+                step: now,
+                values: self.tensors(vals),
+            })
         })
         .await
     }
 
-    async fn lookup_rows(&self, req: Request<pb::LookupRowsRequest>) -> Result<Response<pb::LookupRowsResponse>, Status> {
+    async fn lookup_rows(
+        &self,
+        req: Request<pb::LookupRowsRequest>,
+    ) -> Result<Response<pb::LookupRowsResponse>, Status> {
         self.timed("LookupRows", async {
             let r = req.into_inner();
             let (dim, v) = self.shard.lookup(&r.table, &r.ids)?;
-            let rows = self.tensors(vec![(r.table, vec![r.ids.len(), dim], v)]).pop();
+            let rows = self
+                .tensors(vec![(r.table, vec![r.ids.len(), dim], v)])
+                .pop();
             Ok(pb::LookupRowsResponse { rows })
         })
         .await
     }
 
-    async fn push_sparse(&self, req: Request<pb::PushSparseRequest>) -> Result<Response<pb::PushResponse>, Status> {
+    async fn push_sparse(
+        &self,
+        req: Request<pb::PushSparseRequest>,
+    ) -> Result<Response<pb::PushResponse>, Status> {
         self.timed("PushSparse", async {
             let peer = req.extensions().get::<PeerHandle>().cloned();
             let r = req.into_inner();
-            let t = r.grads.ok_or_else(|| Status::invalid_argument("PushSparse without grads"))?;
+            let t = r
+                .grads
+                .ok_or_else(|| Status::invalid_argument("PushSparse without grads"))?;
             let (dim, _) = self.shard.lookup(&r.table, &[])?;
-            let values = self.values(peer.as_ref(), &t, (r.ids.len() * dim) as u64).await?;
-            let grad = Grad::Sparse { name: r.table, ids: r.ids, values };
+            let values = self
+                .values(peer.as_ref(), &t, (r.ids.len() * dim) as u64)
+                .await?;
+            let grad = Grad::Sparse {
+                name: r.table,
+                ids: r.ids,
+                values,
+            };
             let step = self.shard.push(r.step, r.worker, vec![grad]).await?;
             Ok(pb::PushResponse { step })
         })
         .await
     }
 
-    async fn save(&self, _req: Request<pb::SaveRequest>) -> Result<Response<pb::SaveResponse>, Status> {
+    async fn save(
+        &self,
+        _req: Request<pb::SaveRequest>,
+    ) -> Result<Response<pb::SaveResponse>, Status> {
         self.timed("Save", async {
             let (step, path) = self.shard.save()?;
-            Ok(pb::SaveResponse { step, path: path.display().to_string() })
+            Ok(pb::SaveResponse {
+                step,
+                path: path.display().to_string(),
+            })
         })
         .await
     }
 
-    async fn restore(&self, req: Request<pb::RestoreRequest>) -> Result<Response<pb::RestoreResponse>, Status> {
+    async fn restore(
+        &self,
+        req: Request<pb::RestoreRequest>,
+    ) -> Result<Response<pb::RestoreResponse>, Status> {
         self.timed("Restore", async {
             let step = self.shard.restore(req.into_inner().step)?;
             Ok(pb::RestoreResponse { step })
@@ -232,14 +307,22 @@ impl ParameterServer for PsService {
         .await
     }
 
-    async fn stats(&self, _req: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
+    async fn stats(
+        &self,
+        _req: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsResponse>, Status> {
         self.timed("Stats", async {
             let cfg = &self.shard.cfg;
             let rpcs = self
                 .metrics
                 .snapshot()
                 .into_iter()
-                .map(|(m, r)| pb::RpcStat { method: m.to_string(), count: r.count, errors: r.errors, total_seconds: r.seconds })
+                .map(|(m, r)| pb::RpcStat {
+                    method: m.to_string(),
+                    count: r.count,
+                    errors: r.errors,
+                    total_seconds: r.seconds,
+                })
                 .collect();
             Ok(pb::StatsResponse {
                 shard: cfg.shard,

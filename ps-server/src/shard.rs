@@ -25,7 +25,7 @@ use tonic::Status;
 
 use crate::checkpoint;
 use crate::init;
-use crate::optim::Optim;
+use crate::optim::{self, Optimizer};
 
 /// How gradients become steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
@@ -62,7 +62,7 @@ impl Mode {
 #[derive(Debug, Clone)]
 pub(crate) struct Var {
     pub def: pb::VariableDef,
-    pub optim: Optim,
+    pub optim: Optimizer,
     pub shape: Vec<usize>,
     /// Values in f32, already rounded to the storage dtype.
     pub data: Vec<f32>,
@@ -76,30 +76,57 @@ impl Var {
     pub fn new(def: pb::VariableDef) -> Result<Var, Status> {
         let bad = |m: String| Status::invalid_argument(format!("variable {:?}: {m}", def.name));
         if def.name.is_empty() {
-            return Err(Status::invalid_argument("a variable needs a non-empty name"));
+            return Err(Status::invalid_argument(
+                "a variable needs a non-empty name",
+            ));
         }
         dtype(def.dtype).map_err(bad)?;
-        let optim = Optim::from_pb(def.optimizer.as_ref()).map_err(bad)?;
+        let optim = Optimizer::from_pb(def.optimizer.as_ref()).map_err(bad)?;
         let shape: Vec<usize> = def.shape.iter().map(|&d| d as usize).collect();
         if def.sparse && shape.len() != 2 {
-            return Err(bad(format!("a sparse table must be 2-D [rows, dim], got shape {shape:?}")));
+            return Err(bad(format!(
+                "a sparse table must be 2-D [rows, dim], got shape {shape:?}"
+            )));
         }
-        let too_large = || bad(format!("shape {shape:?} is too large for one shard; partition it"));
-        let numel = numel(&def.shape).filter(|&n| n <= MAX_ELEMENTS).ok_or_else(too_large)? as usize;
-        let full = if def.full_shape.is_empty() { def.shape.clone() } else { def.full_shape.clone() };
-        let row_len = numel_of_rows(&full).ok_or_else(|| bad(format!("full shape {full:?} overflows")))?;
-        if full.first().is_some_and(|&r| def.row_offset.saturating_add(def.shape.first().copied().unwrap_or(1)) > r) {
+        let too_large = || {
+            bad(format!(
+                "shape {shape:?} is too large for one shard; partition it"
+            ))
+        };
+        let numel = numel(&def.shape)
+            .filter(|&n| n <= MAX_ELEMENTS)
+            .ok_or_else(too_large)? as usize;
+        let full = if def.full_shape.is_empty() {
+            def.shape.clone()
+        } else {
+            def.full_shape.clone()
+        };
+        let row_len =
+            numel_of_rows(&full).ok_or_else(|| bad(format!("full shape {full:?} overflows")))?;
+        if full.first().is_some_and(|&r| {
+            def.row_offset
+                .saturating_add(def.shape.first().copied().unwrap_or(1))
+                > r
+        }) {
             return Err(bad(format!(
                 "rows {}..+{:?} lie outside the full shape {full:?}",
                 def.row_offset,
                 def.shape.first()
             )));
         }
-        let mut data = init::values(def.init.as_ref(), &full, def.row_offset * row_len, numel).map_err(bad)?;
+        let mut data =
+            init::values(def.init.as_ref(), &full, def.row_offset * row_len, numel).map_err(bad)?;
         round_to(def.dtype, &mut data);
         let slots = vec![vec![0.0; numel]; optim.num_slots()];
         let t = vec![0; if def.sparse { shape[0] } else { 1 }];
-        Ok(Var { def, optim, shape, data, slots, t })
+        Ok(Var {
+            def,
+            optim,
+            shape,
+            data,
+            slots,
+            t,
+        })
     }
 
     fn row_len(&self) -> usize {
@@ -107,7 +134,7 @@ impl Var {
     }
 
     fn apply_dense(&mut self, g: &[f32]) {
-        self.optim.apply(&mut self.data, g, &mut self.slots, self.t[0]);
+        optim::apply(&self.optim, &mut self.data, g, &mut self.slots, self.t[0]);
         self.t[0] += 1;
         round_to(self.def.dtype, &mut self.data);
     }
@@ -118,8 +145,18 @@ impl Var {
         for (&r, g) in rows {
             let r = r as usize;
             let span = r * d..(r + 1) * d;
-            let mut slots: Vec<Vec<f32>> = self.slots.iter().map(|s| s[span.clone()].to_vec()).collect();
-            self.optim.apply(&mut self.data[span.clone()], g, &mut slots, self.t[r]);
+            let mut slots: Vec<Vec<f32>> = self
+                .slots
+                .iter()
+                .map(|s| s[span.clone()].to_vec())
+                .collect();
+            optim::apply(
+                &self.optim,
+                &mut self.data[span.clone()],
+                g,
+                &mut slots,
+                self.t[r],
+            );
             for (s, new) in self.slots.iter_mut().zip(slots) {
                 s[span.clone()].copy_from_slice(&new);
             }
@@ -143,7 +180,9 @@ fn numel_of_rows(shape: &[u64]) -> Option<u64> {
 
 pub(crate) fn dtype(d: i32) -> Result<pb::Dtype, String> {
     match pb::Dtype::try_from(d) {
-        Ok(pb::Dtype::Unspecified) | Err(_) => Err(format!("dtype {d} is not one of F32, F16, BF16")),
+        Ok(pb::Dtype::Unspecified) | Err(_) => {
+            Err(format!("dtype {d} is not one of F32, F16, BF16"))
+        }
         Ok(t) => Ok(t),
     }
 }
@@ -152,8 +191,12 @@ pub(crate) fn dtype(d: i32) -> Result<pb::Dtype, String> {
 /// stored f16/bf16 (memory stays f32).
 fn round_to(d: i32, v: &mut [f32]) {
     match pb::Dtype::try_from(d) {
-        Ok(pb::Dtype::F16) => v.iter_mut().for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
-        Ok(pb::Dtype::Bf16) => v.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+        Ok(pb::Dtype::F16) => v
+            .iter_mut()
+            .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+        Ok(pb::Dtype::Bf16) => v
+            .iter_mut()
+            .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
         _ => {}
     }
 }
@@ -229,17 +272,30 @@ pub struct Shard {
 }
 
 fn poisoned() -> Status {
-    Status::internal("the shard's state lock is poisoned by an earlier panic; restart the PS with --restore")
+    Status::internal(
+        "the shard's state lock is poisoned by an earlier panic; restart the PS with --restore",
+    )
 }
 
 impl Shard {
     /// An empty shard at step 0.
     pub fn new(cfg: ShardConfig) -> Shard {
         let (step_tx, _) = watch::channel(0);
-        Shard { cfg, inner: Mutex::new(Inner { step: 0, vars: BTreeMap::new(), pending: BTreeMap::new() }), step_tx }
+        Shard {
+            cfg,
+            inner: Mutex::new(Inner {
+                step: 0,
+                vars: BTreeMap::new(),
+                pending: BTreeMap::new(),
+            }),
+            step_tx,
+        }
     }
 
-    pub(crate) fn with<T>(&self, f: impl FnOnce(&mut Inner) -> Result<T, Status>) -> Result<T, Status> {
+    pub(crate) fn with<T>(
+        &self,
+        f: impl FnOnce(&mut Inner) -> Result<T, Status>,
+    ) -> Result<T, Status> {
         let mut g = self.inner.lock().map_err(|_| poisoned())?;
         f(&mut g)
     }
@@ -251,7 +307,10 @@ impl Shard {
 
     /// Creates variables; returns how many were new.
     pub fn create(&self, defs: Vec<pb::VariableDef>) -> Result<u32, Status> {
-        let vars = defs.into_iter().map(Var::new).collect::<Result<Vec<_>, _>>()?;
+        let vars = defs
+            .into_iter()
+            .map(Var::new)
+            .collect::<Result<Vec<_>, _>>()?;
         self.with(|st| {
             for v in &vars {
                 if let Some(old) = st.vars.get(&v.def.name)
@@ -350,11 +409,16 @@ impl Shard {
                                     p.sum.iter_mut().zip(&values).for_each(|(s, v)| *s += v);
                                 }
                             }
-                            Grad::Sparse { ids, values, .. } => add_rows(&mut p.rows, &ids, &values),
+                            Grad::Sparse { ids, values, .. } => {
+                                add_rows(&mut p.rows, &ids, &values)
+                            }
                         }
                     }
                     let n = self.cfg.num_workers as usize;
-                    let complete = st.vars.keys().all(|k| st.pending.get(k).is_some_and(|p| p.workers.len() == n));
+                    let complete = st
+                        .vars
+                        .keys()
+                        .all(|k| st.pending.get(k).is_some_and(|p| p.workers.len() == n));
                     if !complete {
                         return Ok(None);
                     }
@@ -366,7 +430,10 @@ impl Shard {
             Ok(Some(st.step))
         })?;
         let Some(now) = r else { return Ok(self.step()) };
-        if self.cfg.checkpoint_every > 0 && now % self.cfg.checkpoint_every == 0 && self.cfg.checkpoint_dir.is_some() {
+        if self.cfg.checkpoint_every > 0
+            && now % self.cfg.checkpoint_every == 0
+            && self.cfg.checkpoint_dir.is_some()
+        {
             // Written before anyone can see the step, so a checkpoint never misses a step a
             // worker has already observed as applied.
             self.save()?;
@@ -389,19 +456,28 @@ impl Shard {
             )));
         }
         if grads.is_empty() {
-            return Err(Status::invalid_argument("a push without gradients: send at least one tensor"));
+            return Err(Status::invalid_argument(
+                "a push without gradients: send at least one tensor",
+            ));
         }
         let mut seen = BTreeSet::new();
         for g in grads {
             let name = g.name();
             if !seen.insert(name) {
-                return Err(Status::invalid_argument(format!("variable {name:?} appears twice in one push")));
+                return Err(Status::invalid_argument(format!(
+                    "variable {name:?} appears twice in one push"
+                )));
             }
-            let v = st.vars.get(name).ok_or_else(|| unknown(name, self.cfg.shard))?;
+            let v = st
+                .vars
+                .get(name)
+                .ok_or_else(|| unknown(name, self.cfg.shard))?;
             match g {
                 Grad::Dense { values, .. } => {
                     if v.def.sparse {
-                        return Err(Status::invalid_argument(format!("{name:?} is a sparse table: use PushSparse")));
+                        return Err(Status::invalid_argument(format!(
+                            "{name:?} is a sparse table: use PushSparse"
+                        )));
                     }
                     if values.len() != v.data.len() {
                         return Err(Status::invalid_argument(format!(
@@ -414,7 +490,9 @@ impl Shard {
                 }
                 Grad::Sparse { ids, values, .. } => {
                     if !v.def.sparse {
-                        return Err(Status::invalid_argument(format!("{name:?} is a dense variable, not a sparse table")));
+                        return Err(Status::invalid_argument(format!(
+                            "{name:?} is a dense variable, not a sparse table"
+                        )));
                     }
                     check_ids(name, v, ids)?;
                     if values.len() != ids.len() * v.row_len() {
@@ -427,7 +505,12 @@ impl Shard {
                     }
                 }
             }
-            if self.cfg.mode == Mode::Sync && st.pending.get(name).is_some_and(|p| p.workers.contains(&worker)) {
+            if self.cfg.mode == Mode::Sync
+                && st
+                    .pending
+                    .get(name)
+                    .is_some_and(|p| p.workers.contains(&worker))
+            {
                 return Err(Status::failed_precondition(format!(
                     "worker {worker} already pushed {name:?} for step {step}; a step takes one gradient per worker"
                 )));
@@ -454,10 +537,15 @@ impl Shard {
     pub fn lookup(&self, table: &str, ids: &[u64]) -> Result<(usize, Vec<f32>), Status> {
         self.with(|st| {
             let v = st.vars.get(table).ok_or_else(|| {
-                Status::not_found(format!("no sparse table {table:?} on shard {}: create it first", self.cfg.shard))
+                Status::not_found(format!(
+                    "no sparse table {table:?} on shard {}: create it first",
+                    self.cfg.shard
+                ))
             })?;
             if !v.def.sparse {
-                return Err(Status::invalid_argument(format!("{table:?} is a dense variable, not a sparse table")));
+                return Err(Status::invalid_argument(format!(
+                    "{table:?} is a dense variable, not a sparse table"
+                )));
             }
             check_ids(table, v, ids)?;
             let d = v.row_len();
@@ -472,7 +560,9 @@ impl Shard {
     /// Writes a checkpoint of the current state; returns its step and path.
     pub fn save(&self) -> Result<(u64, PathBuf), Status> {
         let Some(dir) = &self.cfg.checkpoint_dir else {
-            return Err(Status::failed_precondition("this PS has no --checkpoint-dir"));
+            return Err(Status::failed_precondition(
+                "this PS has no --checkpoint-dir",
+            ));
         };
         self.with(|st| {
             checkpoint::save(dir, self.cfg.shard, st.step, &st.vars)
@@ -492,7 +582,9 @@ impl Shard {
     /// Replaces the state with the checkpoint of `step`.
     pub fn restore(&self, step: u64) -> Result<u64, Status> {
         let Some(dir) = &self.cfg.checkpoint_dir else {
-            return Err(Status::failed_precondition("this PS has no --checkpoint-dir"));
+            return Err(Status::failed_precondition(
+                "this PS has no --checkpoint-dir",
+            ));
         };
         if !self.checkpoints().contains(&step) {
             return Err(Status::not_found(format!(
@@ -501,7 +593,8 @@ impl Shard {
                 self.checkpoints()
             )));
         }
-        let (s, vars) = checkpoint::load(dir, self.cfg.shard, step).map_err(|e| Status::internal(format!("reading checkpoint: {e}")))?;
+        let (s, vars) = checkpoint::load(dir, self.cfg.shard, step)
+            .map_err(|e| Status::internal(format!("reading checkpoint: {e}")))?;
         self.with(|st| {
             st.step = s;
             st.vars = vars;
@@ -514,7 +607,8 @@ impl Shard {
 
     /// Variable definitions held.
     pub fn defs(&self) -> Vec<pb::VariableDef> {
-        self.with(|st| Ok(st.vars.values().map(|v| v.def.clone()).collect())).unwrap_or_default()
+        self.with(|st| Ok(st.vars.values().map(|v| v.def.clone()).collect()))
+            .unwrap_or_default()
     }
 }
 
@@ -522,19 +616,25 @@ impl Shard {
 /// a multi-threaded runtime (a current-thread runtime, as in some tests, just runs it).
 fn blocking<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
         _ => f(),
     }
 }
 
 fn unknown(name: &str, shard: u32) -> Status {
-    Status::not_found(format!("unknown variable {name:?} on shard {shard}: create it with CreateVariables first"))
+    Status::not_found(format!(
+        "unknown variable {name:?} on shard {shard}: create it with CreateVariables first"
+    ))
 }
 
 fn check_ids(name: &str, v: &Var, ids: &[u64]) -> Result<(), Status> {
     let rows = v.shape[0] as u64;
     if let Some(bad) = ids.iter().find(|&&i| i >= rows) {
-        return Err(Status::out_of_range(format!("id {bad} is out of range for table {name:?} with {rows} rows")));
+        return Err(Status::out_of_range(format!(
+            "id {bad} is out of range for table {name:?} with {rows} rows"
+        )));
     }
     Ok(())
 }
@@ -566,12 +666,17 @@ fn to_pending(g: Grad, _st: &Inner) -> Pending {
 
 /// Applies `scale * gradient` to each variable in `pending`, variables in parallel.
 fn apply(st: &mut Inner, mut pending: BTreeMap<String, Pending>, scale: f32) {
-    let mut work: Vec<(&mut Var, Pending)> =
-        st.vars.iter_mut().filter_map(|(k, v)| pending.remove(k).map(|p| (v, p))).collect();
+    let mut work: Vec<(&mut Var, Pending)> = st
+        .vars
+        .iter_mut()
+        .filter_map(|(k, v)| pending.remove(k).map(|p| (v, p)))
+        .collect();
     work.par_iter_mut().for_each(|(v, p)| {
         if scale != 1.0 {
             p.sum.iter_mut().for_each(|x| *x *= scale);
-            p.rows.values_mut().for_each(|r| r.iter_mut().for_each(|x| *x *= scale));
+            p.rows
+                .values_mut()
+                .for_each(|r| r.iter_mut().for_each(|x| *x *= scale));
         }
         if v.def.sparse {
             v.apply_rows(&p.rows);

@@ -16,12 +16,26 @@ const EVERY: u64 = 3;
 
 fn spawn_ps(spec: &ClusterSpec, i: usize, dir: &Path, restore: bool) -> Child {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ibex-ps"));
-    c.args(["--listen", &spec.ps_uri(i), "--shard", &i.to_string(), "--num-workers", "1", "--mode", "sync"])
-        .args(["--checkpoint-every", &EVERY.to_string(), "--sync-timeout-secs", "10"])
-        .arg("--checkpoint-dir")
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+    c.args([
+        "--listen",
+        &spec.ps_uri(i),
+        "--shard",
+        &i.to_string(),
+        "--num-workers",
+        "1",
+        "--mode",
+        "sync",
+    ])
+    .args([
+        "--checkpoint-every",
+        &EVERY.to_string(),
+        "--sync-timeout-secs",
+        "10",
+    ])
+    .arg("--checkpoint-dir")
+    .arg(dir)
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
     if restore {
         c.arg("--restore");
     }
@@ -37,7 +51,16 @@ fn vars() -> Vec<VarSpec> {
         optimizer,
         sparse: false,
     };
-    vec![v("a", Optimizer::Momentum { lr: 0.1, momentum: 0.9 }), v("b", Optimizer::Sgd { lr: 0.2 })]
+    vec![
+        v(
+            "a",
+            Optimizer::Momentum {
+                lr: 0.1,
+                momentum: 0.9,
+            },
+        ),
+        v("b", Optimizer::Sgd { lr: 0.2 }),
+    ]
 }
 
 /// The gradient depends on the values and the step, so a lost or repeated step shows.
@@ -75,27 +98,41 @@ fn signal(c: &Child, sig: i32) {
 async fn sigkill_then_restore_loses_and_repeats_no_step() {
     let dir = tempfile::tempdir().unwrap();
     let spec = ClusterSpec {
-        ps: (0..2).map(|_| format!("127.0.0.1:{}", common::free_port())).collect(),
+        ps: (0..2)
+            .map(|_| format!("127.0.0.1:{}", common::free_port()))
+            .collect(),
         workers: vec!["127.0.0.1:0".into()],
         transport: TransportKind::Tcp,
     };
-    let mut ps: Vec<Child> = (0..2).map(|i| spawn_ps(&spec, i, dir.path(), false)).collect();
+    let mut ps: Vec<Child> = (0..2)
+        .map(|i| spawn_ps(&spec, i, dir.path(), false))
+        .collect();
     let w = Worker::connect(&spec, 0).await.unwrap();
     w.create_variables(&vars()).await.unwrap();
-    assert_ne!(w.placement("a").unwrap().parts[0].ps, w.placement("b").unwrap().parts[0].ps, "one variable per shard");
+    assert_ne!(
+        w.placement("a").unwrap().parts[0].ps,
+        w.placement("b").unwrap().parts[0].ps,
+        "one variable per shard"
+    );
     let init = w.pull(&["a", "b"], 0).await.unwrap();
     train(&w, 0, KILL_AFTER).await;
 
     // Shard 0 dies without warning; shard 1 has applied step 7 too (8 steps).
     ps[0].kill().unwrap();
     ps[0].wait().unwrap();
-    assert!(w.pull(&["a"], KILL_AFTER).await.is_err(), "the dead shard is noticed");
+    assert!(
+        w.pull(&["a"], KILL_AFTER).await.is_err(),
+        "the dead shard is noticed"
+    );
     drop(w);
     ps[0] = spawn_ps(&spec, 0, dir.path(), true);
     let w = Worker::connect(&spec, 0).await.unwrap();
     w.create_variables(&vars()).await.unwrap();
     let stats = w.stats().await.unwrap();
-    assert_eq!(stats[0].step, 6, "shard 0 restored its newest checkpoint (every {EVERY} steps)");
+    assert_eq!(
+        stats[0].step, 6,
+        "shard 0 restored its newest checkpoint (every {EVERY} steps)"
+    );
     assert_eq!(stats[1].step, KILL_AFTER);
     assert_eq!(stats[1].checkpoint_steps, vec![3, 6]);
     let resume = w.recover().await.unwrap();
@@ -107,7 +144,10 @@ async fn sigkill_then_restore_loses_and_repeats_no_step() {
     let (ra, rb) = reference(&init[0], &init[1]);
     for (g, r) in got.iter().zip([&ra, &rb]) {
         for (x, y) in g.iter().zip(r.iter()) {
-            assert!((x - y).abs() <= 1e-6 * (1.0 + y.abs()), "got {g:?}\nexpected {r:?}");
+            assert!(
+                (x - y).abs() <= 1e-6 * (1.0 + y.abs()),
+                "got {g:?}\nexpected {r:?}"
+            );
         }
     }
     drop(w);
@@ -120,6 +160,10 @@ async fn sigkill_then_restore_loses_and_repeats_no_step() {
         assert!(c.wait().unwrap().success());
     }
     for i in 0..2 {
-        assert!(dir.path().join(format!("shard-{i}/step-{STEPS:012}.safetensors")).exists());
+        assert!(
+            dir.path()
+                .join(format!("shard-{i}/step-{STEPS:012}.safetensors"))
+                .exists()
+        );
     }
 }

@@ -12,18 +12,35 @@ use ibex_worker::pb::parameter_server_client::ParameterServerClient;
 use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError, pb};
 
 fn var(name: &str, shape: &[usize], init: Init, optimizer: Optimizer) -> VarSpec {
-    VarSpec { name: name.into(), dtype: Dtype::F32, shape: shape.to_vec(), init, optimizer, sparse: false }
+    VarSpec {
+        name: name.into(),
+        dtype: Dtype::F32,
+        shape: shape.to_vec(),
+        init,
+        optimizer,
+        sparse: false,
+    }
 }
 
 fn close(a: &[f32], b: &[f64], tol: f64) {
     assert_eq!(a.len(), b.len());
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((f64::from(*x) - y).abs() <= tol * (1.0 + y.abs()), "element {i}: got {x}, expected {y}");
+        assert!(
+            (f64::from(*x) - y).abs() <= tol * (1.0 + y.abs()),
+            "element {i}: got {x}, expected {y}"
+        );
     }
 }
 
-async fn raw(spec: &ibex_worker::ClusterSpec, i: usize) -> ParameterServerClient<ibex_transport::grpc::Channel> {
-    ParameterServerClient::new(ibex_transport::grpc::Channel::connect(&spec.ps_uri(i)).await.unwrap())
+async fn raw(
+    spec: &ibex_worker::ClusterSpec,
+    i: usize,
+) -> ParameterServerClient<ibex_transport::grpc::Channel> {
+    ParameterServerClient::new(
+        ibex_transport::grpc::Channel::connect(&spec.ps_uri(i))
+            .await
+            .unwrap(),
+    )
 }
 
 fn code<T>(r: Result<tonic::Response<T>, tonic::Status>) -> (tonic::Code, String) {
@@ -37,7 +54,12 @@ fn f32_tensor(name: &str, shape: &[u64], v: &[f32]) -> pb::Tensor {
         name: name.into(),
         dtype: pb::Dtype::F32 as i32,
         shape: shape.to_vec(),
-        data: Some(pb::tensor::Data::Inline(v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>().into())),
+        data: Some(pb::tensor::Data::Inline(
+            v.iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect::<Vec<u8>>()
+                .into(),
+        )),
     }
 }
 
@@ -46,7 +68,12 @@ async fn sync_step_averages_all_workers_then_applies_once() {
     let c = Cluster::start(1, 2, Mode::Sync, TransportKind::Tcp, |_| {}).await;
     let w0 = Worker::connect(&c.spec, 0).await.unwrap();
     let w1 = Worker::connect(&c.spec, 1).await.unwrap();
-    let vars = [var("w", &[4], Init::Constant(1.0), Optimizer::Sgd { lr: 0.5 })];
+    let vars = [var(
+        "w",
+        &[4],
+        Init::Constant(1.0),
+        Optimizer::Sgd { lr: 0.5 },
+    )];
     w0.create_variables(&vars).await.unwrap();
     w1.create_variables(&vars).await.unwrap();
     assert_eq!(w0.pull(&["w"], 0).await.unwrap(), vec![vec![1.0; 4]]);
@@ -55,8 +82,14 @@ async fn sync_step_averages_all_workers_then_applies_once() {
     // Step 0 is not applied until worker 1 pushed: a pull of step 1 waits.
     let early = tokio::spawn(async move { w0.pull(&["w"], 1).await.map(|v| (v, w0)) });
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!early.is_finished(), "pull of step 1 returned before every worker pushed step 0");
-    let fresh = w1.push_pull(0, &[("w", &[3.0, 2.0, 1.0, 0.0])]).await.unwrap();
+    assert!(
+        !early.is_finished(),
+        "pull of step 1 returned before every worker pushed step 0"
+    );
+    let fresh = w1
+        .push_pull(0, &[("w", &[3.0, 2.0, 1.0, 0.0])])
+        .await
+        .unwrap();
     // avg gradient 2 everywhere: 1 - 0.5 * 2 = 0.
     assert_eq!(fresh, vec![vec![0.0; 4]]);
     let (pulled, w0) = early.await.unwrap().unwrap();
@@ -74,8 +107,14 @@ async fn async_mode_applies_each_push_as_it_arrives() {
     let vars = [var("b", &[2], Init::Zeros, Optimizer::Sgd { lr: 1.0 })];
     w0.create_variables(&vars).await.unwrap();
     w1.create_variables(&vars).await.unwrap();
-    assert_eq!(w0.push_pull(0, &[("b", &[1.0, 1.0])]).await.unwrap(), vec![vec![-1.0, -1.0]]);
-    assert_eq!(w1.push_pull(0, &[("b", &[0.5, 2.0])]).await.unwrap(), vec![vec![-1.5, -3.0]]);
+    assert_eq!(
+        w0.push_pull(0, &[("b", &[1.0, 1.0])]).await.unwrap(),
+        vec![vec![-1.0, -1.0]]
+    );
+    assert_eq!(
+        w1.push_pull(0, &[("b", &[0.5, 2.0])]).await.unwrap(),
+        vec![vec![-1.5, -3.0]]
+    );
     assert_eq!(w0.current_step().await.unwrap(), 2);
 }
 
@@ -88,11 +127,28 @@ async fn optimizers_match_reference_values() {
     let grads: [[f32; 3]; 3] = [[0.1, -0.2, 0.3], [0.4, 0.0, -0.5], [-0.3, 0.6, 0.2]];
     let opts = [
         ("sgd", Optimizer::Sgd { lr: 0.1 }),
-        ("momentum", Optimizer::Momentum { lr: 0.1, momentum: 0.9 }),
+        (
+            "momentum",
+            Optimizer::Momentum {
+                lr: 0.1,
+                momentum: 0.9,
+            },
+        ),
         ("adagrad", Optimizer::Adagrad { lr: 0.1, eps: 1e-7 }),
-        ("adam", Optimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 }),
+        (
+            "adam",
+            Optimizer::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        ),
     ];
-    let vars: Vec<VarSpec> = opts.iter().map(|(n, o)| var(n, &[3], Init::Zeros, *o)).collect();
+    let vars: Vec<VarSpec> = opts
+        .iter()
+        .map(|(n, o)| var(n, &[3], Init::Zeros, *o))
+        .collect();
     w.create_variables(&vars).await.unwrap();
     let mut got: Vec<Vec<Vec<f32>>> = Vec::new();
     for (k, g) in grads.iter().enumerate() {
@@ -121,7 +177,12 @@ async fn optimizers_match_reference_values() {
                         s1[i] += g * g;
                         wv[i] -= f64::from(lr) * g / (s1[i].sqrt() + f64::from(eps));
                     }
-                    Optimizer::Adam { lr, beta1, beta2, eps } => {
+                    Optimizer::Adam {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                    } => {
                         let (b1, b2) = (f64::from(beta1), f64::from(beta2));
                         let t = (k + 1) as i32;
                         s1[i] = b1 * s1[i] + (1.0 - b1) * g;
@@ -139,51 +200,92 @@ async fn optimizers_match_reference_values() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_the_right_status() {
-    let c = Cluster::start(1, 2, Mode::Sync, TransportKind::Tcp, |cfg| cfg.sync_timeout = Duration::from_millis(500)).await;
+    let c = Cluster::start(1, 2, Mode::Sync, TransportKind::Tcp, |cfg| {
+        cfg.sync_timeout = Duration::from_millis(500)
+    })
+    .await;
     let w0 = Worker::connect(&c.spec, 0).await.unwrap();
     let vars = [
         var("w", &[2, 3], Init::Zeros, Optimizer::Sgd { lr: 0.1 }),
-        VarSpec { sparse: true, ..var("emb", &[10, 2], Init::Zeros, Optimizer::Sgd { lr: 0.1 }) },
+        VarSpec {
+            sparse: true,
+            ..var("emb", &[10, 2], Init::Zeros, Optimizer::Sgd { lr: 0.1 })
+        },
     ];
     w0.create_variables(&vars).await.unwrap();
     let mut raw = raw(&c.spec, 0).await;
-    let push = |grads: Vec<pb::Tensor>, step: u64, worker: u32| pb::PushRequest { step, worker, grads };
+    let push = |grads: Vec<pb::Tensor>, step: u64, worker: u32| pb::PushRequest {
+        step,
+        worker,
+        grads,
+    };
 
-    let (k, m) = code(raw.push(push(vec![f32_tensor("nope", &[1], &[1.0])], 0, 0)).await);
+    let (k, m) = code(
+        raw.push(push(vec![f32_tensor("nope", &[1], &[1.0])], 0, 0))
+            .await,
+    );
     assert_eq!(k, tonic::Code::NotFound, "{m}");
     assert!(m.contains("nope"), "{m}");
-    let (k, m) = code(raw.push(push(vec![f32_tensor("w", &[3, 2], &[0.0; 6])], 0, 0)).await);
+    let (k, m) = code(
+        raw.push(push(vec![f32_tensor("w", &[3, 2], &[0.0; 6])], 0, 0))
+            .await,
+    );
     assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
     assert!(m.contains("shape"), "{m}");
-    let (k, m) = code(raw.push(push(vec![f32_tensor("w", &[2, 3], &[0.0; 5])], 0, 0)).await);
+    let (k, m) = code(
+        raw.push(push(vec![f32_tensor("w", &[2, 3], &[0.0; 5])], 0, 0))
+            .await,
+    );
     assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
     let mut f16 = f32_tensor("w", &[2, 3], &[0.0; 3]);
     f16.dtype = pb::Dtype::F16 as i32;
     let (k, m) = code(raw.push(push(vec![f16], 0, 0)).await);
     assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
     assert!(m.contains("dtype"), "{m}");
-    let (k, m) = code(raw.push(push(vec![f32_tensor("w", &[2, 3], &[0.0; 6])], 0, 7)).await);
+    let (k, m) = code(
+        raw.push(push(vec![f32_tensor("w", &[2, 3], &[0.0; 6])], 0, 7))
+            .await,
+    );
     assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
     assert!(m.contains("--num-workers 2"), "{m}");
     let def = pb::VariableDef {
         name: "w".into(),
         dtype: pb::Dtype::F32 as i32,
         shape: vec![3, 3],
-        init: Some(pb::Initializer { kind: Some(pb::initializer::Kind::Zeros(pb::Zeros {})) }),
-        optimizer: Some(pb::Optimizer { kind: Some(pb::optimizer::Kind::Sgd(pb::Sgd { lr: 0.1 })) }),
+        init: Some(pb::Initializer {
+            kind: Some(pb::initializer::Kind::Zeros(pb::Zeros {})),
+        }),
+        optimizer: Some(pb::Optimizer {
+            kind: Some(pb::optimizer::Kind::Sgd(pb::Sgd { lr: 0.1 })),
+        }),
         ..Default::default()
     };
-    let (k, _) = code(raw.create_variables(pb::CreateVariablesRequest { vars: vec![def.clone()] }).await);
+    let (k, _) = code(
+        raw.create_variables(pb::CreateVariablesRequest {
+            vars: vec![def.clone()],
+        })
+        .await,
+    );
     assert_eq!(k, tonic::Code::AlreadyExists);
-    let huge = pb::VariableDef { name: "huge".into(), shape: vec![u64::MAX, 3], ..def };
-    let (k, m) = code(raw.create_variables(pb::CreateVariablesRequest { vars: vec![huge] }).await);
+    let huge = pb::VariableDef {
+        name: "huge".into(),
+        shape: vec![u64::MAX, 3],
+        ..def
+    };
+    let (k, m) = code(
+        raw.create_variables(pb::CreateVariablesRequest { vars: vec![huge] })
+            .await,
+    );
     assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
     assert!(m.contains("too large"), "{m}");
     let (k, _) = code(raw.push(push(vec![], 0, 0)).await);
     assert_eq!(k, tonic::Code::InvalidArgument);
     // A remote-buffer descriptor that names nothing the worker exposed.
     let mut bogus = f32_tensor("w", &[2, 3], &[]);
-    bogus.data = Some(pb::tensor::Data::Remote(pb::RemoteRef { descriptor: vec![1u8, 2, 3].into(), len: 24 }));
+    bogus.data = Some(pb::tensor::Data::Remote(pb::RemoteRef {
+        descriptor: vec![1u8, 2, 3].into(),
+        len: 24,
+    }));
     let (k, m) = code(raw.push(push(vec![bogus.clone()], 0, 0)).await);
     assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
     if let Some(pb::tensor::Data::Remote(r)) = &mut bogus.data {
@@ -194,21 +296,54 @@ async fn bad_input_gets_the_right_status() {
     assert!(m.contains("does not hold"), "{m}");
 
     // Sparse: wrong table, id out of range.
-    let (k, m) = code(raw.lookup_rows(pb::LookupRowsRequest { table: "embx".into(), ids: vec![1] }).await);
+    let (k, m) = code(
+        raw.lookup_rows(pb::LookupRowsRequest {
+            table: "embx".into(),
+            ids: vec![1],
+        })
+        .await,
+    );
     assert_eq!(k, tonic::Code::NotFound, "{m}");
-    let (k, m) = code(raw.lookup_rows(pb::LookupRowsRequest { table: "emb".into(), ids: vec![3, 10] }).await);
+    let (k, m) = code(
+        raw.lookup_rows(pb::LookupRowsRequest {
+            table: "emb".into(),
+            ids: vec![3, 10],
+        })
+        .await,
+    );
     assert_eq!(k, tonic::Code::OutOfRange, "{m}");
     assert!(m.contains("id 10"), "{m}");
-    assert!(matches!(w0.lookup_rows("emb", &[99]).await, Err(WorkerError::Rejected { code: tonic::Code::OutOfRange, .. })));
-    assert!(matches!(w0.pull(&["missing"], 0).await, Err(WorkerError::UnknownVariable { .. })));
-    assert!(matches!(w0.push(0, &[("w", &[1.0; 5])]).await, Err(WorkerError::ShapeMismatch { expected: 6, got: 5, .. })));
+    assert!(matches!(
+        w0.lookup_rows("emb", &[99]).await,
+        Err(WorkerError::Rejected {
+            code: tonic::Code::OutOfRange,
+            ..
+        })
+    ));
+    assert!(matches!(
+        w0.pull(&["missing"], 0).await,
+        Err(WorkerError::UnknownVariable { .. })
+    ));
+    assert!(matches!(
+        w0.push(0, &[("w", &[1.0; 5])]).await,
+        Err(WorkerError::ShapeMismatch {
+            expected: 6,
+            got: 5,
+            ..
+        })
+    ));
 
     // Worker 0 pushes step 0; worker 1 never does: the pull of step 1 times out naming both.
     w0.push(0, &[("w", &[1.0; 6])]).await.unwrap();
     w0.push_sparse(0, "emb", &[], &[]).await.unwrap();
     let e = w0.pull(&["w"], 1).await.unwrap_err();
-    let WorkerError::Timeout { message, .. } = &e else { panic!("expected a timeout, got {e}") };
-    assert!(message.contains("step 0") && message.contains("[1]"), "{message}");
+    let WorkerError::Timeout { message, .. } = &e else {
+        panic!("expected a timeout, got {e}")
+    };
+    assert!(
+        message.contains("step 0") && message.contains("[1]"),
+        "{message}"
+    );
     // A second push of the same step by the same worker is refused.
     let e = w0.push(0, &[("w", &[1.0; 6])]).await.unwrap_err();
     assert!(matches!(e, WorkerError::StaleStep { .. }), "{e}");
@@ -218,7 +353,10 @@ async fn bad_input_gets_the_right_status() {
     let w1 = Worker::connect(&c.spec, 1).await.unwrap();
     w1.create_variables(&vars).await.unwrap();
     w1.push_sparse(0, "emb", &[], &[]).await.unwrap();
-    assert_eq!(w1.push_pull(0, &[("w", &[3.0; 6])]).await.unwrap(), vec![vec![-0.2; 6]]);
+    assert_eq!(
+        w1.push_pull(0, &[("w", &[3.0; 6])]).await.unwrap(),
+        vec![vec![-0.2; 6]]
+    );
     let e = w1.push(0, &[("w", &[1.0; 6])]).await.unwrap_err();
     assert!(matches!(e, WorkerError::StaleStep { .. }), "{e}");
     assert!(e.to_string().contains("already applied"), "{e}");
@@ -230,15 +368,24 @@ async fn large_variables_are_partitioned_across_shards() {
     let w = Worker::connect(&c.spec, 0).await.unwrap();
     let init = Init::Normal { std: 1.0, seed: 3 };
     // 400 x 1000 f32 = 1.6 MB: two parts, one per shard.
-    w.create_variables(&[var("big", &[400, 1000], init, Optimizer::Sgd { lr: 1.0 }), var("small", &[10], init, Optimizer::Sgd { lr: 1.0 })])
-        .await
-        .unwrap();
+    w.create_variables(&[
+        var("big", &[400, 1000], init, Optimizer::Sgd { lr: 1.0 }),
+        var("small", &[10], init, Optimizer::Sgd { lr: 1.0 }),
+    ])
+    .await
+    .unwrap();
     let p = w.placement("big").unwrap();
-    assert_eq!(p.parts.iter().map(|p| (p.ps, p.rows)).collect::<Vec<_>>(), vec![(0, 200), (1, 200)]);
+    assert_eq!(
+        p.parts.iter().map(|p| (p.ps, p.rows)).collect::<Vec<_>>(),
+        vec![(0, 200), (1, 200)]
+    );
     let v0 = w.pull(&["big"], 0).await.unwrap().remove(0);
     assert_eq!(v0.len(), 400_000);
     let g: Vec<f32> = (0..400_000).map(|i| (i % 7) as f32).collect();
-    let v1 = w.push_pull(0, &[("big", &g), ("small", &[0.0; 10])]).await.unwrap();
+    let v1 = w
+        .push_pull(0, &[("big", &g), ("small", &[0.0; 10])])
+        .await
+        .unwrap();
     let expect: Vec<f32> = v0.iter().zip(&g).map(|(a, b)| a - b).collect();
     assert_eq!(v1[0], expect);
 }
@@ -247,12 +394,25 @@ async fn large_variables_are_partitioned_across_shards() {
 async fn sparse_rows_sum_duplicate_ids() {
     let c = Cluster::start(1, 1, Mode::Sync, TransportKind::Tcp, |_| {}).await;
     let w = Worker::connect(&c.spec, 0).await.unwrap();
-    let table = VarSpec { sparse: true, ..var("emb", &[6, 2], Init::Constant(1.0), Optimizer::Sgd { lr: 0.5 }) };
+    let table = VarSpec {
+        sparse: true,
+        ..var(
+            "emb",
+            &[6, 2],
+            Init::Constant(1.0),
+            Optimizer::Sgd { lr: 0.5 },
+        )
+    };
     w.create_variables(&[table]).await.unwrap();
     assert_eq!(w.lookup_rows("emb", &[5, 0]).await.unwrap(), vec![1.0; 4]);
-    w.push_sparse(0, "emb", &[2, 4, 2], &[1.0, 2.0, 3.0, 4.0, 1.0, 0.0]).await.unwrap();
+    w.push_sparse(0, "emb", &[2, 4, 2], &[1.0, 2.0, 3.0, 4.0, 1.0, 0.0])
+        .await
+        .unwrap();
     // Row 2 gets (1,2)+(1,0) = (2,2) -> 1 - 1 = 0; row 4 gets (3,4) -> (-0.5, -1).
-    assert_eq!(w.lookup_rows("emb", &[2, 4, 1]).await.unwrap(), vec![0.0, 0.0, -0.5, -1.0, 1.0, 1.0]);
+    assert_eq!(
+        w.lookup_rows("emb", &[2, 4, 1]).await.unwrap(),
+        vec![0.0, 0.0, -0.5, -1.0, 1.0, 1.0]
+    );
     assert_eq!(w.current_step().await.unwrap(), 1);
 }
 
@@ -260,7 +420,14 @@ async fn sparse_rows_sum_duplicate_ids() {
 async fn large_gradients_travel_as_remote_buffers_over_shm() {
     let c = Cluster::start(1, 1, Mode::Sync, TransportKind::Shm, |_| {}).await;
     let w = Worker::connect(&c.spec, 0).await.unwrap();
-    w.create_variables(&[var("v", &[256, 512], Init::Zeros, Optimizer::Sgd { lr: 1.0 })]).await.unwrap();
+    w.create_variables(&[var(
+        "v",
+        &[256, 512],
+        Init::Zeros,
+        Optimizer::Sgd { lr: 1.0 },
+    )])
+    .await
+    .unwrap();
     let g: Vec<f32> = (0..256 * 512).map(|i| i as f32).collect();
     let v = w.push_pull(0, &[("v", &g)]).await.unwrap();
     assert_eq!(v[0], g.iter().map(|x| -x).collect::<Vec<_>>());
@@ -269,6 +436,121 @@ async fn large_gradients_travel_as_remote_buffers_over_shm() {
     assert!(prof.to_string().contains("sent remote 1 tensors"), "{prof}");
     let stats = w.stats().await.unwrap();
     assert_eq!(stats[0].bytes_pushed, 512 * 1024);
+}
+
+async fn scrape(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// The value of the sample line that starts with `series` (name and labels).
+fn sample(body: &str, series: &str) -> f64 {
+    let line = body
+        .lines()
+        .find(|l| l.starts_with(series))
+        .unwrap_or_else(|| panic!("no {series} in\n{body}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_carry_the_transport_counters() {
+    let port = common::free_port();
+    let c = Cluster::start(1, 1, Mode::Sync, TransportKind::Shm, move |cfg| {
+        cfg.metrics = Some(format!("127.0.0.1:{port}"))
+    })
+    .await;
+    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    w.create_variables(&[
+        var("big", &[256, 512], Init::Zeros, Optimizer::Sgd { lr: 1.0 }),
+        var("small", &[4], Init::Zeros, Optimizer::Sgd { lr: 1.0 }),
+    ])
+    .await
+    .unwrap();
+    let g = vec![1.0f32; 256 * 512];
+    for k in 0..3 {
+        w.push_pull(k, &[("big", &g), ("small", &[1.0; 4])])
+            .await
+            .unwrap();
+    }
+    let body = scrape(port).await;
+    assert_eq!(
+        sample(&body, "ibex_transport_connections{shard=\"0\"}"),
+        1.0,
+        "{body}"
+    );
+    assert!(
+        body.contains("ibex_transport_info{shard=\"0\",provider=\"shm\""),
+        "{body}"
+    );
+    // Three big gradients were read one-sided by the PS; every reply (512 KiB of values)
+    // went back by rendezvous, small calls eagerly.
+    assert_eq!(
+        sample(&body, "ibex_transport_remote_read_bytes_total{shard=\"0\"}"),
+        3.0 * 512.0 * 1024.0,
+        "{body}"
+    );
+    assert!(
+        sample(
+            &body,
+            "ibex_transport_messages_total{shard=\"0\",protocol=\"rendezvous\",direction=\"sent\"}"
+        ) >= 3.0,
+        "{body}"
+    );
+    assert!(
+        sample(
+            &body,
+            "ibex_transport_messages_total{shard=\"0\",protocol=\"eager\",direction=\"received\"}"
+        ) >= 4.0,
+        "{body}"
+    );
+    // shm reads any memory by CMA: nothing is registered, so there is no hit rate to show.
+    assert!(
+        !body.contains("ibex_transport_reg_cache_hit_ratio"),
+        "{body}"
+    );
+    // Counters survive the connection's end (Prometheus counters never go backwards).
+    let sent = sample(
+        &body,
+        "ibex_transport_bytes_total{shard=\"0\",protocol=\"rendezvous\",direction=\"sent\"}",
+    );
+    drop(w);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let body = loop {
+        let body = scrape(port).await;
+        if sample(&body, "ibex_transport_connections{shard=\"0\"}") == 0.0
+            || std::time::Instant::now() > deadline
+        {
+            break body;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        sample(&body, "ibex_transport_connections{shard=\"0\"}"),
+        0.0,
+        "{body}"
+    );
+    assert_eq!(
+        sample(&body, "ibex_transport_connections_total{shard=\"0\"}"),
+        1.0,
+        "{body}"
+    );
+    assert_eq!(
+        sample(
+            &body,
+            "ibex_transport_bytes_total{shard=\"0\",protocol=\"rendezvous\",direction=\"sent\"}"
+        ),
+        sent,
+        "{body}"
+    );
+    assert!(c.stop().await.iter().all(|r| r.is_ok()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -283,38 +565,65 @@ async fn checkpoint_save_restore_and_metrics() {
     })
     .await;
     let w = Worker::connect(&c.spec, 0).await.unwrap();
-    let half = VarSpec { dtype: Dtype::F16, ..var("h", &[2], Init::Constant(1.0), Optimizer::Adam { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8 }) };
+    let half = VarSpec {
+        dtype: Dtype::F16,
+        ..var(
+            "h",
+            &[2],
+            Init::Constant(1.0),
+            Optimizer::Adam {
+                lr: 0.1,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        )
+    };
     w.create_variables(&[half]).await.unwrap();
     let mut after = Vec::new();
     for k in 0..5 {
-        after.push(w.push_pull(k, &[("h", &[0.3, -0.1])]).await.unwrap().remove(0));
+        after.push(
+            w.push_pull(k, &[("h", &[0.3, -0.1])])
+                .await
+                .unwrap()
+                .remove(0),
+        );
     }
     // Every 2 steps, newest two kept.
     let stats = w.stats().await.unwrap();
     assert_eq!(stats[0].checkpoint_steps, vec![2, 4]);
     for v in &after {
-        assert!(v.iter().all(|x| half::f16::from_f32(*x).to_f32() == *x), "values are f16-rounded: {v:?}");
+        assert!(
+            v.iter().all(|x| half::f16::from_f32(*x).to_f32() == *x),
+            "values are f16-rounded: {v:?}"
+        );
     }
     assert_eq!(w.recover().await.unwrap(), 4);
     assert_eq!(w.current_step().await.unwrap(), 4);
     assert_eq!(w.pull(&["h"], 4).await.unwrap()[0], after[3]);
     // Step 4 again from the restored optimizer state gives the same values as before.
-    assert_eq!(w.push_pull(4, &[("h", &[0.3, -0.1])]).await.unwrap()[0], after[4]);
+    assert_eq!(
+        w.push_pull(4, &[("h", &[0.3, -0.1])]).await.unwrap()[0],
+        after[4]
+    );
 
-    let body = {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", metrics_port)).await.unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        out
-    };
+    let body = scrape(metrics_port).await;
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
     assert!(body.contains("ibex_ps_step{shard=\"0\"} 5"), "{body}");
-    assert!(body.contains("ibex_ps_rpcs_total{shard=\"0\",method=\"PushPull\"} 6"), "{body}");
-    assert!(body.contains("ibex_ps_rpc_seconds_count{shard=\"0\",method=\"PushPull\"} 6"), "{body}");
+    assert!(
+        body.contains("ibex_ps_rpcs_total{shard=\"0\",method=\"PushPull\"} 6"),
+        "{body}"
+    );
+    assert!(
+        body.contains("ibex_ps_rpc_seconds_count{shard=\"0\",method=\"PushPull\"} 6"),
+        "{body}"
+    );
     drop(w);
     assert!(c.stop().await.iter().all(|r| r.is_ok()));
     // Graceful shutdown wrote a checkpoint of step 5.
-    assert!(dir.path().join("shard-0/step-000000000005.safetensors").exists());
+    assert!(
+        dir.path()
+            .join("shard-0/step-000000000005.safetensors")
+            .exists()
+    );
 }

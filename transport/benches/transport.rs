@@ -35,16 +35,31 @@ fn main() {
     for &s in &sizes {
         rows.push(Row::bw("memcpy", s, median(reps, || memcpy_bw(s))));
     }
-    rows.push(Row::bw("process_vm_readv (bare)", 16 << 20, median(reps, || cma_bw(16 << 20))));
-    rows.push(Row::lat("raw tcp (blocking)", 64, raw_tcp_latency(lat_iters)));
+    rows.push(Row::bw(
+        "process_vm_readv (bare)",
+        16 << 20,
+        median(reps, || cma_bw(16 << 20)),
+    ));
+    rows.push(Row::lat(
+        "raw tcp (blocking)",
+        64,
+        raw_tcp_latency(lat_iters),
+    ));
     for &s in &sizes {
         rows.push(Row::bw("raw tcp", s, median(reps, || raw_tcp_bw(s))));
     }
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     for provider in ["shm", "tcp"] {
         let (conn, mut child) = rt.block_on(ibex_pair(provider));
-        rows.push(Row::lat(&format!("ibex {provider}"), 64, rt.block_on(ibex_latency(&conn, lat_iters))));
+        rows.push(Row::lat(
+            &format!("ibex {provider}"),
+            64,
+            rt.block_on(ibex_latency(&conn, lat_iters)),
+        ));
         for &s in &sizes {
             let v = median(reps, || rt.block_on(ibex_bw(&conn, s, false)));
             rows.push(Row::bw(&format!("ibex {provider}"), s, v));
@@ -76,10 +91,20 @@ struct Row {
 
 impl Row {
     fn bw(name: &str, size: usize, gbps: f64) -> Row {
-        Row { name: name.into(), size, gbps: Some(gbps), lat: None }
+        Row {
+            name: name.into(),
+            size,
+            gbps: Some(gbps),
+            lat: None,
+        }
     }
     fn lat(name: &str, size: usize, l: (f64, f64)) -> Row {
-        Row { name: name.into(), size, gbps: None, lat: Some(l) }
+        Row {
+            name: name.into(),
+            size,
+            gbps: None,
+            lat: Some(l),
+        }
     }
 }
 
@@ -127,16 +152,29 @@ fn cma_bw(size: usize) -> f64 {
     let (mut child, mut out) = spawn_peer("cma-source", &size.to_string());
     let mut line = String::new();
     out.read_line(&mut line).expect("peer line");
-    let mut it = line.split_whitespace().map(|x| x.parse::<usize>().expect("number"));
+    let mut it = line
+        .split_whitespace()
+        .map(|x| x.parse::<usize>().expect("number"));
     let (pid, addr) = (it.next().expect("pid"), it.next().expect("addr"));
     let mut dst = vec![0u8; size];
     let n = bytes_per_round(size) / size;
     let read = |dst: &mut [u8]| {
-        let local = libc::iovec { iov_base: dst.as_mut_ptr().cast(), iov_len: size };
-        let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: size };
+        let local = libc::iovec {
+            iov_base: dst.as_mut_ptr().cast(),
+            iov_len: size,
+        };
+        let remote = libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: size,
+        };
         // SAFETY: `local` covers our own buffer; the kernel checks the remote range.
         let r = unsafe { libc::process_vm_readv(pid as i32, &local, 1, &remote, 1, 0) };
-        assert_eq!(r as usize, size, "process_vm_readv: {}", std::io::Error::last_os_error());
+        assert_eq!(
+            r as usize,
+            size,
+            "process_vm_readv: {}",
+            std::io::Error::last_os_error()
+        );
     };
     read(&mut dst);
     let t = Instant::now();
@@ -180,7 +218,8 @@ fn raw_tcp_bw(size: usize) -> f64 {
     // Warm-up message, then the timed batch; the peer acks each batch with one byte.
     let mut ack = [0u8; 1];
     let mut batch = |count: usize| {
-        s.write_all(&((count * size) as u64).to_le_bytes()).expect("hdr");
+        s.write_all(&((count * size) as u64).to_le_bytes())
+            .expect("hdr");
         for _ in 0..count {
             s.write_all(&data).expect("write");
         }
@@ -197,7 +236,12 @@ fn raw_tcp_bw(size: usize) -> f64 {
 
 async fn ibex_pair(provider: &str) -> (Connection, Child) {
     let uri = match provider {
-        "shm" => format!("shm://{}", std::env::temp_dir().join(format!("ibex-bench-{}.sock", std::process::id())).display()),
+        "shm" => format!(
+            "shm://{}",
+            std::env::temp_dir()
+                .join(format!("ibex-bench-{}.sock", std::process::id()))
+                .display()
+        ),
         _ => "tcp://127.0.0.1:0".to_string(),
     };
     let l = listen(&uri, bench_config()).await.expect("listen");
@@ -299,7 +343,10 @@ fn peer(kind: &str, arg: &str) {
             }
         }
         "ibex-echo" => {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
             rt.block_on(async {
                 let conn = connect(arg, bench_config()).await.expect("connect");
                 loop {
@@ -332,24 +379,48 @@ fn find<'a>(rows: &'a [Row], name: &str, size: usize) -> Option<&'a Row> {
 }
 
 fn fmt_size(s: usize) -> String {
-    if s >= 1 << 20 { format!("{} MiB", s >> 20) } else if s >= 1024 { format!("{} KiB", s >> 10) } else { format!("{s} B") }
+    if s >= 1 << 20 {
+        format!("{} MiB", s >> 20)
+    } else if s >= 1024 {
+        format!("{} KiB", s >> 10)
+    } else {
+        format!("{s} B")
+    }
 }
 
 fn report(rows: &[Row], json: bool) {
     if json {
         for r in rows {
             match (r.gbps, r.lat) {
-                (Some(g), _) => println!("{{\"name\":\"{}\",\"size\":{},\"gbps\":{g:.3}}}", r.name, r.size),
-                (_, Some((p50, p99))) => println!("{{\"name\":\"{}\",\"size\":{},\"p50_us\":{p50:.3},\"p99_us\":{p99:.3}}}", r.name, r.size),
+                (Some(g), _) => println!(
+                    "{{\"name\":\"{}\",\"size\":{},\"gbps\":{g:.3}}}",
+                    r.name, r.size
+                ),
+                (_, Some((p50, p99))) => println!(
+                    "{{\"name\":\"{}\",\"size\":{},\"p50_us\":{p50:.3},\"p99_us\":{p99:.3}}}",
+                    r.name, r.size
+                ),
                 _ => {}
             }
         }
     }
-    println!("\n{:<28} {:>8} {:>12} {:>12}", "measurement", "size", "GB/s", "p50/p99 µs");
+    println!(
+        "\n{:<28} {:>8} {:>12} {:>12}",
+        "measurement", "size", "GB/s", "p50/p99 µs"
+    );
     for r in rows {
         let bw = r.gbps.map(|g| format!("{g:.2}")).unwrap_or_default();
-        let lat = r.lat.map(|(a, b)| format!("{a:.2}/{b:.2}")).unwrap_or_default();
-        println!("{:<28} {:>8} {:>12} {:>12}", r.name, fmt_size(r.size), bw, lat);
+        let lat = r
+            .lat
+            .map(|(a, b)| format!("{a:.2}/{b:.2}"))
+            .unwrap_or_default();
+        println!(
+            "{:<28} {:>8} {:>12} {:>12}",
+            r.name,
+            fmt_size(r.size),
+            bw,
+            lat
+        );
     }
     println!("\nratios (same run):");
     let ratio = |label: &str, a: Option<&Row>, b: Option<&Row>, lat: bool| {
@@ -363,14 +434,49 @@ fn report(rows: &[Row], json: bool) {
         }
     };
     let m16 = 16 << 20;
-    ratio("shm 64 B one-way p50 / raw tcp p50 (lower is better)", find(rows, "ibex shm", 64), find(rows, "raw tcp (blocking)", 64), true);
-    ratio("tcp 64 B one-way p50 / raw tcp p50", find(rows, "ibex tcp", 64), find(rows, "raw tcp (blocking)", 64), true);
-    ratio("shm 16 MiB (CMA) / bare process_vm_readv (target >= 0.90)", find(rows, "ibex shm", m16), find(rows, "process_vm_readv (bare)", m16), false);
-    ratio("shm 16 MiB registered pool / shm CMA (target >= 2)", find(rows, "ibex shm (registered pool)", m16), find(rows, "ibex shm", m16), false);
-    ratio("tcp 16 MiB / raw tcp 16 MiB (target >= 0.80)", find(rows, "ibex tcp", m16), find(rows, "raw tcp", m16), false);
+    ratio(
+        "shm 64 B one-way p50 / raw tcp p50 (lower is better)",
+        find(rows, "ibex shm", 64),
+        find(rows, "raw tcp (blocking)", 64),
+        true,
+    );
+    ratio(
+        "tcp 64 B one-way p50 / raw tcp p50",
+        find(rows, "ibex tcp", 64),
+        find(rows, "raw tcp (blocking)", 64),
+        true,
+    );
+    ratio(
+        "shm 16 MiB (CMA) / bare process_vm_readv (target >= 0.90)",
+        find(rows, "ibex shm", m16),
+        find(rows, "process_vm_readv (bare)", m16),
+        false,
+    );
+    ratio(
+        "shm 16 MiB registered pool / shm CMA (target >= 2)",
+        find(rows, "ibex shm (registered pool)", m16),
+        find(rows, "ibex shm", m16),
+        false,
+    );
+    ratio(
+        "tcp 16 MiB / raw tcp 16 MiB (target >= 0.80)",
+        find(rows, "ibex tcp", m16),
+        find(rows, "raw tcp", m16),
+        false,
+    );
     for s in [64 << 10, 1 << 20, m16] {
-        ratio(&format!("shm {} / memcpy", fmt_size(s)), find(rows, "ibex shm", s), find(rows, "memcpy", s), false);
+        ratio(
+            &format!("shm {} / memcpy", fmt_size(s)),
+            find(rows, "ibex shm", s),
+            find(rows, "memcpy", s),
+            false,
+        );
     }
-    ratio("registered pool 16 MiB / memcpy", find(rows, "ibex shm (registered pool)", m16), find(rows, "memcpy", m16), false);
+    ratio(
+        "registered pool 16 MiB / memcpy",
+        find(rows, "ibex shm (registered pool)", m16),
+        find(rows, "memcpy", m16),
+        false,
+    );
     let _ = Duration::ZERO;
 }

@@ -12,14 +12,23 @@ use ibex_proto::helloworld::greeter_client::GreeterClient;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (transport, addr) = args()?;
-    let request = || tonic::Request::new(HelloRequest { name: "Ibex".into() });
+    let request = || {
+        tonic::Request::new(HelloRequest {
+            name: "Ibex".into(),
+        })
+    };
     let reply = match transport.as_str() {
         "tonic" => {
-            let mut client = GreeterClient::new(tonic::transport::Channel::from_shared(addr)?.connect().await?);
+            let mut client = GreeterClient::new(
+                tonic::transport::Channel::from_shared(addr)?
+                    .connect()
+                    .await?,
+            );
             client.say_hello(request()).await?
         }
         _ => {
-            let mut client = GreeterClient::new(ibex_transport::grpc::Channel::connect(&addr).await?);
+            let mut client =
+                GreeterClient::new(ibex_transport::grpc::Channel::connect(&addr).await?);
             client.say_hello(request()).await?
         }
     };
@@ -36,7 +45,11 @@ fn args() -> Result<(String, String), String> {
         match a.as_str() {
             "--transport" => transport = it.next().ok_or("--transport needs tonic or ibex")?,
             _ if addr.is_none() => addr = Some(a),
-            _ => return Err(format!("unexpected argument {a:?}; usage: [--transport tonic|ibex] [ADDR]")),
+            _ => {
+                return Err(format!(
+                    "unexpected argument {a:?}; usage: [--transport tonic|ibex] [ADDR]"
+                ));
+            }
         }
     }
     let addr = match transport.as_str() {

@@ -15,8 +15,13 @@ struct MyGreeter;
 
 #[tonic::async_trait]
 impl Greeter for MyGreeter {
-    async fn say_hello(&self, request: Request<HelloRequest>) -> Result<Response<HelloReply>, Status> {
-        let reply = HelloReply { message: format!("Hello {}!", request.into_inner().name) };
+    async fn say_hello(
+        &self,
+        request: Request<HelloRequest>,
+    ) -> Result<Response<HelloReply>, Status> {
+        let reply = HelloReply {
+            message: format!("Hello {}!", request.into_inner().name),
+        };
         Ok(Response::new(reply))
     }
 }
@@ -27,8 +32,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let svc = GreeterServer::new(MyGreeter);
     println!("Greeter listening on {addr} ({transport})");
     match transport.as_str() {
-        "tonic" => tonic::transport::Server::builder().add_service(svc).serve(addr.parse()?).await?,
-        _ => ibex_transport::grpc::Server::builder().add_service(svc).serve(&addr).await?,
+        "tonic" => {
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve(addr.parse()?)
+                .await?
+        }
+        _ => {
+            ibex_transport::grpc::Server::builder()
+                .add_service(svc)
+                .serve(&addr)
+                .await?
+        }
     }
     Ok(())
 }
@@ -42,7 +57,11 @@ fn args() -> Result<(String, String), String> {
         match a.as_str() {
             "--transport" => transport = it.next().ok_or("--transport needs tonic or ibex")?,
             _ if addr.is_none() => addr = Some(a),
-            _ => return Err(format!("unexpected argument {a:?}; usage: [--transport tonic|ibex] [ADDR]")),
+            _ => {
+                return Err(format!(
+                    "unexpected argument {a:?}; usage: [--transport tonic|ibex] [ADDR]"
+                ));
+            }
         }
     }
     let addr = match transport.as_str() {

@@ -10,9 +10,14 @@ use ibex_transport::{Config, connect, listen};
 
 #[tokio::main]
 async fn main() -> ibex_transport::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
     let sock = std::env::temp_dir().join(format!("ibex-pingpong-{}.sock", std::process::id()));
-    for uri in [format!("shm://{}", sock.display()), "tcp://127.0.0.1:0".to_string()] {
+    for uri in [
+        format!("shm://{}", sock.display()),
+        "tcp://127.0.0.1:0".to_string(),
+    ] {
         let listener = listen(&uri, Config::from_env()?).await?;
         let at = listener.local_uri();
         let server = tokio::spawn(async move {
@@ -25,7 +30,10 @@ async fn main() -> ibex_transport::Result<()> {
         });
         let client = connect(&at, Config::from_env()?).await?;
         let threshold = client.probe_done().await;
-        println!("== {at}: provider {}, eager threshold {threshold} B (probed)", client.provider());
+        println!(
+            "== {at}: provider {}, eager threshold {threshold} B (probed)",
+            client.provider()
+        );
         println!("{:>10} {:>8} {:>14}", "size", "rounds", "round trip µs");
         for shift in [6, 10, 14, 16, 20, 24] {
             let size = 1usize << shift;
@@ -43,7 +51,9 @@ async fn main() -> ibex_transport::Result<()> {
         println!("{}\n", client.stats());
         client.close().await;
         drop(client);
-        server.await.map_err(|e| ibex_transport::Error::Config(e.to_string()))??;
+        server
+            .await
+            .map_err(|e| ibex_transport::Error::Config(e.to_string()))??;
     }
     Ok(())
 }

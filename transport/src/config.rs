@@ -70,9 +70,10 @@ impl Config {
             self.fragment_size = v;
         }
         if let Ok(t) = std::env::var("IBEX_AUTH_TOKEN")
-            && !t.is_empty() {
-                self.auth_token = Some(t);
-            }
+            && !t.is_empty()
+        {
+            self.auth_token = Some(t);
+        }
         self.validate()?;
         Ok(self)
     }
@@ -80,24 +81,36 @@ impl Config {
     /// Checks that the values fit together.
     pub fn validate(&self) -> Result<()> {
         if self.slot_size < 1024 || self.slot_size > (16 << 20) {
-            return Err(Error::Config(format!("slot_size {} must be within 1 KiB..=16 MiB", self.slot_size)));
+            return Err(Error::Config(format!(
+                "slot_size {} must be within 1 KiB..=16 MiB",
+                self.slot_size
+            )));
         }
         if self.credits == 0 || self.credits > 65_536 {
-            return Err(Error::Config(format!("credits {} must be within 1..=65536", self.credits)));
+            return Err(Error::Config(format!(
+                "credits {} must be within 1..=65536",
+                self.credits
+            )));
         }
         if self.fragment_size < 4096 || self.fragment_size > (64 << 20) {
-            return Err(Error::Config(format!("fragment_size {} must be within 4 KiB..=64 MiB", self.fragment_size)));
+            return Err(Error::Config(format!(
+                "fragment_size {} must be within 4 KiB..=64 MiB",
+                self.fragment_size
+            )));
         }
         if self.max_reads_in_flight == 0 {
-            return Err(Error::Config("max_reads_in_flight must be at least 1".into()));
+            return Err(Error::Config(
+                "max_reads_in_flight must be at least 1".into(),
+            ));
         }
         if let Some(t) = self.eager_threshold
-            && t > self.max_eager() {
-                return Err(Error::Config(format!(
-                    "eager threshold {t} exceeds what fits in one slot ({}); raise slot_size or lower IBEX_EAGER_THRESHOLD",
-                    self.max_eager()
-                )));
-            }
+            && t > self.max_eager()
+        {
+            return Err(Error::Config(format!(
+                "eager threshold {t} exceeds what fits in one slot ({}); raise slot_size or lower IBEX_EAGER_THRESHOLD",
+                self.max_eager()
+            )));
+        }
         Ok(())
     }
 
@@ -109,9 +122,11 @@ impl Config {
 
 fn env_usize(name: &str) -> Result<Option<usize>> {
     match std::env::var(name) {
-        Ok(v) => parse_size(&v)
-            .map(Some)
-            .ok_or_else(|| Error::Config(format!("{name}={v:?} is not a size (examples: 8192, 16K, 1M)"))),
+        Ok(v) => parse_size(&v).map(Some).ok_or_else(|| {
+            Error::Config(format!(
+                "{name}={v:?} is not a size (examples: 8192, 16K, 1M)"
+            ))
+        }),
         Err(_) => Ok(None),
     }
 }
@@ -146,7 +161,10 @@ mod tests {
 
     #[test]
     fn threshold_must_fit_a_slot() {
-        let c = Config { eager_threshold: Some(1 << 20), ..Config::default() };
+        let c = Config {
+            eager_threshold: Some(1 << 20),
+            ..Config::default()
+        };
         assert!(matches!(c.validate(), Err(Error::Config(m)) if m.contains("slot")));
     }
 }

@@ -18,7 +18,9 @@ pub enum Error {
     #[error("peer is gone: {0}")]
     PeerGone(String),
     /// A message exceeds a configured limit.
-    #[error("message of {len} bytes exceeds the limit of {limit} bytes ({which}); raise it in the transport Config on both sides")]
+    #[error(
+        "message of {len} bytes exceeds the limit of {limit} bytes ({which}); raise it in the transport Config on both sides"
+    )]
     TooLarge {
         /// Size of the offending message.
         len: u64,
@@ -64,13 +66,20 @@ pub enum Error {
 }
 
 fn fmt_reason(r: &str) -> String {
-    if r.is_empty() { String::new() } else { format!(": {r}") }
+    if r.is_empty() {
+        String::new()
+    } else {
+        format!(": {r}")
+    }
 }
 
 impl Error {
     /// Wraps an I/O error with what Ibex was doing when it happened.
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
-        Error::Io { context: context.into(), source: std::sync::Arc::new(source) }
+        Error::Io {
+            context: context.into(),
+            source: std::sync::Arc::new(source),
+        }
     }
 }
 

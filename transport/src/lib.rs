@@ -23,7 +23,8 @@ pub use error::{Error, Result};
 pub mod conn;
 
 pub use conn::{
-    Addr, ConnStats, Connection, Listener, RemoteBuf, choose_auto, connect, connect_auto, listen, listen_auto,
+    Addr, ConnStats, Connection, Listener, RemoteBuf, choose_auto, connect, connect_auto, listen,
+    listen_auto,
 };
 pub use link::RecvBuf;
 pub use pool::{Pool, PoolBufMut};

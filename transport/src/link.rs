@@ -60,6 +60,23 @@ pub struct Exposure {
     pub descriptor: Bytes,
     /// True when the peer can map this buffer directly (registered pool): no copy at all.
     pub zero_copy: bool,
+    /// What exposing it cost in memory registration (verbs); counted in the connection stats.
+    pub registration: Registration,
+}
+
+/// How an exposed buffer became readable by the peer. Registering memory with a NIC costs
+/// tens of microseconds per call plus pinning, so a cache of registrations is only worth
+/// keeping if it hits: these outcomes feed its hit rate (`ConnStats::reg_cache_hit_rate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Registration {
+    /// The provider reads arbitrary memory without registering it (shm CMA, tcp).
+    NotNeeded,
+    /// The buffer lies in the pre-registered pool.
+    Pool,
+    /// An earlier registration of the same range was reused.
+    CacheHit,
+    /// The range had to be registered now.
+    Registered,
 }
 
 /// Destination memory for rendezvous data. The owner keeps the memory alive; the pointer
@@ -91,11 +108,19 @@ impl RecvBuf {
         if len >= recv_cache::MIN {
             let mut b = recv_cache::take(len);
             let ptr = b.as_mut_ptr();
-            return RecvBuf { ptr, len, owner: Box::new(b) };
+            return RecvBuf {
+                ptr,
+                len,
+                owner: Box::new(b),
+            };
         }
         let mut v = bytes::BytesMut::zeroed(len);
         let ptr = v.as_mut_ptr();
-        RecvBuf { ptr, len, owner: Box::new(v) }
+        RecvBuf {
+            ptr,
+            len,
+            owner: Box::new(v),
+        }
     }
 
     /// Wraps memory owned by `owner`.
@@ -167,7 +192,9 @@ mod recv_cache {
 
     impl Cached {
         pub fn as_mut_ptr(&mut self) -> *mut u8 {
-            self.0.as_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr())
+            self.0
+                .as_mut()
+                .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr())
         }
     }
 
@@ -178,7 +205,10 @@ mod recv_cache {
     pub fn take(len: usize) -> Cached {
         let c = class(len);
         let mut guard = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        let cache = guard.get_or_insert_with(|| Cache { free: HashMap::new(), bytes: 0 });
+        let cache = guard.get_or_insert_with(|| Cache {
+            free: HashMap::new(),
+            bytes: 0,
+        });
         if let Some(b) = cache.free.get_mut(&c).and_then(|v| v.pop()) {
             cache.bytes -= c;
             return Cached(Some(b));
@@ -192,7 +222,10 @@ mod recv_cache {
             let Some(b) = self.0.take() else { return };
             let c = b.len();
             let mut guard = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-            let cache = guard.get_or_insert_with(|| Cache { free: HashMap::new(), bytes: 0 });
+            let cache = guard.get_or_insert_with(|| Cache {
+                free: HashMap::new(),
+                bytes: 0,
+            });
             if cache.bytes + c <= LIMIT {
                 cache.bytes += c;
                 cache.free.entry(c).or_default().push(b);
@@ -262,7 +295,14 @@ pub trait Link: Send + 'static {
     /// # Safety
     /// `dst..dst+len` must stay valid and untouched by anyone else until the `ReadDone`
     /// for `id` has been returned by `poll_event`, or until the link is dropped.
-    unsafe fn post_read(&mut self, id: u64, descriptor: &[u8], offset: u64, dst: *mut u8, len: usize) -> Result<(), Error>;
+    unsafe fn post_read(
+        &mut self,
+        id: u64,
+        descriptor: &[u8],
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), Error>;
 
     /// True if `post_read` may target `ptr..ptr+len` directly. Providers that need
     /// registered destinations (verbs) say no for memory they did not hand out; the driver

@@ -33,7 +33,10 @@ unsafe impl Sync for Pool {}
 
 impl std::fmt::Debug for Pool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool").field("size", &self.size).field("free", &self.free_bytes()).finish()
+        f.debug_struct("Pool")
+            .field("size", &self.size)
+            .field("free", &self.free_bytes())
+            .finish()
     }
 }
 
@@ -49,7 +52,12 @@ impl Pool {
         if usable > 0 {
             free.insert(0, usable);
         }
-        Arc::new(Pool { base, size, free: Mutex::new(free), _owner: owner })
+        Arc::new(Pool {
+            base,
+            size,
+            free: Mutex::new(free),
+            _owner: owner,
+        })
     }
 
     /// A pool over plain heap memory: for providers with nothing better (tcp) and for tests.
@@ -79,15 +87,25 @@ impl Pool {
     pub fn offset_of(&self, ptr: *const u8, len: usize) -> Option<usize> {
         let start = self.base as usize;
         let p = ptr as usize;
-        if p >= start && p.checked_add(len)? <= start + self.size { Some(p - start) } else { None }
+        if p >= start && p.checked_add(len)? <= start + self.size {
+            Some(p - start)
+        } else {
+            None
+        }
     }
 
     /// Allocates `len` bytes (zero-length requests get a 1-byte slot so every buffer is
     /// distinct). Fails with a clear error when the pool is exhausted.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Result<PoolBufMut> {
         let need = len.max(1).div_ceil(ALIGN) * ALIGN;
-        let mut free = self.free.lock().map_err(|_| Error::Config("pool lock poisoned".into()))?;
-        let found = free.iter().find(|&(_, &l)| l >= need).map(|(&o, &l)| (o, l));
+        let mut free = self
+            .free
+            .lock()
+            .map_err(|_| Error::Config("pool lock poisoned".into()))?;
+        let found = free
+            .iter()
+            .find(|&(_, &l)| l >= need)
+            .map(|(&o, &l)| (o, l));
         let Some((off, flen)) = found else {
             return Err(Error::TooLarge {
                 len: len as u64,
@@ -99,19 +117,27 @@ impl Pool {
         if flen > need {
             free.insert(off + need, flen - need);
         }
-        Ok(PoolBufMut { pool: self.clone(), off, len, cap: need })
+        Ok(PoolBufMut {
+            pool: self.clone(),
+            off,
+            len,
+            cap: need,
+        })
     }
 
     fn release(&self, off: usize, cap: usize) {
-        let Ok(mut free) = self.free.lock() else { return };
+        let Ok(mut free) = self.free.lock() else {
+            return;
+        };
         let mut start = off;
         let mut len = cap;
         if let Some((&po, &pl)) = free.range(..off).next_back()
-            && po + pl == off {
-                free.remove(&po);
-                start = po;
-                len += pl;
-            }
+            && po + pl == off
+        {
+            free.remove(&po);
+            start = po;
+            len += pl;
+        }
         if let Some(&nl) = free.get(&(off + cap)) {
             free.remove(&(off + cap));
             len += nl;
@@ -131,7 +157,10 @@ pub struct PoolBufMut {
 
 impl std::fmt::Debug for PoolBufMut {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PoolBufMut").field("off", &self.off).field("len", &self.len).finish()
+        f.debug_struct("PoolBufMut")
+            .field("off", &self.off)
+            .field("len", &self.len)
+            .finish()
     }
 }
 

@@ -11,7 +11,12 @@ use ibex_transport::{Config, Connection, Error, RecvBuf, connect, listen};
 /// A hang guard, not a performance assertion. The Soft-RoCE VM (full emulation, 10–100×
 /// slower) raises it with `IBEX_TEST_GUARD_SECS`.
 static GUARD: std::sync::LazyLock<Duration> = std::sync::LazyLock::new(|| {
-    Duration::from_secs(std::env::var("IBEX_TEST_GUARD_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60))
+    Duration::from_secs(
+        std::env::var("IBEX_TEST_GUARD_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(60),
+    )
 });
 
 mod conn_util;
@@ -36,9 +41,17 @@ fn side(config: &Config, provider: &str, var: &str) -> Config {
 }
 
 async fn pair_with(provider: &str, tag: &str, config: Config) -> (Connection, Connection) {
-    let l = listen(&uri(provider, tag), side(&config, provider, "IBEX_TEST_SERVER_DEV")).await.expect("listen");
+    let l = listen(
+        &uri(provider, tag),
+        side(&config, provider, "IBEX_TEST_SERVER_DEV"),
+    )
+    .await
+    .expect("listen");
     let at = l.local_uri();
-    let (a, b) = tokio::join!(l.accept(), connect(&at, side(&config, provider, "IBEX_TEST_CLIENT_DEV")));
+    let (a, b) = tokio::join!(
+        l.accept(),
+        connect(&at, side(&config, provider, "IBEX_TEST_CLIENT_DEV"))
+    );
     (a.expect("accept"), b.expect("connect"))
 }
 
@@ -69,7 +82,18 @@ per_provider!(
 async fn sizes_round_trip_intact(p: &str) {
     let t = 8192;
     let (a, b) = pair_with(p, "sizes", fixed_threshold(t)).await;
-    let sizes = [0, 1, t - 1, t, t + 1, 60_000, 512 * 1024, 512 * 1024 + 1, 3 << 20, 16 << 20];
+    let sizes = [
+        0,
+        1,
+        t - 1,
+        t,
+        t + 1,
+        60_000,
+        512 * 1024,
+        512 * 1024 + 1,
+        3 << 20,
+        16 << 20,
+    ];
     let sender = {
         let a = a.clone();
         tokio::spawn(async move {
@@ -148,8 +172,15 @@ async fn recv_into_too_small_keeps_message(p: &str) {
     let (a, b) = pair_with(p, "small", fixed_threshold(4096)).await;
     a.send(pattern(100, 1)).await.unwrap();
     let e = b.recv_into(vec![0u8; 10]).await.unwrap_err();
-    assert!(matches!(e, Error::BufferTooSmall { buf: 10, len: 100 }), "{e}");
-    assert_eq!(b.recv().await.unwrap(), pattern(100, 1), "message stays queued");
+    assert!(
+        matches!(e, Error::BufferTooSmall { buf: 10, len: 100 }),
+        "{e}"
+    );
+    assert_eq!(
+        b.recv().await.unwrap(),
+        pattern(100, 1),
+        "message stays queued"
+    );
 }
 
 async fn send_owned_returns_buffer(p: &str) {
@@ -164,7 +195,10 @@ async fn send_owned_returns_buffer(p: &str) {
     let (b, n) = reader.await.unwrap();
     assert_eq!(n.unwrap(), 4 << 20);
     // An eager-sized buffer comes back at once, and the message still arrives intact.
-    let small = a.send_owned(vec![7u8; 100]).await.expect("send_owned small");
+    let small = a
+        .send_owned(vec![7u8; 100])
+        .await
+        .expect("send_owned small");
     assert_eq!(small, vec![7u8; 100]);
     assert_eq!(b.recv().await.unwrap(), Bytes::from(vec![7u8; 100]));
 }
@@ -173,7 +207,10 @@ async fn expose_and_read_remote(p: &str) {
     let (a, b) = pair_with(p, "expose", fixed_threshold(4096)).await;
     let data = pattern(3 << 20, 9);
     let rb = a.expose(data.clone()).await.expect("expose");
-    let got = b.read_remote(rb.descriptor(), RecvBuf::heap(data.len())).await.expect("read_remote");
+    let got = b
+        .read_remote(rb.descriptor(), RecvBuf::heap(data.len()))
+        .await
+        .expect("read_remote");
     assert_eq!(got.as_slice(), &data[..]);
     assert_eq!(b.stats().remote_read_bytes, data.len() as u64);
 }
@@ -181,21 +218,32 @@ async fn expose_and_read_remote(p: &str) {
 async fn read_remote_out_of_range_is_refused(p: &str) {
     let (a, b) = pair_with(p, "range", fixed_threshold(4096)).await;
     let rb = a.expose(pattern(1000, 1)).await.unwrap();
-    let e = b.read_remote(rb.descriptor(), RecvBuf::heap(5000)).await.expect_err("past the end must fail");
+    let e = b
+        .read_remote(rb.descriptor(), RecvBuf::heap(5000))
+        .await
+        .expect_err("past the end must fail");
     let text = e.to_string();
     assert!(!text.is_empty());
     let garbage = Bytes::from_static(&[0xff; 5]);
-    assert!(b.read_remote(garbage, RecvBuf::heap(10)).await.is_err(), "garbage descriptor must fail");
+    assert!(
+        b.read_remote(garbage, RecvBuf::heap(10)).await.is_err(),
+        "garbage descriptor must fail"
+    );
 }
 
 async fn graceful_close_delivers_everything(p: &str) {
     let (a, b) = pair_with(p, "close", fixed_threshold(4096)).await;
     for i in 0..20u8 {
-        a.send(pattern(if i % 2 == 0 { 10 } else { 200_000 }, i)).await.unwrap();
+        a.send(pattern(if i % 2 == 0 { 10 } else { 200_000 }, i))
+            .await
+            .unwrap();
     }
     a.close().await;
     for i in 0..20u8 {
-        let m = b.recv().await.expect("queued messages survive a graceful close");
+        let m = b
+            .recv()
+            .await
+            .expect("queued messages survive a graceful close");
         assert_eq!(m, pattern(if i % 2 == 0 { 10 } else { 200_000 }, i));
     }
     let e = b.recv().await.unwrap_err();
@@ -224,7 +272,11 @@ async fn stats_count_protocols(p: &str) {
 
 async fn threshold_probe_picks_a_value(p: &str) {
     // From the environment, as users build it (the VM harness raises the probe's time limit).
-    let cfg = Config { eager_threshold: None, probe: true, ..Config::from_env().expect("config") };
+    let cfg = Config {
+        eager_threshold: None,
+        probe: true,
+        ..Config::from_env().expect("config")
+    };
     let (a, b) = pair_with(p, "probe", cfg.clone()).await;
     let t = a.probe_done().await;
     assert!(t >= 1024 && t <= cfg.max_eager(), "threshold {t}");
@@ -239,7 +291,10 @@ async fn threshold_probe_picks_a_value(p: &str) {
 }
 
 async fn oversize_message_is_refused(p: &str) {
-    let cfg = Config { max_message_size: 1 << 20, ..fixed_threshold(4096) };
+    let cfg = Config {
+        max_message_size: 1 << 20,
+        ..fixed_threshold(4096)
+    };
     let (a, _b) = pair_with(p, "oversize", cfg).await;
     let e = a.send(pattern(2 << 20, 0)).await.unwrap_err();
     assert!(matches!(e, Error::TooLarge { .. }), "{e}");
@@ -257,7 +312,11 @@ async fn shm_pool_buffers_move_without_copy() {
     assert_eq!(m, bytes);
     let s = b.stats();
     assert_eq!(s.rndv_mapped_msgs, 1, "{s}");
-    assert_eq!(s.payload_bytes_copied(), 0, "pool buffers must not be copied: {s}");
+    assert_eq!(
+        s.payload_bytes_copied(),
+        0,
+        "pool buffers must not be copied: {s}"
+    );
     // The sender's buffer comes back once the receiver drops its view.
     let free_before = a.pool().unwrap().free_bytes();
     drop(bytes);
@@ -269,16 +328,28 @@ async fn shm_pool_buffers_move_without_copy() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(pool.free_bytes() > free_before, "pool buffer was not released after the view was dropped");
+    assert!(
+        pool.free_bytes() > free_before,
+        "pool buffer was not released after the view was dropped"
+    );
 }
 
 #[tokio::test]
 async fn bad_addresses_are_explained() {
-    let e = connect("udp://x:1", Config::default()).await.unwrap_err().to_string();
+    let e = connect("udp://x:1", Config::default())
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("unknown scheme"), "{e}");
-    let e = connect("shm:///nonexistent/ibex.sock", Config::default()).await.unwrap_err().to_string();
+    let e = connect("shm:///nonexistent/ibex.sock", Config::default())
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("/nonexistent/ibex.sock"), "{e}");
-    let e = connect("tcp://127.0.0.1:1", Config::default()).await.unwrap_err().to_string();
+    let e = connect("tcp://127.0.0.1:1", Config::default())
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("127.0.0.1:1"), "{e}");
 }
 
@@ -289,13 +360,21 @@ fn connect_auto_prefers_shm_on_the_same_host() {
         let dir = tempdir();
         // SAFETY: single-threaded at this point of the test; no other thread reads the env.
         unsafe { std::env::set_var("IBEX_SHM_DIR", &dir) };
-        let l = ibex_transport::listen_auto("127.0.0.1:0", fixed_threshold(4096)).await.unwrap();
+        let l = ibex_transport::listen_auto("127.0.0.1:0", fixed_threshold(4096))
+            .await
+            .unwrap();
         let port = l.local_uri().rsplit(':').next().unwrap().to_string();
         let uri = ibex_transport::choose_auto(&format!("127.0.0.1:{port}")).unwrap();
         assert!(uri.starts_with("shm://"), "{uri}");
-        assert_eq!(ibex_transport::choose_auto("192.0.2.9:80").unwrap(), "tcp://192.0.2.9:80");
+        assert_eq!(
+            ibex_transport::choose_auto("192.0.2.9:80").unwrap(),
+            "tcp://192.0.2.9:80"
+        );
         let hp = format!("127.0.0.1:{port}");
-        let (a, b) = tokio::join!(l.accept(), ibex_transport::connect_auto(&hp, fixed_threshold(4096)));
+        let (a, b) = tokio::join!(
+            l.accept(),
+            ibex_transport::connect_auto(&hp, fixed_threshold(4096))
+        );
         assert_eq!(b.unwrap().provider(), "shm");
         assert_eq!(a.unwrap().provider(), "shm");
     });

@@ -39,30 +39,51 @@ fn child_entry() {
 }
 
 fn fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 fn memfd_maps() -> usize {
-    std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().filter(|l| l.contains("memfd:")).count()).unwrap_or(0)
+    std::fs::read_to_string("/proc/self/maps")
+        .map(|m| m.lines().filter(|l| l.contains("memfd:")).count())
+        .unwrap_or(0)
 }
 
 fn kill_mid_rendezvous(provider: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async move {
         let fds_before = fd_count();
         let maps_before = memfd_maps();
         // Small fragments, one at a time: the transfer is still running when the kill lands.
-        let slow = Config { fragment_size: 64 * 1024, max_reads_in_flight: 1, ..fixed_threshold(4096) };
+        let slow = Config {
+            fragment_size: 64 * 1024,
+            max_reads_in_flight: 1,
+            ..fixed_threshold(4096)
+        };
         let l = listen(&uri(provider, "kill"), slow).await.unwrap();
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "child_entry", "--ignored", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "child_entry",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(ROLE, "send")
             .env("IBEX_TEST_URI", l.local_uri())
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let conn = tokio::time::timeout(GUARD, l.accept()).await.expect("child connects").unwrap();
+        let conn = tokio::time::timeout(GUARD, l.accept())
+            .await
+            .expect("child connects")
+            .unwrap();
         // Wait for the rendezvous to start (the RTS arrives, reads begin), then kill.
         let recv = tokio::spawn({
             let conn = conn.clone();
@@ -77,20 +98,37 @@ fn kill_mid_rendezvous(provider: &str) {
         assert!(started.is_ok(), "the child's rendezvous never started");
         child.kill().unwrap();
         child.wait().unwrap();
-        let r = tokio::time::timeout(GUARD, recv).await.expect("no hang after the peer died").unwrap();
+        let r = tokio::time::timeout(GUARD, recv)
+            .await
+            .expect("no hang after the peer died")
+            .unwrap();
         // Either the message was already complete (then it must be intact) or we get an error.
         match r {
             Ok(m) => assert_eq!(m, pattern(64 << 20, 1)),
-            Err(e) => assert!(matches!(e, Error::PeerGone(_) | Error::PeerClosed(_) | Error::Io { .. }), "{e}"),
+            Err(e) => assert!(
+                matches!(
+                    e,
+                    Error::PeerGone(_) | Error::PeerClosed(_) | Error::Io { .. }
+                ),
+                "{e}"
+            ),
         }
-        let e = tokio::time::timeout(GUARD, conn.recv()).await.expect("no hang").unwrap_err();
+        let e = tokio::time::timeout(GUARD, conn.recv())
+            .await
+            .expect("no hang")
+            .unwrap_err();
         assert!(!e.to_string().is_empty());
         drop(conn);
         drop(l);
         // Let the driver finish and release the link.
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(memfd_maps(), maps_before, "shared segments leaked");
-        assert!(fd_count() <= fds_before + 1, "fds leaked: {} -> {}", fds_before, fd_count());
+        assert!(
+            fd_count() <= fds_before + 1,
+            "fds leaked: {} -> {}",
+            fds_before,
+            fd_count()
+        );
     });
 }
 

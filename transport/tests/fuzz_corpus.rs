@@ -27,26 +27,124 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let mut oversize_ext = vec![0u8; 20];
     oversize_ext.extend_from_slice(&2048u16.to_le_bytes());
     vec![
-        ("ok-hello", ok(Frame::new(Body::Hello { slots: 64, slot_size: 65536, max_message: 1 << 30, fragment_size: 512 << 10, ext: Bytes::new() }))),
-        ("ok-eager-one", ok(Frame { credits: 3, body: Body::Eager { msgs: vec![Bytes::from_static(b"hello, parameter server")] } })),
-        ("ok-eager-coalesced", ok(Frame::new(Body::Eager { msgs: vec![Bytes::from_static(b"a"), Bytes::new(), Bytes::from(vec![7u8; 300])] }))),
-        ("ok-rts", ok(Frame::new(Body::Rts { seq: 12, len: 256 << 20, desc: desc.clone() }))),
-        ("ok-rndv-done", ok(Frame { credits: 1, body: Body::RndvDone { seq: 12, probe: false } })),
-        ("ok-rndv-done-probe", ok(Frame::new(Body::RndvDone { seq: 5, probe: true }))),
-        ("ok-credit", ok(Frame { credits: 32, body: Body::Credit })),
-        ("ok-probe-eager", ok(Frame::new(Body::ProbeEager { probe_id: 0, pad: Bytes::from(vec![0u8; 1024]) }))),
-        ("ok-probe-ack", ok(Frame::new(Body::ProbeAck { probe_id: 0 }))),
-        ("ok-probe-rts", ok(Frame::new(Body::ProbeRts { probe_id: 4, len: 4096, desc }))),
-        ("ok-close", ok(Frame::new(Body::Close { code: 0, reason: "bye".into() }))),
+        (
+            "ok-hello",
+            ok(Frame::new(Body::Hello {
+                slots: 64,
+                slot_size: 65536,
+                max_message: 1 << 30,
+                fragment_size: 512 << 10,
+                ext: Bytes::new(),
+            })),
+        ),
+        (
+            "ok-eager-one",
+            ok(Frame {
+                credits: 3,
+                body: Body::Eager {
+                    msgs: vec![Bytes::from_static(b"hello, parameter server")],
+                },
+            }),
+        ),
+        (
+            "ok-eager-coalesced",
+            ok(Frame::new(Body::Eager {
+                msgs: vec![
+                    Bytes::from_static(b"a"),
+                    Bytes::new(),
+                    Bytes::from(vec![7u8; 300]),
+                ],
+            })),
+        ),
+        (
+            "ok-rts",
+            ok(Frame::new(Body::Rts {
+                seq: 12,
+                len: 256 << 20,
+                desc: desc.clone(),
+            })),
+        ),
+        (
+            "ok-rndv-done",
+            ok(Frame {
+                credits: 1,
+                body: Body::RndvDone {
+                    seq: 12,
+                    probe: false,
+                },
+            }),
+        ),
+        (
+            "ok-rndv-done-probe",
+            ok(Frame::new(Body::RndvDone {
+                seq: 5,
+                probe: true,
+            })),
+        ),
+        (
+            "ok-credit",
+            ok(Frame {
+                credits: 32,
+                body: Body::Credit,
+            }),
+        ),
+        (
+            "ok-probe-eager",
+            ok(Frame::new(Body::ProbeEager {
+                probe_id: 0,
+                pad: Bytes::from(vec![0u8; 1024]),
+            })),
+        ),
+        (
+            "ok-probe-ack",
+            ok(Frame::new(Body::ProbeAck { probe_id: 0 })),
+        ),
+        (
+            "ok-probe-rts",
+            ok(Frame::new(Body::ProbeRts {
+                probe_id: 4,
+                len: 4096,
+                desc,
+            })),
+        ),
+        (
+            "ok-close",
+            ok(Frame::new(Body::Close {
+                code: 0,
+                reason: "bye".into(),
+            })),
+        ),
         ("bad-short-header", vec![0x49, 1, 5, 0]),
-        ("bad-magic", { let mut v = raw(kind::CREDIT, 0, &[]); v[0] = 0x47; v }),
-        ("bad-version", { let mut v = raw(kind::CREDIT, 0, &[]); v[1] = 2; v }),
+        ("bad-magic", {
+            let mut v = raw(kind::CREDIT, 0, &[]);
+            v[0] = 0x47;
+            v
+        }),
+        ("bad-version", {
+            let mut v = raw(kind::CREDIT, 0, &[]);
+            v[1] = 2;
+            v
+        }),
         ("bad-kind", raw(0, 0, &[])),
         ("bad-flags", raw(kind::CREDIT, 0x02, &[])),
-        ("bad-body-len", { let mut v = raw(kind::PROBE_ACK, 0, &[1, 0, 0, 0]); v[8] = 9; v }),
-        ("bad-truncated", raw(kind::RTS, 0, &[1, 0, 0, 0, 0, 0, 0, 0, 5])),
+        ("bad-body-len", {
+            let mut v = raw(kind::PROBE_ACK, 0, &[1, 0, 0, 0]);
+            v[8] = 9;
+            v
+        }),
+        (
+            "bad-truncated",
+            raw(kind::RTS, 0, &[1, 0, 0, 0, 0, 0, 0, 0, 5]),
+        ),
         ("bad-zero-count", raw(kind::EAGER, 0, &[0, 0])),
-        ("bad-length-past-end", raw(kind::EAGER, 0, &[2, 0, 1, 0, 0, 0, b'x', 200, 0, 0, 0, b'y'])),
+        (
+            "bad-length-past-end",
+            raw(
+                kind::EAGER,
+                0,
+                &[2, 0, 1, 0, 0, 0, b'x', 200, 0, 0, 0, b'y'],
+            ),
+        ),
         ("bad-trailing", raw(kind::RNDV_DONE, 0, &[0; 9])),
         ("bad-desc-too-long", raw(kind::RTS, 0, &oversize_desc)),
         ("bad-ext-too-long", raw(kind::HELLO, 0, &oversize_ext)),
@@ -83,17 +181,28 @@ fn committed_seeds_decode_as_their_names_say() {
     let (mut good, mut bad) = (0, 0);
     let mut kinds = std::collections::BTreeSet::new();
     for path in files {
-        let name = path.file_stem().and_then(|s| s.to_str()).expect("utf-8 file name").to_owned();
+        let name = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("utf-8 file name")
+            .to_owned();
         let bytes = Bytes::from(std::fs::read(&path).expect("read seed"));
         let result = Frame::decode(&bytes);
         if name.starts_with("ok-") {
             let frame = result.unwrap_or_else(|e| panic!("{name} should decode: {e}"));
-            assert_eq!(frame.to_bytes(), bytes, "{name} does not re-encode to itself");
+            assert_eq!(
+                frame.to_bytes(),
+                bytes,
+                "{name} does not re-encode to itself"
+            );
             kinds.insert(frame.body.kind());
             good += 1;
         } else if name.starts_with("bad-") {
             match result {
-                Err(e) => assert!(expected_error(&name, &e), "{name} failed with the wrong error: {e}"),
+                Err(e) => assert!(
+                    expected_error(&name, &e),
+                    "{name} failed with the wrong error: {e}"
+                ),
                 Ok(f) => panic!("{name} should be rejected but decoded as {f:?}"),
             }
             bad += 1;
@@ -102,16 +211,23 @@ fn committed_seeds_decode_as_their_names_say() {
         }
     }
     assert_eq!(kinds.len(), 9, "valid seeds must cover every frame kind");
-    assert!(bad >= 12, "one malformed seed per decode error ({bad} found)");
+    assert!(
+        bad >= 12,
+        "one malformed seed per decode error ({bad} found)"
+    );
     assert!(good >= 9);
 }
 
 #[test]
 fn committed_seeds_match_the_generator() {
     for (name, bytes) in seeds() {
-        let on_disk = std::fs::read(seed_dir().join(format!("{name}.bin")))
-            .unwrap_or_else(|e| panic!("seed {name}.bin missing ({e}); run the ignored write_seeds test"));
-        assert_eq!(on_disk, bytes, "{name}.bin is stale; run the ignored write_seeds test");
+        let on_disk = std::fs::read(seed_dir().join(format!("{name}.bin"))).unwrap_or_else(|e| {
+            panic!("seed {name}.bin missing ({e}); run the ignored write_seeds test")
+        });
+        assert_eq!(
+            on_disk, bytes,
+            "{name}.bin is stale; run the ignored write_seeds test"
+        );
     }
 }
 

@@ -25,8 +25,13 @@ const MIB: usize = 1 << 20;
 /// Soft-RoCE VM runs under full emulation (10–100× slower), so its harness raises the guard
 /// with `IBEX_TEST_GUARD_SECS`.
 async fn within<F: Future>(f: F) -> F::Output {
-    let secs = std::env::var("IBEX_TEST_GUARD_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
-    tokio::time::timeout(Duration::from_secs(secs), f).await.unwrap_or_else(|_| panic!("test hung for {secs} s"))
+    let secs = std::env::var("IBEX_TEST_GUARD_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(60);
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .unwrap_or_else(|_| panic!("test hung for {secs} s"))
 }
 
 /// The next handler event, failing instead of hanging.
@@ -37,9 +42,15 @@ async fn next_event(ev: &mut Events) -> Event {
         .expect("service dropped")
 }
 
-async fn start<T: Transport>(max_decode: Option<usize>, max_encode: Option<usize>) -> (ServerHandle, Events) {
+async fn start<T: Transport>(
+    max_decode: Option<usize>,
+    max_encode: Option<usize>,
+) -> (ServerHandle, Events) {
     let (svc, ev) = BenchImpl::new();
-    (T::serve(Routes::new(svc.server(max_decode, max_encode))).await, ev)
+    (
+        T::serve(Routes::new(svc.server(max_decode, max_encode))).await,
+        ev,
+    )
 }
 
 async fn client<T: Transport>(srv: &ServerHandle) -> BenchClient<Chan> {
@@ -57,7 +68,15 @@ fn assert_test_error(s: &Status) {
     assert_eq!(s.message(), ERROR_MESSAGE);
     assert_eq!(s.details(), ERROR_DETAILS);
     assert_eq!(s.metadata().get("x-error-ascii").unwrap(), "why");
-    assert_eq!(s.metadata().get_bin("x-error-bin").unwrap().to_bytes().unwrap().as_ref(), b"\x00\xfe");
+    assert_eq!(
+        s.metadata()
+            .get_bin("x-error-bin")
+            .unwrap()
+            .to_bytes()
+            .unwrap()
+            .as_ref(),
+        b"\x00\xfe"
+    );
 }
 
 mod cases {
@@ -67,23 +86,53 @@ mod cases {
         let (srv, _ev) = start::<T>(None, None).await;
         let mut c = client::<T>(&srv).await;
         let bufs = vec![pattern(100, 1), Bytes::new(), pattern(3000, 2)];
-        let r = c.echo(Payload { buffers: bufs.clone() }).await.unwrap().into_inner();
+        let r = c
+            .echo(Payload {
+                buffers: bufs.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
         assert_eq!(r.buffers, bufs);
-        let ack = c.sink(Payload { buffers: bufs }).await.unwrap().into_inner();
-        assert_eq!(ack, Ack { bytes: 3100, buffers: 3 });
+        let ack = c
+            .sink(Payload { buffers: bufs })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            ack,
+            Ack {
+                bytes: 3100,
+                buffers: 3
+            }
+        );
         srv.shutdown().await.unwrap();
     }
 
     pub async fn server_streaming<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
         let mut c = client::<T>(&srv).await;
-        let mut s = c.stream(StreamRequest { count: 5, payload_size: 1000 }).await.unwrap().into_inner();
+        let mut s = c
+            .stream(StreamRequest {
+                count: 5,
+                payload_size: 1000,
+            })
+            .await
+            .unwrap()
+            .into_inner();
         for i in 0..5u8 {
             let p = s.message().await.unwrap().expect("stream ended early");
             assert_eq!(p.buffers, vec![pattern(1000, i)]);
         }
         assert!(s.message().await.unwrap().is_none());
-        let mut empty = c.stream(StreamRequest { count: 0, payload_size: 1 }).await.unwrap().into_inner();
+        let mut empty = c
+            .stream(StreamRequest {
+                count: 0,
+                payload_size: 1,
+            })
+            .await
+            .unwrap()
+            .into_inner();
         assert!(empty.message().await.unwrap().is_none());
         srv.shutdown().await.unwrap();
     }
@@ -91,11 +140,35 @@ mod cases {
     pub async fn client_streaming<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
         let mut c = client::<T>(&srv).await;
-        let msgs: Vec<Payload> = (0..10).map(|i| Payload { buffers: vec![pattern(i * 100, i as u8); 2] }).collect();
-        let ack = c.upload(tokio_stream::iter(msgs)).await.unwrap().into_inner();
-        assert_eq!(ack, Ack { bytes: 2 * 100 * 45, buffers: 20 });
-        let ack = c.upload(tokio_stream::iter(Vec::<Payload>::new())).await.unwrap().into_inner();
-        assert_eq!(ack, Ack { bytes: 0, buffers: 0 });
+        let msgs: Vec<Payload> = (0..10)
+            .map(|i| Payload {
+                buffers: vec![pattern(i * 100, i as u8); 2],
+            })
+            .collect();
+        let ack = c
+            .upload(tokio_stream::iter(msgs))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            ack,
+            Ack {
+                bytes: 2 * 100 * 45,
+                buffers: 20
+            }
+        );
+        let ack = c
+            .upload(tokio_stream::iter(Vec::<Payload>::new()))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            ack,
+            Ack {
+                bytes: 0,
+                buffers: 0
+            }
+        );
         srv.shutdown().await.unwrap();
     }
 
@@ -103,13 +176,22 @@ mod cases {
         let (srv, _ev) = start::<T>(None, None).await;
         let mut c = client::<T>(&srv).await;
         let (tx, rx) = tokio::sync::mpsc::channel(1);
-        let mut replies = c.chat(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+        let mut replies = c
+            .chat(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
         // Lock-step: each reply must arrive before the next request is sent, which proves the
         // transport delivers messages as they come rather than at half-close.
         for i in 0..20u8 {
-            let p = Payload { buffers: vec![pattern(64 * i as usize, i)] };
+            let p = Payload {
+                buffers: vec![pattern(64 * i as usize, i)],
+            };
             tx.send(p.clone()).await.unwrap();
-            assert_eq!(replies.message().await.unwrap().expect("chat ended early"), p);
+            assert_eq!(
+                replies.message().await.unwrap().expect("chat ended early"),
+                p
+            );
         }
         drop(tx);
         assert!(replies.message().await.unwrap().is_none());
@@ -119,23 +201,59 @@ mod cases {
     pub async fn error_details<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
         let mut c = client::<T>(&srv).await;
-        let e = c.echo(with_mode(Payload::default(), "fail")).await.unwrap_err();
+        let e = c
+            .echo(with_mode(Payload::default(), "fail"))
+            .await
+            .unwrap_err();
         assert_test_error(&e);
         // An error after messages arrives in the trailers.
-        let mut s = c.stream(with_mode(StreamRequest { count: 5, payload_size: 10 }, "fail-after:2")).await.unwrap().into_inner();
-        assert_eq!(s.message().await.unwrap().unwrap().buffers, vec![pattern(10, 0)]);
-        assert_eq!(s.message().await.unwrap().unwrap().buffers, vec![pattern(10, 1)]);
+        let mut s = c
+            .stream(with_mode(
+                StreamRequest {
+                    count: 5,
+                    payload_size: 10,
+                },
+                "fail-after:2",
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            s.message().await.unwrap().unwrap().buffers,
+            vec![pattern(10, 0)]
+        );
+        assert_eq!(
+            s.message().await.unwrap().unwrap().buffers,
+            vec![pattern(10, 1)]
+        );
         assert_test_error(&s.message().await.unwrap_err());
         // Client-streaming and bidi errors too.
-        let e = c.upload(with_mode(tokio_stream::iter(vec![Payload::default()]), "fail")).await.unwrap_err();
+        let e = c
+            .upload(with_mode(
+                tokio_stream::iter(vec![Payload::default()]),
+                "fail",
+            ))
+            .await
+            .unwrap_err();
         assert_test_error(&e);
-        let e = c.chat(with_mode(tokio_stream::iter(vec![Payload::default()]), "fail")).await.unwrap_err();
+        let e = c
+            .chat(with_mode(
+                tokio_stream::iter(vec![Payload::default()]),
+                "fail",
+            ))
+            .await
+            .unwrap_err();
         assert_test_error(&e);
         srv.shutdown().await.unwrap();
     }
 
     /// Raw HTTP view of one call through the channel: response head, data frames, trailers.
-    async fn raw_call(chan: &Chan, path: &'static str, mode: &str, msg: impl Message) -> (http::response::Parts, Vec<Bytes>, Option<http::HeaderMap>) {
+    async fn raw_call(
+        chan: &Chan,
+        path: &'static str,
+        mode: &str,
+        msg: impl Message,
+    ) -> (http::response::Parts, Vec<Bytes>, Option<http::HeaderMap>) {
         let body = msg.encode_to_vec();
         let mut framed = BytesMut::with_capacity(5 + body.len());
         framed.put_u8(0);
@@ -147,7 +265,9 @@ mod cases {
             .header("content-type", "application/grpc")
             .header("te", "trailers")
             .header("x-mode", mode)
-            .body(tonic::body::Body::new(http_body_util::Full::new(framed.freeze())))
+            .body(tonic::body::Body::new(http_body_util::Full::new(
+                framed.freeze(),
+            )))
             .unwrap();
         let resp = chan.clone().oneshot(req).await.unwrap();
         let (parts, mut body) = resp.into_parts();
@@ -166,19 +286,44 @@ mod cases {
         let (srv, _ev) = start::<T>(None, None).await;
         let chan = T::connect(&srv.addr).await.unwrap();
         // Immediate error: grpc-status in the response headers, no body, no trailers.
-        let (head, data, trailers) = raw_call(&chan, "/ibex.bench.v1.Bench/Echo", "fail", Payload::default()).await;
+        let (head, data, trailers) = raw_call(
+            &chan,
+            "/ibex.bench.v1.Bench/Echo",
+            "fail",
+            Payload::default(),
+        )
+        .await;
         assert_eq!(head.status, 200);
         assert_eq!(head.headers.get("grpc-status").unwrap(), "3");
-        assert!(head.headers.get("grpc-message").unwrap().to_str().unwrap().contains("bad%20payload"));
+        assert!(
+            head.headers
+                .get("grpc-message")
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .contains("bad%20payload")
+        );
         assert!(head.headers.get("grpc-status-details-bin").is_some());
         assert_eq!(head.headers.get("x-error-ascii").unwrap(), "why");
-        assert!(data.iter().all(|d| d.is_empty()), "trailers-only response had data");
-        assert!(trailers.is_none(), "trailers-only response had trailers: {trailers:?}");
+        assert!(
+            data.iter().all(|d| d.is_empty()),
+            "trailers-only response had data"
+        );
+        assert!(
+            trailers.is_none(),
+            "trailers-only response had trailers: {trailers:?}"
+        );
         // A successful call: data, then grpc-status 0 in the trailers, not in the headers.
-        let p = Payload { buffers: vec![pattern(77, 7)] };
-        let (head, data, trailers) = raw_call(&chan, "/ibex.bench.v1.Bench/Echo", "", p.clone()).await;
+        let p = Payload {
+            buffers: vec![pattern(77, 7)],
+        };
+        let (head, data, trailers) =
+            raw_call(&chan, "/ibex.bench.v1.Bench/Echo", "", p.clone()).await;
         assert!(head.headers.get("grpc-status").is_none());
-        assert_eq!(head.headers.get("content-type").unwrap(), "application/grpc");
+        assert_eq!(
+            head.headers.get("content-type").unwrap(),
+            "application/grpc"
+        );
         let mut all: Bytes = data.concat().into();
         assert_eq!(all.get_u8(), 0);
         let len = all.get_u32() as usize;
@@ -186,14 +331,24 @@ mod cases {
         assert_eq!(Payload::decode(all).unwrap(), p);
         assert_eq!(trailers.unwrap().get("grpc-status").unwrap(), "0");
         // An error after a message: the status in the trailers.
-        let (head, data, trailers) = raw_call(&chan, "/ibex.bench.v1.Bench/Stream", "fail-after:1", StreamRequest { count: 3, payload_size: 5 }).await;
+        let (head, data, trailers) = raw_call(
+            &chan,
+            "/ibex.bench.v1.Bench/Stream",
+            "fail-after:1",
+            StreamRequest {
+                count: 3,
+                payload_size: 5,
+            },
+        )
+        .await;
         assert!(head.headers.get("grpc-status").is_none());
         assert!(!data.concat().is_empty());
         let t = trailers.unwrap();
         assert_eq!(t.get("grpc-status").unwrap(), "3");
         assert_eq!(t.get("x-error-ascii").unwrap(), "why");
         // Unknown method: tonic's router answers Unimplemented, trailers-only.
-        let (head, _, _) = raw_call(&chan, "/ibex.bench.v1.Bench/Nope", "", Payload::default()).await;
+        let (head, _, _) =
+            raw_call(&chan, "/ibex.bench.v1.Bench/Nope", "", Payload::default()).await;
         assert_eq!(head.headers.get("grpc-status").unwrap(), "12");
         srv.shutdown().await.unwrap();
     }
@@ -202,14 +357,25 @@ mod cases {
         let (srv, _ev) = start::<T>(None, None).await;
         let mut c = client::<T>(&srv).await;
         let mut req = Request::new(Payload::default());
-        req.metadata_mut().insert("x-ascii", "hello world".parse().unwrap());
+        req.metadata_mut()
+            .insert("x-ascii", "hello world".parse().unwrap());
         req.metadata_mut().append("x-multi", "one".parse().unwrap());
-        req.metadata_mut().insert_bin("x-data-bin", tonic::metadata::MetadataValue::from_bytes(&[0, 1, 2, 255, 10, 13]));
+        req.metadata_mut().insert_bin(
+            "x-data-bin",
+            tonic::metadata::MetadataValue::from_bytes(&[0, 1, 2, 255, 10, 13]),
+        );
         let resp = c.echo(req).await.unwrap();
         let md = resp.metadata();
         assert_eq!(md.get("echo-x-ascii").unwrap(), "hello world");
         assert_eq!(md.get("echo-x-multi").unwrap(), "one");
-        assert_eq!(md.get_bin("echo-x-data-bin").unwrap().to_bytes().unwrap().as_ref(), &[0, 1, 2, 255, 10, 13]);
+        assert_eq!(
+            md.get_bin("echo-x-data-bin")
+                .unwrap()
+                .to_bytes()
+                .unwrap()
+                .as_ref(),
+            &[0, 1, 2, 255, 10, 13]
+        );
         srv.shutdown().await.unwrap();
     }
 
@@ -224,9 +390,17 @@ mod cases {
         assert_eq!(next_event(&mut ev).await, Event::Started("echo"));
         assert_eq!(next_event(&mut ev).await, Event::Cancelled("echo"));
         // A deadline that is met changes nothing.
-        let mut req = with_mode(Payload { buffers: vec![pattern(10, 3)] }, "sleep:10");
+        let mut req = with_mode(
+            Payload {
+                buffers: vec![pattern(10, 3)],
+            },
+            "sleep:10",
+        );
         req.set_timeout(Duration::from_secs(30));
-        assert_eq!(c.echo(req).await.unwrap().into_inner().buffers, vec![pattern(10, 3)]);
+        assert_eq!(
+            c.echo(req).await.unwrap().into_inner().buffers,
+            vec![pattern(10, 3)]
+        );
         srv.shutdown().await.unwrap();
     }
 
@@ -234,33 +408,69 @@ mod cases {
         let (srv, mut ev) = start::<T>(None, None).await;
         let c = client::<T>(&srv).await;
         let mut c1 = c.clone();
-        let call = tokio::spawn(async move { c1.echo(with_mode(Payload::default(), "hold")).await });
+        let call =
+            tokio::spawn(async move { c1.echo(with_mode(Payload::default(), "hold")).await });
         assert_eq!(next_event(&mut ev).await, Event::Started("echo"));
         call.abort();
         assert!(call.await.unwrap_err().is_cancelled());
         assert_eq!(next_event(&mut ev).await, Event::Cancelled("echo"));
         // Streaming: the client drops the response stream mid-way; the channel stays usable.
         let mut c2 = c.clone();
-        let mut s = c2.stream(StreamRequest { count: 1000, payload_size: 64 * 1024 }).await.unwrap().into_inner();
+        let mut s = c2
+            .stream(StreamRequest {
+                count: 1000,
+                payload_size: 64 * 1024,
+            })
+            .await
+            .unwrap()
+            .into_inner();
         assert!(s.message().await.unwrap().is_some());
         drop(s);
         let mut c3 = c.clone();
-        assert_eq!(c3.echo(Payload { buffers: vec![pattern(5, 5)] }).await.unwrap().into_inner().buffers, vec![pattern(5, 5)]);
+        assert_eq!(
+            c3.echo(Payload {
+                buffers: vec![pattern(5, 5)]
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .buffers,
+            vec![pattern(5, 5)]
+        );
         srv.shutdown().await.unwrap();
     }
 
     pub async fn message_sizes<T: Transport>() {
         let (srv, _ev) = start::<T>(Some(usize::MAX), None).await;
-        let mut c = client::<T>(&srv).await.max_decoding_message_size(usize::MAX);
+        let mut c = client::<T>(&srv)
+            .await
+            .max_decoding_message_size(usize::MAX);
         for (len, seed) in [(0, 0), (4 * MIB, 1), (64 * MIB, 2)] {
-            let p = Payload { buffers: vec![pattern(len, seed)] };
+            let p = Payload {
+                buffers: vec![pattern(len, seed)],
+            };
             let r = c.echo(p.clone()).await.unwrap().into_inner();
             assert_eq!(r.buffers.len(), 1);
             assert_eq!(r.buffers[0].len(), len);
             assert!(r == p, "{len}-byte echo came back different");
         }
-        let ack = c.upload(tokio_stream::iter(vec![Payload { buffers: vec![pattern(4 * MIB, 9)] }; 3])).await.unwrap().into_inner();
-        assert_eq!(ack, Ack { bytes: 12 * MIB as u64, buffers: 3 });
+        let ack = c
+            .upload(tokio_stream::iter(vec![
+                Payload {
+                    buffers: vec![pattern(4 * MIB, 9)]
+                };
+                3
+            ]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            ack,
+            Ack {
+                bytes: 12 * MIB as u64,
+                buffers: 3
+            }
+        );
         srv.shutdown().await.unwrap();
     }
 
@@ -269,22 +479,59 @@ mod cases {
         let (srv, _ev) = start::<T>(None, Some(MIB)).await;
         let mut c = client::<T>(&srv).await;
         // Request over the server's decoding limit.
-        let e = c.echo(Payload { buffers: vec![pattern(5 * MIB, 1)] }).await.unwrap_err();
+        let e = c
+            .echo(Payload {
+                buffers: vec![pattern(5 * MIB, 1)],
+            })
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), Code::OutOfRange, "{e:?}");
-        assert!(e.message().contains("decoded message length too large"), "{e:?}");
+        assert!(
+            e.message().contains("decoded message length too large"),
+            "{e:?}"
+        );
         // Response over the server's encoding limit (1 MiB here).
-        let mut s = c.stream(StreamRequest { count: 1, payload_size: 2 * MIB as u64 }).await.unwrap().into_inner();
+        let mut s = c
+            .stream(StreamRequest {
+                count: 1,
+                payload_size: 2 * MIB as u64,
+            })
+            .await
+            .unwrap()
+            .into_inner();
         let e = s.message().await.unwrap_err();
         assert_eq!(e.code(), Code::OutOfRange, "{e:?}");
-        assert!(e.message().contains("encoded message length too large"), "{e:?}");
+        assert!(
+            e.message().contains("encoded message length too large"),
+            "{e:?}"
+        );
         // Response over the client's decoding limit.
         let mut c = c.max_decoding_message_size(MIB / 2);
-        let mut s = c.stream(StreamRequest { count: 1, payload_size: (MIB / 2) as u64 + 1 }).await.unwrap().into_inner();
+        let mut s = c
+            .stream(StreamRequest {
+                count: 1,
+                payload_size: (MIB / 2) as u64 + 1,
+            })
+            .await
+            .unwrap()
+            .into_inner();
         let e = s.message().await.unwrap_err();
         assert_eq!(e.code(), Code::OutOfRange, "{e:?}");
-        assert!(e.message().contains("decoded message length too large"), "{e:?}");
+        assert!(
+            e.message().contains("decoded message length too large"),
+            "{e:?}"
+        );
         // The channel is fine afterwards.
-        assert_eq!(c.echo(Payload { buffers: vec![pattern(10, 4)] }).await.unwrap().into_inner().buffers, vec![pattern(10, 4)]);
+        assert_eq!(
+            c.echo(Payload {
+                buffers: vec![pattern(10, 4)]
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .buffers,
+            vec![pattern(10, 4)]
+        );
         srv.shutdown().await.unwrap();
     }
 
@@ -295,7 +542,12 @@ mod cases {
             .map(|i| {
                 let mut c = c.clone();
                 tokio::spawn(async move {
-                    let p = Payload { buffers: vec![Bytes::from(i.to_le_bytes().to_vec()), pattern((i % 7) as usize * 100, i as u8)] };
+                    let p = Payload {
+                        buffers: vec![
+                            Bytes::from(i.to_le_bytes().to_vec()),
+                            pattern((i % 7) as usize * 100, i as u8),
+                        ],
+                    };
                     let r = c.echo(p.clone()).await.unwrap().into_inner();
                     assert_eq!(r, p, "call {i} got another call's reply");
                 })
@@ -311,10 +563,15 @@ mod cases {
     pub async fn handler_panic<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
         let mut c = client::<T>(&srv).await;
-        let e = c.echo(with_mode(Payload::default(), "panic")).await.unwrap_err();
+        let e = c
+            .echo(with_mode(Payload::default(), "panic"))
+            .await
+            .unwrap_err();
         // tonic: the HTTP/2 stream is reset (CANCEL), which its client reports as Cancelled.
         assert_eq!(e.code(), Code::Cancelled, "{e:?}");
-        let p = Payload { buffers: vec![pattern(10, 6)] };
+        let p = Payload {
+            buffers: vec![pattern(10, 6)],
+        };
         assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
         srv.shutdown().await.unwrap();
     }
@@ -325,17 +582,33 @@ mod cases {
         let (srv, _ev) = start::<T>(None, None).await;
         let c = client::<T>(&srv).await;
         let mut c1 = c.clone();
-        let mut stalled = c1.stream(StreamRequest { count: 48, payload_size: MIB as u64 }).await.unwrap().into_inner();
+        let mut stalled = c1
+            .stream(StreamRequest {
+                count: 48,
+                payload_size: MIB as u64,
+            })
+            .await
+            .unwrap()
+            .into_inner();
         assert!(stalled.message().await.unwrap().unwrap().buffers == vec![pattern(MIB, 0)]);
         // The server now has more in flight than any window allows; other calls still go.
         for i in 0..20u8 {
             let mut c2 = c.clone();
-            let p = Payload { buffers: vec![pattern(1000, i)] };
+            let p = Payload {
+                buffers: vec![pattern(1000, i)],
+            };
             assert_eq!(c2.echo(p.clone()).await.unwrap().into_inner(), p);
         }
         for i in 1..48u8 {
-            let m = stalled.message().await.unwrap().expect("stream ended early");
-            assert!(m.buffers == vec![pattern(MIB, i)], "stream message {i} differs");
+            let m = stalled
+                .message()
+                .await
+                .unwrap()
+                .expect("stream ended early");
+            assert!(
+                m.buffers == vec![pattern(MIB, i)],
+                "stream message {i} differs"
+            );
         }
         assert!(stalled.message().await.unwrap().is_none());
         srv.shutdown().await.unwrap();
@@ -347,7 +620,15 @@ mod cases {
         let calls: Vec<_> = (0..10u8)
             .map(|i| {
                 let mut c = c.clone();
-                tokio::spawn(async move { c.echo(with_mode(Payload { buffers: vec![pattern(100, i)] }, "sleep:300")).await })
+                tokio::spawn(async move {
+                    c.echo(with_mode(
+                        Payload {
+                            buffers: vec![pattern(100, i)],
+                        },
+                        "sleep:300",
+                    ))
+                    .await
+                })
             })
             .collect();
         for _ in 0..10 {
@@ -355,7 +636,10 @@ mod cases {
         }
         srv.trigger_shutdown();
         for (i, call) in calls.into_iter().enumerate() {
-            let r = call.await.unwrap().unwrap_or_else(|e| panic!("in-flight call {i} failed on shutdown: {e:?}"));
+            let r = call
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("in-flight call {i} failed on shutdown: {e:?}"));
             assert_eq!(r.into_inner().buffers, vec![pattern(100, i as u8)]);
         }
         srv.join().await.unwrap();
@@ -375,7 +659,9 @@ mod cases {
 
     pub async fn server_gone<T: Transport>() {
         let dead = T::dead_addr().await;
-        let Err(e) = T::connect(&dead).await else { panic!("connected to nothing at {dead}") };
+        let Err(e) = T::connect(&dead).await else {
+            panic!("connected to nothing at {dead}")
+        };
         assert!(!e.is_empty());
         let (srv, _ev) = start::<T>(None, None).await;
         let mut c = client::<T>(&srv).await;
@@ -436,9 +722,22 @@ mod ibex_verbs {
     }
 
     verbs_suite!(
-        unary, server_streaming, client_streaming, bidi_streaming, error_details, trailers_only,
-        metadata, deadline, client_cancel, message_sizes, size_limits, concurrent_calls,
-        slow_reader, handler_panic, graceful_shutdown, server_gone
+        unary,
+        server_streaming,
+        client_streaming,
+        bidi_streaming,
+        error_details,
+        trailers_only,
+        metadata,
+        deadline,
+        client_cancel,
+        message_sizes,
+        size_limits,
+        concurrent_calls,
+        slow_reader,
+        handler_panic,
+        graceful_shutdown,
+        server_gone
     );
 }
 
@@ -453,25 +752,52 @@ mod ibex_only {
     /// extensions, instead of receiving it in the body.
     async fn pull_exposed_buffer<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
-        let ch = Channel::connect_with_config(&srv.addr, ibex_config()).await.unwrap();
+        let ch = Channel::connect_with_config(&srv.addr, ibex_config())
+            .await
+            .unwrap();
         // The generated client takes the Ibex channel as it is.
         let mut c = BenchClient::new(ch.clone()).max_decoding_message_size(usize::MAX);
         let data = pattern(8 * MIB, 42);
         let exposed = ch.expose(data.clone()).await.unwrap();
-        let mut req = with_mode(Payload { buffers: vec![exposed.descriptor()] }, "pull");
-        req.metadata_mut().insert("x-pull-len", (8 * MIB).to_string().parse().unwrap());
+        let mut req = with_mode(
+            Payload {
+                buffers: vec![exposed.descriptor()],
+            },
+            "pull",
+        );
+        req.metadata_mut()
+            .insert("x-pull-len", (8 * MIB).to_string().parse().unwrap());
         let resp = c.echo(req).await.unwrap();
-        let one_sided = resp.metadata().get("x-one-sided").unwrap().to_str().unwrap().to_string();
-        assert_eq!(one_sided, ch.one_sided().to_string(), "both ends agree on what the provider can do");
-        assert!(resp.into_inner().buffers == vec![data], "pulled data differs from the exposed buffer");
+        let one_sided = resp
+            .metadata()
+            .get("x-one-sided")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            one_sided,
+            ch.one_sided().to_string(),
+            "both ends agree on what the provider can do"
+        );
+        assert!(
+            resp.into_inner().buffers == vec![data],
+            "pulled data differs from the exposed buffer"
+        );
         if !ch.one_sided() {
             // Once withdrawn, the descriptor is refused with a clear error, not a hang. (Over
             // shm, CMA reads the client's address space directly, so a withdrawn descriptor
             // is not refused there: reported to the shm provider, see docs/grpc.md.)
             let desc = exposed.descriptor();
             drop(exposed);
-            let mut req = with_mode(Payload { buffers: vec![desc] }, "pull");
-            req.metadata_mut().insert("x-pull-len", (8 * MIB).to_string().parse().unwrap());
+            let mut req = with_mode(
+                Payload {
+                    buffers: vec![desc],
+                },
+                "pull",
+            );
+            req.metadata_mut()
+                .insert("x-pull-len", (8 * MIB).to_string().parse().unwrap());
             match c.echo(req).await {
                 Ok(_) => panic!("a withdrawn descriptor was read"),
                 Err(e) => {
@@ -498,24 +824,46 @@ mod ibex_only {
     /// transport moves rendezvous.
     async fn message_paths<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
-        let ch = Channel::connect_with_config(&srv.addr, ibex_config()).await.unwrap();
+        let ch = Channel::connect_with_config(&srv.addr, ibex_config())
+            .await
+            .unwrap();
         let mut c = BenchClient::new(ch.clone());
         let delta = |a: &ibex_transport::ConnStats, b: &ibex_transport::ConnStats| {
             let (a, b) = (&a.proto, &b.proto);
-            [b.eager_msgs_sent - a.eager_msgs_sent, b.eager_msgs_recv - a.eager_msgs_recv, b.rndv_msgs_sent - a.rndv_msgs_sent, b.rndv_msgs_recv - a.rndv_msgs_recv]
+            [
+                b.eager_msgs_sent - a.eager_msgs_sent,
+                b.eager_msgs_recv - a.eager_msgs_recv,
+                b.rndv_msgs_sent - a.rndv_msgs_sent,
+                b.rndv_msgs_recv - a.rndv_msgs_recv,
+            ]
         };
         let before = ch.connection().stats();
-        let p = Payload { buffers: vec![pattern(64, 1)] };
+        let p = Payload {
+            buffers: vec![pattern(64, 1)],
+        };
         assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
         let after = ch.connection().stats();
-        assert_eq!(delta(&before, &after), [1, 1, 0, 0], "64 B echo: [eager sent, eager recv, rndv sent, rndv recv]");
+        assert_eq!(
+            delta(&before, &after),
+            [1, 1, 0, 0],
+            "64 B echo: [eager sent, eager recv, rndv sent, rndv recv]"
+        );
         // 2 MiB stays under half the flow-control window, so no window update joins in.
-        let p = Payload { buffers: vec![pattern(2 * MIB, 2)] };
+        let p = Payload {
+            buffers: vec![pattern(2 * MIB, 2)],
+        };
         assert!(c.echo(p.clone()).await.unwrap().into_inner() == p);
         let after2 = ch.connection().stats();
-        assert_eq!(delta(&after, &after2), [1, 1, 1, 1], "2 MiB echo: [eager sent, eager recv, rndv sent, rndv recv]");
+        assert_eq!(
+            delta(&after, &after2),
+            [1, 1, 1, 1],
+            "2 MiB echo: [eager sent, eager recv, rndv sent, rndv recv]"
+        );
         let body = after2.proto.rndv_bytes_sent - after.proto.rndv_bytes_sent;
-        assert!((2 * MIB as u64..2 * MIB as u64 + 64).contains(&body), "the body frame went whole, not split: {body} B");
+        assert!(
+            (2 * MIB as u64..2 * MIB as u64 + 64).contains(&body),
+            "the body frame went whole, not split: {body} B"
+        );
         srv.shutdown().await.unwrap();
     }
 
@@ -533,8 +881,14 @@ mod ibex_only {
     /// call, with `ResourceExhausted` naming the limit, in either direction; the connection's
     /// framing survives and the next call works.
     async fn transport_limit(uri: impl Fn() -> String) {
-        let small = ibex_transport::Config { max_message_size: MIB as u64, ..ibex_config() };
-        for (server_cfg, client_cfg) in [(small.clone(), ibex_config()), (ibex_config(), small.clone())] {
+        let small = ibex_transport::Config {
+            max_message_size: MIB as u64,
+            ..ibex_config()
+        };
+        for (server_cfg, client_cfg) in [
+            (small.clone(), ibex_config()),
+            (ibex_config(), small.clone()),
+        ] {
             let (svc, _ev) = BenchImpl::new();
             let listener = ibex_transport::listen(&uri(), server_cfg).await.unwrap();
             let addr = listener.local_uri();
@@ -546,15 +900,24 @@ mod ibex_only {
                         let _ = rx.await;
                     }),
             );
-            let ch = Channel::connect_with_config(&addr, client_cfg).await.unwrap();
+            let ch = Channel::connect_with_config(&addr, client_cfg)
+                .await
+                .unwrap();
             let mut c = BenchClient::new(ch).max_decoding_message_size(usize::MAX);
-            let e = match c.echo(Payload { buffers: vec![pattern(2 * MIB, 1)] }).await {
+            let e = match c
+                .echo(Payload {
+                    buffers: vec![pattern(2 * MIB, 1)],
+                })
+                .await
+            {
                 Ok(_) => panic!("a 2 MiB message passed a 1 MiB transport limit"),
                 Err(e) => e,
             };
             assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
             assert!(e.message().contains("max_message_size"), "{e:?}");
-            let p = Payload { buffers: vec![pattern(100, 2)] };
+            let p = Payload {
+                buffers: vec![pattern(100, 2)],
+            };
             assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
             let _ = tx.send(());
             server.await.unwrap().unwrap();
@@ -575,11 +938,20 @@ mod ibex_only {
     /// goes on serving everyone else.
     async fn garbage_closes_only_that_connection<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
-        let raw = ibex_transport::connect(&srv.addr, ibex_config()).await.unwrap();
-        raw.send(Bytes::from_static(b"\x00\x00\x00\x01\x01\xff\xff\xff\xff")).await.unwrap();
-        assert!(raw.recv().await.is_err(), "the server answered garbage instead of closing");
+        let raw = ibex_transport::connect(&srv.addr, ibex_config())
+            .await
+            .unwrap();
+        raw.send(Bytes::from_static(b"\x00\x00\x00\x01\x01\xff\xff\xff\xff"))
+            .await
+            .unwrap();
+        assert!(
+            raw.recv().await.is_err(),
+            "the server answered garbage instead of closing"
+        );
         let mut c = client::<T>(&srv).await;
-        let p = Payload { buffers: vec![pattern(10, 1)] };
+        let p = Payload {
+            buffers: vec![pattern(10, 1)],
+        };
         assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
         srv.shutdown().await.unwrap();
     }
@@ -600,8 +972,14 @@ mod ibex_only {
         within(async {
             let (srv, _ev) = start::<Stock>(None, None).await;
             let mut c = client::<Stock>(&srv).await;
-            let mut req = with_mode(Payload { buffers: vec![Bytes::from_static(b"desc")] }, "pull");
-            req.metadata_mut().insert("x-pull-len", "4".parse().unwrap());
+            let mut req = with_mode(
+                Payload {
+                    buffers: vec![Bytes::from_static(b"desc")],
+                },
+                "pull",
+            );
+            req.metadata_mut()
+                .insert("x-pull-len", "4".parse().unwrap());
             let e = c.echo(req).await.unwrap_err();
             assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
             srv.shutdown().await.unwrap();

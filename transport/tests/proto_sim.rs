@@ -13,7 +13,9 @@ use bytes::Bytes;
 use ibex_transport::Config;
 use ibex_transport::error::Error;
 use ibex_transport::proto::frame::{Body, Frame};
-use ibex_transport::proto::{Action, Connection, Delivery, EAGER_OVERHEAD, MsgId, PROBE_MSG_BIT, Protocol, RecvMode};
+use ibex_transport::proto::{
+    Action, Connection, Delivery, EAGER_OVERHEAD, MsgId, PROBE_MSG_BIT, Protocol, RecvMode,
+};
 use proptest::prelude::*;
 
 // ---------------------------------------------------------------- simulator
@@ -85,7 +87,11 @@ impl Default for SimCfg {
 }
 
 fn ns_for(len: usize, bw: u64) -> Duration {
-    if bw == 0 { Duration::ZERO } else { Duration::from_nanos(len as u64 * 1000 / bw) }
+    if bw == 0 {
+        Duration::ZERO
+    } else {
+        Duration::from_nanos(len as u64 * 1000 / bw)
+    }
 }
 
 struct PendingRead {
@@ -174,11 +180,17 @@ impl Side {
     }
 
     fn coalesced_frames(&self) -> usize {
-        self.sent_frames.iter().filter(|f| f.0 == 2 && f.1 >= 2).count()
+        self.sent_frames
+            .iter()
+            .filter(|f| f.0 == 2 && f.1 >= 2)
+            .count()
     }
 
     fn data_frames(&self) -> usize {
-        self.sent_frames.iter().filter(|f| matches!(f.0, 2 | 3 | 6 | 8)).count()
+        self.sent_frames
+            .iter()
+            .filter(|f| matches!(f.0, 2 | 3 | 6 | 8))
+            .count()
     }
 }
 
@@ -224,13 +236,19 @@ impl Sim {
     /// expose + RTS. The peer will expect it.
     fn send(&mut self, i: usize, data: Bytes) -> (MsgId, Protocol) {
         let now = self.now;
-        let proto = self.sides[i].conn.classify(data.len() as u64).expect("classify");
+        let proto = self.sides[i]
+            .conn
+            .classify(data.len() as u64)
+            .expect("classify");
         let side = &mut self.sides[i];
         let msg = match proto {
             Protocol::Eager => side.conn.send_eager(now, data.clone()).expect("send_eager"),
             Protocol::Rendezvous => {
                 let (id, desc) = side.expose(data.clone());
-                let msg = side.conn.send_rendezvous(now, data.len() as u64, desc).expect("send_rendezvous");
+                let msg = side
+                    .conn
+                    .send_rendezvous(now, data.len() as u64, desc)
+                    .expect("send_rendezvous");
                 side.send_exposure.insert(msg, id);
                 msg
             }
@@ -251,7 +269,9 @@ impl Sim {
     fn run(&mut self) {
         for _ in 0..10_000_000 {
             self.pump();
-            let Some(next) = self.next_event() else { return };
+            let Some(next) = self.next_event() else {
+                return;
+            };
             self.now = self.now.max(next);
             self.fire();
         }
@@ -267,7 +287,9 @@ impl Sim {
                     continue;
                 }
                 while self.sides[i].link_busy_until <= self.now {
-                    let Some(frame) = self.sides[i].conn.poll_transmit(self.now) else { break };
+                    let Some(frame) = self.sides[i].conn.poll_transmit(self.now) else {
+                        break;
+                    };
                     self.transmit(i, frame);
                     progress = true;
                 }
@@ -286,14 +308,27 @@ impl Sim {
         let f = Frame::decode(&frame).expect("the core sent an undecodable frame");
         let peer_credits = self.credits[1 - i];
         let (me, peer) = self.sides_mut(i);
-        assert!(frame.len() <= 65536 || f.body.kind() == 9, "frame larger than any slot in these tests");
+        assert!(
+            frame.len() <= 65536 || f.body.kind() == 9,
+            "frame larger than any slot in these tests"
+        );
         if f.body.is_data() {
             me.outstanding += 1;
             me.max_outstanding = me.max_outstanding.max(me.outstanding);
-            assert!(me.outstanding <= peer_credits, "more data frames outstanding than the peer has slots");
+            assert!(
+                me.outstanding <= peer_credits,
+                "more data frames outstanding than the peer has slots"
+            );
         }
-        peer.outstanding = peer.outstanding.checked_sub(f.credits).expect("credits returned that were never taken");
-        let count = if let Body::Eager { msgs } = &f.body { msgs.len() } else { 0 };
+        peer.outstanding = peer
+            .outstanding
+            .checked_sub(f.credits)
+            .expect("credits returned that were never taken");
+        let count = if let Body::Eager { msgs } = &f.body {
+            msgs.len()
+        } else {
+            0
+        };
         me.sent_frames.push((f.body.kind(), count, frame.len()));
         let serialise = ns_for(frame.len(), self.cfg.link_bw);
         let me = &mut self.sides[i];
@@ -305,24 +340,42 @@ impl Sim {
 
     fn sides_mut(&mut self, i: usize) -> (&mut Side, &mut Side) {
         let (a, b) = self.sides.split_at_mut(1);
-        if i == 0 { (&mut a[0], &mut b[0]) } else { (&mut b[0], &mut a[0]) }
+        if i == 0 {
+            (&mut a[0], &mut b[0])
+        } else {
+            (&mut b[0], &mut a[0])
+        }
     }
 
     fn act(&mut self, i: usize, a: Action) {
         let now = self.now;
         let mapped_mode = self.cfg.mapped;
         let jitter = self.rng.below(self.cfg.read_jitter.as_nanos() as u64);
-        let (read_latency, read_bw, consume_every) = (self.cfg.read_latency, self.cfg.read_bw, self.cfg.consume_every);
+        let (read_latency, read_bw, consume_every) = (
+            self.cfg.read_latency,
+            self.cfg.read_bw,
+            self.cfg.consume_every,
+        );
         let (me, peer) = self.sides_mut(i);
         if me.closed.is_some() {
-            me.after_close.push(format!("{a:?}").chars().take(40).collect());
+            me.after_close
+                .push(format!("{a:?}").chars().take(40).collect());
         }
         match a {
-            Action::BeginRecv { msg, len, descriptor, probe } => {
+            Action::BeginRecv {
+                msg,
+                len,
+                descriptor,
+                probe,
+            } => {
                 assert_eq!(probe, msg & PROBE_MSG_BIT != 0);
                 if mapped_mode {
                     let id = desc_id(&descriptor).expect("descriptor");
-                    let view = peer.exposed.get(&id).expect("mapped exposure").slice(..len as usize);
+                    let view = peer
+                        .exposed
+                        .get(&id)
+                        .expect("mapped exposure")
+                        .slice(..len as usize);
                     me.mapped.insert(msg, view);
                     me.conn.accept_rendezvous(now, msg, RecvMode::Mapped);
                 } else {
@@ -330,11 +383,29 @@ impl Sim {
                     me.conn.accept_rendezvous(now, msg, RecvMode::Read);
                 }
             }
-            Action::Read { id, msg, descriptor, remote_offset, local_offset, len } => {
-                assert!(me.dest.contains_key(&msg), "read for a message without destination");
+            Action::Read {
+                id,
+                msg,
+                descriptor,
+                remote_offset,
+                local_offset,
+                len,
+            } => {
+                assert!(
+                    me.dest.contains_key(&msg),
+                    "read for a message without destination"
+                );
                 let at = now + read_latency + ns_for(len, read_bw) + Duration::from_nanos(jitter);
                 me.read_issue_order.push(id);
-                me.reads.push(PendingRead { at, id, msg, desc: descriptor, remote_offset, local_offset, len });
+                me.reads.push(PendingRead {
+                    at,
+                    id,
+                    msg,
+                    desc: descriptor,
+                    remote_offset,
+                    local_offset,
+                    len,
+                });
             }
             Action::Deliver { msg, data } => {
                 let (want_msg, want) = me.expected.pop_front().expect("delivery nobody sent");
@@ -350,7 +421,11 @@ impl Sim {
                         got
                     }
                 };
-                assert!(got == want, "message {msg} corrupted ({} bytes)", want.len());
+                assert!(
+                    got == want,
+                    "message {msg} corrupted ({} bytes)",
+                    want.len()
+                );
                 me.delivered += 1;
                 match consume_every {
                     None => {
@@ -364,7 +439,10 @@ impl Sim {
                 }
             }
             Action::Release { msg } => {
-                let id = me.send_exposure.remove(&msg).expect("release of an unknown send");
+                let id = me
+                    .send_exposure
+                    .remove(&msg)
+                    .expect("release of an unknown send");
                 me.exposed.remove(&id);
                 me.released.push(msg);
             }
@@ -424,7 +502,9 @@ impl Sim {
         for i in 0..2 {
             let due: Vec<PendingRead> = {
                 let s = &mut self.sides[i];
-                let (due, keep) = std::mem::take(&mut s.reads).into_iter().partition(|r| r.at <= now);
+                let (due, keep) = std::mem::take(&mut s.reads)
+                    .into_iter()
+                    .partition(|r| r.at <= now);
                 s.reads = keep;
                 due
             };
@@ -432,7 +512,9 @@ impl Sim {
             due.sort_by_key(|r| (r.at, r.id));
             for r in due {
                 let (me, peer) = self.sides_mut(i);
-                let src = desc_id(&r.desc).and_then(|id| peer.exposed.get(&id)).cloned();
+                let src = desc_id(&r.desc)
+                    .and_then(|id| peer.exposed.get(&id))
+                    .cloned();
                 let result = match src {
                     Some(src) if r.remote_offset as usize + r.len <= src.len() => {
                         let start = r.remote_offset as usize;
@@ -456,7 +538,8 @@ impl Sim {
                     s.conn.consumed(msg);
                     s.conn.release_recv(msg);
                 }
-                s.consume_at = (!s.to_consume.is_empty()).then(|| now + self.cfg.consume_every.unwrap_or_default());
+                s.consume_at = (!s.to_consume.is_empty())
+                    .then(|| now + self.cfg.consume_every.unwrap_or_default());
             }
             if !s.dead && s.conn.poll_timeout().is_some_and(|t| t <= now) {
                 s.conn.handle_timeout(now);
@@ -467,16 +550,29 @@ impl Sim {
     /// Every message sent was delivered; nothing is left anywhere.
     fn assert_all_delivered(&self) {
         for (i, s) in self.sides.iter().enumerate() {
-            assert!(s.expected.is_empty(), "side {i}: {} messages never delivered", s.expected.len());
+            assert!(
+                s.expected.is_empty(),
+                "side {i}: {} messages never delivered",
+                s.expected.len()
+            );
             assert!(s.closed.is_none(), "side {i} closed: {:?}", s.closed);
-            assert!(s.send_exposure.is_empty(), "side {i}: rendezvous sends never released");
-            assert!(s.dest.is_empty() && s.mapped.is_empty(), "side {i}: receive buffers left over");
+            assert!(
+                s.send_exposure.is_empty(),
+                "side {i}: rendezvous sends never released"
+            );
+            assert!(
+                s.dest.is_empty() && s.mapped.is_empty(),
+                "side {i}: receive buffers left over"
+            );
         }
     }
 }
 
 fn config() -> Config {
-    Config { probe: false, ..Config::default() }
+    Config {
+        probe: false,
+        ..Config::default()
+    }
 }
 
 // ---------------------------------------------------------------- sizes
@@ -487,7 +583,13 @@ fn boundary_sizes_arrive_intact_by_the_right_protocol() {
     let t = c.default_eager_threshold;
     let mut sim = Sim::pair(&c, &c, SimCfg::default());
     assert_eq!(sim.sides[0].conn.eager_threshold(), t);
-    let cases = [(0, Protocol::Eager), (1, Protocol::Eager), (t - 1, Protocol::Eager), (t, Protocol::Eager), (t + 1, Protocol::Rendezvous)];
+    let cases = [
+        (0, Protocol::Eager),
+        (1, Protocol::Eager),
+        (t - 1, Protocol::Eager),
+        (t, Protocol::Eager),
+        (t + 1, Protocol::Rendezvous),
+    ];
     for (n, (len, proto)) in cases.into_iter().enumerate() {
         let (_, got) = sim.send(0, payload(n as u64, len));
         assert_eq!(got, proto, "{len} bytes");
@@ -499,7 +601,10 @@ fn boundary_sizes_arrive_intact_by_the_right_protocol() {
     assert_eq!(st.eager_bytes_sent, (1 + t - 1 + t) as u64);
     assert_eq!(st.threshold_source, "default");
     let rs = sim.sides[1].conn.stats();
-    assert_eq!((rs.eager_msgs_recv, rs.rndv_msgs_recv, rs.rndv_bytes_recv), (4, 1, t as u64 + 1));
+    assert_eq!(
+        (rs.eager_msgs_recv, rs.rndv_msgs_recv, rs.rndv_bytes_recv),
+        (4, 1, t as u64 + 1)
+    );
 }
 
 #[test]
@@ -508,7 +613,10 @@ fn a_zero_length_rendezvous_completes_without_reads() {
     let mut sim = Sim::pair(&c, &c, SimCfg::default());
     let now = sim.now;
     let (id, desc) = sim.sides[0].expose(Bytes::new());
-    let msg = sim.sides[0].conn.send_rendezvous(now, 0, desc).expect("rts");
+    let msg = sim.sides[0]
+        .conn
+        .send_rendezvous(now, 0, desc)
+        .expect("rts");
     sim.sides[0].send_exposure.insert(msg, id);
     sim.sides[1].expected.push_back((msg, Bytes::new()));
     sim.run();
@@ -529,16 +637,36 @@ fn the_slot_exact_eager_maximum_fills_one_slot() {
     assert_eq!(sim.send(0, payload(8, max + 1)).1, Protocol::Rendezvous);
     sim.run();
     sim.assert_all_delivered();
-    assert!(sim.sides[0].sent_frames.iter().any(|f| f.0 == 2 && f.2 == c.slot_size), "no frame filled the slot exactly");
+    assert!(
+        sim.sides[0]
+            .sent_frames
+            .iter()
+            .any(|f| f.0 == 2 && f.2 == c.slot_size),
+        "no frame filled the slot exactly"
+    );
     // Anything larger cannot go eager at all.
     let now = sim.now;
-    assert!(matches!(sim.sides[0].conn.send_eager(now, payload(9, max + 1)), Err(Error::TooLarge { .. })));
+    assert!(matches!(
+        sim.sides[0].conn.send_eager(now, payload(9, max + 1)),
+        Err(Error::TooLarge { .. })
+    ));
 }
 
 #[test]
 fn a_256_mib_message_arrives_intact() {
-    let c = Config { max_reads_in_flight: 4, ..config() };
-    let mut sim = Sim::pair(&c, &c, SimCfg { read_jitter: Duration::from_micros(30), seed: 99, ..SimCfg::default() });
+    let c = Config {
+        max_reads_in_flight: 4,
+        ..config()
+    };
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            read_jitter: Duration::from_micros(30),
+            seed: 99,
+            ..SimCfg::default()
+        },
+    );
     let len = 256 << 20;
     assert_eq!(sim.send(0, payload(256, len)).1, Protocol::Rendezvous);
     sim.run();
@@ -550,12 +678,31 @@ fn a_256_mib_message_arrives_intact() {
 
 #[test]
 fn message_size_limits_are_enforced_on_both_sides() {
-    let a = Config { max_message_size: 1 << 20, ..config() };
-    let b = Config { max_message_size: 1 << 16, ..config() };
+    let a = Config {
+        max_message_size: 1 << 20,
+        ..config()
+    };
+    let b = Config {
+        max_message_size: 1 << 16,
+        ..config()
+    };
     let sim = Sim::pair(&a, &b, SimCfg::default());
     let conn = &sim.sides[0].conn;
-    assert!(matches!(conn.classify(2 << 20), Err(Error::TooLarge { which: "max_message_size of this side", .. })));
-    assert!(matches!(conn.classify(1 << 17), Err(Error::TooLarge { which: "max_message_size of the peer", limit: 65536, .. })));
+    assert!(matches!(
+        conn.classify(2 << 20),
+        Err(Error::TooLarge {
+            which: "max_message_size of this side",
+            ..
+        })
+    ));
+    assert!(matches!(
+        conn.classify(1 << 17),
+        Err(Error::TooLarge {
+            which: "max_message_size of the peer",
+            limit: 65536,
+            ..
+        })
+    ));
     assert_eq!(conn.classify(1 << 16).ok(), Some(Protocol::Rendezvous));
 }
 
@@ -563,8 +710,16 @@ fn message_size_limits_are_enforced_on_both_sides() {
 
 #[test]
 fn reordered_read_completions_still_deliver_in_order() {
-    let c = Config { fragment_size: 4096, max_reads_in_flight: 8, ..config() };
-    let cfg = SimCfg { read_jitter: Duration::from_micros(200), seed: 42, ..SimCfg::default() };
+    let c = Config {
+        fragment_size: 4096,
+        max_reads_in_flight: 8,
+        ..config()
+    };
+    let cfg = SimCfg {
+        read_jitter: Duration::from_micros(200),
+        seed: 42,
+        ..SimCfg::default()
+    };
     let mut sim = Sim::pair(&c, &c, cfg);
     for n in 0..20u64 {
         sim.send(0, payload(n, 20_000 + n as usize * 3_001));
@@ -575,20 +730,38 @@ fn reordered_read_completions_still_deliver_in_order() {
     let s = &sim.sides[1];
     assert_eq!(s.read_issue_order.len(), s.read_done_order.len());
     let inversions = s.read_done_order.windows(2).filter(|w| w[0] > w[1]).count();
-    assert!(inversions > 10, "reads did not complete out of order ({inversions} inversions)");
+    assert!(
+        inversions > 10,
+        "reads did not complete out of order ({inversions} inversions)"
+    );
     assert!(s.read_issue_order.windows(2).all(|w| w[0] < w[1]));
 }
 
 #[test]
 fn reads_in_flight_never_exceed_the_limit() {
-    let c = Config { fragment_size: 4096, max_reads_in_flight: 3, ..config() };
-    let mut sim = Sim::pair(&c, &c, SimCfg { read_jitter: Duration::from_micros(50), ..SimCfg::default() });
+    let c = Config {
+        fragment_size: 4096,
+        max_reads_in_flight: 3,
+        ..config()
+    };
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            read_jitter: Duration::from_micros(50),
+            ..SimCfg::default()
+        },
+    );
     for n in 0..5 {
         sim.send(0, payload(n, 100_000));
     }
     for _ in 0..100_000 {
         sim.pump();
-        assert!(sim.sides[1].reads.len() <= 3, "{} reads in flight", sim.sides[1].reads.len());
+        assert!(
+            sim.sides[1].reads.len() <= 3,
+            "{} reads in flight",
+            sim.sides[1].reads.len()
+        );
         let Some(t) = sim.next_event() else { break };
         sim.now = sim.now.max(t);
         sim.fire();
@@ -599,7 +772,14 @@ fn reads_in_flight_never_exceed_the_limit() {
 #[test]
 fn mapped_rendezvous_needs_no_reads_and_releases_on_view_drop() {
     let c = config();
-    let mut sim = Sim::pair(&c, &c, SimCfg { mapped: true, ..SimCfg::default() });
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            mapped: true,
+            ..SimCfg::default()
+        },
+    );
     let (msg, proto) = sim.send(0, payload(5, 1 << 20));
     assert_eq!(proto, Protocol::Rendezvous);
     sim.send(0, payload(6, 100));
@@ -612,7 +792,11 @@ fn mapped_rendezvous_needs_no_reads_and_releases_on_view_drop() {
 #[test]
 fn mapped_sender_buffer_stays_held_until_the_view_is_dropped() {
     let c = config();
-    let cfg = SimCfg { mapped: true, consume_every: Some(Duration::from_millis(1)), ..SimCfg::default() };
+    let cfg = SimCfg {
+        mapped: true,
+        consume_every: Some(Duration::from_millis(1)),
+        ..SimCfg::default()
+    };
     let mut sim = Sim::pair(&c, &c, cfg);
     let (msg, _) = sim.send(0, payload(5, 1 << 20));
     // Run until delivered but not yet consumed (the reader holds the view for 1 ms).
@@ -623,7 +807,10 @@ fn mapped_sender_buffer_stays_held_until_the_view_is_dropped() {
         sim.fire();
     }
     sim.pump();
-    assert!(sim.sides[0].released.is_empty(), "released while the receiver still maps it");
+    assert!(
+        sim.sides[0].released.is_empty(),
+        "released while the receiver still maps it"
+    );
     sim.run();
     assert_eq!(sim.sides[0].released, vec![msg]);
     sim.assert_all_delivered();
@@ -634,11 +821,26 @@ fn mapped_sender_buffer_stays_held_until_the_view_is_dropped() {
 #[test]
 fn a_slow_reader_stalls_the_sender_without_losing_anything() {
     let a = config();
-    let b = Config { credits: 4, slot_size: 4096, ..config() };
+    let b = Config {
+        credits: 4,
+        slot_size: 4096,
+        ..config()
+    };
     let every = Duration::from_micros(500);
-    let mut sim = Sim::pair(&a, &b, SimCfg { consume_every: Some(every), ..SimCfg::default() });
+    let mut sim = Sim::pair(
+        &a,
+        &b,
+        SimCfg {
+            consume_every: Some(every),
+            ..SimCfg::default()
+        },
+    );
     let max = b.slot_size - EAGER_OVERHEAD;
-    assert_eq!(sim.sides[0].conn.eager_threshold(), max, "threshold clamps to the peer's slot");
+    assert_eq!(
+        sim.sides[0].conn.eager_threshold(),
+        max,
+        "threshold clamps to the peer's slot"
+    );
     for n in 0..100 {
         assert_eq!(sim.send(0, payload(n, max - n as usize)).1, Protocol::Eager);
     }
@@ -647,16 +849,29 @@ fn a_slow_reader_stalls_the_sender_without_losing_anything() {
     let s = &sim.sides[0];
     assert_eq!(s.max_outstanding, 4, "the window was not used, or overrun");
     assert!(s.conn.stats().credit_stalls >= 1);
-    assert!(s.data_frames() >= 100, "messages this large cannot share a frame");
+    assert!(
+        s.data_frames() >= 100,
+        "messages this large cannot share a frame"
+    );
     // Backpressure: the sender cannot run ahead of a reader taking one message per 500 µs.
-    assert!(sim.elapsed() >= every * 99, "finished in {:?}", sim.elapsed());
+    assert!(
+        sim.elapsed() >= every * 99,
+        "finished in {:?}",
+        sim.elapsed()
+    );
 }
 
 #[test]
 fn credits_come_back_in_credit_frames_when_nothing_else_flows() {
     // Eager only: a rendezvous would carry its credit back on the RndvDone.
-    let a = Config { eager_threshold: Some(config().max_eager()), ..config() };
-    let b = Config { credits: 8, ..config() };
+    let a = Config {
+        eager_threshold: Some(config().max_eager()),
+        ..config()
+    };
+    let b = Config {
+        credits: 8,
+        ..config()
+    };
     let mut sim = Sim::pair(&a, &b, SimCfg::default());
     for n in 0..40 {
         sim.send(0, payload(n, 40_000));
@@ -664,14 +879,26 @@ fn credits_come_back_in_credit_frames_when_nothing_else_flows() {
     }
     sim.assert_all_delivered();
     let credit_frames = sim.sides[1].sent_frames.iter().filter(|f| f.0 == 5).count();
-    assert!(credit_frames >= 40 / 4 - 1, "only {credit_frames} Credit frames");
+    assert!(
+        credit_frames >= 40 / 4 - 1,
+        "only {credit_frames} Credit frames"
+    );
     assert!(sim.sides[0].max_outstanding <= 8);
 }
 
 #[test]
 fn five_thousand_mixed_messages_arrive_in_order() {
-    let c = Config { credits: 16, fragment_size: 64 * 1024, ..config() };
-    let cfg = SimCfg { read_jitter: Duration::from_micros(40), link_bw: 5_000, seed: 5, ..SimCfg::default() };
+    let c = Config {
+        credits: 16,
+        fragment_size: 64 * 1024,
+        ..config()
+    };
+    let cfg = SimCfg {
+        read_jitter: Duration::from_micros(40),
+        link_bw: 5_000,
+        seed: 5,
+        ..SimCfg::default()
+    };
     let mut sim = Sim::pair(&c, &c, cfg);
     let mut rng = Rng::new(77);
     for n in 0..5_000u64 {
@@ -695,7 +922,14 @@ fn five_thousand_mixed_messages_arrive_in_order() {
 fn small_messages_coalesce_when_the_link_is_slow() {
     let c = config();
     // 10 bytes/µs: a 1 KiB frame keeps the link busy for ~100 µs.
-    let mut sim = Sim::pair(&c, &c, SimCfg { link_bw: 10, ..SimCfg::default() });
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            link_bw: 10,
+            ..SimCfg::default()
+        },
+    );
     for n in 0..200 {
         sim.send(0, payload(n, 100));
         // The application produces one message every 2 µs.
@@ -712,9 +946,17 @@ fn small_messages_coalesce_when_the_link_is_slow() {
     sim.run();
     sim.assert_all_delivered();
     let s = &sim.sides[0];
-    assert!(s.conn.stats().coalesced_msgs > 100, "coalesced only {}", s.conn.stats().coalesced_msgs);
+    assert!(
+        s.conn.stats().coalesced_msgs > 100,
+        "coalesced only {}",
+        s.conn.stats().coalesced_msgs
+    );
     assert!(s.coalesced_frames() >= 2);
-    assert!(s.data_frames() < 50, "{} data frames for 200 small messages", s.data_frames());
+    assert!(
+        s.data_frames() < 50,
+        "{} data frames for 200 small messages",
+        s.data_frames()
+    );
 }
 
 #[test]
@@ -743,7 +985,12 @@ fn rendezvous_ends_a_coalesced_pack_and_order_is_kept() {
     }
     sim.run();
     sim.assert_all_delivered();
-    let kinds: Vec<(u8, usize)> = sim.sides[0].sent_frames.iter().filter(|f| f.0 != 1).map(|f| (f.0, f.1)).collect();
+    let kinds: Vec<(u8, usize)> = sim.sides[0]
+        .sent_frames
+        .iter()
+        .filter(|f| f.0 != 1)
+        .map(|f| (f.0, f.1))
+        .collect();
     assert_eq!(kinds, vec![(2, 10), (3, 0), (2, 9)]);
 }
 
@@ -756,40 +1003,70 @@ fn probe_with(cfg: SimCfg) -> (usize, Sim) {
     let len = c.max_eager();
     sim.start_probe(0, len);
     sim.run();
-    assert_eq!(sim.sides[0].thresholds.len(), 1, "exactly one ThresholdChosen");
+    assert_eq!(
+        sim.sides[0].thresholds.len(),
+        1,
+        "exactly one ThresholdChosen"
+    );
     assert!(sim.sides[0].probe_exposure.is_none());
     (sim.sides[0].thresholds[0], sim)
 }
 
 #[test]
 fn slow_reads_make_the_probe_pick_a_high_threshold() {
-    let (t, sim) = probe_with(SimCfg { link_bw: 1_000, read_latency: Duration::from_micros(200), read_bw: 100, ..SimCfg::default() });
+    let (t, sim) = probe_with(SimCfg {
+        link_bw: 1_000,
+        read_latency: Duration::from_micros(200),
+        read_bw: 100,
+        ..SimCfg::default()
+    });
     assert_eq!(t, config().max_eager());
     let s = sim.sides[0].conn.stats();
     assert_eq!((s.threshold_source, s.eager_threshold), ("probe", t));
     assert_eq!(sim.sides[0].conn.eager_threshold(), t);
     // Probes are invisible to the application on the other side.
     assert_eq!(sim.sides[1].delivered, 0);
-    assert_eq!(sim.sides[1].discarded.len(), 4 * 4, "one discard per rendezvous sample");
+    assert_eq!(
+        sim.sides[1].discarded.len(),
+        4 * 4,
+        "one discard per rendezvous sample"
+    );
 }
 
 #[test]
 fn fast_reads_make_the_probe_pick_a_low_threshold() {
-    let (t, _) = probe_with(SimCfg { link_bw: 100, read_latency: Duration::from_micros(1), read_bw: 0, ..SimCfg::default() });
+    let (t, _) = probe_with(SimCfg {
+        link_bw: 100,
+        read_latency: Duration::from_micros(1),
+        read_bw: 0,
+        ..SimCfg::default()
+    });
     assert_eq!(t, 1024);
 }
 
 #[test]
 fn the_probe_finds_a_crossover_in_the_middle() {
     // Eager costs 1 µs/KB on the link; a read costs 10 µs + 0.25 µs/KB: they cross between 4 and 16 KiB.
-    let (t, _) = probe_with(SimCfg { link_bw: 1_000, read_latency: Duration::from_micros(10), read_bw: 4_000, ..SimCfg::default() });
+    let (t, _) = probe_with(SimCfg {
+        link_bw: 1_000,
+        read_latency: Duration::from_micros(10),
+        read_bw: 4_000,
+        ..SimCfg::default()
+    });
     assert_eq!(t, 4096);
 }
 
 #[test]
 fn probes_do_not_disturb_message_numbering_or_traffic() {
     let c = config();
-    let mut sim = Sim::pair(&c, &c, SimCfg { read_jitter: Duration::from_micros(3), ..SimCfg::default() });
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            read_jitter: Duration::from_micros(3),
+            ..SimCfg::default()
+        },
+    );
     sim.start_probe(0, c.max_eager());
     sim.start_probe(1, c.max_eager());
     for n in 0..30 {
@@ -803,8 +1080,20 @@ fn probes_do_not_disturb_message_numbering_or_traffic() {
 
 #[test]
 fn a_configured_threshold_is_not_overridden_by_the_probe() {
-    let c = Config { eager_threshold: Some(2000), ..config() };
-    let mut sim = Sim::pair(&c, &c, SimCfg { link_bw: 100, read_latency: Duration::from_micros(200), read_bw: 10, ..SimCfg::default() });
+    let c = Config {
+        eager_threshold: Some(2000),
+        ..config()
+    };
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            link_bw: 100,
+            read_latency: Duration::from_micros(200),
+            read_bw: 10,
+            ..SimCfg::default()
+        },
+    );
     sim.start_probe(0, c.max_eager());
     sim.run();
     let conn = &sim.sides[0].conn;
@@ -817,7 +1106,14 @@ fn a_configured_threshold_is_not_overridden_by_the_probe() {
 #[test]
 fn a_probe_started_before_the_handshake_waits_for_it() {
     let c = config();
-    let mut sim = Sim::new(&c, &c, SimCfg { read_latency: Duration::from_micros(100), ..SimCfg::default() });
+    let mut sim = Sim::new(
+        &c,
+        &c,
+        SimCfg {
+            read_latency: Duration::from_micros(100),
+            ..SimCfg::default()
+        },
+    );
     sim.start_probe(0, c.max_eager());
     sim.run();
     assert_eq!(sim.sides[0].thresholds, vec![c.max_eager()]);
@@ -851,10 +1147,15 @@ fn an_unanswered_probe_is_abandoned_after_two_seconds() {
     conn.handle_timeout(t0 + Duration::from_millis(1999));
     assert!(conn.poll_action().is_none());
     conn.handle_timeout(t0 + Duration::from_secs(2));
-    assert!(matches!(conn.poll_action(), Some(Action::ThresholdChosen { threshold }) if threshold == c.default_eager_threshold));
+    assert!(
+        matches!(conn.poll_action(), Some(Action::ThresholdChosen { threshold }) if threshold == c.default_eager_threshold)
+    );
     assert_eq!(conn.poll_timeout(), None);
     assert_eq!(conn.stats().threshold_source, "default");
-    assert!(conn.poll_transmit(t0).is_none(), "no more samples after abandoning");
+    assert!(
+        conn.poll_transmit(t0).is_none(),
+        "no more samples after abandoning"
+    );
     // The late answer is harmless.
     conn.handle_frame(t0, Frame::new(Body::ProbeAck { probe_id: 0 }).to_bytes());
     assert!(!conn.is_closed());
@@ -869,28 +1170,53 @@ fn drain_actions(conn: &mut Connection) -> Vec<Action> {
 #[test]
 fn graceful_close_waits_for_rendezvous_then_both_sides_close() {
     let c = config();
-    let mut sim = Sim::pair(&c, &c, SimCfg { read_latency: Duration::from_micros(50), ..SimCfg::default() });
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            read_latency: Duration::from_micros(50),
+            ..SimCfg::default()
+        },
+    );
     let (a_msg, _) = sim.send(0, payload(1, 1 << 20));
     sim.send(0, payload(2, 10));
     let (b_msg, _) = sim.send(1, payload(3, 64 << 20));
     sim.pump();
     let now = sim.now;
     sim.sides[0].conn.close(now, "bye");
-    assert!(matches!(sim.sides[0].conn.send_eager(now, Bytes::new()), Err(Error::LocallyClosed)));
-    assert!(matches!(sim.sides[0].conn.send_rendezvous(now, 1, Bytes::new()), Err(Error::LocallyClosed)));
+    assert!(matches!(
+        sim.sides[0].conn.send_eager(now, Bytes::new()),
+        Err(Error::LocallyClosed)
+    ));
+    assert!(matches!(
+        sim.sides[0].conn.send_rendezvous(now, 1, Bytes::new()),
+        Err(Error::LocallyClosed)
+    ));
     sim.run();
     let (a, b) = (&sim.sides[0], &sim.sides[1]);
     // A's rendezvous was read and released normally, before A's Close went out.
     assert_eq!(a.released, vec![a_msg]);
     assert!(b.expected.is_empty(), "B got everything A sent");
     assert!(matches!(&a.closed, Some(Error::LocallyClosed)));
-    assert!(matches!(&b.closed, Some(Error::PeerClosed(r)) if r == "bye"), "{:?}", b.closed);
+    assert!(
+        matches!(&b.closed, Some(Error::PeerClosed(r)) if r == "bye"),
+        "{:?}",
+        b.closed
+    );
     // A was still reading B's 64 MiB message: discarded there, released at B.
     assert_eq!(a.discarded, vec![b_msg]);
     assert_eq!(b.released, vec![b_msg]);
     assert!(a.dest.is_empty() && b.exposed.is_empty());
-    assert!(a.after_close.iter().all(|s| s.starts_with("Discard")), "{:?}", a.after_close);
-    assert!(b.after_close.iter().all(|s| s.starts_with("Release")), "{:?}", b.after_close);
+    assert!(
+        a.after_close.iter().all(|s| s.starts_with("Discard")),
+        "{:?}",
+        a.after_close
+    );
+    assert!(
+        b.after_close.iter().all(|s| s.starts_with("Release")),
+        "{:?}",
+        b.after_close
+    );
     let last = a.sent_frames.last().expect("frames");
     assert_eq!(last.0, 9, "the Close is A's last frame");
 }
@@ -898,7 +1224,14 @@ fn graceful_close_waits_for_rendezvous_then_both_sides_close() {
 #[test]
 fn a_peer_dying_mid_rendezvous_fails_everything_on_both_sides() {
     let c = config();
-    let mut sim = Sim::pair(&c, &c, SimCfg { read_latency: Duration::from_micros(50), ..SimCfg::default() });
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            read_latency: Duration::from_micros(50),
+            ..SimCfg::default()
+        },
+    );
     let (msg, _) = sim.send(0, payload(1, 8 << 20));
     // Let B start reading.
     while sim.sides[1].read_done_order.len() < 2 {
@@ -908,7 +1241,9 @@ fn a_peer_dying_mid_rendezvous_fails_everything_on_both_sides() {
         sim.fire();
     }
     // A's process dies: its link fails, its memory is gone.
-    sim.sides[0].conn.link_failed(Error::PeerGone("process exited".into()));
+    sim.sides[0]
+        .conn
+        .link_failed(Error::PeerGone("process exited".into()));
     sim.pump();
     sim.sides[0].dead = true;
     sim.sides[0].exposed.clear();
@@ -916,7 +1251,11 @@ fn a_peer_dying_mid_rendezvous_fails_everything_on_both_sides() {
     let (a, b) = (&sim.sides[0], &sim.sides[1]);
     assert!(matches!(&a.closed, Some(Error::PeerGone(_))));
     assert_eq!(a.released, vec![msg]);
-    assert!(matches!(&b.closed, Some(Error::PeerGone(_))), "{:?}", b.closed);
+    assert!(
+        matches!(&b.closed, Some(Error::PeerGone(_))),
+        "{:?}",
+        b.closed
+    );
     assert_eq!(b.discarded, vec![msg]);
     assert!(b.dest.is_empty());
     // B told the (dead) peer why, with the local-error code.
@@ -937,12 +1276,18 @@ fn an_abortive_close_from_the_peer_fails_pending_sends() {
     let actions = drain_actions(&mut sim.sides[1].conn);
     assert!(matches!(actions[0], Action::BeginRecv { msg: m, probe: false, .. } if m == msg));
     sim.sides[1].expected.clear();
-    sim.sides[1].conn.reject_rendezvous(arrive, msg, Error::Config("no memory for it".into()));
+    sim.sides[1]
+        .conn
+        .reject_rendezvous(arrive, msg, Error::Config("no memory for it".into()));
     sim.run();
     let (a, b) = (&sim.sides[0], &sim.sides[1]);
     assert!(matches!(&b.closed, Some(Error::Config(_))));
     assert_eq!(b.discarded, vec![msg]);
-    assert!(matches!(&a.closed, Some(Error::PeerClosed(r)) if r.starts_with("error 2:") && r.contains("no memory")), "{:?}", a.closed);
+    assert!(
+        matches!(&a.closed, Some(Error::PeerClosed(r)) if r.starts_with("error 2:") && r.contains("no memory")),
+        "{:?}",
+        a.closed
+    );
     assert_eq!(a.released, vec![msg]);
     assert!(a.exposed.is_empty());
 }
@@ -953,9 +1298,16 @@ fn close_before_the_handshake_is_immediate() {
     let t0 = Instant::now();
     let mut conn = Connection::new(&c, t0);
     conn.close(t0, "never mind");
-    let frames: Vec<u8> = std::iter::from_fn(|| conn.poll_transmit(t0)).map(|f| Frame::decode(&f).expect("f").body.kind()).collect();
+    let frames: Vec<u8> = std::iter::from_fn(|| conn.poll_transmit(t0))
+        .map(|f| Frame::decode(&f).expect("f").body.kind())
+        .collect();
     assert_eq!(frames, vec![9], "only the Close goes out once closed");
-    assert!(matches!(drain_actions(&mut conn)[..], [Action::Closed { error: Error::LocallyClosed }]));
+    assert!(matches!(
+        drain_actions(&mut conn)[..],
+        [Action::Closed {
+            error: Error::LocallyClosed
+        }]
+    ));
     // Everything after is ignored.
     conn.handle_frame(t0, hello(&c));
     assert!(!conn.is_established());
@@ -987,8 +1339,13 @@ fn assert_rejected(conn: &mut Connection, t0: Instant, bad: Bytes, needle: &str)
     conn.handle_frame(t0, bad);
     let actions = drain_actions(conn);
     match actions.first() {
-        Some(Action::Closed { error: Error::Protocol(what) }) => {
-            assert!(what.contains(needle), "{what:?} does not mention {needle:?}")
+        Some(Action::Closed {
+            error: Error::Protocol(what),
+        }) => {
+            assert!(
+                what.contains(needle),
+                "{what:?} does not mention {needle:?}"
+            )
         }
         other => panic!("expected Closed(Protocol) mentioning {needle:?}, got {other:?}"),
     }
@@ -1012,14 +1369,38 @@ fn each_malformed_frame_closes_the_connection_with_a_protocol_error() {
     long_ext.extend_from_slice(&1025u16.to_le_bytes());
     let cases: Vec<(Vec<u8>, &str)> = vec![
         (vec![0x49, 1, 5], "shorter than"),
-        ({ let mut f = raw(5, 0, 0, &[]); f[0] = 0x48; f }, "magic"),
-        ({ let mut f = raw(5, 0, 0, &[]); f[1] = 9; f }, "version 9"),
+        (
+            {
+                let mut f = raw(5, 0, 0, &[]);
+                f[0] = 0x48;
+                f
+            },
+            "magic",
+        ),
+        (
+            {
+                let mut f = raw(5, 0, 0, &[]);
+                f[1] = 9;
+                f
+            },
+            "version 9",
+        ),
         (raw(42, 0, 0, &[]), "unknown frame kind 42"),
         (raw(2, 0x80, 0, &[1, 0, 0, 0, 0, 0]), "flag"),
-        ({ let mut f = raw(5, 0, 0, &[]); f.push(1); f }, "body is 0 bytes but 1"),
+        (
+            {
+                let mut f = raw(5, 0, 0, &[]);
+                f.push(1);
+                f
+            },
+            "body is 0 bytes but 1",
+        ),
         (raw(4, 0, 0, &[1, 2, 3]), "truncated"),
         (raw(2, 0, 0, &[0, 0]), "count of 0"),
-        (raw(2, 0, 0, &[1, 0, 200, 0, 0, 0, 1, 2]), "runs past the end"),
+        (
+            raw(2, 0, 0, &[1, 0, 200, 0, 0, 0, 1, 2]),
+            "runs past the end",
+        ),
         (raw(7, 0, 0, &[0, 0, 0, 0, 9]), "trailing"),
         (raw(3, 0, 0, &long_desc), "descriptor of 257"),
         (raw(1, 0, 0, &long_ext), "extension of 1025"),
@@ -1032,27 +1413,83 @@ fn each_malformed_frame_closes_the_connection_with_a_protocol_error() {
 
 #[test]
 fn each_semantic_violation_closes_the_connection_with_a_protocol_error() {
-    let c = Config { credits: 2, ..config() };
-    let eager = |n: usize| Frame::new(Body::Eager { msgs: vec![Bytes::from(vec![7u8; n])] }).to_bytes();
-    let rts = |seq: u64, len: u64| Frame::new(Body::Rts { seq, len, desc: Bytes::from_static(b"d") }).to_bytes();
+    let c = Config {
+        credits: 2,
+        ..config()
+    };
+    let eager = |n: usize| {
+        Frame::new(Body::Eager {
+            msgs: vec![Bytes::from(vec![7u8; n])],
+        })
+        .to_bytes()
+    };
+    let rts = |seq: u64, len: u64| {
+        Frame::new(Body::Rts {
+            seq,
+            len,
+            desc: Bytes::from_static(b"d"),
+        })
+        .to_bytes()
+    };
     let (mut conn, t0) = established(&c);
     assert_rejected(&mut conn, t0, hello(&c), "second Hello");
     let (mut conn, t0) = established(&c);
     assert_rejected(&mut conn, t0, rts(5, 10), "RTS numbered 5 where message 0");
     let (mut conn, t0) = established(&c);
-    assert_rejected(&mut conn, t0, rts(0, 2 << 30), "max_message_size of 1073741824");
+    assert_rejected(
+        &mut conn,
+        t0,
+        rts(0, 2 << 30),
+        "max_message_size of 1073741824",
+    );
     let (mut conn, t0) = established(&c);
-    assert_rejected(&mut conn, t0, Frame::new(Body::RndvDone { seq: 3, probe: false }).to_bytes(), "not an outstanding rendezvous");
+    assert_rejected(
+        &mut conn,
+        t0,
+        Frame::new(Body::RndvDone {
+            seq: 3,
+            probe: false,
+        })
+        .to_bytes(),
+        "not an outstanding rendezvous",
+    );
     let (mut conn, t0) = established(&c);
-    assert_rejected(&mut conn, t0, Frame::new(Body::RndvDone { seq: 3, probe: true }).to_bytes(), "never sent");
+    assert_rejected(
+        &mut conn,
+        t0,
+        Frame::new(Body::RndvDone {
+            seq: 3,
+            probe: true,
+        })
+        .to_bytes(),
+        "never sent",
+    );
     let (mut conn, t0) = established(&c);
-    assert_rejected(&mut conn, t0, Frame { credits: 1, body: Body::Credit }.to_bytes(), "returned 1 credits");
+    assert_rejected(
+        &mut conn,
+        t0,
+        Frame {
+            credits: 1,
+            body: Body::Credit,
+        }
+        .to_bytes(),
+        "returned 1 credits",
+    );
     let (mut conn, t0) = established(&c);
-    assert_rejected(&mut conn, t0, Bytes::from(vec![0x49; 70_000]), "exceeds our slot size");
+    assert_rejected(
+        &mut conn,
+        t0,
+        Bytes::from(vec![0x49; 70_000]),
+        "exceeds our slot size",
+    );
     let (mut conn, t0) = established(&c);
     conn.handle_frame(t0, eager(10));
     conn.handle_frame(t0, eager(10));
-    assert_eq!(drain_actions(&mut conn).len(), 2, "two deliveries, never consumed");
+    assert_eq!(
+        drain_actions(&mut conn).len(),
+        2,
+        "two deliveries, never consumed"
+    );
     assert_rejected(&mut conn, t0, eager(10), "no credit left");
     // Data before the Hello.
     let t0 = Instant::now();
@@ -1064,7 +1501,14 @@ fn each_semantic_violation_closes_the_connection_with_a_protocol_error() {
 #[test]
 fn a_protocol_violation_releases_and_discards_everything_pending() {
     let c = config();
-    let mut sim = Sim::pair(&c, &c, SimCfg { read_latency: Duration::from_millis(1), ..SimCfg::default() });
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            read_latency: Duration::from_millis(1),
+            ..SimCfg::default()
+        },
+    );
     let (a_msg, _) = sim.send(0, payload(1, 1 << 20));
     let (b_msg, _) = sim.send(1, payload(2, 1 << 20));
     sim.pump();
@@ -1075,13 +1519,19 @@ fn a_protocol_violation_releases_and_discards_everything_pending() {
         sim.pump();
     }
     let now = sim.now;
-    sim.sides[0].conn.handle_frame(now, Bytes::from_static(b"garbage!garbage!"));
+    sim.sides[0]
+        .conn
+        .handle_frame(now, Bytes::from_static(b"garbage!garbage!"));
     sim.run();
     let (a, b) = (&sim.sides[0], &sim.sides[1]);
     assert!(matches!(&a.closed, Some(Error::Protocol(m)) if m.contains("magic")));
     assert_eq!(a.released, vec![a_msg]);
     assert_eq!(a.discarded, vec![b_msg]);
-    assert!(matches!(&b.closed, Some(Error::PeerClosed(r)) if r.starts_with("error 1:")), "{:?}", b.closed);
+    assert!(
+        matches!(&b.closed, Some(Error::PeerClosed(r)) if r.starts_with("error 1:")),
+        "{:?}",
+        b.closed
+    );
     assert_eq!(b.released, vec![b_msg]);
     assert_eq!(b.discarded, vec![a_msg]);
 }
@@ -1097,7 +1547,11 @@ fn a_failed_read_closes_with_that_error() {
     let (a, b) = (&sim.sides[0], &sim.sides[1]);
     assert!(matches!(&b.closed, Some(Error::PeerGone(_))));
     assert_eq!(b.discarded, vec![msg]);
-    assert!(matches!(&a.closed, Some(Error::PeerClosed(r)) if r.starts_with("error 2:")), "{:?}", a.closed);
+    assert!(
+        matches!(&a.closed, Some(Error::PeerClosed(r)) if r.starts_with("error 2:")),
+        "{:?}",
+        a.closed
+    );
 }
 
 // ---------------------------------------------------------------- properties
@@ -1108,15 +1562,40 @@ fn bytes_up_to(n: usize) -> impl Strategy<Value = Bytes> {
 
 fn any_body() -> impl Strategy<Value = Body> {
     prop_oneof![
-        (any::<u32>(), any::<u32>(), any::<u64>(), any::<u32>(), bytes_up_to(1025))
-            .prop_map(|(slots, slot_size, max_message, fragment_size, ext)| Body::Hello { slots, slot_size, max_message, fragment_size, ext }),
+        (
+            any::<u32>(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<u32>(),
+            bytes_up_to(1025)
+        )
+            .prop_map(
+                |(slots, slot_size, max_message, fragment_size, ext)| Body::Hello {
+                    slots,
+                    slot_size,
+                    max_message,
+                    fragment_size,
+                    ext
+                }
+            ),
         proptest::collection::vec(bytes_up_to(300), 1..20).prop_map(|msgs| Body::Eager { msgs }),
-        (any::<u64>(), any::<u64>(), bytes_up_to(257)).prop_map(|(seq, len, desc)| Body::Rts { seq, len, desc }),
+        (any::<u64>(), any::<u64>(), bytes_up_to(257)).prop_map(|(seq, len, desc)| Body::Rts {
+            seq,
+            len,
+            desc
+        }),
         (any::<u64>(), any::<bool>()).prop_map(|(seq, probe)| Body::RndvDone { seq, probe }),
         Just(Body::Credit),
-        (any::<u32>(), bytes_up_to(500)).prop_map(|(probe_id, pad)| Body::ProbeEager { probe_id, pad }),
+        (any::<u32>(), bytes_up_to(500))
+            .prop_map(|(probe_id, pad)| Body::ProbeEager { probe_id, pad }),
         any::<u32>().prop_map(|probe_id| Body::ProbeAck { probe_id }),
-        (any::<u32>(), any::<u64>(), bytes_up_to(257)).prop_map(|(probe_id, len, desc)| Body::ProbeRts { probe_id, len, desc }),
+        (any::<u32>(), any::<u64>(), bytes_up_to(257)).prop_map(|(probe_id, len, desc)| {
+            Body::ProbeRts {
+                probe_id,
+                len,
+                desc,
+            }
+        }),
         (any::<u32>(), ".{0,100}").prop_map(|(code, reason)| Body::Close { code, reason }),
     ]
 }

@@ -15,7 +15,9 @@ fn cpu_time() -> Duration {
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer.
     assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) }, 0);
-    let tv = |t: libc::timeval| Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64);
+    let tv = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
@@ -50,7 +52,10 @@ async fn idle_connected_pair_uses_no_cpu_and_still_wakes() {
     stop.send(()).unwrap();
     let mut b = idle_b.await.unwrap();
     send(&mut b, b"wake").await.unwrap();
-    let (_a, ev) = tokio::time::timeout(Duration::from_secs(10), waiter).await.expect("woken").unwrap();
+    let (_a, ev) = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("woken")
+        .unwrap();
     match ev.unwrap() {
         LinkEvent::Frame(f) => assert_eq!(&f[..], b"wake"),
         other => panic!("{other:?}"),

@@ -36,7 +36,12 @@ async fn kill_scenario() {
     let cfg = small_config();
     let path = sock_path("kill");
     let listener = shm::listen(&path, &cfg).await.unwrap();
-    let mut kid = child("kill_exposer", &[("IBEX_SHM_TEST_PATH", path.to_str().unwrap())]).spawn().unwrap();
+    let mut kid = child(
+        "kill_exposer",
+        &[("IBEX_SHM_TEST_PATH", path.to_str().unwrap())],
+    )
+    .spawn()
+    .unwrap();
     let kid_pid = kid.id() as i32;
     let mut link = listener.accept().await.unwrap();
     let desc = frame(&mut link).await;
@@ -44,7 +49,9 @@ async fn kill_scenario() {
     let base = dst.as_mut_ptr();
 
     let reading = read_until_failure(&mut link, &desc, base, kid_pid);
-    let e = tokio::time::timeout(Duration::from_secs(10), reading).await.expect("the reader hung");
+    let e = tokio::time::timeout(Duration::from_secs(10), reading)
+        .await
+        .expect("the reader hung");
     eprintln!("reader saw: {e}");
     assert!(matches!(e, Error::PeerGone(_)), "{e}");
     // The link stays dead.
@@ -64,18 +71,33 @@ async fn kill_scenario() {
     drop(dst);
     drop(listener);
     kid.wait().unwrap();
-    assert_eq!(memfd_maps(), 0, "memfd mappings left after dropping the link");
-    assert_eq!(fd_count(), fds_before, "descriptors left after dropping the link");
+    assert_eq!(
+        memfd_maps(),
+        0,
+        "memfd mappings left after dropping the link"
+    );
+    assert_eq!(
+        fd_count(),
+        fds_before,
+        "descriptors left after dropping the link"
+    );
 }
 
 /// Re-reads the region in fragments, 4 in flight, killing the exposer after the first
 /// completion, until something fails.
-async fn read_until_failure(link: &mut shm::ShmLink, desc: &[u8], base: *mut u8, kid_pid: i32) -> Error {
+async fn read_until_failure(
+    link: &mut shm::ShmLink,
+    desc: &[u8],
+    base: *mut u8,
+    kid_pid: i32,
+) -> Error {
     let (mut next, mut outstanding, mut done) = (0usize, 0usize, 0usize);
     loop {
         while outstanding < 4 {
             // SAFETY: base+next..+FRAG lies in the caller's buffer, dropped after the link.
-            if let Err(e) = unsafe { link.post_read(next as u64, desc, next as u64, base.add(next), FRAG) } {
+            if let Err(e) =
+                unsafe { link.post_read(next as u64, desc, next as u64, base.add(next), FRAG) }
+            {
                 return e;
             }
             next = (next + FRAG) % REGION;

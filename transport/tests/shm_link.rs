@@ -20,7 +20,12 @@ use tokio::sync::oneshot;
 
 /// Drives `link`'s `poll_event` in a task (so it serves bounce reads) until told to stop;
 /// gives the link back with the frames that arrived meanwhile.
-fn drive(mut link: ShmLink) -> (oneshot::Sender<()>, tokio::task::JoinHandle<(ShmLink, Vec<Bytes>)>) {
+fn drive(
+    mut link: ShmLink,
+) -> (
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<(ShmLink, Vec<Bytes>)>,
+) {
     let (tx, mut rx) = oneshot::channel::<()>();
     let h = tokio::spawn(async move {
         let mut frames = Vec::new();
@@ -60,13 +65,21 @@ async fn frames_arrive_in_order_and_intact_both_ways() {
     let n = 6000;
     let sender = tokio::spawn(async move {
         for i in 0..n {
-            let f = if i <= max { vec![(i % 251) as u8; i] } else { frame_bytes(i, max) };
+            let f = if i <= max {
+                vec![(i % 251) as u8; i]
+            } else {
+                frame_bytes(i, max)
+            };
             send(&mut a, &f).await.expect("send");
         }
         a
     });
     for i in 0..n {
-        let want = if i <= max { vec![(i % 251) as u8; i] } else { frame_bytes(i, max) };
+        let want = if i <= max {
+            vec![(i % 251) as u8; i]
+        } else {
+            frame_bytes(i, max)
+        };
         let got = frame(&mut b).await;
         assert_eq!(got.len(), want.len(), "frame {i}");
         assert!(got[..] == want[..], "frame {i} corrupted");
@@ -89,7 +102,9 @@ async fn frames_arrive_in_order_and_intact_both_ways() {
 async fn oversized_frame_is_refused() {
     let cfg = small_config();
     let (mut a, _b) = pair("oversized", &cfg, &cfg).await;
-    let e = send(&mut a, &vec![0u8; cfg.slot_size + 1]).await.unwrap_err();
+    let e = send(&mut a, &vec![0u8; cfg.slot_size + 1])
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::TooLarge { .. }), "{e}");
 }
 
@@ -102,7 +117,11 @@ impl Wake for CountingWaker {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_ring_is_pending_then_progresses_when_the_peer_reads() {
-    let cfg = Config { slot_size: 1024, credits: 1, ..small_config() };
+    let cfg = Config {
+        slot_size: 1024,
+        credits: 1,
+        ..small_config()
+    };
     let (mut a, mut b) = pair("full", &cfg, &cfg).await;
     let w = Arc::new(CountingWaker(AtomicUsize::new(0)));
     let waker = Waker::from(w.clone());
@@ -127,7 +146,10 @@ async fn full_ring_is_pending_then_progresses_when_the_peer_reads() {
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    assert!(w.0.load(Ordering::SeqCst) > 0, "the waiting producer was never woken");
+    assert!(
+        w.0.load(Ordering::SeqCst) > 0,
+        "the waiting producer was never woken"
+    );
     assert!(matches!(a.poll_send(&mut cx, &f), Poll::Ready(Ok(()))));
     for _ in 0..sent {
         assert_eq!(frame(&mut b).await[..], f[..]);
@@ -138,8 +160,14 @@ async fn full_ring_is_pending_then_progresses_when_the_peer_reads() {
 fn cma_allowed() -> bool {
     let word = 0x5eed_u64;
     let mut out = 0u64;
-    let local = libc::iovec { iov_base: (&mut out as *mut u64).cast(), iov_len: 8 };
-    let remote = libc::iovec { iov_base: (&word as *const u64 as *mut u64).cast(), iov_len: 8 };
+    let local = libc::iovec {
+        iov_base: (&mut out as *mut u64).cast(),
+        iov_len: 8,
+    };
+    let remote = libc::iovec {
+        iov_base: (&word as *const u64 as *mut u64).cast(),
+        iov_len: 8,
+    };
     // SAFETY: both iovecs describe live 8-byte locals.
     let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
     n == 8 && out == word
@@ -157,11 +185,19 @@ async fn region_read_via_cma_in_fragments() {
     let data = pattern(len, 1);
     let exp = a.expose(data.clone()).unwrap();
     assert!(!exp.zero_copy);
-    assert_eq!(b.map_remote(&exp.descriptor, len as u64).unwrap(), None, "heap memory is not mappable");
-    let got = read_all(&mut b, &exp.descriptor, 0, len, 512 << 10, 4).await.unwrap();
+    assert_eq!(
+        b.map_remote(&exp.descriptor, len as u64).unwrap(),
+        None,
+        "heap memory is not mappable"
+    );
+    let got = read_all(&mut b, &exp.descriptor, 0, len, 512 << 10, 4)
+        .await
+        .unwrap();
     assert!(got.as_slice() == &data[..], "64 MiB read corrupted");
     // An unaligned piece in the middle.
-    let got = read_all(&mut b, &exp.descriptor, 1_000_003, 777_777, 100_000, 3).await.unwrap();
+    let got = read_all(&mut b, &exp.descriptor, 1_000_003, 777_777, 100_000, 3)
+        .await
+        .unwrap();
     assert!(got.as_slice() == &data[1_000_003..1_000_003 + 777_777]);
     assert_eq!(a.withdraw(exp.id).map(|b| b.len()), Some(len));
 }
@@ -177,13 +213,22 @@ async fn pool_buffers_are_mapped_by_the_peer_without_a_copy() {
     let sent = buf.freeze();
     let exp = a.expose(sent.clone()).unwrap();
     assert!(exp.zero_copy);
-    let view = b.map_remote(&exp.descriptor, 100_000).unwrap().expect("pool memory maps");
+    let view = b
+        .map_remote(&exp.descriptor, 100_000)
+        .unwrap()
+        .expect("pool memory maps");
     assert_eq!(view[..], sent[..]);
     // The view is the peer's read-only shared mapping of the same memfd, not a copy.
     let line = mapping_of(view.as_ptr() as usize).expect("view address is mapped");
-    assert!(line.contains("memfd:ibex-shm-pool") && line.contains(" r--s "), "{line}");
+    assert!(
+        line.contains("memfd:ibex-shm-pool") && line.contains(" r--s "),
+        "{line}"
+    );
     let own = mapping_of(sent.as_ptr() as usize).unwrap();
-    assert!(own.contains("memfd:ibex-shm-pool") && own.contains(" rw-s "), "{own}");
+    assert!(
+        own.contains("memfd:ibex-shm-pool") && own.contains(" rw-s "),
+        "{own}"
+    );
     assert_ne!(view.as_ptr(), sent.as_ptr());
     // A write through the owner's mapping shows through the view: same pages.
     let mut probe = pool.alloc(64).unwrap();
@@ -194,13 +239,24 @@ async fn pool_buffers_are_mapped_by_the_peer_without_a_copy() {
     assert_eq!(pview[0], 1);
 
     // Wrong length, out of range, garbage.
-    assert!(matches!(b.map_remote(&exp.descriptor, 99_999), Err(Error::Protocol(_))));
+    assert!(matches!(
+        b.map_remote(&exp.descriptor, 99_999),
+        Err(Error::Protocol(_))
+    ));
     let mut forged = exp.descriptor.to_vec();
     forged[8..16].copy_from_slice(&(cfg.pool_size as u64 - 10).to_le_bytes());
-    assert!(matches!(b.map_remote(&forged, 100_000), Err(Error::Protocol(_))));
-    assert!(matches!(b.map_remote(b"garbage", 7), Err(Error::Protocol(_))));
+    assert!(matches!(
+        b.map_remote(&forged, 100_000),
+        Err(Error::Protocol(_))
+    ));
+    assert!(matches!(
+        b.map_remote(b"garbage", 7),
+        Err(Error::Protocol(_))
+    ));
     // post_read on a pool descriptor copies from the mapping.
-    let got = read_all(&mut b, &exp.descriptor, 50, 1000, 300, 2).await.unwrap();
+    let got = read_all(&mut b, &exp.descriptor, 50, 1000, 300, 2)
+        .await
+        .unwrap();
     assert_eq!(got.as_slice(), &sent[50..1050]);
 }
 
@@ -212,13 +268,24 @@ async fn bad_descriptors_and_ranges_are_errors() {
     let mut dst = vec![0u8; 20_000];
     // SAFETY: dst outlives the link calls and no read is accepted (each is refused).
     unsafe {
-        assert!(matches!(b.post_read(1, &exp.descriptor, 5_000, dst.as_mut_ptr(), 5_001), Err(Error::Protocol(_))));
-        assert!(matches!(b.post_read(2, &exp.descriptor, u64::MAX, dst.as_mut_ptr(), 2), Err(Error::Protocol(_))));
-        assert!(matches!(b.post_read(3, b"nonsense", 0, dst.as_mut_ptr(), 1), Err(Error::Protocol(_))));
+        assert!(matches!(
+            b.post_read(1, &exp.descriptor, 5_000, dst.as_mut_ptr(), 5_001),
+            Err(Error::Protocol(_))
+        ));
+        assert!(matches!(
+            b.post_read(2, &exp.descriptor, u64::MAX, dst.as_mut_ptr(), 2),
+            Err(Error::Protocol(_))
+        ));
+        assert!(matches!(
+            b.post_read(3, b"nonsense", 0, dst.as_mut_ptr(), 1),
+            Err(Error::Protocol(_))
+        ));
         // A REGION descriptor naming another process must not become a read of it.
         let mut forged = exp.descriptor.to_vec();
         forged[4..8].copy_from_slice(&1u32.to_le_bytes());
-        let e = b.post_read(4, &forged, 0, dst.as_mut_ptr(), 10).unwrap_err();
+        let e = b
+            .post_read(4, &forged, 0, dst.as_mut_ptr(), 10)
+            .unwrap_err();
         assert!(e.to_string().contains("process 1"), "{e}");
     }
     assert!(matches!(b.map_remote(&[], 0), Err(Error::Protocol(_))));
@@ -226,9 +293,19 @@ async fn bad_descriptors_and_ranges_are_errors() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_token_mismatch_is_refused_on_both_sides() {
-    for (ta, tb) in [(Some("alpha"), Some("beta")), (Some("alpha"), None), (None, Some("beta"))] {
-        let ca = Config { auth_token: ta.map(String::from), ..small_config() };
-        let cb = Config { auth_token: tb.map(String::from), ..small_config() };
+    for (ta, tb) in [
+        (Some("alpha"), Some("beta")),
+        (Some("alpha"), None),
+        (None, Some("beta")),
+    ] {
+        let ca = Config {
+            auth_token: ta.map(String::from),
+            ..small_config()
+        };
+        let cb = Config {
+            auth_token: tb.map(String::from),
+            ..small_config()
+        };
         let path = sock_path("auth");
         let l = shm::listen(&path, &ca).await.unwrap();
         let (x, y) = tokio::join!(l.accept(), shm::connect(&path, &cb));
@@ -238,7 +315,10 @@ async fn auth_token_mismatch_is_refused_on_both_sides() {
             assert!(e.to_string().contains("IBEX_AUTH_TOKEN"), "{e}");
         }
     }
-    let c = Config { auth_token: Some("same".into()), ..small_config() };
+    let c = Config {
+        auth_token: Some("same".into()),
+        ..small_config()
+    };
     let (mut a, mut b) = pair("auth-ok", &c, &c).await;
     send(&mut a, b"hi").await.unwrap();
     assert_eq!(&frame(&mut b).await[..], b"hi");
@@ -249,10 +329,18 @@ async fn stale_socket_is_replaced_and_live_one_refused() {
     let cfg = small_config();
     let path = sock_path("stale");
     drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
-    assert!(path.exists(), "a dropped std listener leaves its file behind");
-    let l = shm::listen(&path, &cfg).await.expect("stale socket file is replaced");
+    assert!(
+        path.exists(),
+        "a dropped std listener leaves its file behind"
+    );
+    let l = shm::listen(&path, &cfg)
+        .await
+        .expect("stale socket file is replaced");
     let e = shm::listen(&path, &cfg).await.unwrap_err();
-    assert!(matches!(e, Error::Address { .. }) && e.to_string().contains("listening"), "{e}");
+    assert!(
+        matches!(e, Error::Address { .. }) && e.to_string().contains("listening"),
+        "{e}"
+    );
     let (x, y) = tokio::join!(l.accept(), shm::connect(&path, &cfg));
     let (mut x, mut y) = (x.unwrap(), y.unwrap());
     send(&mut y, b"ok").await.unwrap();
@@ -293,13 +381,19 @@ async fn close_delivers_what_was_sent_then_peer_closed() {
         send(&mut a, &[i; 10]).await.unwrap();
     }
     a.close();
-    assert!(matches!(send(&mut a, b"late").await, Err(Error::LocallyClosed)));
+    assert!(matches!(
+        send(&mut a, b"late").await,
+        Err(Error::LocallyClosed)
+    ));
     for i in 0..3u8 {
         assert_eq!(frame(&mut b).await[..], [i; 10]);
     }
     let e = event(&mut b).await.unwrap_err();
     assert!(matches!(e, Error::PeerClosed(_)), "{e}");
-    assert!(matches!(event(&mut b).await, Err(Error::PeerClosed(_))), "the error sticks");
+    assert!(
+        matches!(event(&mut b).await, Err(Error::PeerClosed(_))),
+        "the error sticks"
+    );
     assert!(send(&mut b, b"x").await.is_err());
 }
 
@@ -308,7 +402,10 @@ async fn dropped_peer_is_peer_gone() {
     let cfg = small_config();
     let (a, mut b) = pair("drop", &cfg, &cfg).await;
     drop(a);
-    let e = tokio::time::timeout(Duration::from_secs(10), event(&mut b)).await.expect("no hang").unwrap_err();
+    let e = tokio::time::timeout(Duration::from_secs(10), event(&mut b))
+        .await
+        .expect("no hang")
+        .unwrap_err();
     assert!(matches!(e, Error::PeerGone(_)), "{e}");
     // A sender facing a gone peer fills the ring, then fails instead of waiting forever.
     let (mut c, d) = pair("drop-send", &cfg, &cfg).await;
@@ -320,7 +417,9 @@ async fn dropped_peer_is_peer_gone() {
             }
         }
     };
-    let e = tokio::time::timeout(Duration::from_secs(10), fill).await.expect("no hang");
+    let e = tokio::time::timeout(Duration::from_secs(10), fill)
+        .await
+        .expect("no hang");
     assert!(matches!(e, Error::PeerGone(_)), "{e}");
 }
 
@@ -341,10 +440,14 @@ async fn bounce_child() {
     let data = pattern(len, 3);
     let exp = a.expose(data.clone()).unwrap();
     let (stop, owner) = drive(a);
-    let got = read_all(&mut b, &exp.descriptor, 0, len, 512 << 10, 8).await.unwrap();
+    let got = read_all(&mut b, &exp.descriptor, 0, len, 512 << 10, 8)
+        .await
+        .unwrap();
     assert!(got.as_slice() == &data[..], "64 MiB bounce read corrupted");
     // Unaligned, spanning several slots, one read at a time.
-    let got = read_all(&mut b, &exp.descriptor, 123_457, 1_000_001, 1_000_001, 1).await.unwrap();
+    let got = read_all(&mut b, &exp.descriptor, 123_457, 1_000_001, 1_000_001, 1)
+        .await
+        .unwrap();
     assert!(got.as_slice() == &data[123_457..123_457 + 1_000_001]);
     // Frames do not starve reads: with frames queued behind a request, the owner serves
     // it while handing out those frames (its driver may never see an empty ring).
@@ -359,8 +462,14 @@ async fn bounce_child() {
     send(&mut b, b"f2").await.unwrap();
     assert_eq!(&frame(&mut a).await[..], b"f1");
     assert_eq!(&frame(&mut a).await[..], b"f2");
-    match tokio::time::timeout(Duration::from_secs(10), event(&mut b)).await.expect("read served") {
-        Ok(LinkEvent::ReadDone { id: 7, result: Ok(()) }) => assert_eq!(small[..], data[4096..8192]),
+    match tokio::time::timeout(Duration::from_secs(10), event(&mut b))
+        .await
+        .expect("read served")
+    {
+        Ok(LinkEvent::ReadDone {
+            id: 7,
+            result: Ok(()),
+        }) => assert_eq!(small[..], data[4096..8192]),
         other => panic!("{other:?}"),
     }
     let (stop, owner) = drive(a);
@@ -374,7 +483,9 @@ async fn bounce_child() {
     let (mut a, _) = owner.await.unwrap();
     assert!(a.withdraw(exp.id).is_some());
     let (stop, owner) = drive(a);
-    let e = read_all(&mut b, &exp.descriptor, 0, 4096, 4096, 1).await.unwrap_err();
+    let e = read_all(&mut b, &exp.descriptor, 0, 4096, 4096, 1)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("not exposed"), "{e}");
     // Frames still flow while the owner serves reads.
     send(&mut b, b"after").await.unwrap();
@@ -391,21 +502,33 @@ async fn two_processes_exchange_frames_and_a_region() {
     let cfg = small_config();
     let path = sock_path("twoproc");
     let l = shm::listen(&path, &cfg).await.unwrap();
-    let kid = child("two_process_child", &[("IBEX_SHM_TEST_PATH", path.to_str().unwrap())])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let kid = child(
+        "two_process_child",
+        &[("IBEX_SHM_TEST_PATH", path.to_str().unwrap())],
+    )
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
     let mut link = l.accept().await.unwrap();
     assert_eq!(link.peer_pid() as u32, kid.id());
     let max = link.info().max_frame;
     for i in 0..2000 {
-        assert_eq!(frame(&mut link).await[..], frame_bytes(i, max)[..], "frame {i}");
+        assert_eq!(
+            frame(&mut link).await[..],
+            frame_bytes(i, max)[..],
+            "frame {i}"
+        );
     }
     let desc = frame(&mut link).await;
     let len = 8 << 20;
-    let got = read_all(&mut link, &desc, 0, len, 512 << 10, 4).await.unwrap();
-    assert!(got.as_slice() == &pattern(len, 5)[..], "cross-process read corrupted");
+    let got = read_all(&mut link, &desc, 0, len, 512 << 10, 4)
+        .await
+        .unwrap();
+    assert!(
+        got.as_slice() == &pattern(len, 5)[..],
+        "cross-process read corrupted"
+    );
     send(&mut link, b"done").await.unwrap();
     let e = event(&mut link).await.unwrap_err();
     assert!(matches!(e, Error::PeerClosed(_)), "{e}");

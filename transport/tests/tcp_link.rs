@@ -14,7 +14,10 @@ use tokio::io::AsyncWriteExt;
 const GUARD: Duration = Duration::from_secs(30);
 
 fn config() -> Config {
-    Config { pool_size: 1 << 20, ..Config::default() }
+    Config {
+        pool_size: 1 << 20,
+        ..Config::default()
+    }
 }
 
 async fn pair_with(server: Config, client: Config) -> (TcpLink, TcpLink) {
@@ -30,7 +33,9 @@ async fn pair() -> (TcpLink, TcpLink) {
 
 /// Deterministic content: byte `j` of item `i`.
 fn pattern(i: usize, len: usize) -> Vec<u8> {
-    (0..len).map(|j| (i.wrapping_mul(131) ^ j.wrapping_mul(7)) as u8).collect()
+    (0..len)
+        .map(|j| (i.wrapping_mul(131) ^ j.wrapping_mul(7)) as u8)
+        .collect()
 }
 
 fn frame_len(i: usize, slot: usize) -> usize {
@@ -52,7 +57,11 @@ fn big_region(len: usize, seed: u64) -> Bytes {
 }
 
 /// Polls `b` (serving its reads, keeping its events) until `a` has an event.
-async fn next_event(a: &mut TcpLink, b: &mut TcpLink, b_events: &mut Vec<LinkEvent>) -> Result<LinkEvent, Error> {
+async fn next_event(
+    a: &mut TcpLink,
+    b: &mut TcpLink,
+    b_events: &mut Vec<LinkEvent>,
+) -> Result<LinkEvent, Error> {
     tokio::time::timeout(
         GUARD,
         poll_fn(|cx| {
@@ -95,13 +104,23 @@ async fn frames_arrive_in_order_and_intact_both_ways() {
                     let _ = tx.poll_flush(cx);
                 }
                 while let Poll::Ready(ev) = rx.poll_event(cx) {
-                    let LinkEvent::Frame(f) = ev.unwrap() else { panic!("only frames were sent") };
+                    let LinkEvent::Frame(f) = ev.unwrap() else {
+                        panic!("only frames were sent")
+                    };
                     assert_eq!(f.len(), frame_len(got[k], slot), "frame {} length", got[k]);
-                    assert!(f[..] == pattern(got[k] + k * N, f.len())[..], "frame {} content", got[k]);
+                    assert!(
+                        f[..] == pattern(got[k] + k * N, f.len())[..],
+                        "frame {} content",
+                        got[k]
+                    );
                     got[k] += 1;
                 }
             }
-            if got == [N, N] { Poll::Ready(()) } else { Poll::Pending }
+            if got == [N, N] {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
         }),
     )
     .await
@@ -110,19 +129,43 @@ async fn frames_arrive_in_order_and_intact_both_ways() {
 
 #[tokio::test]
 async fn oversized_frame_is_refused_before_sending() {
-    let small = Config { slot_size: 4096, ..config() };
+    let small = Config {
+        slot_size: 4096,
+        ..config()
+    };
     let (mut s, mut c) = pair_with(small, config()).await;
-    assert_eq!(c.info().max_frame, 4096, "max_frame is the peer's slot size");
+    assert_eq!(
+        c.info().max_frame,
+        4096,
+        "max_frame is the peer's slot size"
+    );
     assert_eq!(s.info().max_frame, config().slot_size);
     let info = c.info();
-    assert_eq!((info.provider, info.rendezvous_path.as_str(), info.one_sided), ("tcp", "tcp-stream", false));
+    assert_eq!(
+        (info.provider, info.rendezvous_path.as_str(), info.one_sided),
+        ("tcp", "tcp-stream", false)
+    );
     assert!(info.peer.starts_with("127.0.0.1:"), "{}", info.peer);
-    let e = poll_fn(|cx| c.poll_send(cx, &[0u8; 4097])).await.unwrap_err();
-    assert!(matches!(e, Error::TooLarge { len: 4097, limit: 4096, .. }), "{e}");
+    let e = poll_fn(|cx| c.poll_send(cx, &[0u8; 4097]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::TooLarge {
+                len: 4097,
+                limit: 4096,
+                ..
+            }
+        ),
+        "{e}"
+    );
     // The link is still fine for frames that fit.
     poll_fn(|cx| c.poll_send(cx, &[1u8; 4096])).await.unwrap();
     let mut ignored = Vec::new();
-    let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else { panic!() };
+    let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else {
+        panic!()
+    };
     assert_eq!(&f[..], &[1u8; 4096][..]);
 }
 
@@ -132,11 +175,15 @@ async fn reads_interleave_with_frames() {
     let region = big_region(4 << 20, 7);
     let exp = s.expose(region.clone()).unwrap();
     assert!(!exp.zero_copy);
-    assert_eq!(s.map_remote(&exp.descriptor, region.len() as u64).unwrap(), None);
+    assert_eq!(
+        s.map_remote(&exp.descriptor, region.len() as u64).unwrap(),
+        None
+    );
     let mut dst = c.alloc_recv(region.len()).unwrap();
     const FRAG: usize = 64 << 10;
     let frags = region.len() / FRAG;
-    let (mut posted, mut done, mut frames_to_s, mut frames_to_c, mut s_got, mut c_got) = (0, 0, 0, 0, 0, 0);
+    let (mut posted, mut done, mut frames_to_s, mut frames_to_c, mut s_got, mut c_got) =
+        (0, 0, 0, 0, 0, 0);
     let mut s_events = Vec::new();
     tokio::time::timeout(
         GUARD,
@@ -148,7 +195,14 @@ async fn reads_interleave_with_frames() {
                 // the test ends), and fragments do not overlap.
                 unsafe {
                     let p = dst.as_mut_ptr().add(posted * FRAG);
-                    c.post_read(posted as u64, &exp.descriptor, (posted * FRAG) as u64, p, FRAG).unwrap();
+                    c.post_read(
+                        posted as u64,
+                        &exp.descriptor,
+                        (posted * FRAG) as u64,
+                        p,
+                        FRAG,
+                    )
+                    .unwrap();
                 }
                 posted += 1;
             }
@@ -189,7 +243,9 @@ async fn reads_interleave_with_frames() {
                 }
             }
             for ev in s_events.drain(..) {
-                let LinkEvent::Frame(f) = ev else { panic!("serving reads must not surface events") };
+                let LinkEvent::Frame(f) = ev else {
+                    panic!("serving reads must not surface events")
+                };
                 assert_eq!(f[..], pattern(s_got, 100 + s_got)[..]);
                 s_got += 1;
             }
@@ -205,12 +261,22 @@ async fn reads_interleave_with_frames() {
     )
     .await
     .expect("hang guard");
-    assert!(dst.as_slice() == &region[..], "read data differs from the exposed region");
+    assert!(
+        dst.as_slice() == &region[..],
+        "read data differs from the exposed region"
+    );
     assert_eq!(s.withdraw(exp.id), Some(region));
 }
 
 /// Reads `len` bytes of `desc` in `frag`-sized pieces with `depth` outstanding.
-async fn read_all(c: &mut TcpLink, s: &mut TcpLink, desc: &[u8], len: usize, frag: usize, depth: usize) -> RecvBuf {
+async fn read_all(
+    c: &mut TcpLink,
+    s: &mut TcpLink,
+    desc: &[u8],
+    len: usize,
+    frag: usize,
+    depth: usize,
+) -> RecvBuf {
     let mut dst = c.alloc_recv(len).unwrap();
     let n = len.div_ceil(frag);
     let (mut posted, mut done) = (0, 0);
@@ -220,17 +286,30 @@ async fn read_all(c: &mut TcpLink, s: &mut TcpLink, desc: &[u8], len: usize, fra
             let off = posted * frag;
             let l = frag.min(len - off);
             // SAFETY: `dst` lives until after the last ReadDone; pieces do not overlap.
-            unsafe { c.post_read(posted as u64, desc, off as u64, dst.as_mut_ptr().add(off), l).unwrap() };
+            unsafe {
+                c.post_read(
+                    posted as u64,
+                    desc,
+                    off as u64,
+                    dst.as_mut_ptr().add(off),
+                    l,
+                )
+                .unwrap()
+            };
             posted += 1;
         }
-        let LinkEvent::ReadDone { id, result } = next_event(c, s, &mut s_events).await.unwrap() else {
+        let LinkEvent::ReadDone { id, result } = next_event(c, s, &mut s_events).await.unwrap()
+        else {
             panic!("no frames were sent")
         };
         result.unwrap();
         assert_eq!(id, done as u64);
         done += 1;
     }
-    assert!(s_events.is_empty(), "serving reads must not surface events: {s_events:?}");
+    assert!(
+        s_events.is_empty(),
+        "serving reads must not surface events: {s_events:?}"
+    );
     dst
 }
 
@@ -247,7 +326,10 @@ async fn reads_of_64_mib_in_fragments_and_whole() {
     let dst = read_all(&mut c, &mut s, &exp.descriptor, len, len, 1).await;
     assert!(dst.as_slice() == &region[..], "whole read differs");
     let dst = read_all(&mut c, &mut s, &exp.descriptor, 3 << 20, 300_001, 3).await;
-    assert!(dst.as_slice() == &region[..3 << 20], "odd-fragment read differs");
+    assert!(
+        dst.as_slice() == &region[..3 << 20],
+        "odd-fragment read differs"
+    );
 }
 
 fn descriptor(region: u64, len: u64) -> Vec<u8> {
@@ -274,7 +356,8 @@ async fn bad_descriptors_fail_the_read_and_the_link_stays_usable() {
     assert!(e.to_string().contains("outside region"), "{e}");
     let e = unsafe { c.post_read(3, &exp.descriptor, u64::MAX, p, 2) }.unwrap_err();
     assert!(e.to_string().contains("outside region"), "{e}");
-    let e = unsafe { c.post_read(4, &descriptor(exp.id, 1 << 40), 0, p, (64 << 20) + 1) }.unwrap_err();
+    let e =
+        unsafe { c.post_read(4, &descriptor(exp.id, 1 << 40), 0, p, (64 << 20) + 1) }.unwrap_err();
     assert!(matches!(e, Error::TooLarge { .. }), "{e}");
 
     // Checked by the serving side: a descriptor that lies about the length, an unknown region.
@@ -283,20 +366,47 @@ async fn bad_descriptors_fail_the_read_and_the_link_stays_usable() {
     unsafe { c.post_read(11, &descriptor(999, 100), 0, p, 100) }.unwrap();
     unsafe { c.post_read(12, &exp.descriptor, 0, p, 10_000) }.unwrap();
     let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
-    let LinkEvent::ReadDone { id: 10, result: Err(e) } = ev else { panic!("{ev:?}") };
+    let LinkEvent::ReadDone {
+        id: 10,
+        result: Err(e),
+    } = ev
+    else {
+        panic!("{ev:?}")
+    };
     assert!(e.to_string().contains("outside region"), "{e}");
     let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
-    let LinkEvent::ReadDone { id: 11, result: Err(e) } = ev else { panic!("{ev:?}") };
+    let LinkEvent::ReadDone {
+        id: 11,
+        result: Err(e),
+    } = ev
+    else {
+        panic!("{ev:?}")
+    };
     assert!(e.to_string().contains("unknown region 999"), "{e}");
     let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
-    assert!(matches!(ev, LinkEvent::ReadDone { id: 12, result: Ok(()) }), "{ev:?}");
+    assert!(
+        matches!(
+            ev,
+            LinkEvent::ReadDone {
+                id: 12,
+                result: Ok(())
+            }
+        ),
+        "{ev:?}"
+    );
     assert!(dst.as_slice()[..10_000] == region[..]);
 
     // A withdrawn region can no longer be read.
     assert_eq!(s.withdraw(exp.id), Some(region));
     unsafe { c.post_read(13, &exp.descriptor, 0, p, 10) }.unwrap();
     let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
-    let LinkEvent::ReadDone { id: 13, result: Err(e) } = ev else { panic!("{ev:?}") };
+    let LinkEvent::ReadDone {
+        id: 13,
+        result: Err(e),
+    } = ev
+    else {
+        panic!("{ev:?}")
+    };
     assert!(e.to_string().contains("withdrawn"), "{e}");
     assert!(s_events.is_empty());
 }
@@ -316,11 +426,18 @@ async fn peer_dropped_mid_read_fails_every_read_then_the_link() {
     // Let the server start serving and the client start receiving, then kill the server.
     poll_fn(|cx| {
         let _ = s.poll_event(cx);
-        if s.bytes_queued() > 0 { Poll::Ready(()) } else { Poll::Pending }
+        if s.bytes_queued() > 0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
     })
     .await;
     poll_fn(|cx| {
-        assert!(c.poll_event(cx).is_pending(), "the response cannot be complete yet");
+        assert!(
+            c.poll_event(cx).is_pending(),
+            "the response cannot be complete yet"
+        );
         Poll::Ready(())
     })
     .await;
@@ -330,7 +447,10 @@ async fn peer_dropped_mid_read_fails_every_read_then_the_link() {
     let last = tokio::time::timeout(GUARD, async {
         loop {
             match poll_fn(|cx| c.poll_event(cx)).await {
-                Ok(LinkEvent::ReadDone { id, result: Err(Error::PeerGone(_)) }) => failed.push(id),
+                Ok(LinkEvent::ReadDone {
+                    id,
+                    result: Err(Error::PeerGone(_)),
+                }) => failed.push(id),
                 Ok(other) => panic!("unexpected {other:?}"),
                 Err(e) => return e,
             }
@@ -365,13 +485,22 @@ async fn a_frame_left_unwritten_wakes_the_sender_and_goes_out_with_the_next_poll
     let waker = std::task::Waker::from(counter.clone());
     let mut cx = std::task::Context::from_waker(&waker);
     assert!(c.poll_send(&mut cx, b"small").is_ready());
-    assert_eq!(c.bytes_queued(), 5 + 5, "a small frame waits to share a writev");
-    assert!(counter.0.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the sender's task was woken");
+    assert_eq!(
+        c.bytes_queued(),
+        5 + 5,
+        "a small frame waits to share a writev"
+    );
+    assert!(
+        counter.0.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+        "the sender's task was woken"
+    );
     // The sender only ever waits for events: that alone must push the frame out.
     assert!(c.poll_event(&mut cx).is_pending());
     assert_eq!(c.bytes_queued(), 0);
     let mut ignored = Vec::new();
-    let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else { panic!() };
+    let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else {
+        panic!()
+    };
     assert_eq!(&f[..], b"small");
 }
 
@@ -379,17 +508,27 @@ async fn a_frame_left_unwritten_wakes_the_sender_and_goes_out_with_the_next_poll
 async fn close_delivers_what_was_sent_then_end_of_stream() {
     let (mut s, mut c) = pair().await;
     for i in 0..3 {
-        poll_fn(|cx| c.poll_send(cx, &pattern(i, 1000))).await.unwrap();
+        poll_fn(|cx| c.poll_send(cx, &pattern(i, 1000)))
+            .await
+            .unwrap();
     }
     c.close();
-    assert!(matches!(poll_fn(|cx| c.poll_send(cx, b"late")).await, Err(Error::LocallyClosed)));
+    assert!(matches!(
+        poll_fn(|cx| c.poll_send(cx, b"late")).await,
+        Err(Error::LocallyClosed)
+    ));
     let mut ignored = Vec::new();
     for i in 0..3 {
-        let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else { panic!() };
+        let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else {
+            panic!()
+        };
         assert_eq!(f[..], pattern(i, 1000)[..]);
     }
     let e = next_event(&mut s, &mut c, &mut ignored).await.unwrap_err();
-    assert!(matches!(e, Error::PeerGone(ref m) if m.contains("closed the connection")), "{e}");
+    assert!(
+        matches!(e, Error::PeerGone(ref m) if m.contains("closed the connection")),
+        "{e}"
+    );
 }
 
 #[tokio::test]
@@ -402,7 +541,16 @@ async fn reads_unanswered_by_a_closing_peer_fail_at_end_of_stream() {
     s.close();
     let mut s_events = Vec::new();
     let ev = next_event(&mut c, &mut s, &mut s_events).await.unwrap();
-    assert!(matches!(ev, LinkEvent::ReadDone { id: 1, result: Err(Error::PeerGone(_)) }), "{ev:?}");
+    assert!(
+        matches!(
+            ev,
+            LinkEvent::ReadDone {
+                id: 1,
+                result: Err(Error::PeerGone(_))
+            }
+        ),
+        "{ev:?}"
+    );
     let e = next_event(&mut c, &mut s, &mut s_events).await.unwrap_err();
     assert!(matches!(e, Error::PeerGone(_)), "{e}");
     assert!(s_events.is_empty());
@@ -413,7 +561,10 @@ async fn pool_is_plain_memory_of_the_configured_size() {
     let (s, _c) = pair().await;
     let pool = s.pool().expect("tcp offers a heap pool");
     assert_eq!(pool.size(), 1 << 20);
-    assert!(std::sync::Arc::ptr_eq(&pool, &s.pool().unwrap()), "created once");
+    assert!(
+        std::sync::Arc::ptr_eq(&pool, &s.pool().unwrap()),
+        "created once"
+    );
 }
 
 /// Accepts one connection from a raw socket that writes `bytes` first.
@@ -422,7 +573,10 @@ async fn accept_raw(bytes: &[u8]) -> Error {
     let addr = l.local_addr().unwrap();
     let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
     raw.write_all(bytes).await.unwrap();
-    let e = tokio::time::timeout(GUARD, l.accept()).await.expect("hang guard").unwrap_err();
+    let e = tokio::time::timeout(GUARD, l.accept())
+        .await
+        .expect("hang guard")
+        .unwrap_err();
     drop(raw);
     e
 }
@@ -439,23 +593,37 @@ fn raw_preface(version: u16, slot: u32, token: &[u8]) -> Vec<u8> {
 #[tokio::test]
 async fn garbage_preface_is_a_clear_error_on_accept() {
     let e = accept_raw(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
-    assert!(matches!(e, Error::Handshake(ref m) if m.contains("not an Ibex tcp endpoint")), "{e}");
+    assert!(
+        matches!(e, Error::Handshake(ref m) if m.contains("not an Ibex tcp endpoint")),
+        "{e}"
+    );
     let e = accept_raw(&raw_preface(99, 65536, b"")).await;
-    assert!(matches!(e, Error::Handshake(ref m) if m.contains("version 99, we speak 1")), "{e}");
+    assert!(
+        matches!(e, Error::Handshake(ref m) if m.contains("version 99, we speak 1")),
+        "{e}"
+    );
     let e = accept_raw(&raw_preface(1, 1 << 30, b"")).await;
-    assert!(matches!(e, Error::Handshake(ref m) if m.contains("slot size")), "{e}");
+    assert!(
+        matches!(e, Error::Handshake(ref m) if m.contains("slot size")),
+        "{e}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn silent_client_times_out_setup() {
     let e = accept_raw(b"").await;
-    assert!(matches!(e, Error::Timeout(ref m) if m.contains("preface")), "{e}");
+    assert!(
+        matches!(e, Error::Timeout(ref m) if m.contains("preface")),
+        "{e}"
+    );
 }
 
 /// A server link whose client is a raw socket that sent a valid preface.
 async fn raw_client() -> (TcpLink, tokio::net::TcpStream) {
     let l = tcp::listen("127.0.0.1:0", &config()).await.unwrap();
-    let mut raw = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let mut raw = tokio::net::TcpStream::connect(l.local_addr().unwrap())
+        .await
+        .unwrap();
     raw.write_all(&raw_preface(1, 65536, b"")).await.unwrap();
     (l.accept().await.unwrap(), raw)
 }
@@ -471,8 +639,14 @@ async fn hostile_records_are_protocol_errors_not_allocations() {
     for (record, want) in cases {
         let (mut s, mut raw) = raw_client().await;
         raw.write_all(record).await.unwrap();
-        let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx))).await.expect("hang guard").unwrap_err();
-        assert!(matches!(e, Error::Protocol(ref m) if m.contains(want)), "{want}: {e}");
+        let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx)))
+            .await
+            .expect("hang guard")
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Protocol(ref m) if m.contains(want)),
+            "{want}: {e}"
+        );
     }
     // A response nobody asked for.
     let (mut s, mut raw) = raw_client().await;
@@ -480,22 +654,38 @@ async fn hostile_records_are_protocol_errors_not_allocations() {
     rec.extend_from_slice(&5u64.to_le_bytes());
     rec.extend_from_slice(&[0, 0, 0, 0, 0]);
     raw.write_all(&rec).await.unwrap();
-    let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx))).await.expect("hang guard").unwrap_err();
-    assert!(matches!(e, Error::Protocol(ref m) if m.contains("no read is outstanding")), "{e}");
+    let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx)))
+        .await
+        .expect("hang guard")
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Protocol(ref m) if m.contains("no read is outstanding")),
+        "{e}"
+    );
 }
 
 #[tokio::test]
 async fn auth_tokens_must_match() {
-    let with = |t: &str| Config { auth_token: Some(t.into()), ..config() };
+    let with = |t: &str| Config {
+        auth_token: Some(t.into()),
+        ..config()
+    };
     let (s, c) = pair_with(with("s3cret"), with("s3cret")).await;
     drop((s, c));
 
-    for (server, client) in [(with("s3cret"), with("other")), (with("s3cret"), config()), (config(), with("x"))] {
+    for (server, client) in [
+        (with("s3cret"), with("other")),
+        (with("s3cret"), config()),
+        (config(), with("x")),
+    ] {
         let l = tcp::listen("127.0.0.1:0", &server).await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let (s, c) = tokio::join!(l.accept(), tcp::connect(&addr, &client));
         for e in [s.unwrap_err(), c.unwrap_err()] {
-            assert!(matches!(e, Error::Handshake(ref m) if m.contains("IBEX_AUTH_TOKEN")), "{e}");
+            assert!(
+                matches!(e, Error::Handshake(ref m) if m.contains("IBEX_AUTH_TOKEN")),
+                "{e}"
+            );
         }
     }
 }
@@ -507,7 +697,10 @@ async fn refused_connection_names_the_address() {
     drop(l);
     let e = tcp::connect(&addr, &config()).await.unwrap_err();
     let m = e.to_string();
-    assert!(m.contains(&addr) && m.contains("nothing listens") && m.contains("is the server running"), "{m}");
+    assert!(
+        m.contains(&addr) && m.contains("nothing listens") && m.contains("is the server running"),
+        "{m}"
+    );
     let e = tcp::connect("no-port-here", &config()).await.unwrap_err();
     assert!(matches!(e, Error::Address { .. }), "{e}");
 }
@@ -520,12 +713,14 @@ async fn links_on_separate_tasks_serve_and_read() {
     // The server is a driver that only waits for events: serving happens inside them.
     let server = tokio::spawn(async move {
         let mut frames = Vec::new();
-        let end = poll_fn(|cx| loop {
-            match s.poll_event(cx) {
-                Poll::Ready(Ok(LinkEvent::Frame(f))) => frames.push(f),
-                Poll::Ready(Ok(other)) => panic!("unexpected {other:?}"),
-                Poll::Ready(Err(e)) => return Poll::Ready(e),
-                Poll::Pending => return Poll::Pending,
+        let end = poll_fn(|cx| {
+            loop {
+                match s.poll_event(cx) {
+                    Poll::Ready(Ok(LinkEvent::Frame(f))) => frames.push(f),
+                    Poll::Ready(Ok(other)) => panic!("unexpected {other:?}"),
+                    Poll::Ready(Err(e)) => return Poll::Ready(e),
+                    Poll::Pending => return Poll::Pending,
+                }
             }
         })
         .await;
@@ -542,7 +737,14 @@ async fn links_on_separate_tasks_serve_and_read() {
                     // SAFETY: `dst` outlives every read; fragments do not overlap.
                     unsafe {
                         let p = dst.as_mut_ptr().add(posted * frag);
-                        c.post_read(posted as u64, &exp.descriptor, (posted * frag) as u64, p, frag).unwrap();
+                        c.post_read(
+                            posted as u64,
+                            &exp.descriptor,
+                            (posted * frag) as u64,
+                            p,
+                            frag,
+                        )
+                        .unwrap();
                     }
                     posted += 1;
                 }
@@ -562,7 +764,9 @@ async fn links_on_separate_tasks_serve_and_read() {
         })
         .await;
         for i in 0..100 {
-            poll_fn(|cx| c.poll_send(cx, &pattern(i, i * 10))).await.unwrap();
+            poll_fn(|cx| c.poll_send(cx, &pattern(i, i * 10)))
+                .await
+                .unwrap();
         }
         poll_fn(|cx| c.poll_flush(cx)).await.unwrap();
         c.close();
@@ -571,7 +775,10 @@ async fn links_on_separate_tasks_serve_and_read() {
     .await
     .expect("hang guard");
     assert!(dst.as_slice() == &region[..]);
-    let (frames, end) = tokio::time::timeout(GUARD, server).await.expect("hang guard").unwrap();
+    let (frames, end) = tokio::time::timeout(GUARD, server)
+        .await
+        .expect("hang guard")
+        .unwrap();
     assert_eq!(frames.len(), 100);
     for (i, f) in frames.iter().enumerate() {
         assert_eq!(f[..], pattern(i, i * 10)[..]);

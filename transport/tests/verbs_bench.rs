@@ -18,22 +18,43 @@ fn opts(mode: &str) -> Option<(VerbsOptions, VerbsOptions)> {
         println!("skipped: no RDMA device (run scripts/verbs-test.sh --bench)");
         return None;
     }
-    let dev = |v: &str| std::env::var(v).ok().or_else(|| std::env::var("RXE_DEV").ok());
+    let dev = |v: &str| {
+        std::env::var(v)
+            .ok()
+            .or_else(|| std::env::var("RXE_DEV").ok())
+    };
     let base = VerbsOptions {
         busy_poll: mode == "busy",
-        spin: if mode == "spin2ms" { Duration::from_millis(2) } else { VerbsOptions::default().spin },
+        spin: if mode == "spin2ms" {
+            Duration::from_millis(2)
+        } else {
+            VerbsOptions::default().spin
+        },
         ..VerbsOptions::default()
     };
     Some((
-        VerbsOptions { device: dev("IBEX_TEST_SERVER_DEV"), ..base.clone() },
-        VerbsOptions { device: dev("IBEX_TEST_CLIENT_DEV"), ..base },
+        VerbsOptions {
+            device: dev("IBEX_TEST_SERVER_DEV"),
+            ..base.clone()
+        },
+        VerbsOptions {
+            device: dev("IBEX_TEST_CLIENT_DEV"),
+            ..base
+        },
     ))
 }
 
 async fn pair(mode: &str) -> Option<(VerbsLink, VerbsLink)> {
     let (so, co) = opts(mode)?;
-    let cfg = Config { slot_size: 16 << 10, credits: 32, pool_size: 64 << 20, ..Config::default() };
-    let l = verbs::listen_with("127.0.0.1:0", &cfg, so).await.expect("listen");
+    let cfg = Config {
+        slot_size: 16 << 10,
+        credits: 32,
+        pool_size: 64 << 20,
+        ..Config::default()
+    };
+    let l = verbs::listen_with("127.0.0.1:0", &cfg, so)
+        .await
+        .expect("listen");
     let addr = l.local_addr().to_string();
     let (s, c) = tokio::join!(l.accept(), verbs::connect_with(&addr, &cfg, co));
     Some((s.expect("accept"), c.expect("connect")))
@@ -48,7 +69,9 @@ async fn recv_frame(link: &mut VerbsLink) -> Bytes {
 
 /// Ping-pong of 64-byte frames; one-way latency = round trip / 2, like perftest's send_lat.
 async fn latency(mode: &str) {
-    let Some((mut s, mut c)) = pair(mode).await else { return };
+    let Some((mut s, mut c)) = pair(mode).await else {
+        return;
+    };
     let iters = 2000;
     let msg = [7u8; 64];
     let echo = async move {
@@ -81,7 +104,9 @@ async fn latency(mode: &str) {
 
 /// RDMA READ rendezvous: 512 KiB fragments, 8 in flight, like the driver's defaults.
 async fn bandwidth(mode: &str) {
-    let Some((mut s, mut c)) = pair(mode).await else { return };
+    let Some((mut s, mut c)) = pair(mode).await else {
+        return;
+    };
     let len = 16 << 20;
     let frag = 512 << 10;
     let rounds = 4;
@@ -96,8 +121,16 @@ async fn bandwidth(mode: &str) {
         while done < n {
             while next < n && next - done < 8 {
                 // SAFETY: `dst` outlives all reads (we wait for every ReadDone) and the link.
-                unsafe { c.post_read(next as u64, &exp.descriptor, (next * frag) as u64, dst.as_mut_ptr().add(next * frag), frag) }
-                    .expect("post_read");
+                unsafe {
+                    c.post_read(
+                        next as u64,
+                        &exp.descriptor,
+                        (next * frag) as u64,
+                        dst.as_mut_ptr().add(next * frag),
+                        frag,
+                    )
+                }
+                .expect("post_read");
                 next += 1;
             }
             match poll_fn(|cx| c.poll_event(cx)).await.expect("event") {
@@ -111,7 +144,10 @@ async fn bandwidth(mode: &str) {
     }
     let secs = t.elapsed().as_secs_f64();
     assert!(dst.as_slice().iter().all(|&b| b == 0x5a));
-    println!("BENCH read_bw_{mode}_MBps {:.1}", (len * rounds) as f64 / secs / 1e6);
+    println!(
+        "BENCH read_bw_{mode}_MBps {:.1}",
+        (len * rounds) as f64 / secs / 1e6
+    );
     drop(s);
 }
 

@@ -31,23 +31,45 @@ fn env() -> Option<Env> {
         println!("skipped: no RDMA device (run scripts/verbs-test.sh)");
         return None;
     }
-    let dev = |v: &str| std::env::var(v).ok().or_else(|| std::env::var("RXE_DEV").ok());
+    let dev = |v: &str| {
+        std::env::var(v)
+            .ok()
+            .or_else(|| std::env::var("RXE_DEV").ok())
+    };
     let busy = std::env::var("IBEX_VERBS_BUSY_POLL").is_ok_and(|v| v == "1");
     Some(Env {
-        server: VerbsOptions { device: dev("IBEX_TEST_SERVER_DEV"), busy_poll: busy, ..Default::default() },
-        client: VerbsOptions { device: dev("IBEX_TEST_CLIENT_DEV"), busy_poll: busy, ..Default::default() },
+        server: VerbsOptions {
+            device: dev("IBEX_TEST_SERVER_DEV"),
+            busy_poll: busy,
+            ..Default::default()
+        },
+        client: VerbsOptions {
+            device: dev("IBEX_TEST_CLIENT_DEV"),
+            busy_poll: busy,
+            ..Default::default()
+        },
         listen: std::env::var("IBEX_TEST_LISTEN_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into()),
     })
 }
 
 fn small_config() -> Config {
-    Config { slot_size: 4096, credits: 8, pool_size: 8 << 20, ..Config::default() }
+    Config {
+        slot_size: 4096,
+        credits: 8,
+        pool_size: 8 << 20,
+        ..Config::default()
+    }
 }
 
 async fn pair_with(env: &Env, sc: &Config, cc: &Config) -> (VerbsLink, VerbsLink) {
-    let l = verbs::listen_with(&env.listen, sc, env.server.clone()).await.expect("listen");
+    let l = verbs::listen_with(&env.listen, sc, env.server.clone())
+        .await
+        .expect("listen");
     let addr = l.local_addr().to_string();
-    let (s, c) = tokio::join!(l.accept(), verbs::connect_with(&addr, cc, env.client.clone()));
+    let (s, c) = tokio::join!(
+        l.accept(),
+        verbs::connect_with(&addr, cc, env.client.clone())
+    );
     (s.expect("accept"), c.expect("connect"))
 }
 
@@ -56,7 +78,9 @@ async fn send(link: &mut VerbsLink, frame: &[u8]) {
 }
 
 async fn next(link: &mut VerbsLink) -> Result<LinkEvent, Error> {
-    tokio::time::timeout(LIMIT, poll_fn(|cx| link.poll_event(cx))).await.expect("event within the time limit")
+    tokio::time::timeout(LIMIT, poll_fn(|cx| link.poll_event(cx)))
+        .await
+        .expect("event within the time limit")
 }
 
 async fn frame(link: &mut VerbsLink) -> Bytes {
@@ -67,13 +91,28 @@ async fn frame(link: &mut VerbsLink) -> Bytes {
 }
 
 fn pattern(seed: u32, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u32).wrapping_mul(2654435761).wrapping_add(seed).to_le_bytes()[1]).collect()
+    (0..len)
+        .map(|i| {
+            (i as u32)
+                .wrapping_mul(2654435761)
+                .wrapping_add(seed)
+                .to_le_bytes()[1]
+        })
+        .collect()
 }
 
 #[tokio::test]
 async fn setup_info_and_a_frame_each_way() {
     let Some(env) = env() else { return };
-    let (mut s, mut c) = pair_with(&env, &small_config(), &Config { slot_size: 8192, ..small_config() }).await;
+    let (mut s, mut c) = pair_with(
+        &env,
+        &small_config(),
+        &Config {
+            slot_size: 8192,
+            ..small_config()
+        },
+    )
+    .await;
     let (si, ci) = (s.info(), c.info());
     assert_eq!(si.provider, "verbs");
     assert_eq!(si.rendezvous_path, "rdma-read");
@@ -98,7 +137,15 @@ async fn hundreds_of_frames_arrive_in_order_and_intact() {
     let cfg = small_config();
     let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
     let max = c.info().max_frame;
-    let sizes: Vec<usize> = (0..400).map(|i| if i < 2 { i * max } else { (i * 977) % (max + 1) }).collect();
+    let sizes: Vec<usize> = (0..400)
+        .map(|i| {
+            if i < 2 {
+                i * max
+            } else {
+                (i * 977) % (max + 1)
+            }
+        })
+        .collect();
     let tx = {
         let sizes = sizes.clone();
         async move {
@@ -123,7 +170,10 @@ async fn hundreds_of_frames_arrive_in_order_and_intact() {
 async fn full_ring_gives_pending_then_progress() {
     let Some(env) = env() else { return };
     // One credit: 18 receives on the server, 17 send slots on the client.
-    let cfg = Config { credits: 1, ..small_config() };
+    let cfg = Config {
+        credits: 1,
+        ..small_config()
+    };
     let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
     let frame_len = c.info().max_frame; // too big to go inline: every send takes a ring slot
     let mut sent = 0u32;
@@ -141,7 +191,10 @@ async fn full_ring_gives_pending_then_progress() {
             }
         }
     }
-    assert!(pending, "poll_send never returned Pending after {sent} sends");
+    assert!(
+        pending,
+        "poll_send never returned Pending after {sent} sends"
+    );
     assert!((1..200).contains(&sent));
     let total = sent + 50;
     let tx = async move {
@@ -170,7 +223,11 @@ async fn rdma_read_in_fragments_with_several_outstanding() {
     let data = Bytes::from(pattern(7, len));
     let exp = s.expose(data.clone()).expect("expose");
     assert!(!exp.zero_copy);
-    assert_eq!(c.map_remote(&exp.descriptor, len as u64).expect("well-formed"), None);
+    assert_eq!(
+        c.map_remote(&exp.descriptor, len as u64)
+            .expect("well-formed"),
+        None
+    );
     let pool = s.pool().expect("registered pool");
     let mut pb = pool.alloc(300_000).expect("pool alloc");
     pb.copy_from_slice(&pattern(9, 300_000));
@@ -182,12 +239,21 @@ async fn rdma_read_in_fragments_with_several_outstanding() {
     let n = len / frag;
     for i in 0..n {
         // SAFETY: `dst` outlives every ReadDone we wait for below and the link.
-        unsafe { c.post_read(i as u64, &exp.descriptor, (i * frag) as u64, dst.as_mut_ptr().add(i * frag), frag) }
-            .expect("post_read");
+        unsafe {
+            c.post_read(
+                i as u64,
+                &exp.descriptor,
+                (i * frag) as u64,
+                dst.as_mut_ptr().add(i * frag),
+                frag,
+            )
+        }
+        .expect("post_read");
     }
     let mut dst2 = c.alloc_recv(300_000).expect("alloc_recv");
     // SAFETY: as above.
-    unsafe { c.post_read(100, &exp2.descriptor, 0, dst2.as_mut_ptr(), 300_000) }.expect("post_read pool");
+    unsafe { c.post_read(100, &exp2.descriptor, 0, dst2.as_mut_ptr(), 300_000) }
+        .expect("post_read pool");
     let mut done = vec![false; n + 1];
     for _ in 0..=n {
         match next(&mut c).await.expect("event") {
@@ -208,9 +274,20 @@ async fn rdma_read_in_fragments_with_several_outstanding() {
     assert!(s.withdraw(exp.id).is_some());
     let mut small = c.alloc_recv(4096).expect("alloc_recv");
     // SAFETY: as above.
-    unsafe { c.post_read(200, &again.descriptor, (len - 4096) as u64, small.as_mut_ptr(), 4096) }.expect("post_read");
+    unsafe {
+        c.post_read(
+            200,
+            &again.descriptor,
+            (len - 4096) as u64,
+            small.as_mut_ptr(),
+            4096,
+        )
+    }
+    .expect("post_read");
     match next(&mut c).await.expect("event") {
-        LinkEvent::ReadDone { id: 200, result } => result.expect("read through the remaining exposure"),
+        LinkEvent::ReadDone { id: 200, result } => {
+            result.expect("read through the remaining exposure")
+        }
         other => panic!("unexpected {other:?}"),
     }
     assert!(small.as_slice() == &data[len - 4096..]);
@@ -237,16 +314,30 @@ async fn bad_descriptors_are_errors() {
     assert!(matches!(r, Err(Error::Protocol(_))), "{r:?}");
     // SAFETY: as above.
     let r = unsafe { c.post_read(2, &exp.descriptor, 8000, dst.as_mut_ptr(), 193) };
-    assert!(matches!(r, Err(Error::Protocol(ref m)) if m.contains("outside")), "{r:?}");
+    assert!(
+        matches!(r, Err(Error::Protocol(ref m)) if m.contains("outside")),
+        "{r:?}"
+    );
     // An unregistered destination is refused.
     let mut heap = vec![0u8; 16];
     // SAFETY: as above.
     let r = unsafe { c.post_read(3, &exp.descriptor, 0, heap.as_mut_ptr(), 16) };
     assert!(r.is_err());
     // A destination larger than the registered receive slab gets its own registration.
-    let mut big = c.alloc_recv(9 << 20).expect("alloc_recv beyond the receive slab");
+    let mut big = c
+        .alloc_recv(9 << 20)
+        .expect("alloc_recv beyond the receive slab");
     // SAFETY: as above.
-    unsafe { c.post_read(5, &exp.descriptor, 0, big.as_mut_ptr().add((9 << 20) - 8192), 8192) }.expect("post_read");
+    unsafe {
+        c.post_read(
+            5,
+            &exp.descriptor,
+            0,
+            big.as_mut_ptr().add((9 << 20) - 8192),
+            8192,
+        )
+    }
+    .expect("post_read");
     match next(&mut c).await.expect("event") {
         LinkEvent::ReadDone { id: 5, result } => result.expect("read"),
         other => panic!("unexpected {other:?}"),
@@ -274,35 +365,61 @@ async fn wrong_rkey_fails_the_read_then_the_link() {
     // SAFETY: dst outlives the link.
     unsafe { c.post_read(9, &desc, 0, dst.as_mut_ptr(), 4096) }.expect("post_read is accepted");
     match next(&mut c).await {
-        Ok(LinkEvent::ReadDone { id: 9, result: Err(Error::Protocol(m)) }) => {
+        Ok(LinkEvent::ReadDone {
+            id: 9,
+            result: Err(Error::Protocol(m)),
+        }) => {
             assert!(m.contains("peer refused the read: bad descriptor"), "{m}");
         }
         other => panic!("expected a refused read, got {other:?}"),
     }
     let after = next(&mut c).await;
-    assert!(after.is_err(), "the link must be reported dead after a refused read, got {after:?}");
+    assert!(
+        after.is_err(),
+        "the link must be reported dead after a refused read, got {after:?}"
+    );
     drop(dst);
 }
 
 #[tokio::test]
 async fn auth_token_mismatch_is_a_clear_error() {
     let Some(env) = env() else { return };
-    let sc = Config { auth_token: Some("alpha".into()), ..small_config() };
-    let cc = Config { auth_token: Some("beta".into()), ..small_config() };
-    let l = verbs::listen_with(&env.listen, &sc, env.server.clone()).await.expect("listen");
+    let sc = Config {
+        auth_token: Some("alpha".into()),
+        ..small_config()
+    };
+    let cc = Config {
+        auth_token: Some("beta".into()),
+        ..small_config()
+    };
+    let l = verbs::listen_with(&env.listen, &sc, env.server.clone())
+        .await
+        .expect("listen");
     let addr = l.local_addr().to_string();
-    let (s, c) = tokio::join!(l.accept(), verbs::connect_with(&addr, &cc, env.client.clone()));
+    let (s, c) = tokio::join!(
+        l.accept(),
+        verbs::connect_with(&addr, &cc, env.client.clone())
+    );
     for r in [s.map(|_| ()), c.map(|_| ())] {
         let e = r.expect_err("mismatched tokens must fail");
         assert!(e.to_string().contains("IBEX_AUTH_TOKEN"), "{e}");
     }
     // A token on one side only is a mismatch too.
     let none = small_config();
-    let (s, c) = tokio::join!(l.accept(), verbs::connect_with(&addr, &none, env.client.clone()));
+    let (s, c) = tokio::join!(
+        l.accept(),
+        verbs::connect_with(&addr, &none, env.client.clone())
+    );
     assert!(s.is_err() && c.is_err());
     // Matching tokens connect.
-    let same = Config { auth_token: Some("alpha".into()), ..small_config() };
-    let (s, c) = tokio::join!(l.accept(), verbs::connect_with(&addr, &same, env.client.clone()));
+    let same = Config {
+        auth_token: Some("alpha".into()),
+        ..small_config()
+    };
+    let (s, c) = tokio::join!(
+        l.accept(),
+        verbs::connect_with(&addr, &same, env.client.clone())
+    );
     assert!(s.is_ok() && c.is_ok());
 }
 
@@ -318,11 +435,17 @@ async fn close_delivers_what_was_sent_then_peer_sees_it_gone() {
     // Flushing a closing link waits until the peer's slots took everything, so the peer
     // must be receiving meanwhile (37 frames and the close marker exceed its 32 receives).
     let flush = async {
-        tokio::time::timeout(LIMIT, poll_fn(|cx| c.poll_flush(cx))).await.expect("flush in time").expect("flush");
+        tokio::time::timeout(LIMIT, poll_fn(|cx| c.poll_flush(cx)))
+            .await
+            .expect("flush in time")
+            .expect("flush");
     };
     let rx = async {
         for i in 0..37u32 {
-            assert!(frame(&mut s).await[..] == pattern(i, 100 + i as usize * 50)[..], "frame {i}");
+            assert!(
+                frame(&mut s).await[..] == pattern(i, 100 + i as usize * 50)[..],
+                "frame {i}"
+            );
         }
         let e = next(&mut s).await.expect_err("peer closed");
         assert!(matches!(e, Error::PeerGone(_)), "{e}");
@@ -373,10 +496,16 @@ async fn no_device_is_a_clear_error() {
         println!("skipped: an RDMA device is present (this test checks the no-device error)");
         return;
     }
-    let e = verbs::connect("127.0.0.1:9", &Config::default()).await.expect_err("no device");
+    let e = verbs::connect("127.0.0.1:9", &Config::default())
+        .await
+        .expect_err("no device");
     let m = e.to_string();
-    assert!(m.contains("no RDMA device found") && m.contains("rdma_rxe") && m.contains("tcp://"), "{m}");
-    let e = verbs::listen("127.0.0.1:0", &Config::default()).await.expect_err("no device");
+    assert!(
+        m.contains("no RDMA device found") && m.contains("rdma_rxe") && m.contains("tcp://"),
+        "{m}"
+    );
+    let e = verbs::listen("127.0.0.1:0", &Config::default())
+        .await
+        .expect_err("no device");
     assert!(e.to_string().contains("no RDMA device found"), "{e}");
 }
-

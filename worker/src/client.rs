@@ -31,7 +31,10 @@ const MAX_MESSAGE: usize = 1 << 30;
 /// The generated client is generic over the channel; one worker may use either kind.
 #[derive(Clone)]
 enum Client {
-    Ibex(ParameterServerClient<ibex_transport::grpc::Channel>, ibex_transport::grpc::Channel),
+    Ibex(
+        ParameterServerClient<ibex_transport::grpc::Channel>,
+        ibex_transport::grpc::Channel,
+    ),
     Tonic(ParameterServerClient<tonic::transport::Channel>),
 }
 
@@ -61,7 +64,10 @@ struct State {
 
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Worker").field("index", &self.index).field("num_ps", &self.clients.len()).finish()
+        f.debug_struct("Worker")
+            .field("index", &self.index)
+            .field("num_ps", &self.clients.len())
+            .finish()
     }
 }
 
@@ -72,14 +78,20 @@ impl Worker {
         if spec.ps.is_empty() {
             return Err(WorkerError::Usage("the cluster spec lists no PS".into()));
         }
-        let index = u32::try_from(worker_index).map_err(|_| WorkerError::Usage("worker index too large".into()))?;
-        let clients =
-            try_join_all((0..spec.ps.len()).map(|i| connect_one(i, spec.ps_uri(i), spec.transport))).await?;
+        let index = u32::try_from(worker_index)
+            .map_err(|_| WorkerError::Usage("worker index too large".into()))?;
+        let clients = try_join_all(
+            (0..spec.ps.len()).map(|i| connect_one(i, spec.ps_uri(i), spec.transport)),
+        )
+        .await?;
         let load = vec![0; clients.len()];
         Ok(Worker {
             index,
             clients,
-            state: Mutex::new(State { vars: HashMap::new(), load }),
+            state: Mutex::new(State {
+                vars: HashMap::new(),
+                load,
+            }),
             profile: Mutex::new(CommProfile::default()),
         })
     }
@@ -111,7 +123,10 @@ impl Worker {
                         )));
                     }
                     None if fresh.iter().any(|f: &VarSpec| f.name == v.name) => {
-                        return Err(WorkerError::Usage(format!("variable {:?} is listed twice", v.name)));
+                        return Err(WorkerError::Usage(format!(
+                            "variable {:?} is listed twice",
+                            v.name
+                        )));
                     }
                     None => fresh.push(v.clone()),
                 }
@@ -137,11 +152,21 @@ impl Worker {
                 });
             }
         }
-        try_join_all(per_ps.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(ps, vars)| async move {
-            self.count("CreateVariables");
-            rpc!(self.clients[ps], create_variables, pb::CreateVariablesRequest { vars })
-                .map_err(|s| WorkerError::from_status(ps, s))
-        }))
+        try_join_all(
+            per_ps
+                .into_iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(ps, vars)| async move {
+                    self.count("CreateVariables");
+                    rpc!(
+                        self.clients[ps],
+                        create_variables,
+                        pb::CreateVariablesRequest { vars }
+                    )
+                    .map_err(|s| WorkerError::from_status(ps, s))
+                }),
+        )
         .await?;
         Ok(())
     }
@@ -157,14 +182,26 @@ impl Worker {
             }
         }
         let worker = self.index;
-        let replies = try_join_all(per_ps.into_iter().enumerate().filter(|(_, n)| !n.is_empty()).map(
-            |(ps, names)| async move {
-                self.count("Pull");
-                let r = rpc!(self.clients[ps], pull, pb::PullRequest { names, step, worker })
+        let replies = try_join_all(
+            per_ps
+                .into_iter()
+                .enumerate()
+                .filter(|(_, n)| !n.is_empty())
+                .map(|(ps, names)| async move {
+                    self.count("Pull");
+                    let r = rpc!(
+                        self.clients[ps],
+                        pull,
+                        pb::PullRequest {
+                            names,
+                            step,
+                            worker
+                        }
+                    )
                     .map_err(|s| WorkerError::from_status(ps, s))?;
-                Ok::<_, WorkerError>(r.into_inner().values)
-            },
-        ))
+                    Ok::<_, WorkerError>(r.into_inner().values)
+                }),
+        )
         .await?;
         self.assemble(&places, replies.into_iter().flatten())
     }
@@ -185,12 +222,17 @@ impl Worker {
 
     /// Pushes `grads` for `step`, waits until the step is applied, and returns the fresh
     /// values of the same variables, in the same order: one round trip per PS.
-    pub async fn push_pull(&self, step: u64, grads: &[(&str, &[f32])]) -> Result<Vec<Vec<f32>>, WorkerError> {
+    pub async fn push_pull(
+        &self,
+        step: u64,
+        grads: &[(&str, &[f32])],
+    ) -> Result<Vec<Vec<f32>>, WorkerError> {
         let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
         let reqs = self.push_requests(step, grads).await?;
         let replies = try_join_all(reqs.into_iter().map(|(ps, req, keep)| async move {
             self.count("PushPull");
-            let r = rpc!(self.clients[ps], push_pull, req).map_err(|s| WorkerError::from_status(ps, s));
+            let r =
+                rpc!(self.clients[ps], push_pull, req).map_err(|s| WorkerError::from_status(ps, s));
             // The PS has read any exposed buffers once the call returned.
             drop(keep);
             Ok::<_, WorkerError>(r?.into_inner().values)
@@ -204,25 +246,38 @@ impl Worker {
         let p = self.table(table)?;
         let dim = p.row_len();
         let split = split_ids(&p, ids)?;
-        let replies = try_join_all(split.iter().enumerate().filter(|(_, (_, ids))| !ids.is_empty()).map(
-            |(k, (_, local))| {
-                let part = &p.parts[k];
-                async move {
-                    self.count("LookupRows");
-                    let req = pb::LookupRowsRequest { table: part.name.clone(), ids: local.clone() };
-                    let r = rpc!(self.clients[part.ps], lookup_rows, req)
-                        .map_err(|s| WorkerError::from_status(part.ps, s))?;
-                    let t = r.into_inner().rows.ok_or_else(|| malformed(part.ps, "LookupRows reply has no rows"))?;
-                    Ok::<_, WorkerError>((k, self.decode(part.ps, &t)?))
-                }
-            },
-        ))
+        let replies = try_join_all(
+            split
+                .iter()
+                .enumerate()
+                .filter(|(_, (_, ids))| !ids.is_empty())
+                .map(|(k, (_, local))| {
+                    let part = &p.parts[k];
+                    async move {
+                        self.count("LookupRows");
+                        let req = pb::LookupRowsRequest {
+                            table: part.name.clone(),
+                            ids: local.clone(),
+                        };
+                        let r = rpc!(self.clients[part.ps], lookup_rows, req)
+                            .map_err(|s| WorkerError::from_status(part.ps, s))?;
+                        let t = r
+                            .into_inner()
+                            .rows
+                            .ok_or_else(|| malformed(part.ps, "LookupRows reply has no rows"))?;
+                        Ok::<_, WorkerError>((k, self.decode(part.ps, &t)?))
+                    }
+                }),
+        )
         .await?;
         let mut out = vec![0f32; ids.len() * dim];
         for (k, rows) in replies {
             let positions = &split[k].0;
             if rows.len() != positions.len() * dim {
-                return Err(malformed(p.parts[k].ps, "LookupRows reply has the wrong number of values"));
+                return Err(malformed(
+                    p.parts[k].ps,
+                    "LookupRows reply has the wrong number of values",
+                ));
             }
             for (j, &pos) in positions.iter().enumerate() {
                 out[pos * dim..(pos + 1) * dim].copy_from_slice(&rows[j * dim..(j + 1) * dim]);
@@ -233,30 +288,54 @@ impl Worker {
 
     /// Row gradients (`ids.len() * dim` values) for sparse table `table` at `step`. In sync
     /// mode every worker must push every table each step (an empty `ids` is allowed).
-    pub async fn push_sparse(&self, step: u64, table: &str, ids: &[u64], grads: &[f32]) -> Result<(), WorkerError> {
+    pub async fn push_sparse(
+        &self,
+        step: u64,
+        table: &str,
+        ids: &[u64],
+        grads: &[f32],
+    ) -> Result<(), WorkerError> {
         let p = self.table(table)?;
         let dim = p.row_len();
         if grads.len() != ids.len() * dim {
-            return Err(WorkerError::ShapeMismatch { name: table.into(), expected: ids.len() * dim, got: grads.len() });
+            return Err(WorkerError::ShapeMismatch {
+                name: table.into(),
+                expected: ids.len() * dim,
+                got: grads.len(),
+            });
         }
         let split = split_ids(&p, ids)?;
         let worker = self.index;
         // Every part takes part in the step, even with no rows, so sync steps complete.
-        try_join_all(split.into_iter().enumerate().map(|(k, (positions, local))| {
-            let part = &p.parts[k];
-            let mut g = Vec::with_capacity(positions.len() * dim);
-            for &pos in &positions {
-                g.extend_from_slice(&grads[pos * dim..(pos + 1) * dim]);
-            }
-            async move {
-                let t = self.tensor(part.ps, &part.name, vec![local.len(), dim], &g).await?;
-                self.count("PushSparse");
-                let req = pb::PushSparseRequest { step, worker, table: part.name.clone(), ids: local, grads: Some(t.0) };
-                let r = rpc!(self.clients[part.ps], push_sparse, req).map_err(|s| WorkerError::from_status(part.ps, s));
-                drop(t.1);
-                r
-            }
-        }))
+        try_join_all(
+            split
+                .into_iter()
+                .enumerate()
+                .map(|(k, (positions, local))| {
+                    let part = &p.parts[k];
+                    let mut g = Vec::with_capacity(positions.len() * dim);
+                    for &pos in &positions {
+                        g.extend_from_slice(&grads[pos * dim..(pos + 1) * dim]);
+                    }
+                    async move {
+                        let t = self
+                            .tensor(part.ps, &part.name, vec![local.len(), dim], &g)
+                            .await?;
+                        self.count("PushSparse");
+                        let req = pb::PushSparseRequest {
+                            step,
+                            worker,
+                            table: part.name.clone(),
+                            ids: local,
+                            grads: Some(t.0),
+                        };
+                        let r = rpc!(self.clients[part.ps], push_sparse, req)
+                            .map_err(|s| WorkerError::from_status(part.ps, s));
+                        drop(t.1);
+                        r
+                    }
+                }),
+        )
         .await?;
         Ok(())
     }
@@ -282,11 +361,17 @@ impl Worker {
         for s in &stats {
             common = Some(match common {
                 None => s.checkpoint_steps.clone(),
-                Some(c) => c.into_iter().filter(|x| s.checkpoint_steps.contains(x)).collect(),
+                Some(c) => c
+                    .into_iter()
+                    .filter(|x| s.checkpoint_steps.contains(x))
+                    .collect(),
             });
         }
         let Some(step) = common.unwrap_or_default().into_iter().max() else {
-            let have: Vec<String> = stats.iter().map(|s| format!("PS {}: {:?}", s.shard, s.checkpoint_steps)).collect();
+            let have: Vec<String> = stats
+                .iter()
+                .map(|s| format!("PS {}: {:?}", s.shard, s.checkpoint_steps))
+                .collect();
             return Err(WorkerError::Usage(format!(
                 "no checkpoint step is held by every PS ({}); cannot recover",
                 have.join(", ")
@@ -294,7 +379,8 @@ impl Worker {
         };
         try_join_all((0..self.clients.len()).map(|ps| async move {
             self.count("Restore");
-            rpc!(self.clients[ps], restore, pb::RestoreRequest { step }).map_err(|s| WorkerError::from_status(ps, s))
+            rpc!(self.clients[ps], restore, pb::RestoreRequest { step })
+                .map_err(|s| WorkerError::from_status(ps, s))
         }))
         .await?;
         Ok(step)
@@ -304,7 +390,8 @@ impl Worker {
     pub async fn stats(&self) -> Result<Vec<pb::StatsResponse>, WorkerError> {
         try_join_all((0..self.clients.len()).map(|ps| async move {
             self.count("Stats");
-            let r = rpc!(self.clients[ps], stats, pb::StatsRequest {}).map_err(|s| WorkerError::from_status(ps, s))?;
+            let r = rpc!(self.clients[ps], stats, pb::StatsRequest {})
+                .map_err(|s| WorkerError::from_status(ps, s))?;
             Ok::<_, WorkerError>(r.into_inner())
         }))
         .await
@@ -314,7 +401,8 @@ impl Worker {
     pub async fn save(&self) -> Result<Vec<u64>, WorkerError> {
         try_join_all((0..self.clients.len()).map(|ps| async move {
             self.count("Save");
-            let r = rpc!(self.clients[ps], save, pb::SaveRequest {}).map_err(|s| WorkerError::from_status(ps, s))?;
+            let r = rpc!(self.clients[ps], save, pb::SaveRequest {})
+                .map_err(|s| WorkerError::from_status(ps, s))?;
             Ok::<_, WorkerError>(r.into_inner().step)
         }))
         .await
@@ -346,17 +434,29 @@ impl Worker {
         }
     }
 
-    fn lookup<'a>(&self, names: impl Iterator<Item = &'a str>) -> Result<Vec<Placement>, WorkerError> {
+    fn lookup<'a>(
+        &self,
+        names: impl Iterator<Item = &'a str>,
+    ) -> Result<Vec<Placement>, WorkerError> {
         let st = self.lock_state();
         names
-            .map(|n| st.vars.get(n).cloned().ok_or_else(|| WorkerError::UnknownVariable { name: n.to_string() }))
+            .map(|n| {
+                st.vars
+                    .get(n)
+                    .cloned()
+                    .ok_or_else(|| WorkerError::UnknownVariable {
+                        name: n.to_string(),
+                    })
+            })
             .collect()
     }
 
     fn table(&self, name: &str) -> Result<Placement, WorkerError> {
         let p = self.lookup(std::iter::once(name))?.remove(0);
         if !p.spec.sparse {
-            return Err(WorkerError::Usage(format!("{name:?} is a dense variable, not a sparse table")));
+            return Err(WorkerError::Usage(format!(
+                "{name:?} is a dense variable, not a sparse table"
+            )));
         }
         Ok(p)
     }
@@ -369,18 +469,28 @@ impl Worker {
         grads: &[(&str, &[f32])],
     ) -> Result<Vec<(usize, pb::PushRequest, Vec<RemoteBuf>)>, WorkerError> {
         let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
-        let mut per_ps: Vec<(Vec<pb::Tensor>, Vec<RemoteBuf>)> = (0..self.clients.len()).map(|_| Default::default()).collect();
+        let mut per_ps: Vec<(Vec<pb::Tensor>, Vec<RemoteBuf>)> = (0..self.clients.len())
+            .map(|_| Default::default())
+            .collect();
         for (p, (name, g)) in places.iter().zip(grads) {
             if p.spec.sparse {
-                return Err(WorkerError::Usage(format!("{name:?} is a sparse table: use push_sparse")));
+                return Err(WorkerError::Usage(format!(
+                    "{name:?} is a sparse table: use push_sparse"
+                )));
             }
             if g.len() != p.spec.numel() {
-                return Err(WorkerError::ShapeMismatch { name: name.to_string(), expected: p.spec.numel(), got: g.len() });
+                return Err(WorkerError::ShapeMismatch {
+                    name: name.to_string(),
+                    expected: p.spec.numel(),
+                    got: g.len(),
+                });
             }
             let row = p.row_len();
             for part in &p.parts {
                 let slice = &g[part.row_offset * row..(part.row_offset + part.rows) * row];
-                let (t, keep) = self.tensor(part.ps, &part.name, p.part_shape(part), slice).await?;
+                let (t, keep) = self
+                    .tensor(part.ps, &part.name, p.part_shape(part), slice)
+                    .await?;
                 per_ps[part.ps].0.push(t);
                 per_ps[part.ps].1.extend(keep);
             }
@@ -390,7 +500,17 @@ impl Worker {
             .into_iter()
             .enumerate()
             .filter(|(_, (t, _))| !t.is_empty())
-            .map(|(ps, (grads, keep))| (ps, pb::PushRequest { step, worker, grads }, keep))
+            .map(|(ps, (grads, keep))| {
+                (
+                    ps,
+                    pb::PushRequest {
+                        step,
+                        worker,
+                        grads,
+                    },
+                    keep,
+                )
+            })
             .collect())
     }
 
@@ -415,7 +535,10 @@ impl Worker {
         match &self.clients[ps] {
             Client::Ibex(_, ch) if len >= REMOTE_MIN_BYTES && ch.one_sided() => {
                 let remote = ch.expose(bytes).await?;
-                t.data = Some(pb::tensor::Data::Remote(pb::RemoteRef { descriptor: remote.descriptor(), len: len as u64 }));
+                t.data = Some(pb::tensor::Data::Remote(pb::RemoteRef {
+                    descriptor: remote.descriptor(),
+                    len: len as u64,
+                }));
                 keep = Some(remote);
                 self.record(Path::Remote, len);
             }
@@ -435,32 +558,53 @@ impl Worker {
 
     fn decode(&self, ps: usize, t: &pb::Tensor) -> Result<Vec<f32>, WorkerError> {
         let Some(pb::tensor::Data::Inline(b)) = &t.data else {
-            return Err(malformed(ps, &format!("tensor {:?} in a reply is not inline", t.name)));
+            return Err(malformed(
+                ps,
+                &format!("tensor {:?} in a reply is not inline", t.name),
+            ));
         };
         if t.dtype != pb::Dtype::F32 as i32 || b.len() % 4 != 0 {
-            return Err(malformed(ps, &format!("tensor {:?} in a reply is not f32", t.name)));
+            return Err(malformed(
+                ps,
+                &format!("tensor {:?} in a reply is not f32", t.name),
+            ));
         }
         if let Ok(mut p) = self.profile.lock() {
             p.record_received(b.len() as u64);
         }
-        Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
 
     /// Reassembles whole variables (in `places` order) from the parts in `values`.
-    fn assemble(&self, places: &[Placement], values: impl Iterator<Item = pb::Tensor>) -> Result<Vec<Vec<f32>>, WorkerError> {
-        let mut by_name: HashMap<String, pb::Tensor> = values.map(|t| (t.name.clone(), t)).collect();
+    fn assemble(
+        &self,
+        places: &[Placement],
+        values: impl Iterator<Item = pb::Tensor>,
+    ) -> Result<Vec<Vec<f32>>, WorkerError> {
+        let mut by_name: HashMap<String, pb::Tensor> =
+            values.map(|t| (t.name.clone(), t)).collect();
         places
             .iter()
             .map(|p| {
                 let row = p.row_len();
                 let mut out = Vec::with_capacity(p.spec.numel());
                 for part in &p.parts {
-                    let t = by_name
-                        .remove(&part.name)
-                        .ok_or_else(|| malformed(part.ps, &format!("reply lacks {:?}", part.name)))?;
+                    let t = by_name.remove(&part.name).ok_or_else(|| {
+                        malformed(part.ps, &format!("reply lacks {:?}", part.name))
+                    })?;
                     let v = self.decode(part.ps, &t)?;
                     if v.len() != part.rows * row {
-                        return Err(malformed(part.ps, &format!("{:?} has {} values, expected {}", part.name, v.len(), part.rows * row)));
+                        return Err(malformed(
+                            part.ps,
+                            &format!(
+                                "{:?} has {} values, expected {}",
+                                part.name,
+                                v.len(),
+                                part.rows * row
+                            ),
+                        ));
                     }
                     out.extend_from_slice(&v);
                 }
@@ -471,7 +615,11 @@ impl Worker {
 }
 
 fn malformed(ps: usize, what: &str) -> WorkerError {
-    WorkerError::Rpc { ps, code: tonic::Code::Internal, message: format!("malformed reply: {what}") }
+    WorkerError::Rpc {
+        ps,
+        code: tonic::Code::Internal,
+        message: format!("malformed reply: {what}"),
+    }
 }
 
 /// For one part of a table: positions in the caller's `ids` it serves, and their part-local ids.
@@ -486,10 +634,16 @@ fn split_ids(p: &Placement, ids: &[u64]) -> Result<Vec<PartIds>, WorkerError> {
             return Err(WorkerError::Rejected {
                 ps: p.parts.first().map(|x| x.ps).unwrap_or(0),
                 code: tonic::Code::OutOfRange,
-                message: format!("id {id} is out of range for table {:?} with {rows} rows", p.spec.name),
+                message: format!(
+                    "id {id} is out of range for table {:?} with {rows} rows",
+                    p.spec.name
+                ),
             });
         }
-        let k = p.parts.partition_point(|part: &Part| (part.row_offset as u64) <= id) - 1;
+        let k = p
+            .parts
+            .partition_point(|part: &Part| (part.row_offset as u64) <= id)
+            - 1;
         out[k].0.push(pos);
         out[k].1.push(id - p.parts[k].row_offset as u64);
     }
@@ -509,28 +663,38 @@ async fn connect_one(ps: usize, uri: String, kind: TransportKind) -> Result<Clie
     loop {
         let attempt: Result<Client, Box<dyn std::error::Error + Send + Sync>> = match kind {
             TransportKind::Grpc => match tonic::transport::Channel::from_shared(uri.clone()) {
-                Ok(ep) => ep.connect().await.map(|ch| {
-                    Client::Tonic(
-                        ParameterServerClient::new(ch)
-                            .max_decoding_message_size(MAX_MESSAGE)
-                            .max_encoding_message_size(MAX_MESSAGE),
-                    )
-                }).map_err(Into::into),
+                Ok(ep) => ep
+                    .connect()
+                    .await
+                    .map(|ch| {
+                        Client::Tonic(
+                            ParameterServerClient::new(ch)
+                                .max_decoding_message_size(MAX_MESSAGE)
+                                .max_encoding_message_size(MAX_MESSAGE),
+                        )
+                    })
+                    .map_err(Into::into),
                 Err(e) => return Err(WorkerError::Usage(format!("bad PS {ps} URI {uri:?}: {e}"))),
             },
-            _ => ibex_transport::grpc::Channel::connect(&uri).await.map(|ch| {
-                Client::Ibex(
-                    ParameterServerClient::new(ch.clone())
-                        .max_decoding_message_size(MAX_MESSAGE)
-                        .max_encoding_message_size(MAX_MESSAGE),
-                    ch,
-                )
-            }).map_err(Into::into),
+            _ => ibex_transport::grpc::Channel::connect(&uri)
+                .await
+                .map(|ch| {
+                    Client::Ibex(
+                        ParameterServerClient::new(ch.clone())
+                            .max_decoding_message_size(MAX_MESSAGE)
+                            .max_encoding_message_size(MAX_MESSAGE),
+                        ch,
+                    )
+                })
+                .map_err(Into::into),
         };
         match attempt {
             Ok(c) => return Ok(c),
             Err(e) if Instant::now() >= deadline => {
-                return Err(WorkerError::Unavailable { ps, source: format!("{uri}: {e} (retried for {CONNECT_RETRY:?})").into() });
+                return Err(WorkerError::Unavailable {
+                    ps,
+                    source: format!("{uri}: {e} (retried for {CONNECT_RETRY:?})").into(),
+                });
             }
             Err(e) => {
                 tracing::debug!(ps, %uri, %e, "PS not up yet; retrying");

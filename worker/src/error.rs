@@ -5,7 +5,9 @@
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// PS `ps` cannot be reached (not up yet, gone, or shutting down).
-    #[error("PS {ps} is unavailable: {source}; check that it runs and listens on the spec's address")]
+    #[error(
+        "PS {ps} is unavailable: {source}; check that it runs and listens on the spec's address"
+    )]
     Unavailable {
         /// Which PS.
         ps: usize,
@@ -77,13 +79,16 @@ impl WorkerError {
     pub(crate) fn from_status(ps: usize, s: tonic::Status) -> WorkerError {
         let message = s.message().to_string();
         match s.code() {
-            tonic::Code::Unavailable => WorkerError::Unavailable { ps, source: message.into() },
+            tonic::Code::Unavailable => WorkerError::Unavailable {
+                ps,
+                source: message.into(),
+            },
             tonic::Code::NotFound => WorkerError::UnknownVariable { name: message },
             tonic::Code::FailedPrecondition => WorkerError::StaleStep { ps, message },
             tonic::Code::DeadlineExceeded => WorkerError::Timeout { ps, message },
-            code @ (tonic::Code::InvalidArgument | tonic::Code::OutOfRange | tonic::Code::AlreadyExists) => {
-                WorkerError::Rejected { ps, code, message }
-            }
+            code @ (tonic::Code::InvalidArgument
+            | tonic::Code::OutOfRange
+            | tonic::Code::AlreadyExists) => WorkerError::Rejected { ps, code, message },
             code => WorkerError::Rpc { ps, code, message },
         }
     }

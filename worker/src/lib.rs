@@ -8,6 +8,7 @@
 
 mod client;
 mod error;
+mod overlap;
 mod placement;
 mod profile;
 mod spec;
@@ -16,6 +17,7 @@ mod types;
 pub use client::Worker;
 pub use error::WorkerError;
 pub use ibex_proto::ps::v1 as pb;
+pub use overlap::{LayerGrads, StepPush};
 pub use placement::{PARTITION_BYTES, Part, Placement, place};
 pub use profile::{CommProfile, Histogram};
 pub use spec::*;

@@ -55,7 +55,11 @@ pub fn place(vars: &[VarSpec], load: &mut [usize]) -> Vec<Placement> {
         .map(|v| {
             let bytes = v.bytes();
             let rows = v.shape.first().copied().unwrap_or(1);
-            let n = if v.shape.is_empty() { 1 } else { bytes.div_ceil(PARTITION_BYTES).clamp(1, rows.max(1)) };
+            let n = if v.shape.is_empty() {
+                1
+            } else {
+                bytes.div_ceil(PARTITION_BYTES).clamp(1, rows.max(1))
+            };
             let row_bytes = bytes.checked_div(rows).unwrap_or(0);
             let mut parts = Vec::with_capacity(n);
             let mut offset = 0;
@@ -63,18 +67,34 @@ pub fn place(vars: &[VarSpec], load: &mut [usize]) -> Vec<Placement> {
                 let r = rows / n + usize::from(i < rows % n);
                 let ps = least_loaded(load);
                 load[ps] += r * row_bytes;
-                let name = if n == 1 { v.name.clone() } else { format!("{}/part_{i}", v.name) };
-                parts.push(Part { ps, name, row_offset: offset, rows: r });
+                let name = if n == 1 {
+                    v.name.clone()
+                } else {
+                    format!("{}/part_{i}", v.name)
+                };
+                parts.push(Part {
+                    ps,
+                    name,
+                    row_offset: offset,
+                    rows: r,
+                });
                 offset += r;
             }
-            Placement { spec: v.clone(), parts }
+            Placement {
+                spec: v.clone(),
+                parts,
+            }
         })
         .collect()
 }
 
 fn least_loaded(load: &[usize]) -> usize {
     // Ties go to the lowest index, so placement is deterministic.
-    load.iter().enumerate().min_by_key(|(i, l)| (**l, *i)).map(|(i, _)| i).unwrap_or(0)
+    load.iter()
+        .enumerate()
+        .min_by_key(|(i, l)| (**l, *i))
+        .map(|(i, _)| i)
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -96,7 +116,15 @@ mod tests {
     #[test]
     fn greedy_by_bytes() {
         let mut load = vec![0; 2];
-        let p = place(&[var("a", &[100]), var("b", &[10]), var("c", &[50]), var("d", &[50])], &mut load);
+        let p = place(
+            &[
+                var("a", &[100]),
+                var("b", &[10]),
+                var("c", &[50]),
+                var("d", &[50]),
+            ],
+            &mut load,
+        );
         let ps: Vec<usize> = p.iter().map(|p| p.parts[0].ps).collect();
         assert_eq!(ps, vec![0, 1, 1, 1]);
         assert_eq!(load, vec![400, 440]);
@@ -109,9 +137,18 @@ mod tests {
         let p = place(&[var("emb", &[1000, 600])], &mut load);
         let parts = &p[0].parts;
         assert_eq!(parts.len(), 3);
-        assert_eq!(parts.iter().map(|p| p.rows).collect::<Vec<_>>(), vec![334, 333, 333]);
-        assert_eq!(parts.iter().map(|p| p.row_offset).collect::<Vec<_>>(), vec![0, 334, 667]);
-        assert_eq!(parts.iter().map(|p| p.ps).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(
+            parts.iter().map(|p| p.rows).collect::<Vec<_>>(),
+            vec![334, 333, 333]
+        );
+        assert_eq!(
+            parts.iter().map(|p| p.row_offset).collect::<Vec<_>>(),
+            vec![0, 334, 667]
+        );
+        assert_eq!(
+            parts.iter().map(|p| p.ps).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
         assert_eq!(parts[1].name, "emb/part_1");
         assert_eq!(p[0].part_shape(&parts[2]), vec![333, 600]);
     }

@@ -5,7 +5,16 @@
 use std::fmt;
 
 /// Upper bounds of the size buckets, in bytes (the last bucket is unbounded).
-const BUCKETS: [u64; 8] = [1 << 10, 8 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, u64::MAX];
+const BUCKETS: [u64; 8] = [
+    1 << 10,
+    8 << 10,
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    u64::MAX,
+];
 
 /// How one tensor payload travelled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,7 +34,10 @@ pub struct Histogram {
 
 impl Histogram {
     fn add(&mut self, len: u64) {
-        let i = BUCKETS.iter().position(|b| len <= *b).unwrap_or(BUCKETS.len() - 1);
+        let i = BUCKETS
+            .iter()
+            .position(|b| len <= *b)
+            .unwrap_or(BUCKETS.len() - 1);
         self.counts[i] += 1;
         self.bytes += len;
     }
@@ -78,14 +90,25 @@ fn label(i: usize) -> String {
         b if b >= 1 << 10 => format!("{}K", b >> 10),
         b => b.to_string(),
     };
-    if i == 0 { format!("<= {}", fmt(BUCKETS[0])) } else { format!("{}..{}", fmt(lo - 1), fmt(BUCKETS[i])) }
+    if i == 0 {
+        format!("<= {}", fmt(BUCKETS[0]))
+    } else {
+        format!("{}..{}", fmt(lo - 1), fmt(BUCKETS[i]))
+    }
 }
 
 impl fmt::Display for CommProfile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "tensor payloads by size (count)   sent-inline  sent-remote  received")?;
+        writeln!(
+            f,
+            "tensor payloads by size (count)   sent-inline  sent-remote  received"
+        )?;
         for i in 0..BUCKETS.len() {
-            let (a, b, c) = (self.sent_inline.counts[i], self.sent_remote.counts[i], self.received.counts[i]);
+            let (a, b, c) = (
+                self.sent_inline.counts[i],
+                self.sent_remote.counts[i],
+                self.received.counts[i],
+            );
             if a + b + c > 0 {
                 writeln!(f, "  {:<32}{a:>11}  {b:>11}  {c:>8}", label(i))?;
             }

@@ -51,7 +51,9 @@ impl FromStr for TransportKind {
             "tcp" => Ok(TransportKind::Tcp),
             "verbs" => Ok(TransportKind::Verbs),
             "grpc" => Ok(TransportKind::Grpc),
-            _ => Err(SpecError::Invalid(format!("unknown transport {s:?}: use shm, tcp, verbs or grpc"))),
+            _ => Err(SpecError::Invalid(format!(
+                "unknown transport {s:?}: use shm, tcp, verbs or grpc"
+            ))),
         }
     }
 }
@@ -80,7 +82,9 @@ impl FromStr for JobKind {
         match s.trim().to_ascii_lowercase().as_str() {
             "ps" => Ok(JobKind::Ps),
             "worker" => Ok(JobKind::Worker),
-            _ => Err(SpecError::Invalid(format!("unknown job {s:?}: use ps or worker"))),
+            _ => Err(SpecError::Invalid(format!(
+                "unknown job {s:?}: use ps or worker"
+            ))),
         }
     }
 }
@@ -97,10 +101,14 @@ pub enum SpecError {
         source: std::io::Error,
     },
     /// TOML syntax or a field of the wrong type.
-    #[error("cluster spec is not valid TOML: {0} (expected [cluster] ps = [\"host:port\", ..] workers = [..] transport = \"shm\")")]
+    #[error(
+        "cluster spec is not valid TOML: {0} (expected [cluster] ps = [\"host:port\", ..] workers = [..] transport = \"shm\")"
+    )]
     Toml(String),
     /// TF_CONFIG is not the expected JSON.
-    #[error("TF_CONFIG is not valid: {0} (expected {{\"cluster\":{{\"ps\":[..],\"worker\":[..]}},\"task\":{{\"type\":\"worker\",\"index\":0}}}})")]
+    #[error(
+        "TF_CONFIG is not valid: {0} (expected {{\"cluster\":{{\"ps\":[..],\"worker\":[..]}},\"task\":{{\"type\":\"worker\",\"index\":0}}}})"
+    )]
     TfConfig(String),
     /// A Slurm variable is missing or malformed.
     #[error("Slurm environment: {0}")]
@@ -151,12 +159,20 @@ struct TfTask {
 impl ClusterSpec {
     /// Builds a spec, checking that every address is a `host:port` and that there is at
     /// least one PS and one worker.
-    pub fn new(ps: Vec<String>, workers: Vec<String>, transport: TransportKind) -> Result<ClusterSpec, SpecError> {
+    pub fn new(
+        ps: Vec<String>,
+        workers: Vec<String>,
+        transport: TransportKind,
+    ) -> Result<ClusterSpec, SpecError> {
         if ps.is_empty() {
-            return Err(SpecError::Invalid("no ps tasks: list at least one \"host:port\"".into()));
+            return Err(SpecError::Invalid(
+                "no ps tasks: list at least one \"host:port\"".into(),
+            ));
         }
         if workers.is_empty() {
-            return Err(SpecError::Invalid("no worker tasks: list at least one \"host:port\"".into()));
+            return Err(SpecError::Invalid(
+                "no worker tasks: list at least one \"host:port\"".into(),
+            ));
         }
         for a in ps.iter().chain(&workers) {
             split_host_port(a)?;
@@ -164,15 +180,22 @@ impl ClusterSpec {
         let mut seen = std::collections::HashSet::new();
         for a in &ps {
             if !seen.insert(a) {
-                return Err(SpecError::Invalid(format!("ps address {a} is listed twice; each shard needs its own port")));
+                return Err(SpecError::Invalid(format!(
+                    "ps address {a} is listed twice; each shard needs its own port"
+                )));
             }
         }
-        Ok(ClusterSpec { ps, workers, transport })
+        Ok(ClusterSpec {
+            ps,
+            workers,
+            transport,
+        })
     }
 
     /// Parses `[cluster] ps = [..] workers = [..] transport = "shm"` (transport defaults to shm).
     pub fn from_toml_str(s: &str) -> Result<ClusterSpec, SpecError> {
-        let f: TomlFile = toml::from_str(s).map_err(|e| SpecError::Toml(e.message().to_string()))?;
+        let f: TomlFile =
+            toml::from_str(s).map_err(|e| SpecError::Toml(e.message().to_string()))?;
         let transport = match f.cluster.transport {
             Some(t) => t.parse()?,
             None => TransportKind::Shm,
@@ -182,13 +205,21 @@ impl ClusterSpec {
 
     /// Reads and parses a TOML spec file.
     pub fn from_toml_file(p: &Path) -> Result<ClusterSpec, SpecError> {
-        let s = std::fs::read_to_string(p).map_err(|source| SpecError::Io { path: p.to_path_buf(), source })?;
+        let s = std::fs::read_to_string(p).map_err(|source| SpecError::Io {
+            path: p.to_path_buf(),
+            source,
+        })?;
         ClusterSpec::from_toml_str(&s)
     }
 
     /// The spec as TOML that [`ClusterSpec::from_toml_str`] reads back.
     pub fn to_toml(&self) -> String {
-        let list = |v: &[String]| v.iter().map(|a| format!("{a:?}")).collect::<Vec<_>>().join(", ");
+        let list = |v: &[String]| {
+            v.iter()
+                .map(|a| format!("{a:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         format!(
             "[cluster]\nps = [{}]\nworkers = [{}]\ntransport = \"{}\"\n",
             list(&self.ps),
@@ -238,7 +269,10 @@ impl ClusterSpec {
         let (host, port) = split_host_port(addr).unwrap_or((addr, 0));
         let host = bind.unwrap_or(host);
         match self.transport {
-            TransportKind::Shm => format!("shm://{}", ibex_transport::conn::auto_shm_path(port).display()),
+            TransportKind::Shm => format!(
+                "shm://{}",
+                ibex_transport::conn::auto_shm_path(port).display()
+            ),
             TransportKind::Tcp => format!("tcp://{host}:{port}"),
             TransportKind::Verbs => format!("verbs://{host}:{port}"),
             TransportKind::Grpc => format!("http://{host}:{port}"),
@@ -254,25 +288,35 @@ fn transport_from_env() -> Result<TransportKind, SpecError> {
 }
 
 fn split_host_port(a: &str) -> Result<(&str, u16), SpecError> {
-    let bad = |why: &str| SpecError::Invalid(format!("task address {a:?}: {why}; expected host:port"));
+    let bad =
+        |why: &str| SpecError::Invalid(format!("task address {a:?}: {why}; expected host:port"));
     let (host, port) = a.rsplit_once(':').ok_or_else(|| bad("no port"))?;
     if host.is_empty() {
         return Err(bad("empty host"));
     }
-    let port = port.parse::<u16>().map_err(|_| bad("port is not a number in 1..=65535"))?;
+    let port = port
+        .parse::<u16>()
+        .map_err(|_| bad("port is not a number in 1..=65535"))?;
     if port == 0 {
         return Err(bad("port 0 cannot be dialled"));
     }
     Ok((host, port))
 }
 
-fn from_tf_config_with(json: &str, transport: TransportKind) -> Result<(ClusterSpec, JobKind, usize), SpecError> {
-    let tf: TfConfig = serde_json::from_str(json).map_err(|e| SpecError::TfConfig(e.to_string()))?;
+fn from_tf_config_with(
+    json: &str,
+    transport: TransportKind,
+) -> Result<(ClusterSpec, JobKind, usize), SpecError> {
+    let tf: TfConfig =
+        serde_json::from_str(json).map_err(|e| SpecError::TfConfig(e.to_string()))?;
     let take = |k: &str| tf.cluster.get(k).cloned().unwrap_or_default();
     let ps = take("ps");
     let chief = take("chief");
     if chief.len() > 1 {
-        return Err(SpecError::TfConfig(format!("{} chief tasks; TensorFlow allows one", chief.len())));
+        return Err(SpecError::TfConfig(format!(
+            "{} chief tasks; TensorFlow allows one",
+            chief.len()
+        )));
     }
     let mut workers = chief.clone();
     workers.extend(take("worker"));
@@ -280,10 +324,19 @@ fn from_tf_config_with(json: &str, transport: TransportKind) -> Result<(ClusterS
         "ps" => (JobKind::Ps, tf.task.index),
         "chief" => (JobKind::Worker, tf.task.index),
         "worker" => (JobKind::Worker, tf.task.index + chief.len()),
-        other => return Err(SpecError::TfConfig(format!("task type {other:?}: Ibex runs ps, worker and chief tasks"))),
+        other => {
+            return Err(SpecError::TfConfig(format!(
+                "task type {other:?}: Ibex runs ps, worker and chief tasks"
+            )));
+        }
     };
-    let spec = ClusterSpec::new(ps, workers, transport).map_err(|e| SpecError::TfConfig(e.to_string()))?;
-    let n = if job == JobKind::Ps { spec.ps.len() } else { spec.workers.len() };
+    let spec =
+        ClusterSpec::new(ps, workers, transport).map_err(|e| SpecError::TfConfig(e.to_string()))?;
+    let n = if job == JobKind::Ps {
+        spec.ps.len()
+    } else {
+        spec.workers.len()
+    };
     if index >= n {
         return Err(SpecError::TfConfig(format!(
             "task {} index {} is out of range: the cluster lists {n} such tasks",
@@ -303,7 +356,9 @@ fn from_slurm_vars(
                 .trim()
                 .parse::<usize>()
                 .map_err(|_| SpecError::Slurm(format!("{k}={v:?} is not a non-negative integer"))),
-            None => default.ok_or_else(|| SpecError::Slurm(format!("{k} is not set: run the task under srun"))),
+            None => default.ok_or_else(|| {
+                SpecError::Slurm(format!("{k} is not set: run the task under srun"))
+            }),
         }
     };
     let rank = num("SLURM_PROCID", None)?;
@@ -312,10 +367,14 @@ fn from_slurm_vars(
     let base = num("IBEX_BASE_PORT", Some(7470))?;
     let nodelist = get("SLURM_JOB_NODELIST")
         .or_else(|| get("SLURM_NODELIST"))
-        .ok_or_else(|| SpecError::Slurm("SLURM_JOB_NODELIST is not set: run the task under srun".into()))?;
+        .ok_or_else(|| {
+            SpecError::Slurm("SLURM_JOB_NODELIST is not set: run the task under srun".into())
+        })?;
     let nodes = expand_nodelist(&nodelist)?;
     if rank >= ntasks {
-        return Err(SpecError::Slurm(format!("SLURM_PROCID={rank} is not below SLURM_NTASKS={ntasks}")));
+        return Err(SpecError::Slurm(format!(
+            "SLURM_PROCID={rank} is not below SLURM_NTASKS={ntasks}"
+        )));
     }
     if num_ps == 0 || num_ps >= ntasks {
         return Err(SpecError::Slurm(format!(
@@ -323,14 +382,18 @@ fn from_slurm_vars(
         )));
     }
     if base + ntasks > 65536 || base == 0 {
-        return Err(SpecError::Slurm(format!("IBEX_BASE_PORT={base} + {ntasks} tasks runs past port 65535")));
+        return Err(SpecError::Slurm(format!(
+            "IBEX_BASE_PORT={base} + {ntasks} tasks runs past port 65535"
+        )));
     }
     let per_node = match get("SLURM_TASKS_PER_NODE") {
         Some(s) => parse_tasks_per_node(&s)?,
         None => {
             // Without the layout, assume srun's default block distribution, as even as possible.
             let n = nodes.len();
-            (0..n).map(|i| ntasks / n + usize::from(i < ntasks % n)).collect()
+            (0..n)
+                .map(|i| ntasks / n + usize::from(i < ntasks % n))
+                .collect()
         }
     };
     if per_node.len() != nodes.len() {
@@ -350,20 +413,40 @@ fn from_slurm_vars(
             host_of_rank.len()
         )));
     }
-    let addrs: Vec<String> = (0..ntasks).map(|r| format!("{}:{}", host_of_rank[r], base + r)).collect();
-    let spec = ClusterSpec::new(addrs[..num_ps].to_vec(), addrs[num_ps..].to_vec(), transport)?;
-    let (job, index) = if rank < num_ps { (JobKind::Ps, rank) } else { (JobKind::Worker, rank - num_ps) };
+    let addrs: Vec<String> = (0..ntasks)
+        .map(|r| format!("{}:{}", host_of_rank[r], base + r))
+        .collect();
+    let spec = ClusterSpec::new(
+        addrs[..num_ps].to_vec(),
+        addrs[num_ps..].to_vec(),
+        transport,
+    )?;
+    let (job, index) = if rank < num_ps {
+        (JobKind::Ps, rank)
+    } else {
+        (JobKind::Worker, rank - num_ps)
+    };
     Ok((spec, job, index))
 }
 
 /// `SLURM_TASKS_PER_NODE`: `2(x3),1` means three nodes with 2 tasks, then one with 1.
 fn parse_tasks_per_node(s: &str) -> Result<Vec<usize>, SpecError> {
-    let bad = || SpecError::Slurm(format!("SLURM_TASKS_PER_NODE={s:?} is not like \"2(x3),1\""));
+    let bad = || {
+        SpecError::Slurm(format!(
+            "SLURM_TASKS_PER_NODE={s:?} is not like \"2(x3),1\""
+        ))
+    };
     let mut out = Vec::new();
     for part in s.split(',') {
         let part = part.trim();
         let (n, times) = match part.split_once("(x") {
-            Some((n, rest)) => (n, rest.strip_suffix(')').ok_or_else(bad)?.parse::<usize>().map_err(|_| bad())?),
+            Some((n, rest)) => (
+                n,
+                rest.strip_suffix(')')
+                    .ok_or_else(bad)?
+                    .parse::<usize>()
+                    .map_err(|_| bad())?,
+            ),
             None => (part, 1),
         };
         let n = n.parse::<usize>().map_err(|_| bad())?;
@@ -379,7 +462,9 @@ pub fn expand_nodelist(s: &str) -> Result<Vec<String>, SpecError> {
     let mut out = Vec::new();
     for name in split_top_level(s)? {
         if name.is_empty() {
-            return Err(SpecError::Slurm(format!("nodelist {s:?} has an empty entry")));
+            return Err(SpecError::Slurm(format!(
+                "nodelist {s:?} has an empty entry"
+            )));
         }
         expand_name(&name, s, &mut out)?;
     }
@@ -397,9 +482,9 @@ fn split_top_level(s: &str) -> Result<Vec<String>, SpecError> {
         match c {
             '[' => depth += 1,
             ']' => {
-                depth = depth
-                    .checked_sub(1)
-                    .ok_or_else(|| SpecError::Slurm(format!("nodelist {s:?} has an unmatched ']'")))?
+                depth = depth.checked_sub(1).ok_or_else(|| {
+                    SpecError::Slurm(format!("nodelist {s:?} has an unmatched ']'"))
+                })?
             }
             ',' if depth == 0 => {
                 parts.push(std::mem::take(&mut cur));
@@ -410,7 +495,9 @@ fn split_top_level(s: &str) -> Result<Vec<String>, SpecError> {
         cur.push(c);
     }
     if depth != 0 {
-        return Err(SpecError::Slurm(format!("nodelist {s:?} has an unmatched '['")));
+        return Err(SpecError::Slurm(format!(
+            "nodelist {s:?} has an unmatched '['"
+        )));
     }
     parts.push(cur);
     Ok(parts)
@@ -422,15 +509,22 @@ fn expand_name(name: &str, whole: &str, out: &mut Vec<String>) -> Result<(), Spe
         out.push(name.to_string());
         return Ok(());
     };
-    let close = name[open..].find(']').map(|c| open + c).ok_or_else(|| bad("unmatched '['"))?;
+    let close = name[open..]
+        .find(']')
+        .map(|c| open + c)
+        .ok_or_else(|| bad("unmatched '['"))?;
     let (prefix, ranges, rest) = (&name[..open], &name[open + 1..close], &name[close + 1..]);
     let mut tails = Vec::new();
     expand_name(rest, whole, &mut tails)?;
     for r in ranges.split(',') {
         let (lo, hi) = r.split_once('-').unwrap_or((r, r));
         let width = lo.len();
-        let lo_n: u64 = lo.parse().map_err(|_| bad(&format!("range {r:?} is not digits")))?;
-        let hi_n: u64 = hi.parse().map_err(|_| bad(&format!("range {r:?} is not digits")))?;
+        let lo_n: u64 = lo
+            .parse()
+            .map_err(|_| bad(&format!("range {r:?} is not digits")))?;
+        let hi_n: u64 = hi
+            .parse()
+            .map_err(|_| bad(&format!("range {r:?} is not digits")))?;
         if hi_n < lo_n {
             return Err(bad(&format!("range {r:?} runs backwards")));
         }
@@ -452,25 +546,39 @@ mod tests {
 
     #[test]
     fn toml_round_trip_and_default_transport() {
-        let s = ClusterSpec::from_toml_str("[cluster]\nps = [\"a:1000\", \"b:1001\"]\nworkers = [\"c:2000\"]\n").unwrap();
+        let s = ClusterSpec::from_toml_str(
+            "[cluster]\nps = [\"a:1000\", \"b:1001\"]\nworkers = [\"c:2000\"]\n",
+        )
+        .unwrap();
         assert_eq!(s.ps, vec!["a:1000", "b:1001"]);
         assert_eq!(s.workers, vec!["c:2000"]);
         assert_eq!(s.transport, TransportKind::Shm);
-        let t = ClusterSpec { transport: TransportKind::Grpc, ..s.clone() };
+        let t = ClusterSpec {
+            transport: TransportKind::Grpc,
+            ..s.clone()
+        };
         assert_eq!(ClusterSpec::from_toml_str(&t.to_toml()).unwrap(), t);
     }
 
     #[test]
     fn toml_errors_name_the_problem() {
-        let e = ClusterSpec::from_toml_str("[cluster]\nps = []\nworkers = [\"c:1\"]\n").unwrap_err();
+        let e =
+            ClusterSpec::from_toml_str("[cluster]\nps = []\nworkers = [\"c:1\"]\n").unwrap_err();
         assert!(e.to_string().contains("no ps tasks"), "{e}");
-        let e = ClusterSpec::from_toml_str("[cluster]\nps = [\"a\"]\nworkers = [\"c:1\"]\n").unwrap_err();
+        let e = ClusterSpec::from_toml_str("[cluster]\nps = [\"a\"]\nworkers = [\"c:1\"]\n")
+            .unwrap_err();
         assert!(e.to_string().contains("\"a\""), "{e}");
-        let e = ClusterSpec::from_toml_str("[cluster]\nps = [\"a:1\"]\nworkers = [\"c:1\"]\ntransport = \"ib\"\n").unwrap_err();
+        let e = ClusterSpec::from_toml_str(
+            "[cluster]\nps = [\"a:1\"]\nworkers = [\"c:1\"]\ntransport = \"ib\"\n",
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("unknown transport"), "{e}");
-        let e = ClusterSpec::from_toml_str("[cluster]\nps = [\"a:1\"]\nworker = [\"c:1\"]\n").unwrap_err();
+        let e = ClusterSpec::from_toml_str("[cluster]\nps = [\"a:1\"]\nworker = [\"c:1\"]\n")
+            .unwrap_err();
         assert!(matches!(e, SpecError::Toml(_)), "{e}");
-        let e = ClusterSpec::from_toml_str("[cluster]\nps = [\"a:1\", \"a:1\"]\nworkers = [\"c:1\"]\n").unwrap_err();
+        let e =
+            ClusterSpec::from_toml_str("[cluster]\nps = [\"a:1\", \"a:1\"]\nworkers = [\"c:1\"]\n")
+                .unwrap_err();
         assert!(e.to_string().contains("twice"), "{e}");
         let e = ClusterSpec::from_toml_file(Path::new("/nonexistent/cluster.toml")).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/cluster.toml"), "{e}");
@@ -478,7 +586,12 @@ mod tests {
 
     #[test]
     fn uris_per_transport() {
-        let mut s = ClusterSpec::new(vec!["h1:7000".into()], vec!["h2:7001".into()], TransportKind::Tcp).unwrap();
+        let mut s = ClusterSpec::new(
+            vec!["h1:7000".into()],
+            vec!["h2:7001".into()],
+            TransportKind::Tcp,
+        )
+        .unwrap();
         assert_eq!(s.ps_uri(0), "tcp://h1:7000");
         assert_eq!(s.ps_listen_uri(0), "tcp://0.0.0.0:7000");
         s.transport = TransportKind::Verbs;
@@ -487,7 +600,10 @@ mod tests {
         assert_eq!(s.ps_uri(0), "http://h1:7000");
         assert_eq!(s.ps_listen_uri(0), "http://0.0.0.0:7000");
         s.transport = TransportKind::Shm;
-        let want = format!("shm://{}", ibex_transport::conn::auto_shm_path(7000).display());
+        let want = format!(
+            "shm://{}",
+            ibex_transport::conn::auto_shm_path(7000).display()
+        );
         assert_eq!(s.ps_uri(0), want);
         assert_eq!(s.ps_listen_uri(0), want);
     }
@@ -496,14 +612,20 @@ mod tests {
     fn tf_config_ps_worker_and_chief() {
         let j = r#"{"cluster":{"ps":["p0:1","p1:2"],"worker":["w0:3","w1:4"]},"task":{"type":"worker","index":1}}"#;
         let (s, job, i) = from_tf_config_with(j, TransportKind::Tcp).unwrap();
-        assert_eq!((s.ps.len(), s.workers.len(), job, i), (2, 2, JobKind::Worker, 1));
+        assert_eq!(
+            (s.ps.len(), s.workers.len(), job, i),
+            (2, 2, JobKind::Worker, 1)
+        );
         assert_eq!(s.workers[1], "w1:4");
         let j = r#"{"cluster":{"ps":["p0:1"],"chief":["c:9"],"worker":["w0:3"]},"task":{"type":"worker","index":0}}"#;
         let (s, job, i) = from_tf_config_with(j, TransportKind::Tcp).unwrap();
         assert_eq!(s.workers, vec!["c:9", "w0:3"]);
         assert_eq!((job, i), (JobKind::Worker, 1));
         let j = r#"{"cluster":{"ps":["p0:1"],"worker":["w0:3"]},"task":{"type":"ps","index":0}}"#;
-        assert_eq!(from_tf_config_with(j, TransportKind::Shm).unwrap().1, JobKind::Ps);
+        assert_eq!(
+            from_tf_config_with(j, TransportKind::Shm).unwrap().1,
+            JobKind::Ps
+        );
     }
 
     #[test]
@@ -512,23 +634,49 @@ mod tests {
         let e = from_tf_config_with(j, TransportKind::Tcp).unwrap_err();
         assert!(e.to_string().contains("out of range"), "{e}");
         let j = r#"{"cluster":{"ps":["p0:1"],"worker":["w0:3"]},"task":{"type":"evaluator","index":0}}"#;
-        assert!(from_tf_config_with(j, TransportKind::Tcp).unwrap_err().to_string().contains("evaluator"));
-        assert!(matches!(from_tf_config_with("{", TransportKind::Tcp), Err(SpecError::TfConfig(_))));
+        assert!(
+            from_tf_config_with(j, TransportKind::Tcp)
+                .unwrap_err()
+                .to_string()
+                .contains("evaluator")
+        );
+        assert!(matches!(
+            from_tf_config_with("{", TransportKind::Tcp),
+            Err(SpecError::TfConfig(_))
+        ));
     }
 
     #[test]
     fn nodelist_expansion() {
-        assert_eq!(expand_nodelist("node[01-03,07]").unwrap(), vec!["node01", "node02", "node03", "node07"]);
-        assert_eq!(expand_nodelist("a,b[8-10],c").unwrap(), vec!["a", "b8", "b9", "b10", "c"]);
-        assert_eq!(expand_nodelist("r[1-2]n[1-2]").unwrap(), vec!["r1n1", "r1n2", "r2n1", "r2n2"]);
-        assert_eq!(expand_nodelist("gpu-[009-011]").unwrap(), vec!["gpu-009", "gpu-010", "gpu-011"]);
+        assert_eq!(
+            expand_nodelist("node[01-03,07]").unwrap(),
+            vec!["node01", "node02", "node03", "node07"]
+        );
+        assert_eq!(
+            expand_nodelist("a,b[8-10],c").unwrap(),
+            vec!["a", "b8", "b9", "b10", "c"]
+        );
+        assert_eq!(
+            expand_nodelist("r[1-2]n[1-2]").unwrap(),
+            vec!["r1n1", "r1n2", "r2n1", "r2n2"]
+        );
+        assert_eq!(
+            expand_nodelist("gpu-[009-011]").unwrap(),
+            vec!["gpu-009", "gpu-010", "gpu-011"]
+        );
         for bad in ["node[01-03", "node]", "n[3-1]", "n[a-b]", "", "a,,b"] {
-            assert!(matches!(expand_nodelist(bad), Err(SpecError::Slurm(_))), "{bad:?} should fail");
+            assert!(
+                matches!(expand_nodelist(bad), Err(SpecError::Slurm(_))),
+                "{bad:?} should fail"
+            );
         }
     }
 
     fn slurm(vars: &[(&str, &str)]) -> Result<(ClusterSpec, JobKind, usize), SpecError> {
-        let m: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         from_slurm_vars(&|k: &str| m.get(k).cloned(), TransportKind::Tcp)
     }
 
@@ -551,7 +699,12 @@ mod tests {
         let (_, job, i) = slurm(&v).unwrap();
         assert_eq!((job, i), (JobKind::Worker, 2));
         // Without SLURM_TASKS_PER_NODE, an even block layout.
-        let (s, _, _) = slurm(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "3"), ("SLURM_NODELIST", "a,b")]).unwrap();
+        let (s, _, _) = slurm(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "3"),
+            ("SLURM_NODELIST", "a,b"),
+        ])
+        .unwrap();
         assert_eq!(s.ps, vec!["a:7470"]);
         assert_eq!(s.workers, vec!["a:7471", "b:7472"]);
     }
@@ -560,9 +713,19 @@ mod tests {
     fn slurm_errors() {
         let e = slurm(&[("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "a")]).unwrap_err();
         assert!(e.to_string().contains("SLURM_PROCID is not set"), "{e}");
-        let e = slurm(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1"), ("SLURM_JOB_NODELIST", "a")]).unwrap_err();
+        let e = slurm(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_JOB_NODELIST", "a"),
+        ])
+        .unwrap_err();
         assert!(e.to_string().contains("no PS or no worker"), "{e}");
-        let e = slurm(&[("SLURM_PROCID", "x"), ("SLURM_NTASKS", "2"), ("SLURM_JOB_NODELIST", "a")]).unwrap_err();
+        let e = slurm(&[
+            ("SLURM_PROCID", "x"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_JOB_NODELIST", "a"),
+        ])
+        .unwrap_err();
         assert!(e.to_string().contains("SLURM_PROCID=\"x\""), "{e}");
         let e = slurm(&[
             ("SLURM_PROCID", "0"),

@@ -66,53 +66,7 @@ impl Init {
     }
 }
 
-/// The optimizer the PS applies to this variable's averaged gradients.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Optimizer {
-    /// w -= lr * g
-    Sgd {
-        /// Learning rate.
-        lr: f32,
-    },
-    /// v = momentum * v + g; w -= lr * v
-    Momentum {
-        /// Learning rate.
-        lr: f32,
-        /// Momentum.
-        momentum: f32,
-    },
-    /// a += g²; w -= lr * g / (sqrt(a) + eps)
-    Adagrad {
-        /// Learning rate.
-        lr: f32,
-        /// Added to the denominator.
-        eps: f32,
-    },
-    /// Adam (Kingma & Ba, Algorithm 1, bias-corrected).
-    Adam {
-        /// Learning rate.
-        lr: f32,
-        /// First-moment decay.
-        beta1: f32,
-        /// Second-moment decay.
-        beta2: f32,
-        /// Added to the denominator.
-        eps: f32,
-    },
-}
-
-impl Optimizer {
-    pub(crate) fn to_pb(self) -> pb::Optimizer {
-        use pb::optimizer::Kind;
-        let kind = match self {
-            Optimizer::Sgd { lr } => Kind::Sgd(pb::Sgd { lr }),
-            Optimizer::Momentum { lr, momentum } => Kind::Momentum(pb::Momentum { lr, momentum }),
-            Optimizer::Adagrad { lr, eps } => Kind::Adagrad(pb::Adagrad { lr, eps }),
-            Optimizer::Adam { lr, beta1, beta2, eps } => Kind::Adam(pb::Adam { lr, beta1, beta2, eps }),
-        };
-        pb::Optimizer { kind: Some(kind) }
-    }
-}
+pub use ibex_proto::Optimizer;
 
 /// One model variable as the training program declares it.
 #[derive(Debug, Clone, PartialEq)]

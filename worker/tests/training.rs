@@ -14,8 +14,13 @@ const STEPS: u64 = 20;
 const LR: f32 = 0.05;
 
 fn data() -> (Vec<[f32; D]>, Vec<f32>) {
-    let xs: Vec<[f32; D]> = (0..N).map(|i| std::array::from_fn(|j| (((i * 7 + j * 13) % 17) as f32 - 8.0) / 8.0)).collect();
-    let ys = xs.iter().map(|x| 0.5 * x[0] - 1.5 * x[1] + 2.0 * x[2] + 0.25 * x[4] + 0.3).collect();
+    let xs: Vec<[f32; D]> = (0..N)
+        .map(|i| std::array::from_fn(|j| (((i * 7 + j * 13) % 17) as f32 - 8.0) / 8.0))
+        .collect();
+    let ys = xs
+        .iter()
+        .map(|x| 0.5 * x[0] - 1.5 * x[1] + 2.0 * x[2] + 0.25 * x[4] + 0.3)
+        .collect();
     (xs, ys)
 }
 
@@ -34,12 +39,18 @@ fn grad(w: &[f32], b: f32, xs: &[[f32; D]], ys: &[f32]) -> (Vec<f32>, f32) {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 async fn run(transport: TransportKind) {
     let spec = ClusterSpec {
-        ps: (0..2).map(|_| format!("127.0.0.1:{}", free_port())).collect(),
+        ps: (0..2)
+            .map(|_| format!("127.0.0.1:{}", free_port()))
+            .collect(),
         workers: vec!["127.0.0.1:0".into(); 2],
         transport,
     };
@@ -57,8 +68,22 @@ async fn run(transport: TransportKind) {
         }));
     }
     let vars = vec![
-        VarSpec { name: "w".into(), dtype: Dtype::F32, shape: vec![D], init: Init::Zeros, optimizer: Optimizer::Sgd { lr: LR }, sparse: false },
-        VarSpec { name: "b".into(), dtype: Dtype::F32, shape: vec![1], init: Init::Constant(0.1), optimizer: Optimizer::Sgd { lr: LR }, sparse: false },
+        VarSpec {
+            name: "w".into(),
+            dtype: Dtype::F32,
+            shape: vec![D],
+            init: Init::Zeros,
+            optimizer: Optimizer::Sgd { lr: LR },
+            sparse: false,
+        },
+        VarSpec {
+            name: "b".into(),
+            dtype: Dtype::F32,
+            shape: vec![1],
+            init: Init::Constant(0.1),
+            optimizer: Optimizer::Sgd { lr: LR },
+            sparse: false,
+        },
     ];
     let (xs, ys) = data();
     let mut handles = Vec::new();
@@ -82,7 +107,10 @@ async fn run(transport: TransportKind) {
     for h in handles {
         results.push(h.await.unwrap());
     }
-    assert_eq!(results[0].0, results[1].0, "both workers see the same values");
+    assert_eq!(
+        results[0].0, results[1].0,
+        "both workers see the same values"
+    );
     assert!(results[0].1.contains("PushPull 40"), "{}", results[0].1);
 
     // Single-process reference: full-batch gradient descent in f64.
@@ -92,7 +120,13 @@ async fn run(transport: TransportKind) {
         let mut gw = [0f64; D];
         let mut gb = 0f64;
         for (x, y) in xs.iter().zip(&ys) {
-            let err = x.iter().zip(&w).map(|(a, b)| f64::from(*a) * b).sum::<f64>() + b - f64::from(*y);
+            let err = x
+                .iter()
+                .zip(&w)
+                .map(|(a, b)| f64::from(*a) * b)
+                .sum::<f64>()
+                + b
+                - f64::from(*y);
             for j in 0..D {
                 gw[j] += 2.0 * err * f64::from(x[j]) / N as f64;
             }
@@ -105,7 +139,10 @@ async fn run(transport: TransportKind) {
     }
     let got = &results[0].0;
     for (x, y) in got[0].iter().chain(&got[1]).zip(w.iter().chain([&b])) {
-        assert!((f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()), "got {got:?}, reference w {w:?} b {b}");
+        assert!(
+            (f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()),
+            "got {got:?}, reference w {w:?} b {b}"
+        );
     }
     for s in stops {
         let _ = s.send(());
@@ -129,7 +166,11 @@ async fn sync_training_matches_reference_over_stock_grpc() {
 
 #[tokio::test]
 async fn a_spec_without_ps_is_refused() {
-    let spec = ClusterSpec { ps: vec![], workers: vec![], transport: TransportKind::Tcp };
+    let spec = ClusterSpec {
+        ps: vec![],
+        workers: vec![],
+        transport: TransportKind::Tcp,
+    };
     let e = Worker::connect(&spec, 0).await.unwrap_err();
     assert!(e.to_string().contains("no PS"), "{e}");
 }

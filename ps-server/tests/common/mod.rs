@@ -9,7 +9,11 @@ use tokio::sync::oneshot;
 
 /// A free TCP port (the kernel picks it; the tiny window before reuse is acceptable in tests).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Running in-process shards; dropping stops them.
@@ -20,9 +24,21 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    pub async fn start(num_ps: usize, workers: u32, mode: Mode, transport: TransportKind, tweak: impl Fn(&mut PsConfig)) -> Cluster {
-        let ps: Vec<String> = (0..num_ps).map(|_| format!("127.0.0.1:{}", free_port())).collect();
-        let spec = ClusterSpec { ps, workers: (0..workers).map(|i| format!("w{i}:0")).collect(), transport };
+    pub async fn start(
+        num_ps: usize,
+        workers: u32,
+        mode: Mode,
+        transport: TransportKind,
+        tweak: impl Fn(&mut PsConfig),
+    ) -> Cluster {
+        let ps: Vec<String> = (0..num_ps)
+            .map(|_| format!("127.0.0.1:{}", free_port()))
+            .collect();
+        let spec = ClusterSpec {
+            ps,
+            workers: (0..workers).map(|i| format!("w{i}:0")).collect(),
+            transport,
+        };
         let mut stops = Vec::new();
         let mut tasks = Vec::new();
         for i in 0..num_ps {

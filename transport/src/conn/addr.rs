@@ -20,10 +20,15 @@ pub enum Addr {
 impl Addr {
     /// Parses a URI. The error says which schemes exist.
     pub fn parse(uri: &str) -> Result<Addr> {
-        let bad = |why: &str| Error::Address { addr: uri.to_string(), why: why.to_string() };
+        let bad = |why: &str| Error::Address {
+            addr: uri.to_string(),
+            why: why.to_string(),
+        };
         if let Some(rest) = uri.strip_prefix("shm://") {
             if !rest.starts_with('/') {
-                return Err(bad("shm addresses are absolute socket paths: shm:///run/ibex.sock (three slashes)"));
+                return Err(bad(
+                    "shm addresses are absolute socket paths: shm:///run/ibex.sock (three slashes)",
+                ));
             }
             return Ok(Addr::Shm(PathBuf::from(rest)));
         }
@@ -35,7 +40,9 @@ impl Addr {
             check_host_port(rest).map_err(|w| bad(&w))?;
             return Ok(Addr::Verbs(rest.to_string()));
         }
-        Err(bad("unknown scheme; use shm:///path.sock, tcp://host:port or verbs://host:port"))
+        Err(bad(
+            "unknown scheme; use shm:///path.sock, tcp://host:port or verbs://host:port",
+        ))
     }
 
     /// The URI form.
@@ -53,7 +60,8 @@ fn check_host_port(s: &str) -> std::result::Result<(), String> {
     if host.is_empty() {
         return Err("empty host".into());
     }
-    port.parse::<u16>().map_err(|_| format!("port {port:?} is not a number in 0..=65535"))?;
+    port.parse::<u16>()
+        .map_err(|_| format!("port {port:?} is not a number in 0..=65535"))?;
     Ok(())
 }
 
@@ -74,7 +82,9 @@ pub fn is_local_host(host: &str) -> bool {
         Ok(it) => it.map(|a: SocketAddr| a.ip()).collect(),
         Err(_) => return false,
     };
-    addrs.iter().any(|ip| ip.is_loopback() || ip.is_unspecified() || local_ips().contains(ip))
+    addrs
+        .iter()
+        .any(|ip| ip.is_loopback() || ip.is_unspecified() || local_ips().contains(ip))
 }
 
 fn local_ips() -> Vec<IpAddr> {
@@ -82,13 +92,14 @@ fn local_ips() -> Vec<IpAddr> {
     // which avoids parsing interface tables.
     let mut out = Vec::new();
     if let Ok(name) = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        && let Ok(it) = (name.trim(), 0u16).to_socket_addrs() {
-            for a in it {
-                if std::net::UdpSocket::bind((a.ip(), 0)).is_ok() {
-                    out.push(a.ip());
-                }
+        && let Ok(it) = (name.trim(), 0u16).to_socket_addrs()
+    {
+        for a in it {
+            if std::net::UdpSocket::bind((a.ip(), 0)).is_ok() {
+                out.push(a.ip());
             }
         }
+    }
     out
 }
 
@@ -98,10 +109,22 @@ mod tests {
 
     #[test]
     fn parses_schemes() {
-        assert_eq!(Addr::parse("shm:///run/x.sock").unwrap(), Addr::Shm("/run/x.sock".into()));
-        assert_eq!(Addr::parse("tcp://127.0.0.1:80").unwrap(), Addr::Tcp("127.0.0.1:80".into()));
-        assert_eq!(Addr::parse("verbs://h:1").unwrap(), Addr::Verbs("h:1".into()));
-        assert_eq!(Addr::parse("tcp://127.0.0.1:80").unwrap().to_uri(), "tcp://127.0.0.1:80");
+        assert_eq!(
+            Addr::parse("shm:///run/x.sock").unwrap(),
+            Addr::Shm("/run/x.sock".into())
+        );
+        assert_eq!(
+            Addr::parse("tcp://127.0.0.1:80").unwrap(),
+            Addr::Tcp("127.0.0.1:80".into())
+        );
+        assert_eq!(
+            Addr::parse("verbs://h:1").unwrap(),
+            Addr::Verbs("h:1".into())
+        );
+        assert_eq!(
+            Addr::parse("tcp://127.0.0.1:80").unwrap().to_uri(),
+            "tcp://127.0.0.1:80"
+        );
     }
 
     #[test]

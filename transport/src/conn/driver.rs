@@ -63,7 +63,10 @@ impl Shared {
     }
 
     pub fn release(&self, r: Released) {
-        self.released.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        self.released
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(r);
         self.wake_driver();
     }
 }
@@ -72,7 +75,12 @@ impl Shared {
 pub(crate) enum ReadyMsg {
     Bytes(MsgId, Bytes),
     /// Landed in a buffer posted by `recv_into` (identified by `token`).
-    User { msg: MsgId, buf: RecvBuf, len: usize, token: u64 },
+    User {
+        msg: MsgId,
+        buf: RecvBuf,
+        len: usize,
+        token: u64,
+    },
 }
 
 impl ReadyMsg {
@@ -166,7 +174,12 @@ impl Drop for ViewGuard {
 }
 
 impl State {
-    pub fn new(core: proto::Connection, link: Box<dyn Link>, fragment_size: usize, self_ref: std::sync::Weak<Shared>) -> State {
+    pub fn new(
+        core: proto::Connection,
+        link: Box<dyn Link>,
+        fragment_size: usize,
+        self_ref: std::sync::Weak<Shared>,
+    ) -> State {
         let info = link.info();
         let pool = link.pool();
         let stats = super::ConnStats {
@@ -231,7 +244,11 @@ impl State {
     }
 
     /// Queues one application message; rendezvous messages are exposed first.
-    pub fn send(&mut self, msg: Bytes, done: Option<oneshot::Sender<Result<(), Error>>>) -> Result<(), Error> {
+    pub fn send(
+        &mut self,
+        msg: Bytes,
+        done: Option<oneshot::Sender<Result<(), Error>>>,
+    ) -> Result<(), Error> {
         if let Some(e) = &self.closed {
             return Err(e.clone());
         }
@@ -250,12 +267,19 @@ impl State {
             proto::Protocol::Rendezvous => {
                 let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
                 let exposure = link.expose(msg)?;
+                self.stats.count_registration(exposure.registration);
                 if exposure.zero_copy {
                     self.stats.pool_bytes_sent += len;
                 }
                 match self.core.send_rendezvous(now, len, exposure.descriptor) {
                     Ok(id) => {
-                        self.sends.insert(id, PendingSend { exposure: exposure.id, done });
+                        self.sends.insert(
+                            id,
+                            PendingSend {
+                                exposure: exposure.id,
+                                done,
+                            },
+                        );
                     }
                     Err(e) => {
                         link.withdraw(exposure.id);
@@ -273,11 +297,18 @@ impl State {
             return Err(e.clone());
         }
         let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
-        link.expose(buf)
+        let exposure = link.expose(buf)?;
+        self.stats.count_registration(exposure.registration);
+        Ok(exposure)
     }
 
     /// Starts a one-sided read of a peer buffer into `dst`, split into fragments.
-    pub fn read_remote(&mut self, descriptor: &[u8], mut dst: RecvBuf, tx: oneshot::Sender<Result<RecvBuf, Error>>) {
+    pub fn read_remote(
+        &mut self,
+        descriptor: &[u8],
+        mut dst: RecvBuf,
+        tx: oneshot::Sender<Result<RecvBuf, Error>>,
+    ) {
         if let Some(e) = &self.closed {
             let _ = tx.send(Err(e.clone()));
             return;
@@ -321,7 +352,13 @@ impl State {
             Some(s) => s.as_mut_ptr(),
             None => dst.as_mut_ptr(),
         };
-        let mut read = ApiRead { dst: None, staging: None, frags_left: nfrags, error: None, tx: Some(tx) };
+        let mut read = ApiRead {
+            dst: None,
+            staging: None,
+            frags_left: nfrags,
+            error: None,
+            tx: Some(tx),
+        };
         for i in 0..nfrags {
             let off = i * frag;
             let flen = (len - off).min(frag);
@@ -375,45 +412,84 @@ impl State {
     }
 
     fn api_read_done(&mut self, id: u64, result: Result<(), Error>) {
-        let Some(req) = self.api_frags.remove(&id) else { return };
-        let Some(read) = self.api_reads.get_mut(&req) else { return };
+        let Some(req) = self.api_frags.remove(&id) else {
+            return;
+        };
+        let Some(read) = self.api_reads.get_mut(&req) else {
+            return;
+        };
         if let Err(e) = result {
             read.error.get_or_insert(e);
         }
         read.frags_left -= 1;
         if read.frags_left == 0
-            && let Some(read) = self.api_reads.remove(&req) {
-                let len = read.dst.as_ref().map_or(0, |d| d.len());
-                self.finish_api_read(read, len);
-            }
+            && let Some(read) = self.api_reads.remove(&req)
+        {
+            let len = read.dst.as_ref().map_or(0, |d| d.len());
+            self.finish_api_read(read, len);
+        }
     }
 
     /// Carries out one core action. Returns true if the application should be woken.
     fn act(&mut self, action: Action, now: Instant) -> bool {
         match action {
-            Action::BeginRecv { msg, len, descriptor, probe } => {
+            Action::BeginRecv {
+                msg,
+                len,
+                descriptor,
+                probe,
+            } => {
                 self.begin_recv(msg, len, &descriptor, probe, now);
                 false
             }
-            Action::Read { id, msg, descriptor, remote_offset, local_offset, len } => {
+            Action::Read {
+                id,
+                msg,
+                descriptor,
+                remote_offset,
+                local_offset,
+                len,
+            } => {
                 let dst = match self.dests.get_mut(&msg) {
                     Some(Dest::Buf(b)) | Some(Dest::User(b, _)) => b,
                     _ => {
-                        self.core.read_completed(now, id, Err(Error::Protocol(format!("read for message {msg} without a destination"))));
+                        self.core.read_completed(
+                            now,
+                            id,
+                            Err(Error::Protocol(format!(
+                                "read for message {msg} without a destination"
+                            ))),
+                        );
                         return false;
                     }
                 };
                 let end = local_offset.checked_add(len as u64);
                 if end.is_none_or(|e| e > dst.len() as u64) {
-                    self.core.read_completed(now, id, Err(Error::Protocol(format!("fragment {local_offset}+{len} outside message {msg}"))));
+                    self.core.read_completed(
+                        now,
+                        id,
+                        Err(Error::Protocol(format!(
+                            "fragment {local_offset}+{len} outside message {msg}"
+                        ))),
+                    );
                     return false;
                 }
                 let ptr = dst.as_mut_ptr();
-                let Some(link) = self.link.as_mut() else { return false };
+                let Some(link) = self.link.as_mut() else {
+                    return false;
+                };
                 // SAFETY: the destination lives in `dests` until the message is delivered (all
                 // reads done) or, on close, in the graveyard until the link is dropped; the
                 // range was bounds-checked above.
-                let r = unsafe { link.post_read(id, &descriptor, remote_offset, ptr.add(local_offset as usize), len) };
+                let r = unsafe {
+                    link.post_read(
+                        id,
+                        &descriptor,
+                        remote_offset,
+                        ptr.add(local_offset as usize),
+                        len,
+                    )
+                };
                 if let Err(e) = r {
                     self.core.read_completed(now, id, Err(e));
                 }
@@ -430,12 +506,21 @@ impl State {
                         Some(Dest::User(b, token)) => {
                             self.stats.rndv_read_bytes += len;
                             self.stats.recv_into_direct += 1;
-                            ReadyMsg::User { msg, buf: b, len: len as usize, token }
+                            ReadyMsg::User {
+                                msg,
+                                buf: b,
+                                len: len as usize,
+                                token,
+                            }
                         }
                         Some(Dest::Mapped(v)) => {
                             self.stats.rndv_mapped_bytes += len;
                             self.stats.rndv_mapped_msgs += 1;
-                            let guard = ViewGuard { view: v, msg, shared: self.self_ref.clone() };
+                            let guard = ViewGuard {
+                                view: v,
+                                msg,
+                                shared: self.self_ref.clone(),
+                            };
                             ReadyMsg::Bytes(msg, Bytes::from_owner(guard))
                         }
                         None => ReadyMsg::Bytes(msg, Bytes::new()),
@@ -452,7 +537,11 @@ impl State {
                     if let Some(tx) = s.done {
                         // The core emits `Closed` before the releases it forces on close, so a
                         // release seen before `Closed` is the peer's real `RndvDone`.
-                        let r = if self.closed.is_some() { Err(self.closed_error_or_core()) } else { Ok(()) };
+                        let r = if self.closed.is_some() {
+                            Err(self.closed_error_or_core())
+                        } else {
+                            Ok(())
+                        };
                         let _ = tx.send(r);
                     }
                 }
@@ -469,7 +558,11 @@ impl State {
                 if let (Some(id), Some(link)) = (self.probe_exposure.take(), self.link.as_mut()) {
                     link.withdraw(id);
                 }
-                tracing::info!(threshold, provider = self.info.provider, "eager threshold chosen by probe");
+                tracing::info!(
+                    threshold,
+                    provider = self.info.provider,
+                    "eager threshold chosen by probe"
+                );
                 true
             }
             Action::Closed { error } => {
@@ -481,11 +574,15 @@ impl State {
     }
 
     fn closed_error_or_core(&self) -> Error {
-        self.closed.clone().unwrap_or_else(|| Error::PeerGone("connection closed before the peer read the message".into()))
+        self.closed.clone().unwrap_or_else(|| {
+            Error::PeerGone("connection closed before the peer read the message".into())
+        })
     }
 
     fn begin_recv(&mut self, msg: MsgId, len: u64, descriptor: &[u8], probe: bool, now: Instant) {
-        let Some(link) = self.link.as_mut() else { return };
+        let Some(link) = self.link.as_mut() else {
+            return;
+        };
         match link.map_remote(descriptor, len) {
             Ok(Some(view)) if !probe => {
                 self.dests.insert(msg, Dest::Mapped(view));
@@ -499,19 +596,32 @@ impl State {
             }
         }
         // A caller's buffer posted for exactly this message takes the data directly.
-        if !probe && self.delivered.is_empty() && msg == self.consumed
-            && let Some(p) = self.posted.take() {
-                if p.buf.len() as u64 >= len && link.readable_dst(p.buf.as_slice().as_ptr(), len as usize) {
-                    self.dests.insert(msg, Dest::User(p.buf, p.token));
-                    self.core.accept_rendezvous(now, msg, RecvMode::Read);
-                    return;
-                }
-                self.posted = Some(p);
+        if !probe
+            && self.delivered.is_empty()
+            && msg == self.consumed
+            && let Some(p) = self.posted.take()
+        {
+            if p.buf.len() as u64 >= len
+                && link.readable_dst(p.buf.as_slice().as_ptr(), len as usize)
+            {
+                self.dests.insert(msg, Dest::User(p.buf, p.token));
+                self.core.accept_rendezvous(now, msg, RecvMode::Read);
+                return;
             }
+            self.posted = Some(p);
+        }
         let len_usize = match usize::try_from(len) {
             Ok(l) => l,
             Err(_) => {
-                self.core.reject_rendezvous(now, msg, Error::TooLarge { len, limit: usize::MAX as u64, which: "address space" });
+                self.core.reject_rendezvous(
+                    now,
+                    msg,
+                    Error::TooLarge {
+                        len,
+                        limit: usize::MAX as u64,
+                        which: "address space",
+                    },
+                );
                 return;
             }
         };
@@ -568,7 +678,10 @@ pub(crate) struct Driver {
 
 impl Driver {
     pub fn new(shared: Arc<Shared>) -> Driver {
-        let spin = std::env::var("IBEX_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+        let spin = std::env::var("IBEX_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(50);
         Driver {
             shared,
             timer: Box::pin(tokio::time::sleep(Duration::from_secs(3600))),
@@ -603,7 +716,10 @@ impl Future for Driver {
             // per round, for a peer process on a crowded machine. Never right after waking an
             // application task: that task runs first.
             let want = std::mem::take(&mut st.spin_requested) || this.spinning_since.is_some();
-            let can = want && !wake.app && !st.core.is_closed() && st.link.as_ref().is_some_and(|l| l.busy_poll());
+            let can = want
+                && !wake.app
+                && !st.core.is_closed()
+                && st.link.as_ref().is_some_and(|l| l.busy_poll());
             if !can {
                 this.spinning_since = None;
                 break;
@@ -683,7 +799,9 @@ impl State {
                     None => break,
                 },
             };
-            let Some(link) = self.link.as_mut() else { break };
+            let Some(link) = self.link.as_mut() else {
+                break;
+            };
             match link.poll_send(cx, &frame) {
                 Poll::Ready(Ok(())) => sent = true,
                 Poll::Ready(Err(e)) => {
@@ -731,12 +849,19 @@ impl State {
 
     /// One pass of the driver until nothing moves. Returns true once the connection is over
     /// and the link released.
-    fn turn(&mut self, shared: &Shared, cx: &mut Context<'_>, timer: &mut Pin<Box<tokio::time::Sleep>>, wake: &mut Wake) -> bool {
+    fn turn(
+        &mut self,
+        shared: &Shared,
+        cx: &mut Context<'_>,
+        timer: &mut Pin<Box<tokio::time::Sleep>>,
+        wake: &mut Wake,
+    ) -> bool {
         loop {
             let now = Instant::now();
             let mut progress = false;
 
-            let released = std::mem::take(&mut *shared.released.lock().unwrap_or_else(|e| e.into_inner()));
+            let released =
+                std::mem::take(&mut *shared.released.lock().unwrap_or_else(|e| e.into_inner()));
             for r in released {
                 progress = true;
                 match r {
@@ -760,7 +885,9 @@ impl State {
 
             // Inbound: frames and completions.
             for _ in 0..EVENTS_PER_TURN {
-                let Some(link) = self.link.as_mut() else { break };
+                let Some(link) = self.link.as_mut() else {
+                    break;
+                };
                 match link.poll_event(cx) {
                     Poll::Ready(ev) => {
                         let failed = ev.is_err();

@@ -48,7 +48,10 @@ impl Drop for Handle {
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let st = self.shared().lock();
-        f.debug_struct("Connection").field("provider", &st.info.provider).field("peer", &st.info.peer).finish()
+        f.debug_struct("Connection")
+            .field("provider", &st.info.provider)
+            .field("peer", &st.info.peer)
+            .finish()
     }
 }
 
@@ -72,7 +75,9 @@ impl Connection {
                             state.core.start_probe(now, exp.descriptor, probe_len);
                             state.set_probe_exposure(exp.id);
                         }
-                        Err(e) => tracing::warn!(%e, "threshold probe skipped: could not expose its buffer"),
+                        Err(e) => {
+                            tracing::warn!(%e, "threshold probe skipped: could not expose its buffer")
+                        }
                     }
                 }
             }
@@ -86,7 +91,9 @@ impl Connection {
             }
         });
         tokio::spawn(Driver::new(shared.clone()));
-        let conn = Connection { handle: Arc::new(Handle { shared }) };
+        let conn = Connection {
+            handle: Arc::new(Handle { shared }),
+        };
         match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.wait_established()).await {
             Ok(r) => r?,
             Err(_) => {
@@ -150,12 +157,19 @@ impl Connection {
             return Ok(buf);
         }
         let owner = Arc::new(buf);
-        self.send_wait(Bytes::from_owner(SharedOwner(owner.clone()))).await?;
+        self.send_wait(Bytes::from_owner(SharedOwner(owner.clone())))
+            .await?;
         // The peer's RndvDone withdrew the exposure, which held the only other reference.
-        Arc::try_unwrap(owner).map_err(|_| Error::Protocol("send_owned: buffer still referenced after the peer released it".into()))
+        Arc::try_unwrap(owner).map_err(|_| {
+            Error::Protocol("send_owned: buffer still referenced after the peer released it".into())
+        })
     }
 
-    async fn send_inner(&self, msg: Bytes, done: Option<oneshot::Sender<Result<()>>>) -> Result<()> {
+    async fn send_inner(
+        &self,
+        msg: Bytes,
+        done: Option<oneshot::Sender<Result<()>>>,
+    ) -> Result<()> {
         let shared = self.shared();
         loop {
             let space = shared.send_space.notified();
@@ -186,6 +200,7 @@ impl Connection {
         let _order = shared.recv_lock.lock().await;
         loop {
             let notified = shared.changed.notified();
+            let spin;
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
@@ -194,8 +209,13 @@ impl Connection {
                     let msg = ready.msg();
                     st.consumed += 1;
                     st.core.consumed(msg);
+                    let credit_due = st.core.credit_due();
                     drop(st);
-                    shared.wake_driver();
+                    // Owed credits below the batching threshold ride on the next frame; only
+                    // a full batch needs the driver now.
+                    if credit_due {
+                        shared.wake_driver();
+                    }
                     return Ok(match ready {
                         ReadyMsg::Bytes(_, b) => b,
                         ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
@@ -205,8 +225,12 @@ impl Connection {
                     return Err(e.clone());
                 }
                 st.spin_requested = st.busy_poll;
+                spin = st.busy_poll;
             }
-            shared.wake_driver();
+            // The link wakes the driver when data comes; it only needs a nudge to spin.
+            if spin {
+                shared.wake_driver();
+            }
             notified.await;
         }
     }
@@ -225,6 +249,7 @@ impl Connection {
         let mut my_token = None;
         loop {
             let notified = shared.changed.notified();
+            let spin;
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
@@ -233,17 +258,20 @@ impl Connection {
                     // Take our buffer back if it is still posted.
                     if let (None, Some(tok)) = (&mine, my_token)
                         && st.posted.as_ref().is_some_and(|p| p.token == tok)
-                            && let Some(p) = st.posted.take() {
-                                mine = p.buf.into_owner().downcast::<B>().ok().map(|b| *b);
-                            }
+                        && let Some(p) = st.posted.take()
+                    {
+                        mine = p.buf.into_owner().downcast::<B>().ok().map(|b| *b);
+                    }
                     let msg = ready.msg();
                     let result = match ready {
-                        ReadyMsg::User { buf, len, token, .. } if Some(token) == my_token => {
-                            match buf.into_owner().downcast::<B>() {
-                                Ok(b) => Ok((*b, len)),
-                                Err(_) => Err(Error::Protocol("recv_into: posted buffer changed type".into())),
-                            }
-                        }
+                        ReadyMsg::User {
+                            buf, len, token, ..
+                        } if Some(token) == my_token => match buf.into_owner().downcast::<B>() {
+                            Ok(b) => Ok((*b, len)),
+                            Err(_) => Err(Error::Protocol(
+                                "recv_into: posted buffer changed type".into(),
+                            )),
+                        },
                         other => {
                             let data = match other {
                                 ReadyMsg::Bytes(_, b) => b,
@@ -251,11 +279,16 @@ impl Connection {
                             };
                             let Some(mut b) = mine.take() else {
                                 st.delivered.push_front(ReadyMsg::Bytes(msg, data));
-                                return Err(Error::Protocol("recv_into: lost track of the posted buffer".into()));
+                                return Err(Error::Protocol(
+                                    "recv_into: lost track of the posted buffer".into(),
+                                ));
                             };
                             let dst = b.as_mut();
                             if dst.len() < data.len() {
-                                let err = Error::BufferTooSmall { buf: dst.len(), len: data.len() as u64 };
+                                let err = Error::BufferTooSmall {
+                                    buf: dst.len(),
+                                    len: data.len() as u64,
+                                };
                                 st.delivered.push_front(ReadyMsg::Bytes(msg, data));
                                 return Err(err);
                             }
@@ -265,8 +298,11 @@ impl Connection {
                     };
                     st.consumed += 1;
                     st.core.consumed(msg);
+                    let credit_due = st.core.credit_due();
                     drop(st);
-                    shared.wake_driver();
+                    if credit_due {
+                        shared.wake_driver();
+                    }
                     return result;
                 }
                 if let Some(e) = &st.closed {
@@ -274,23 +310,28 @@ impl Connection {
                 }
                 // Post our buffer so the next rendezvous message can land in it directly.
                 if st.posted.is_none()
-                    && let Some(b) = mine.take() {
-                        // Box first so the memory cannot move, even for inline arrays.
-                        let mut boxed = Box::new(b);
-                        let slice = (*boxed).as_mut();
-                        let (ptr, len) = (slice.as_mut_ptr(), slice.len());
-                        let token = st.next_token;
-                        st.next_token += 1;
-                        // SAFETY: `ptr..ptr+len` lies in the boxed caller buffer, which the
-                        // RecvBuf owns from here on; moving a Box leaves its heap contents in
-                        // place, and nothing else touches the buffer until it is handed back.
-                        let rb = unsafe { RecvBuf::from_raw(ptr, len, boxed) };
-                        st.posted = Some(Posted { buf: rb, token });
-                        my_token = Some(token);
-                    }
+                    && let Some(b) = mine.take()
+                {
+                    // Box first so the memory cannot move, even for inline arrays.
+                    let mut boxed = Box::new(b);
+                    let slice = (*boxed).as_mut();
+                    let (ptr, len) = (slice.as_mut_ptr(), slice.len());
+                    let token = st.next_token;
+                    st.next_token += 1;
+                    // SAFETY: `ptr..ptr+len` lies in the boxed caller buffer, which the
+                    // RecvBuf owns from here on; moving a Box leaves its heap contents in
+                    // place, and nothing else touches the buffer until it is handed back.
+                    let rb = unsafe { RecvBuf::from_raw(ptr, len, boxed) };
+                    st.posted = Some(Posted { buf: rb, token });
+                    my_token = Some(token);
+                }
                 st.spin_requested = st.busy_poll;
+                spin = st.busy_poll;
             }
-            shared.wake_driver();
+            // The link wakes the driver when data comes; it only needs a nudge to spin.
+            if spin {
+                shared.wake_driver();
+            }
             notified.await;
         }
     }
@@ -300,7 +341,11 @@ impl Connection {
     /// with [`Connection::read_remote`].
     pub async fn expose(&self, buf: Bytes) -> Result<RemoteBuf> {
         let exp = self.shared().lock().expose(buf)?;
-        Ok(RemoteBuf { descriptor: exp.descriptor, id: exp.id, shared: Arc::downgrade(self.shared()) })
+        Ok(RemoteBuf {
+            descriptor: exp.descriptor,
+            id: exp.id,
+            shared: Arc::downgrade(self.shared()),
+        })
     }
 
     /// Reads the peer buffer named by `descriptor` (from the peer's [`Connection::expose`])
@@ -452,7 +497,12 @@ enum ListenerInner {
     Verbs(crate::verbs::VerbsListener),
     /// `listen_auto`: the same port over tcp, shm for local peers, and verbs (bootstrap on
     /// port + 1) when this host has an RDMA device.
-    Auto { shm: crate::shm::ShmListener, shm_uri: String, tcp: crate::tcp::TcpListener, verbs: Option<VerbsListener> },
+    Auto {
+        shm: crate::shm::ShmListener,
+        shm_uri: String,
+        tcp: crate::tcp::TcpListener,
+        verbs: Option<VerbsListener>,
+    },
 }
 
 #[cfg(feature = "verbs")]
@@ -479,7 +529,9 @@ impl Listener {
             ListenerInner::Tcp(l) => Box::new(l.accept().await?),
             #[cfg(feature = "verbs")]
             ListenerInner::Verbs(l) => Box::new(l.accept().await?),
-            ListenerInner::Auto { shm, tcp, verbs, .. } => tokio::select! {
+            ListenerInner::Auto {
+                shm, tcp, verbs, ..
+            } => tokio::select! {
                 r = shm.accept() => Box::new(r?),
                 r = tcp.accept() => Box::new(r?),
                 r = accept_verbs(verbs) => r?,
@@ -493,9 +545,10 @@ impl Listener {
     pub fn local_uri(&self) -> String {
         match &self.inner {
             ListenerInner::Shm(_, uri) => uri.clone(),
-            ListenerInner::Tcp(l) | ListenerInner::Auto { tcp: l, .. } => {
-                l.local_addr().map(|a| format!("tcp://{a}")).unwrap_or_default()
-            }
+            ListenerInner::Tcp(l) | ListenerInner::Auto { tcp: l, .. } => l
+                .local_addr()
+                .map(|a| format!("tcp://{a}"))
+                .unwrap_or_default(),
             #[cfg(feature = "verbs")]
             ListenerInner::Verbs(l) => format!("verbs://{}", l.local_addr()),
         }
@@ -504,7 +557,9 @@ impl Listener {
     /// For auto listeners, the shm address local peers use.
     pub fn shm_uri(&self) -> Option<String> {
         match &self.inner {
-            ListenerInner::Shm(_, uri) | ListenerInner::Auto { shm_uri: uri, .. } => Some(uri.clone()),
+            ListenerInner::Shm(_, uri) | ListenerInner::Auto { shm_uri: uri, .. } => {
+                Some(uri.clone())
+            }
             _ => None,
         }
     }
@@ -533,7 +588,15 @@ pub async fn listen_auto(host_port: &str, config: Config) -> Result<Listener> {
     let path = auto_shm_path(port);
     let shm = crate::shm::listen(&path, &config).await?;
     let verbs = listen_auto_verbs(host_port, port, &config).await;
-    Ok(Listener { inner: ListenerInner::Auto { shm, shm_uri: format!("shm://{}", path.display()), tcp, verbs }, config })
+    Ok(Listener {
+        inner: ListenerInner::Auto {
+            shm,
+            shm_uri: format!("shm://{}", path.display()),
+            tcp,
+            verbs,
+        },
+        config,
+    })
 }
 
 /// The verbs side of an auto listener: bootstrap on port + 1, only where a device exists.
@@ -583,7 +646,9 @@ pub async fn connect_auto(host_port: &str, config: Config) -> Result<Connection>
                 tracing::info!(%uri, "connect_auto picked verbs");
                 return Ok(c);
             }
-            Err(e) => tracing::info!(%e, "connect_auto: no verbs listener at the peer; falling back to tcp"),
+            Err(e) => {
+                tracing::info!(%e, "connect_auto: no verbs listener at the peer; falling back to tcp")
+            }
         }
         let tcp = format!("tcp://{host_port}");
         tracing::info!(uri = %tcp, "connect_auto picked a transport");
@@ -595,17 +660,28 @@ pub async fn connect_auto(host_port: &str, config: Config) -> Result<Connection>
 
 /// The URI [`connect_auto`] would try first for `host:port`.
 pub fn choose_auto(host_port: &str) -> Result<String> {
-    let bad = |why: &str| Error::Address { addr: host_port.into(), why: why.into() };
-    let (host, port) = host_port.rsplit_once(':').ok_or_else(|| bad("expected host:port"))?;
+    let bad = |why: &str| Error::Address {
+        addr: host_port.into(),
+        why: why.into(),
+    };
+    let (host, port) = host_port
+        .rsplit_once(':')
+        .ok_or_else(|| bad("expected host:port"))?;
     let port: u16 = port.parse().map_err(|_| bad("port is not a number"))?;
     let shm = auto_shm_path(port);
     let verbs = || format!("verbs://{host}:{}", port.saturating_add(1));
-    let forced = std::env::var("IBEX_TRANSPORT").ok().filter(|s| !s.is_empty());
+    let forced = std::env::var("IBEX_TRANSPORT")
+        .ok()
+        .filter(|s| !s.is_empty());
     match forced.as_deref() {
         Some("shm") => return Ok(format!("shm://{}", shm.display())),
         Some("tcp") => return Ok(format!("tcp://{host_port}")),
         Some("verbs") => return Ok(verbs()),
-        Some(other) => return Err(bad(&format!("IBEX_TRANSPORT={other:?}: expected shm, tcp or verbs"))),
+        Some(other) => {
+            return Err(bad(&format!(
+                "IBEX_TRANSPORT={other:?}: expected shm, tcp or verbs"
+            )));
+        }
         None => {}
     }
     if is_local_host(host) && shm.exists() {

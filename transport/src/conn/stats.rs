@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use crate::link::Registration;
 use crate::proto::ProtoStats;
 
 /// A snapshot of one connection's counters.
@@ -27,9 +28,68 @@ pub struct ConnStats {
     pub recv_into_direct: u64,
     /// Bytes moved by explicit one-sided reads (`read_remote`).
     pub remote_read_bytes: u64,
+    /// Buffers exposed to the peer (rendezvous sends and `expose`) that lay in the registered
+    /// pool, so needed no registration.
+    pub exposed_from_pool: u64,
+    /// Exposed buffers that reused a cached memory registration (verbs).
+    pub reg_cache_hits: u64,
+    /// Exposed buffers that had to be registered (verbs): each costs a kernel call and pinning.
+    pub reg_cache_misses: u64,
 }
 
 impl ConnStats {
+    /// Counts one exposure's registration outcome.
+    pub(crate) fn count_registration(&mut self, r: Registration) {
+        match r {
+            Registration::NotNeeded => {}
+            Registration::Pool => self.exposed_from_pool += 1,
+            Registration::CacheHit => self.reg_cache_hits += 1,
+            Registration::Registered => self.reg_cache_misses += 1,
+        }
+    }
+
+    /// Share of exposures that needed no new registration (pool or cache hit), over those that
+    /// needed registered memory at all; `None` when none did (shm CMA and tcp register nothing).
+    pub fn reg_cache_hit_rate(&self) -> Option<f64> {
+        let hits = self.exposed_from_pool + self.reg_cache_hits;
+        let all = hits + self.reg_cache_misses;
+        (all > 0).then(|| hits as f64 / all as f64)
+    }
+
+    /// Adds `other`'s counters to these (for totals over many connections). Settings that are
+    /// not counters (provider, path, threshold) keep this side's values when set.
+    pub fn accumulate(&mut self, other: &ConnStats) {
+        let (p, o) = (&mut self.proto, &other.proto);
+        p.eager_msgs_sent += o.eager_msgs_sent;
+        p.eager_bytes_sent += o.eager_bytes_sent;
+        p.rndv_msgs_sent += o.rndv_msgs_sent;
+        p.rndv_bytes_sent += o.rndv_bytes_sent;
+        p.eager_msgs_recv += o.eager_msgs_recv;
+        p.eager_bytes_recv += o.eager_bytes_recv;
+        p.rndv_msgs_recv += o.rndv_msgs_recv;
+        p.rndv_bytes_recv += o.rndv_bytes_recv;
+        p.coalesced_msgs += o.coalesced_msgs;
+        p.credit_stalls += o.credit_stalls;
+        p.frames_sent += o.frames_sent;
+        p.frames_recv += o.frames_recv;
+        p.reads_issued += o.reads_issued;
+        if self.provider.is_empty() {
+            self.provider = other.provider;
+            self.rendezvous_path = other.rendezvous_path.clone();
+            p.eager_threshold = o.eager_threshold;
+            p.threshold_source = o.threshold_source;
+        }
+        self.rndv_read_bytes += other.rndv_read_bytes;
+        self.rndv_mapped_bytes += other.rndv_mapped_bytes;
+        self.rndv_mapped_msgs += other.rndv_mapped_msgs;
+        self.pool_bytes_sent += other.pool_bytes_sent;
+        self.recv_into_direct += other.recv_into_direct;
+        self.remote_read_bytes += other.remote_read_bytes;
+        self.exposed_from_pool += other.exposed_from_pool;
+        self.reg_cache_hits += other.reg_cache_hits;
+        self.reg_cache_misses += other.reg_cache_misses;
+    }
+
     /// Payload bytes this side copied on receive: eager copies out of slots plus rendezvous
     /// reads. Pool views are not counted: they are never copied.
     pub fn payload_bytes_copied(&self) -> u64 {
@@ -40,22 +100,109 @@ impl ConnStats {
 impl fmt::Display for ConnStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let p = &self.proto;
-        writeln!(f, "provider {} (rendezvous path: {})", self.provider, self.rendezvous_path)?;
-        writeln!(f, "eager threshold {} B ({})", p.eager_threshold, p.threshold_source)?;
+        writeln!(
+            f,
+            "provider {} (rendezvous path: {})",
+            self.provider, self.rendezvous_path
+        )?;
+        writeln!(
+            f,
+            "eager threshold {} B ({})",
+            p.eager_threshold, p.threshold_source
+        )?;
         writeln!(
             f,
             "sent:     eager {} msgs / {} B, rendezvous {} msgs / {} B ({} B from pool)",
-            p.eager_msgs_sent, p.eager_bytes_sent, p.rndv_msgs_sent, p.rndv_bytes_sent, self.pool_bytes_sent
+            p.eager_msgs_sent,
+            p.eager_bytes_sent,
+            p.rndv_msgs_sent,
+            p.rndv_bytes_sent,
+            self.pool_bytes_sent
         )?;
         writeln!(
             f,
             "received: eager {} msgs / {} B, rendezvous {} msgs / {} B ({} B read, {} B mapped zero-copy)",
-            p.eager_msgs_recv, p.eager_bytes_recv, p.rndv_msgs_recv, p.rndv_bytes_recv, self.rndv_read_bytes, self.rndv_mapped_bytes
+            p.eager_msgs_recv,
+            p.eager_bytes_recv,
+            p.rndv_msgs_recv,
+            p.rndv_bytes_recv,
+            self.rndv_read_bytes,
+            self.rndv_mapped_bytes
         )?;
         write!(
             f,
             "coalesced {} msgs, credit stalls {}, frames {} out / {} in, reads {}",
             p.coalesced_msgs, p.credit_stalls, p.frames_sent, p.frames_recv, p.reads_issued
-        )
+        )?;
+        if let Some(rate) = self.reg_cache_hit_rate() {
+            write!(
+                f,
+                "\nexposed: {} from the pool, {} registration-cache hits, {} new registrations (hit rate {:.1}%)",
+                self.exposed_from_pool,
+                self.reg_cache_hits,
+                self.reg_cache_misses,
+                rate * 100.0
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hit_rate_counts_pool_and_cache_hits_against_new_registrations() {
+        let mut s = ConnStats::default();
+        assert_eq!(s.reg_cache_hit_rate(), None);
+        s.count_registration(Registration::NotNeeded);
+        assert_eq!(
+            s.reg_cache_hit_rate(),
+            None,
+            "CMA/tcp exposures register nothing"
+        );
+        s.count_registration(Registration::Registered);
+        s.count_registration(Registration::CacheHit);
+        s.count_registration(Registration::CacheHit);
+        s.count_registration(Registration::Pool);
+        assert_eq!(s.reg_cache_hit_rate(), Some(0.75));
+        assert!(s.to_string().contains("hit rate 75.0%"), "{s}");
+    }
+
+    #[test]
+    fn totals_sum_counters_and_keep_the_first_settings() {
+        let mut a = ConnStats {
+            provider: "verbs",
+            rendezvous_path: "rdma-read".into(),
+            reg_cache_hits: 2,
+            ..Default::default()
+        };
+        a.proto.eager_msgs_sent = 5;
+        a.proto.eager_threshold = 8192;
+        let mut b = ConnStats {
+            provider: "verbs",
+            reg_cache_misses: 1,
+            remote_read_bytes: 10,
+            ..Default::default()
+        };
+        b.proto.eager_msgs_sent = 7;
+        b.proto.eager_threshold = 4096;
+        let mut total = ConnStats::default();
+        total.accumulate(&a);
+        total.accumulate(&b);
+        assert_eq!(total.proto.eager_msgs_sent, 12);
+        assert_eq!(
+            (
+                total.reg_cache_hits,
+                total.reg_cache_misses,
+                total.remote_read_bytes
+            ),
+            (2, 1, 10)
+        );
+        assert_eq!(
+            (total.provider, total.proto.eager_threshold),
+            ("verbs", 8192)
+        );
     }
 }

@@ -48,7 +48,10 @@ pub struct IncomingBody {
 
 impl std::fmt::Debug for IncomingBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IncomingBody").field("call", &self.call_id).field("done", &self.done).finish()
+        f.debug_struct("IncomingBody")
+            .field("call", &self.call_id)
+            .field("done", &self.done)
+            .finish()
     }
 }
 
@@ -60,7 +63,17 @@ impl IncomingBody {
         call: Arc<CallShared>,
         lost: Status,
     ) -> IncomingBody {
-        IncomingBody { rx, mux, call_id, call, consumed: 0, deadline: None, guard: None, lost, done: false }
+        IncomingBody {
+            rx,
+            mux,
+            call_id,
+            call,
+            consumed: 0,
+            deadline: None,
+            guard: None,
+            lost,
+            done: false,
+        }
     }
 
     pub(crate) fn with_deadline(mut self, at: Option<tokio::time::Instant>) -> Self {
@@ -87,7 +100,9 @@ impl IncomingBody {
         if self.consumed >= WINDOW / 2 {
             let grant = self.consumed.min(i64::from(u32::MAX));
             self.consumed -= grant;
-            self.call.recv_outstanding.fetch_sub(grant, std::sync::atomic::Ordering::AcqRel);
+            self.call
+                .recv_outstanding
+                .fetch_sub(grant, std::sync::atomic::Ordering::AcqRel);
             let mut p = Packet::new(self.call_id);
             p.window = Some(grant as u32);
             self.mux.send_detached(p);
@@ -99,7 +114,10 @@ impl http_body::Body for IncomingBody {
     type Data = Bytes;
     type Error = Status;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = self.get_mut();
         if this.done {
             return Poll::Ready(None);
@@ -133,7 +151,9 @@ impl http_body::Body for IncomingBody {
                     // Leave the guard armed: dropping it resets the call on the server.
                     this.done = true;
                     this.guard = None;
-                    return Poll::Ready(Some(Err(Status::deadline_exceeded("Deadline exceeded (grpc-timeout) while receiving the response"))));
+                    return Poll::Ready(Some(Err(Status::deadline_exceeded(
+                        "Deadline exceeded (grpc-timeout) while receiving the response",
+                    ))));
                 }
                 Poll::Pending
             }

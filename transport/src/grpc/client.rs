@@ -35,7 +35,9 @@ pub struct Channel {
 
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Channel").field("conn", &self.inner.shared.mux.conn).finish()
+        f.debug_struct("Channel")
+            .field("conn", &self.inner.shared.mux.conn)
+            .finish()
     }
 }
 
@@ -111,7 +113,9 @@ impl Shared {
             return;
         }
         // Packets for calls already over (cancelled here, or finished) are dropped.
-        let Some(c) = calls.map.get_mut(&p.call) else { return };
+        let Some(c) = calls.map.get_mut(&p.call) else {
+            return;
+        };
         if let Some(w) = p.window {
             c.shared.grant(w);
         }
@@ -122,7 +126,9 @@ impl Shared {
         }
         if let Some(d) = data {
             if !c.shared.received(d.len()) {
-                let _ = c.body.send(Inbound::Error(Status::resource_exhausted("the server overran the call's flow-control window")));
+                let _ = c.body.send(Inbound::Error(Status::resource_exhausted(
+                    "the server overran the call's flow-control window",
+                )));
                 self.reset_locked(&mut calls, p.call);
                 return;
             }
@@ -145,7 +151,9 @@ impl Shared {
             && let Some(mut c) = calls.map.remove(&p.call)
         {
             if let Some(h) = c.head.take() {
-                let _ = h.send(Err(Status::internal("the server ended the call without a response head")));
+                let _ = h.send(Err(Status::internal(
+                    "the server ended the call without a response head",
+                )));
             }
             c.shared.finish();
         }
@@ -166,7 +174,11 @@ impl Shared {
 async fn reader(shared: Arc<Shared>) {
     let conn = shared.mux.conn.clone();
     let peer = conn.peer();
-    let gone = |e: Error| Status::unavailable(format!("the Ibex connection to the gRPC server ({peer}) is gone: {e}"));
+    let gone = |e: Error| {
+        Status::unavailable(format!(
+            "the Ibex connection to the gRPC server ({peer}) is gone: {e}"
+        ))
+    };
     loop {
         let msg = match conn.recv().await {
             Ok(m) => m,
@@ -191,7 +203,10 @@ async fn reader(shared: Arc<Shared>) {
                         continue;
                     }
                     _ => {
-                        let e = Error::Protocol(format!("gRPC call framing: expected a body of {len} bytes for call {}", p.call));
+                        let e = Error::Protocol(format!(
+                            "gRPC call framing: expected a body of {len} bytes for call {}",
+                            p.call
+                        ));
                         shared.fail_all(gone(e));
                         return conn.close().await;
                     }
@@ -247,9 +262,14 @@ impl Channel {
         // this runtime: busy-polling there would only delay them (measured: every round trip
         // paid the whole spin budget).
         conn.set_busy_poll(false);
-        let shared = Arc::new(Shared { mux: Arc::new(Mux::new(conn, Side::Client)), calls: Mutex::new(Calls::default()) });
+        let shared = Arc::new(Shared {
+            mux: Arc::new(Mux::new(conn, Side::Client)),
+            calls: Mutex::new(Calls::default()),
+        });
         let reader = tokio::spawn(reader(shared.clone())).abort_handle();
-        Channel { inner: Arc::new(Inner { shared, reader }) }
+        Channel {
+            inner: Arc::new(Inner { shared, reader }),
+        }
     }
 
     /// Exposes `buf` for one-sided reads by the server until the returned [`RemoteBuf`] is
@@ -269,13 +289,20 @@ impl Channel {
         &self.inner.shared.mux.conn
     }
 
-    async fn call<B>(inner: Arc<Inner>, req: http::Request<B>) -> std::result::Result<http::Response<IncomingBody>, Status>
+    async fn call<B>(
+        inner: Arc<Inner>,
+        req: http::Request<B>,
+    ) -> std::result::Result<http::Response<IncomingBody>, Status>
     where
         B: http_body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
         let (parts, body) = req.into_parts();
-        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_string();
         let deadline = parse_timeout(&parts.headers).map(|t| tokio::time::Instant::now() + t);
         let shared = inner.shared.clone();
         let call = CallShared::new();
@@ -287,24 +314,50 @@ impl Channel {
                 return Err(s.clone());
             }
             if calls.draining {
-                return Err(Status::unavailable("the gRPC server is shutting down and takes no new calls on this connection; connect again"));
+                return Err(Status::unavailable(
+                    "the gRPC server is shutting down and takes no new calls on this connection; connect again",
+                ));
             }
             let mut id = calls.next_id;
             while calls.map.contains_key(&id) {
                 id = id.wrapping_add(1);
             }
             calls.next_id = id.wrapping_add(1);
-            calls.map.insert(id, Call { head: Some(head_tx), body: body_tx, shared: call.clone() });
+            calls.map.insert(
+                id,
+                Call {
+                    head: Some(head_tx),
+                    body: body_tx,
+                    shared: call.clone(),
+                },
+            );
             id
         };
-        let mut guard = CallGuard { inner: inner.clone(), id, armed: true };
+        let mut guard = CallGuard {
+            inner: inner.clone(),
+            id,
+            armed: true,
+        };
 
         let mut head = Packet::new(id);
-        head.head = Some(Head::Request { path, headers: parts.headers });
+        head.head = Some(Head::Request {
+            path,
+            headers: parts.headers,
+        });
         let pump_shared = shared.clone();
         let pump_call = call.clone();
         let mut sending = Box::pin(async move {
-            if let Pumped::Failed(s) = pump(&pump_shared.mux, id, &pump_call, head, body, Side::Client, None).await {
+            if let Pumped::Failed(s) = pump(
+                &pump_shared.mux,
+                id,
+                &pump_call,
+                head,
+                body,
+                Side::Client,
+                None,
+            )
+            .await
+            {
                 // The request body failed or was refused: the call fails with that status.
                 pump_shared.fail_call(id, s);
             }
@@ -312,7 +365,8 @@ impl Channel {
         // A request that is complete at once (unary) usually goes out in this first poll,
         // which saves a task hop; whatever would wait finishes in its own task. Either way
         // the sending future is never dropped half-way.
-        let finished = std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx).is_ready())).await;
+        let finished =
+            std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx).is_ready())).await;
         if !finished {
             tokio::spawn(sending);
         }
@@ -334,11 +388,18 @@ impl Channel {
             }
             Err(_) => {
                 guard.disarm();
-                return Err(shared.lock().closed.clone().unwrap_or_else(|| Status::internal("the call ended without a response")));
+                return Err(shared
+                    .lock()
+                    .closed
+                    .clone()
+                    .unwrap_or_else(|| Status::internal("the call ended without a response")));
             }
         };
-        let lost = Status::unavailable("the Ibex connection to the gRPC server was lost during the call");
-        let body = IncomingBody::new(body_rx, shared.mux.clone(), id, call, lost).with_deadline(deadline).with_guard(Box::new(guard));
+        let lost =
+            Status::unavailable("the Ibex connection to the gRPC server was lost during the call");
+        let body = IncomingBody::new(body_rx, shared.mux.clone(), id, call, lost)
+            .with_deadline(deadline)
+            .with_guard(Box::new(guard));
         let mut resp = http::Response::new(body);
         *resp.status_mut() = status;
         *resp.headers_mut() = headers;

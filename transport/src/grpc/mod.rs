@@ -29,8 +29,8 @@
 //! extensions.
 
 mod body;
-mod pump;
 mod client;
+mod pump;
 mod server;
 mod wire;
 
@@ -43,7 +43,7 @@ use tokio::sync::Notify;
 
 pub use body::IncomingBody;
 pub use client::Channel;
-pub use server::{Builder, PeerHandle, Server};
+pub use server::{Builder, PeerHandle, Server, ServerStats};
 
 pub use crate::conn::RemoteBuf;
 
@@ -79,14 +79,20 @@ pub(crate) struct Mux {
 /// The status a call gets when the transport refuses one of its messages.
 fn transport_status(e: &Error) -> Status {
     match e {
-        Error::TooLarge { .. } => Status::resource_exhausted(format!("gRPC message frame refused by the Ibex transport: {e}")),
+        Error::TooLarge { .. } => Status::resource_exhausted(format!(
+            "gRPC message frame refused by the Ibex transport: {e}"
+        )),
         _ => Status::unavailable(format!("the Ibex connection failed: {e}")),
     }
 }
 
 impl Mux {
     fn new(conn: Connection, side: Side) -> Mux {
-        Mux { conn, send_lock: tokio::sync::Mutex::new(()), side }
+        Mux {
+            conn,
+            send_lock: tokio::sync::Mutex::new(()),
+            side,
+        }
     }
 
     /// Sends `pkt`, with `data` as its body frame (inline when small, else as the next
@@ -301,7 +307,10 @@ mod tests {
     #[tokio::test]
     async fn window_blocks_until_granted_and_releases_on_finish() {
         let c = CallShared::new();
-        assert!(c.acquire(WINDOW as usize + 5).await, "one oversized frame goes while the window is positive");
+        assert!(
+            c.acquire(WINDOW as usize + 5).await,
+            "one oversized frame goes while the window is positive"
+        );
         let c2 = c.clone();
         let waiter = tokio::spawn(async move { c2.acquire(10).await });
         tokio::task::yield_now().await;
@@ -313,14 +322,20 @@ mod tests {
         let waiter = tokio::spawn(async move { c3.acquire(10).await });
         tokio::task::yield_now().await;
         c.finish();
-        assert!(!waiter.await.unwrap(), "a finished call stops waiting for window");
+        assert!(
+            !waiter.await.unwrap(),
+            "a finished call stops waiting for window"
+        );
     }
 
     #[test]
     fn receive_window_overrun_is_detected() {
         let c = CallShared::new();
         assert!(c.received(WINDOW as usize - 1));
-        assert!(c.received(100), "the frame that crosses the window is allowed");
+        assert!(
+            c.received(100),
+            "the frame that crosses the window is allowed"
+        );
         assert!(!c.received(1), "the sender had no window left");
     }
 }

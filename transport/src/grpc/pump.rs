@@ -63,7 +63,11 @@ pub(crate) fn status_trailers(status: &Status) -> HeaderMap {
     if let Err(e) = status.add_header(&mut h) {
         // Only the details or metadata can fail to encode; the code itself always does.
         h.clear();
-        let _ = Status::internal(format!("could not encode the call's status: {}", e.message())).add_header(&mut h);
+        let _ = Status::internal(format!(
+            "could not encode the call's status: {}",
+            e.message()
+        ))
+        .add_header(&mut h);
     }
     h
 }
@@ -77,7 +81,15 @@ fn sent(r: crate::error::Result<()>) -> Pumped {
 
 /// Sends `head` and then `body` for call `id`. `deadline` (server only) ends the response
 /// with `DeadlineExceeded` if the body is still going when it passes.
-pub(crate) async fn pump<B>(mux: &Arc<Mux>, id: u32, call: &CallShared, head: Packet, body: B, side: Side, deadline: Option<Instant>) -> Pumped
+pub(crate) async fn pump<B>(
+    mux: &Arc<Mux>,
+    id: u32,
+    call: &CallShared,
+    head: Packet,
+    body: B,
+    side: Side,
+    deadline: Option<Instant>,
+) -> Pumped
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -86,14 +98,17 @@ where
     let _head_out = HeadOut(call);
     if call.done.is_set() {
         // Cancelled before anything went out: the peer never hears of this call.
-        call.head_skipped.store(true, std::sync::atomic::Ordering::Release);
+        call.head_skipped
+            .store(true, std::sync::atomic::Ordering::Release);
         return Pumped::Stopped;
     }
     // The packet being filled, and its body frame.
     let mut pending: Option<(Packet, Option<Bytes>)> = Some((head, None));
     loop {
         let item = match pending {
-            Some(_) => match ready_now(&mut body).map(|item| item.map(|r| r.map_err(Into::<BoxError>::into))) {
+            Some(_) => match ready_now(&mut body)
+                .map(|item| item.map(|r| r.map_err(Into::<BoxError>::into)))
+            {
                 Some(item) => item,
                 None => {
                     if let Some((p, d)) = pending.take()
@@ -105,7 +120,11 @@ where
                 }
             },
             None => {
-                let next = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx).map(|item| item.map(|r| r.map_err(Into::<BoxError>::into))));
+                let next = std::future::poll_fn(|cx| {
+                    body.as_mut()
+                        .poll_frame(cx)
+                        .map(|item| item.map(|r| r.map_err(Into::<BoxError>::into)))
+                });
                 let sleep = async {
                     match deadline {
                         Some(d) => tokio::time::sleep_until(d).await,

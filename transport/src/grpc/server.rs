@@ -20,7 +20,7 @@ use super::pump::{Side, pump};
 use super::wire::{Data, Head, Packet};
 use super::{CallShared, Flag, Mux, parse_timeout};
 use crate::config::Config;
-use crate::conn::{Connection, Listener};
+use crate::conn::{ConnStats, Connection, Listener};
 use crate::error::{Error, Result};
 use crate::link::RecvBuf;
 use crate::pool::Pool;
@@ -41,9 +41,77 @@ impl Server {
 pub struct Builder {
     routes: Option<Routes>,
     config: Option<Config>,
+    stats: ServerStats,
+}
+
+/// The transport counters of a server's connections, for metrics: take it with
+/// [`Builder::stats`] before serving, read it at any time while (and after) the server runs.
+#[derive(Debug, Clone, Default)]
+pub struct ServerStats {
+    inner: Arc<Mutex<StatsInner>>,
+}
+
+#[derive(Debug, Default)]
+struct StatsInner {
+    next: u64,
+    live: HashMap<u64, Connection>,
+    /// Counters of connections that have ended, so totals never go backwards.
+    closed: ConnStats,
+    closed_count: u64,
+}
+
+impl ServerStats {
+    fn lock(&self) -> std::sync::MutexGuard<'_, StatsInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add(&self, conn: &Connection) -> u64 {
+        let mut st = self.lock();
+        st.next += 1;
+        let id = st.next;
+        st.live.insert(id, conn.clone());
+        id
+    }
+
+    fn remove(&self, id: u64) {
+        let mut st = self.lock();
+        if let Some(c) = st.live.remove(&id) {
+            let s = c.stats();
+            st.closed.accumulate(&s);
+            st.closed_count += 1;
+        }
+    }
+
+    /// Each open connection's peer and counters.
+    pub fn connections(&self) -> Vec<(String, ConnStats)> {
+        let live: Vec<Connection> = self.lock().live.values().cloned().collect();
+        live.iter().map(|c| (c.peer(), c.stats())).collect()
+    }
+
+    /// Counters summed over every connection the server has had, open or ended, and how
+    /// many connections that is.
+    pub fn totals(&self) -> (ConnStats, u64) {
+        let (mut total, live, closed) = {
+            let st = self.lock();
+            (
+                st.closed.clone(),
+                st.live.values().cloned().collect::<Vec<_>>(),
+                st.closed_count,
+            )
+        };
+        for c in &live {
+            total.accumulate(&c.stats());
+        }
+        (total, closed + live.len() as u64)
+    }
 }
 
 impl Builder {
+    /// A handle on the counters of the connections this server will accept.
+    pub fn stats(&self) -> ServerStats {
+        self.stats.clone()
+    }
+
     /// The transport configuration for accepted connections (default: [`Config::from_env`]).
     pub fn config(mut self, config: Config) -> Self {
         self.config = Some(config);
@@ -53,8 +121,11 @@ impl Builder {
     /// Adds a generated tonic service (`GreeterServer::new(..)`, ...).
     pub fn add_service<S>(mut self, svc: S) -> Self
     where
-        S: Service<http::Request<tonic::body::Body>, Response = http::Response<tonic::body::Body>, Error = Infallible>
-            + NamedService
+        S: Service<
+                http::Request<tonic::body::Body>,
+                Response = http::Response<tonic::body::Body>,
+                Error = Infallible,
+            > + NamedService
             + Clone
             + Send
             + Sync
@@ -70,7 +141,10 @@ impl Builder {
         self.routes = Some(match self.routes.take() {
             None => routes,
             // Both carry tonic's `Unimplemented` fallback; the merged router keeps one.
-            Some(mine) => Routes::from(mine.into_axum_router().merge(routes.into_axum_router().reset_fallback())),
+            Some(mine) => Routes::from(
+                mine.into_axum_router()
+                    .merge(routes.into_axum_router().reset_fallback()),
+            ),
         });
         self
     }
@@ -82,7 +156,11 @@ impl Builder {
 
     /// Like [`Builder::serve`], until `signal` completes; then stops accepting, tells
     /// clients to make no new calls, lets the calls in flight finish, and returns.
-    pub async fn serve_with_shutdown<F: Future<Output = ()>>(self, uri: &str, signal: F) -> Result<()> {
+    pub async fn serve_with_shutdown<F: Future<Output = ()>>(
+        self,
+        uri: &str,
+        signal: F,
+    ) -> Result<()> {
         let config = match &self.config {
             Some(c) => c.clone(),
             None => Config::from_env()?,
@@ -92,7 +170,11 @@ impl Builder {
     }
 
     /// Serves on a listener made beforehand (e.g. to learn its `local_uri` first).
-    pub async fn serve_with_listener<F: Future<Output = ()>>(self, listener: Listener, signal: F) -> Result<()> {
+    pub async fn serve_with_listener<F: Future<Output = ()>>(
+        self,
+        listener: Listener,
+        signal: F,
+    ) -> Result<()> {
         let routes = self.routes.unwrap_or_default().prepare();
         let shutdown = Arc::new(Flag::default());
         // Accepting includes the peer's handshake and is not cancel-safe, so it runs in its
@@ -106,7 +188,13 @@ impl Builder {
                 _ = &mut signal => break,
                 c = accepted.recv() => match c {
                     Some(conn) => {
-                        conns.spawn(serve_conn(conn, routes.clone(), shutdown.clone()));
+                        let stats = self.stats.clone();
+                        let id = stats.add(&conn);
+                        let (routes, shutdown) = (routes.clone(), shutdown.clone());
+                        conns.spawn(async move {
+                            serve_conn(conn, routes, shutdown).await;
+                            stats.remove(id);
+                        });
                     }
                     None => break,
                 },
@@ -136,7 +224,10 @@ async fn accept_loop(listener: Listener, tx: mpsc::Sender<Connection>) {
             // listener failure from spinning.
             Err(e) => {
                 tracing::warn!(%e, "gRPC server: accepting a connection failed");
-                backoff = (backoff * 2).clamp(std::time::Duration::from_millis(5), std::time::Duration::from_secs(1));
+                backoff = (backoff * 2).clamp(
+                    std::time::Duration::from_millis(5),
+                    std::time::Duration::from_secs(1),
+                );
                 tokio::time::sleep(backoff).await;
             }
         }
@@ -203,7 +294,10 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
     // Handlers run on this runtime and produce the replies; the reader must not spin.
     conn.set_busy_poll(false);
     let peer = PeerHandle { conn: conn.clone() };
-    let st = Arc::new(ConnState { mux: Arc::new(Mux::new(conn.clone(), Side::Server)), calls: Mutex::new(HashMap::new()) });
+    let st = Arc::new(ConnState {
+        mux: Arc::new(Mux::new(conn.clone(), Side::Server)),
+        calls: Mutex::new(HashMap::new()),
+    });
     let mut tasks = JoinSet::new();
     let mut draining = false;
     let mut partial: Option<Partial> = None;
@@ -274,7 +368,9 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
     }
     // Whatever is still running has lost its client (or the connection broke the protocol).
     for (_, c) in st.lock().drain() {
-        let _ = c.body.send(Inbound::Error(Status::cancelled("the client's connection is gone")));
+        let _ = c.body.send(Inbound::Error(Status::cancelled(
+            "the client's connection is gone",
+        )));
         c.shared.finish();
     }
     while tasks.join_next().await.is_some() {}
@@ -294,9 +390,15 @@ fn dispatch(
     if let Some(Head::Request { path, headers }) = p.head {
         if draining {
             // Raced with our GOAWAY: refuse, as HTTP/2 refuses streams past GOAWAY.
-            let (parts, ()) = Status::unavailable("the gRPC server is shutting down; retry on a new connection").into_http::<()>().into_parts();
+            let (parts, ()) =
+                Status::unavailable("the gRPC server is shutting down; retry on a new connection")
+                    .into_http::<()>()
+                    .into_parts();
             let mut r = Packet::new(id);
-            r.head = Some(Head::Response { status: parts.status, headers: parts.headers });
+            r.head = Some(Head::Response {
+                status: parts.status,
+                headers: parts.headers,
+            });
             r.end = true;
             st.mux.send_detached(r);
             return Ok(());
@@ -306,29 +408,56 @@ fn dispatch(
         {
             let mut calls = st.lock();
             if calls.contains_key(&id) {
-                return Err(Error::Protocol(format!("gRPC call framing: call id {id} opened twice")));
+                return Err(Error::Protocol(format!(
+                    "gRPC call framing: call id {id} opened twice"
+                )));
             }
-            calls.insert(id, ServerCall { body: tx, shared: call.clone() });
+            calls.insert(
+                id,
+                ServerCall {
+                    body: tx,
+                    shared: call.clone(),
+                },
+            );
         }
         let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
-        let body = IncomingBody::new(rx, st.mux.clone(), id, call.clone(), Status::cancelled("the client's connection is gone"));
+        let body = IncomingBody::new(
+            rx,
+            st.mux.clone(),
+            id,
+            call.clone(),
+            Status::cancelled("the client's connection is gone"),
+        );
         let mut req = http::Request::new(body);
         *req.method_mut() = http::Method::POST;
-        *req.uri_mut() = path.parse().map_err(|_| Error::Protocol(format!("gRPC call framing: bad method path {path:?}")))?;
+        *req.uri_mut() = path
+            .parse()
+            .map_err(|_| Error::Protocol(format!("gRPC call framing: bad method path {path:?}")))?;
         *req.version_mut() = http::Version::HTTP_2;
         *req.headers_mut() = headers;
         req.extensions_mut().insert(peer.clone());
-        tasks.spawn(run_call(st.clone(), id, call, req, routes.clone(), deadline));
+        tasks.spawn(run_call(
+            st.clone(),
+            id,
+            call,
+            req,
+            routes.clone(),
+            deadline,
+        ));
     }
     let calls = st.lock();
     // Packets for calls that already ended here are dropped.
-    let Some(c) = calls.get(&id) else { return Ok(()) };
+    let Some(c) = calls.get(&id) else {
+        return Ok(());
+    };
     if let Some(w) = p.window {
         c.shared.grant(w);
     }
     if let Some(d) = data {
         if !c.shared.received(d.len()) {
-            let _ = c.body.send(Inbound::Error(Status::resource_exhausted("the client overran the call's flow-control window")));
+            let _ = c.body.send(Inbound::Error(Status::resource_exhausted(
+                "the client overran the call's flow-control window",
+            )));
         } else {
             let _ = c.body.send(Inbound::Data(d));
         }
@@ -338,14 +467,25 @@ fn dispatch(
     }
     if p.reset {
         // The client cancelled: the handler's future is dropped by its task.
-        let _ = c.body.send(Inbound::Error(Status::cancelled("the client cancelled the call")));
+        let _ = c.body.send(Inbound::Error(Status::cancelled(
+            "the client cancelled the call",
+        )));
         c.shared.finish();
     }
     Ok(())
 }
 
-async fn run_call(st: Arc<ConnState>, id: u32, call: Arc<CallShared>, req: http::Request<IncomingBody>, routes: Routes, deadline: Option<Instant>) {
-    let answered = std::panic::AssertUnwindSafe(answer(&st, id, &call, req, routes, deadline)).catch_unwind().await;
+async fn run_call(
+    st: Arc<ConnState>,
+    id: u32,
+    call: Arc<CallShared>,
+    req: http::Request<IncomingBody>,
+    routes: Routes,
+    deadline: Option<Instant>,
+) {
+    let answered = std::panic::AssertUnwindSafe(answer(&st, id, &call, req, routes, deadline))
+        .catch_unwind()
+        .await;
     if answered.is_err() {
         // The panic has been reported by the hook; the client learns that its call died.
         tracing::error!(call = id, peer = %st.mux.conn.peer(), "gRPC handler panicked; resetting the call");
@@ -358,7 +498,14 @@ async fn run_call(st: Arc<ConnState>, id: u32, call: Arc<CallShared>, req: http:
 }
 
 /// Runs the handler and sends its response, within the deadline and until cancelled.
-async fn answer(st: &ConnState, id: u32, call: &CallShared, req: http::Request<IncomingBody>, mut routes: Routes, deadline: Option<Instant>) {
+async fn answer(
+    st: &ConnState,
+    id: u32,
+    call: &CallShared,
+    req: http::Request<IncomingBody>,
+    mut routes: Routes,
+    deadline: Option<Instant>,
+) {
     let sleep = async {
         match deadline {
             Some(d) => tokio::time::sleep_until(d).await,
@@ -367,7 +514,10 @@ async fn answer(st: &ConnState, id: u32, call: &CallShared, req: http::Request<I
     };
     let handler = async {
         // `Routes` is always ready (an axum router).
-        let _ = std::future::poll_fn(|cx| Service::<http::Request<IncomingBody>>::poll_ready(&mut routes, cx)).await;
+        let _ = std::future::poll_fn(|cx| {
+            Service::<http::Request<IncomingBody>>::poll_ready(&mut routes, cx)
+        })
+        .await;
         routes.call(req).await
     };
     let resp = tokio::select! {
@@ -390,7 +540,10 @@ async fn answer(st: &ConnState, id: u32, call: &CallShared, req: http::Request<I
     if let Some(resp) = resp {
         let (parts, body) = resp.into_parts();
         let mut head = Packet::new(id);
-        head.head = Some(Head::Response { status: parts.status, headers: parts.headers });
+        head.head = Some(Head::Response {
+            status: parts.status,
+            headers: parts.headers,
+        });
         pump(&st.mux, id, call, head, body, Side::Server, deadline).await;
     }
 }

@@ -44,7 +44,10 @@ pub(crate) enum Head {
     /// Client to server: the method path and the request headers.
     Request { path: String, headers: HeaderMap },
     /// Server to client: the HTTP status and the response headers.
-    Response { status: StatusCode, headers: HeaderMap },
+    Response {
+        status: StatusCode,
+        headers: HeaderMap,
+    },
 }
 
 /// Where a packet's body bytes are.
@@ -70,7 +73,10 @@ pub(crate) struct Packet {
 
 impl Packet {
     pub(crate) fn new(call: u32) -> Packet {
-        Packet { call, ..Default::default() }
+        Packet {
+            call,
+            ..Default::default()
+        }
     }
 
     /// Encodes the packet. `Data::Next` only records the length; the caller sends the bytes.
@@ -147,13 +153,22 @@ impl Packet {
             p.head = Some(if request {
                 let path = get_str16(&mut h, "method path")?;
                 if !path.starts_with('/') {
-                    return Err(proto_err(format!("method path {path:?} does not start with '/'")));
+                    return Err(proto_err(format!(
+                        "method path {path:?} does not start with '/'"
+                    )));
                 }
-                Head::Request { path, headers: get_headers(&mut h)? }
+                Head::Request {
+                    path,
+                    headers: get_headers(&mut h)?,
+                }
             } else {
                 let code = get_u16(&mut h, "HTTP status")?;
-                let status = StatusCode::from_u16(code).map_err(|_| proto_err(format!("invalid HTTP status {code}")))?;
-                Head::Response { status, headers: get_headers(&mut h)? }
+                let status = StatusCode::from_u16(code)
+                    .map_err(|_| proto_err(format!("invalid HTTP status {code}")))?;
+                Head::Response {
+                    status,
+                    headers: get_headers(&mut h)?,
+                }
             });
             expect_empty(&h, "head block")?;
         }
@@ -162,7 +177,9 @@ impl Packet {
         }
         if flags & DATA_NEXT != 0 {
             if p.data.is_some() {
-                return Err(proto_err("packet has both inline and separate body data".into()));
+                return Err(proto_err(
+                    "packet has both inline and separate body data".into(),
+                ));
             }
             p.data = Some(Data::Next(get_u64(&mut b, "body length")?));
         }
@@ -187,7 +204,9 @@ fn proto_err(why: String) -> Error {
 }
 
 fn too_big(what: &str) -> Error {
-    Error::Protocol(format!("gRPC call framing: {what} exceeds the format's 4 GiB field"))
+    Error::Protocol(format!(
+        "gRPC call framing: {what} exceeds the format's 4 GiB field"
+    ))
 }
 
 fn reserve_len(b: &mut BytesMut) -> usize {
@@ -203,14 +222,16 @@ fn patch_len(b: &mut BytesMut, at: usize) -> Result<()> {
 }
 
 fn put_str16(b: &mut BytesMut, s: &[u8], what: &str) -> Result<()> {
-    let len = u16::try_from(s.len()).map_err(|_| Error::Protocol(format!("gRPC call framing: {what} longer than 64 KiB")))?;
+    let len = u16::try_from(s.len())
+        .map_err(|_| Error::Protocol(format!("gRPC call framing: {what} longer than 64 KiB")))?;
     b.put_u16(len);
     b.put_slice(s);
     Ok(())
 }
 
 fn put_headers(b: &mut BytesMut, h: &HeaderMap) -> Result<()> {
-    let n = u16::try_from(h.len()).map_err(|_| Error::Protocol("gRPC call framing: more than 65535 headers".into()))?;
+    let n = u16::try_from(h.len())
+        .map_err(|_| Error::Protocol("gRPC call framing: more than 65535 headers".into()))?;
     b.put_u16(n);
     for (name, value) in h {
         put_str16(b, name.as_str().as_bytes(), "header name")?;
@@ -222,7 +243,10 @@ fn put_headers(b: &mut BytesMut, h: &HeaderMap) -> Result<()> {
 
 fn need(b: &Bytes, n: usize, what: &str) -> Result<()> {
     if b.remaining() < n {
-        return Err(proto_err(format!("truncated {what}: need {n} bytes, {} left", b.remaining())));
+        return Err(proto_err(format!(
+            "truncated {what}: need {n} bytes, {} left",
+            b.remaining()
+        )));
     }
     Ok(())
 }
@@ -256,7 +280,8 @@ fn take(b: &mut Bytes, what: &str) -> Result<Bytes> {
 fn get_str16(b: &mut Bytes, what: &str) -> Result<String> {
     let len = get_u16(b, what)? as usize;
     need(b, len, what)?;
-    String::from_utf8(b.split_to(len).to_vec()).map_err(|_| proto_err(format!("{what} is not UTF-8")))
+    String::from_utf8(b.split_to(len).to_vec())
+        .map_err(|_| proto_err(format!("{what} is not UTF-8")))
 }
 
 fn get_headers(b: &mut Bytes) -> Result<HeaderMap> {
@@ -265,9 +290,11 @@ fn get_headers(b: &mut Bytes) -> Result<HeaderMap> {
     for _ in 0..n {
         let len = get_u16(b, "header name")? as usize;
         need(b, len, "header name")?;
-        let name = HeaderName::from_bytes(&b.split_to(len)).map_err(|_| proto_err("invalid header name".into()))?;
+        let name = HeaderName::from_bytes(&b.split_to(len))
+            .map_err(|_| proto_err("invalid header name".into()))?;
         let v = take(b, "header value")?;
-        let value = HeaderValue::from_maybe_shared(v).map_err(|_| proto_err(format!("invalid value for header {name}")))?;
+        let value = HeaderValue::from_maybe_shared(v)
+            .map_err(|_| proto_err(format!("invalid value for header {name}")))?;
         h.append(name, value);
     }
     Ok(h)
@@ -275,7 +302,10 @@ fn get_headers(b: &mut Bytes) -> Result<HeaderMap> {
 
 fn expect_empty(b: &Bytes, what: &str) -> Result<()> {
     if b.has_remaining() {
-        return Err(proto_err(format!("{} unexpected bytes after the {what}", b.remaining())));
+        return Err(proto_err(format!(
+            "{} unexpected bytes after the {what}",
+            b.remaining()
+        )));
     }
     Ok(())
 }
@@ -296,7 +326,10 @@ mod tests {
     #[test]
     fn request_packet_round_trips() {
         let mut p = Packet::new(7);
-        p.head = Some(Head::Request { path: "/pkg.Svc/Method".into(), headers: headers() });
+        p.head = Some(Head::Request {
+            path: "/pkg.Svc/Method".into(),
+            headers: headers(),
+        });
         p.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x03abc")));
         p.end = true;
         let d = Packet::decode(p.encode().unwrap(), true).unwrap();
@@ -316,14 +349,19 @@ mod tests {
     #[test]
     fn response_packet_round_trips() {
         let mut p = Packet::new(u32::MAX);
-        p.head = Some(Head::Response { status: StatusCode::OK, headers: HeaderMap::new() });
+        p.head = Some(Head::Response {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+        });
         p.data = Some(Data::Next(1 << 40));
         let mut t = HeaderMap::new();
         t.insert("grpc-status", HeaderValue::from_static("0"));
         p.trailers = Some(t.clone());
         p.window = Some(12345);
         let d = Packet::decode(p.encode().unwrap(), false).unwrap();
-        assert!(matches!(d.head, Some(Head::Response { status: StatusCode::OK, ref headers }) if headers.is_empty()));
+        assert!(
+            matches!(d.head, Some(Head::Response { status: StatusCode::OK, ref headers }) if headers.is_empty())
+        );
         assert!(matches!(d.data, Some(Data::Next(n)) if n == 1 << 40));
         assert_eq!(d.trailers, Some(t));
         assert_eq!(d.window, Some(12345));
@@ -345,29 +383,83 @@ mod tests {
     #[test]
     fn malformed_packets_are_protocol_errors() {
         let mut p = Packet::new(1);
-        p.head = Some(Head::Request { path: "/a/b".into(), headers: headers() });
+        p.head = Some(Head::Request {
+            path: "/a/b".into(),
+            headers: headers(),
+        });
         p.data = Some(Data::Inline(Bytes::from_static(b"xyz")));
         let good = p.encode().unwrap();
         // Every truncation fails cleanly.
         for cut in 0..good.len() {
             let e = Packet::decode(good.slice(..cut), true).unwrap_err();
-            assert!(matches!(e, Error::Protocol(ref m) if m.contains("gRPC call framing")), "cut {cut}: {e}");
+            assert!(
+                matches!(e, Error::Protocol(ref m) if m.contains("gRPC call framing")),
+                "cut {cut}: {e}"
+            );
         }
         // Trailing garbage.
         let mut long = good.to_vec();
         long.push(0);
-        assert!(Packet::decode(long.into(), true).unwrap_err().to_string().contains("unexpected bytes"));
+        assert!(
+            Packet::decode(long.into(), true)
+                .unwrap_err()
+                .to_string()
+                .contains("unexpected bytes")
+        );
         // A path without the leading slash.
         let mut bad = Packet::new(1);
-        bad.head = Some(Head::Request { path: "a/b".into(), headers: HeaderMap::new() });
-        assert!(Packet::decode(bad.encode().unwrap(), true).unwrap_err().to_string().contains("does not start with '/'"));
+        bad.head = Some(Head::Request {
+            path: "a/b".into(),
+            headers: HeaderMap::new(),
+        });
+        assert!(
+            Packet::decode(bad.encode().unwrap(), true)
+                .unwrap_err()
+                .to_string()
+                .contains("does not start with '/'")
+        );
         // An invalid HTTP status, a bad header name.
         let raw = [0, 0, 0, 1, HEAD, 0, 0, 0, 4, 0, 5, 0, 0];
-        assert!(Packet::decode(Bytes::copy_from_slice(&raw), false).unwrap_err().to_string().contains("invalid HTTP status 5"));
-        let raw = [0, 0, 0, 1, TRAILERS, 0, 0, 0, 9, 0, 1, 0, 1, b' ', 0, 0, 0, 0];
-        assert!(Packet::decode(Bytes::copy_from_slice(&raw), false).unwrap_err().to_string().contains("invalid header name"));
+        assert!(
+            Packet::decode(Bytes::copy_from_slice(&raw), false)
+                .unwrap_err()
+                .to_string()
+                .contains("invalid HTTP status 5")
+        );
+        let raw = [
+            0, 0, 0, 1, TRAILERS, 0, 0, 0, 9, 0, 1, 0, 1, b' ', 0, 0, 0, 0,
+        ];
+        assert!(
+            Packet::decode(Bytes::copy_from_slice(&raw), false)
+                .unwrap_err()
+                .to_string()
+                .contains("invalid header name")
+        );
         // Both kinds of data at once.
-        let raw = [0, 0, 0, 1, DATA | DATA_NEXT, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
-        assert!(Packet::decode(Bytes::copy_from_slice(&raw), true).unwrap_err().to_string().contains("both inline and separate"));
+        let raw = [
+            0,
+            0,
+            0,
+            1,
+            DATA | DATA_NEXT,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ];
+        assert!(
+            Packet::decode(Bytes::copy_from_slice(&raw), true)
+                .unwrap_err()
+                .to_string()
+                .contains("both inline and separate")
+        );
     }
 }

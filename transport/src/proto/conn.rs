@@ -14,7 +14,9 @@ use bytes::Bytes;
 
 use super::frame::{Body, Frame, HEADER_LEN, MAX_DESC_LEN, truncate_utf8};
 use super::probe::{Probe, ProbePlan, Progress, Sample};
-use super::{Action, Delivery, EAGER_OVERHEAD, MsgId, PROBE_MSG_BIT, Protocol, ProtoStats, RecvMode};
+use super::{
+    Action, Delivery, EAGER_OVERHEAD, MsgId, PROBE_MSG_BIT, ProtoStats, Protocol, RecvMode,
+};
 use crate::config::Config;
 use crate::error::Error;
 
@@ -218,15 +220,30 @@ impl Connection {
 
         match (&body, self.peer) {
             (Body::Hello { .. }, Some(_)) => return self.violation("second Hello".into()),
-            (Body::Hello { slots, slot_size, max_message, .. }, None) => {
+            (
+                Body::Hello {
+                    slots,
+                    slot_size,
+                    max_message,
+                    ..
+                },
+                None,
+            ) => {
                 return self.on_hello(now, *slots, *slot_size as usize, *max_message);
             }
             (Body::Close { code, reason }, _) => {
-                let reason = if *code == CLOSE_GRACEFUL { reason.clone() } else { format!("error {code}: {reason}") };
+                let reason = if *code == CLOSE_GRACEFUL {
+                    reason.clone()
+                } else {
+                    format!("error {code}: {reason}")
+                };
                 return self.shut(Error::PeerClosed(reason), None);
             }
             (_, None) => {
-                return self.violation(format!("frame of kind {} arrived before the peer's Hello", body.kind()));
+                return self.violation(format!(
+                    "frame of kind {} arrived before the peer's Hello",
+                    body.kind()
+                ));
             }
             (_, Some(_)) => {}
         }
@@ -248,12 +265,16 @@ impl Connection {
                     self.unreleased.remove(&seq);
                     self.actions.push_back(Action::Release { msg: seq });
                 } else {
-                    self.violation(format!("RndvDone for message {seq}, which is not an outstanding rendezvous"));
+                    self.violation(format!(
+                        "RndvDone for message {seq}, which is not an outstanding rendezvous"
+                    ));
                 }
             }
             Body::RndvDone { seq, probe: true } => match u32::try_from(seq) {
                 Ok(id) => self.on_probe_answer(now, id, Protocol::Rendezvous),
-                Err(_) => self.violation(format!("probe RndvDone with id {seq}, beyond any probe id")),
+                Err(_) => {
+                    self.violation(format!("probe RndvDone with id {seq}, beyond any probe id"))
+                }
             },
             Body::ProbeEager { probe_id, .. } => {
                 // Probe frames never reach the application: their slot is free at once.
@@ -261,7 +282,11 @@ impl Connection {
                 self.control.push_back(Body::ProbeAck { probe_id });
             }
             Body::ProbeAck { probe_id } => self.on_probe_answer(now, probe_id, Protocol::Eager),
-            Body::ProbeRts { probe_id, len, desc } => {
+            Body::ProbeRts {
+                probe_id,
+                len,
+                desc,
+            } => {
                 self.owed += 1;
                 let msg = PROBE_MSG_BIT | u64::from(probe_id);
                 if len > self.cfg.max_message_size {
@@ -271,7 +296,9 @@ impl Connection {
                     ));
                 }
                 if self.recv.contains_key(&msg) {
-                    return self.violation(format!("probe id {probe_id} reused while still in progress"));
+                    return self.violation(format!(
+                        "probe id {probe_id} reused while still in progress"
+                    ));
                 }
                 self.begin_recv(msg, len, desc, true);
             }
@@ -289,7 +316,13 @@ impl Connection {
             return;
         };
         if let Err(e) = result {
-            return self.shut(e.clone(), Some((CLOSE_LOCAL_ERROR, format!("reading message {msg} failed: {e}"))));
+            return self.shut(
+                e.clone(),
+                Some((
+                    CLOSE_LOCAL_ERROR,
+                    format!("reading message {msg} failed: {e}"),
+                )),
+            );
         }
         let done = match self.recv.get_mut(&msg) {
             Some(InMsg::Rndv(r)) => {
@@ -331,7 +364,11 @@ impl Connection {
     /// side's `max_message_size` forbids it.
     pub fn classify(&self, len: u64) -> Result<Protocol, Error> {
         self.check_size(len)?;
-        Ok(if len <= self.eager_threshold() as u64 { Protocol::Eager } else { Protocol::Rendezvous })
+        Ok(if len <= self.eager_threshold() as u64 {
+            Protocol::Eager
+        } else {
+            Protocol::Rendezvous
+        })
     }
 
     /// Queues an eager message (`data.len()` must be within the threshold / slot).
@@ -345,7 +382,11 @@ impl Connection {
         self.check_size(len)?;
         let cap = self.eager_cap();
         if data.len() > cap {
-            return Err(Error::TooLarge { len, limit: cap as u64, which: "eager capacity of the peer's slot" });
+            return Err(Error::TooLarge {
+                len,
+                limit: cap as u64,
+                which: "eager capacity of the peer's slot",
+            });
         }
         let seq = self.next_send_seq;
         self.next_send_seq += 1;
@@ -354,7 +395,12 @@ impl Connection {
     }
 
     /// Queues the RTS of a rendezvous message whose buffer the driver exposed as `descriptor`.
-    pub fn send_rendezvous(&mut self, now: Instant, len: u64, descriptor: Bytes) -> Result<MsgId, Error> {
+    pub fn send_rendezvous(
+        &mut self,
+        now: Instant,
+        len: u64,
+        descriptor: Bytes,
+    ) -> Result<MsgId, Error> {
         let _ = now;
         self.check_open()?;
         self.check_size(len)?;
@@ -367,7 +413,11 @@ impl Connection {
         let seq = self.next_send_seq;
         self.next_send_seq += 1;
         self.unreleased.insert(seq);
-        self.data.push_back(Out::Rts { seq, len, desc: descriptor });
+        self.data.push_back(Out::Rts {
+            seq,
+            len,
+            desc: descriptor,
+        });
         Ok(seq)
     }
 
@@ -439,7 +489,10 @@ impl Connection {
             return;
         }
         if self.mapped_unreleased.remove(&msg) {
-            self.control.push_back(Body::RndvDone { seq: msg, probe: false });
+            self.control.push_back(Body::RndvDone {
+                seq: msg,
+                probe: false,
+            });
         }
     }
 
@@ -478,7 +531,10 @@ impl Connection {
             return;
         }
         if self.peer.is_none() {
-            return self.shut(Error::LocallyClosed, Some((CLOSE_GRACEFUL, reason.to_owned())));
+            return self.shut(
+                Error::LocallyClosed,
+                Some((CLOSE_GRACEFUL, reason.to_owned())),
+            );
         }
         self.closing = Some(reason.to_owned());
         if self.pending_probe.take().is_some() {
@@ -516,7 +572,15 @@ impl Connection {
                     }
                     return Some(self.emit(match sample {
                         Sample::Eager { probe_id, pad } => Body::ProbeEager { probe_id, pad },
-                        Sample::Rts { probe_id, len, desc } => Body::ProbeRts { probe_id, len, desc },
+                        Sample::Rts {
+                            probe_id,
+                            len,
+                            desc,
+                        } => Body::ProbeRts {
+                            probe_id,
+                            len,
+                            desc,
+                        },
                     }));
                 }
             } else if !self.data.is_empty() && self.take_credit() {
@@ -524,15 +588,18 @@ impl Connection {
                 return Some(self.emit(body));
             }
         }
-        if self.owed > 0 && self.owed >= (self.cfg.credits / 2).max(1) {
+        if self.credit_due() {
             return Some(self.emit(Body::Credit));
         }
         if let Some(reason) = &self.closing
-            && self.data.is_empty() && self.unreleased.is_empty() && self.probe.is_none() {
-                let reason = reason.clone();
-                self.shut(Error::LocallyClosed, Some((CLOSE_GRACEFUL, reason)));
-                return self.poll_transmit(now);
-            }
+            && self.data.is_empty()
+            && self.unreleased.is_empty()
+            && self.probe.is_none()
+        {
+            let reason = reason.clone();
+            self.shut(Error::LocallyClosed, Some((CLOSE_GRACEFUL, reason)));
+            return self.poll_transmit(now);
+        }
         None
     }
 
@@ -548,7 +615,11 @@ impl Connection {
 
     /// The eager threshold in force.
     pub fn eager_threshold(&self) -> usize {
-        let base = self.cfg.eager_threshold.or(self.probe_verdict).unwrap_or(self.cfg.default_eager_threshold);
+        let base = self
+            .cfg
+            .eager_threshold
+            .or(self.probe_verdict)
+            .unwrap_or(self.cfg.default_eager_threshold);
         base.min(self.eager_cap())
     }
 
@@ -566,6 +637,12 @@ impl Connection {
     /// True once the peer's `Hello` arrived.
     pub fn is_established(&self) -> bool {
         self.peer.is_some()
+    }
+
+    /// True when enough credits are owed to the peer to send them in a frame of their own
+    /// (half the window): fewer ride on the next data frame.
+    pub fn credit_due(&self) -> bool {
+        self.owed > 0 && self.owed >= (self.cfg.credits / 2).max(1)
     }
 
     /// True if [`Connection::poll_action`] has something.
@@ -590,12 +667,21 @@ impl Connection {
 
     fn check_size(&self, len: u64) -> Result<(), Error> {
         if len > self.cfg.max_message_size {
-            return Err(Error::TooLarge { len, limit: self.cfg.max_message_size, which: "max_message_size of this side" });
+            return Err(Error::TooLarge {
+                len,
+                limit: self.cfg.max_message_size,
+                which: "max_message_size of this side",
+            });
         }
         if let Some(p) = self.peer
-            && len > p.max_message {
-                return Err(Error::TooLarge { len, limit: p.max_message, which: "max_message_size of the peer" });
-            }
+            && len > p.max_message
+        {
+            return Err(Error::TooLarge {
+                len,
+                limit: p.max_message,
+                which: "max_message_size of the peer",
+            });
+        }
         Ok(())
     }
 
@@ -638,12 +724,13 @@ impl Connection {
             }
         }
         if msgs.is_empty()
-            && let Some(Out::Rts { seq, len, desc }) = self.data.pop_front() {
-                self.stats.rndv_msgs_sent += 1;
-                self.stats.rndv_bytes_sent += len;
-                self.rts_sent.insert(seq);
-                return Body::Rts { seq, len, desc };
-            }
+            && let Some(Out::Rts { seq, len, desc }) = self.data.pop_front()
+        {
+            self.stats.rndv_msgs_sent += 1;
+            self.stats.rndv_bytes_sent += len;
+            self.rts_sent.insert(seq);
+            return Body::Rts { seq, len, desc };
+        }
         self.stats.eager_msgs_sent += msgs.len() as u64;
         self.stats.eager_bytes_sent += msgs.iter().map(|m| m.len() as u64).sum::<u64>();
         if msgs.len() >= 2 {
@@ -654,7 +741,10 @@ impl Connection {
 
     /// Encodes a frame, attaching every credit owed to the peer.
     fn emit(&mut self, body: Body) -> Bytes {
-        let frame = Frame { credits: self.owed, body };
+        let frame = Frame {
+            credits: self.owed,
+            body,
+        };
         self.recv_window += self.owed;
         self.owed = 0;
         self.stats.frames_sent += 1;
@@ -669,7 +759,10 @@ impl Connection {
                 "Hello announces {slots} slots of {slot_size} bytes; at least 1 slot of {MIN_PEER_SLOT} bytes is required"
             ));
         }
-        self.peer = Some(Peer { slot_size, max_message });
+        self.peer = Some(Peer {
+            slot_size,
+            max_message,
+        });
         self.send_credits = slots;
         self.refresh_threshold();
         let cap = self.eager_cap();
@@ -680,7 +773,10 @@ impl Connection {
             let msg = format!(
                 "an eager message of {len} bytes was queued before the handshake, but the peer's slots hold at most {cap}; raise slot_size on the peer"
             );
-            return self.shut(Error::Handshake(msg.clone()), Some((CLOSE_LOCAL_ERROR, msg)));
+            return self.shut(
+                Error::Handshake(msg.clone()),
+                Some((CLOSE_LOCAL_ERROR, msg)),
+            );
         }
         if let Some((desc, len, at)) = self.pending_probe.take() {
             self.begin_probe(desc, len, at.min(now));
@@ -710,7 +806,10 @@ impl Connection {
 
     fn on_rts(&mut self, seq: MsgId, len: u64, desc: Bytes) {
         if seq != self.next_recv_seq {
-            return self.violation(format!("RTS numbered {seq} where message {} was expected", self.next_recv_seq));
+            return self.violation(format!(
+                "RTS numbered {seq} where message {} was expected",
+                self.next_recv_seq
+            ));
         }
         if len > self.cfg.max_message_size {
             return self.violation(format!(
@@ -723,16 +822,30 @@ impl Connection {
     }
 
     fn begin_recv(&mut self, msg: MsgId, len: u64, desc: Bytes, probe: bool) {
-        let r = RndvIn { len, desc: desc.clone(), probe, state: RndvState::Announced, next_offset: 0, reads_out: 0 };
+        let r = RndvIn {
+            len,
+            desc: desc.clone(),
+            probe,
+            state: RndvState::Announced,
+            next_offset: 0,
+            reads_out: 0,
+        };
         self.recv.insert(msg, InMsg::Rndv(r));
-        self.actions.push_back(Action::BeginRecv { msg, len, descriptor: desc, probe });
+        self.actions.push_back(Action::BeginRecv {
+            msg,
+            len,
+            descriptor: desc,
+            probe,
+        });
     }
 
     /// Issues fragment reads, message by message, up to the in-flight limit.
     fn pump_reads(&mut self) {
         let frag = self.cfg.fragment_size.max(1) as u64;
         while self.reads.len() < self.cfg.max_reads_in_flight {
-            let Some(&msg) = self.read_queue.first() else { break };
+            let Some(&msg) = self.read_queue.first() else {
+                break;
+            };
             let Some(InMsg::Rndv(r)) = self.recv.get_mut(&msg) else {
                 self.read_queue.remove(&msg);
                 continue;
@@ -770,12 +883,18 @@ impl Connection {
         };
         if probe {
             self.recv.remove(&msg);
-            self.control.push_back(Body::RndvDone { seq: msg & !PROBE_MSG_BIT, probe: true });
+            self.control.push_back(Body::RndvDone {
+                seq: msg & !PROBE_MSG_BIT,
+                probe: true,
+            });
             self.actions.push_back(Action::Discard { msg });
             return;
         }
         if !self.mapped_unreleased.contains(&msg) {
-            self.control.push_back(Body::RndvDone { seq: msg, probe: false });
+            self.control.push_back(Body::RndvDone {
+                seq: msg,
+                probe: false,
+            });
         }
         self.deliver_ready();
     }
@@ -794,7 +913,10 @@ impl Connection {
             let msg = self.next_deliver;
             self.next_deliver += 1;
             let (data, tag) = match self.recv.remove(&msg) {
-                Some(InMsg::Eager(b, group)) => (Delivery::Eager(b), group.map_or(CreditTag::Single, CreditTag::Group)),
+                Some(InMsg::Eager(b, group)) => (
+                    Delivery::Eager(b),
+                    group.map_or(CreditTag::Single, CreditTag::Group),
+                ),
                 Some(InMsg::Rndv(r)) => {
                     self.stats.rndv_msgs_recv += 1;
                     self.stats.rndv_bytes_recv += r.len;
@@ -813,7 +935,10 @@ impl Connection {
         let mut plan = ProbePlan::default_for(self.eager_cap());
         plan.sizes.retain(|&s| s <= len);
         if plan.sizes.is_empty() {
-            tracing::info!(len, "probe buffer too small for any probe size; keeping the default threshold");
+            tracing::info!(
+                len,
+                "probe buffer too small for any probe size; keeping the default threshold"
+            );
             return self.threshold_chosen();
         }
         self.probe = Some(Probe::new(plan, desc, started, self.cfg.probe_timeout));
@@ -821,7 +946,9 @@ impl Connection {
 
     fn on_probe_answer(&mut self, now: Instant, probe_id: u32, proto: Protocol) {
         if probe_id >= self.probe_issued {
-            return self.violation(format!("probe answer for id {probe_id}, which was never sent"));
+            return self.violation(format!(
+                "probe answer for id {probe_id}, which was never sent"
+            ));
         }
         // A late answer to an abandoned probe is legitimate and ignored.
         if let Some(p) = &mut self.probe {
@@ -837,7 +964,10 @@ impl Connection {
                 self.probe = None;
                 self.probe_verdict = Some(t);
                 if self.cfg.eager_threshold.is_some() {
-                    tracing::info!(measured = t, "probe verdict reported only: eager_threshold is configured");
+                    tracing::info!(
+                        measured = t,
+                        "probe verdict reported only: eager_threshold is configured"
+                    );
                 } else {
                     tracing::info!(threshold = t, "probe chose the eager threshold");
                 }
@@ -852,7 +982,9 @@ impl Connection {
     }
 
     fn threshold_chosen(&mut self) {
-        self.actions.push_back(Action::ThresholdChosen { threshold: self.eager_threshold() });
+        self.actions.push_back(Action::ThresholdChosen {
+            threshold: self.eager_threshold(),
+        });
     }
 
     fn refresh_threshold(&mut self) {
@@ -879,7 +1011,10 @@ impl Connection {
         }
         if let Some((code, reason)) = close {
             let reason = truncate_utf8(&reason, MAX_REASON).to_owned();
-            let frame = Frame { credits: self.owed, body: Body::Close { code, reason } };
+            let frame = Frame {
+                credits: self.owed,
+                body: Body::Close { code, reason },
+            };
             self.owed = 0;
             self.final_frame = Some(frame.to_bytes());
         }

@@ -178,7 +178,9 @@ pub enum FrameError {
     #[error("eager frame with a message count of 0")]
     ZeroCount,
     /// A length field points past the end of the body.
-    #[error("{kind} frame: `{field}` of {len} bytes runs past the end of the body ({remaining} bytes left)")]
+    #[error(
+        "{kind} frame: `{field}` of {len} bytes runs past the end of the body ({remaining} bytes left)"
+    )]
     LengthPastEnd {
         /// Frame kind name.
         kind: &'static str,
@@ -223,7 +225,10 @@ impl Body {
 
     /// True for frames that take one of the peer's receive slots (a credit).
     pub fn is_data(&self) -> bool {
-        matches!(self, Body::Eager { .. } | Body::Rts { .. } | Body::ProbeEager { .. } | Body::ProbeRts { .. })
+        matches!(
+            self,
+            Body::Eager { .. } | Body::Rts { .. } | Body::ProbeEager { .. } | Body::ProbeRts { .. }
+        )
     }
 
     fn flags(&self) -> u8 {
@@ -278,8 +283,14 @@ impl Reader<'_> {
     }
 
     fn fixed<const N: usize>(&mut self, field: &'static str) -> Result<[u8; N], FrameError> {
-        let src = self.buf.get(self.pos..self.pos + N).filter(|_| self.remaining() >= N);
-        let src = src.ok_or(FrameError::Truncated { kind: self.kind, field })?;
+        let src = self
+            .buf
+            .get(self.pos..self.pos + N)
+            .filter(|_| self.remaining() >= N);
+        let src = src.ok_or(FrameError::Truncated {
+            kind: self.kind,
+            field,
+        })?;
         let mut out = [0u8; N];
         out.copy_from_slice(src);
         self.pos += N;
@@ -302,7 +313,12 @@ impl Reader<'_> {
     fn bytes(&mut self, field: &'static str, len: u64) -> Result<Bytes, FrameError> {
         let remaining = self.remaining();
         if len > remaining as u64 {
-            return Err(FrameError::LengthPastEnd { kind: self.kind, field, len, remaining });
+            return Err(FrameError::LengthPastEnd {
+                kind: self.kind,
+                field,
+                len,
+                remaining,
+            });
         }
         let len = len as usize;
         let out = self.buf.slice(self.pos..self.pos + len);
@@ -319,7 +335,10 @@ impl Reader<'_> {
     fn finish(&self) -> Result<(), FrameError> {
         match self.remaining() {
             0 => Ok(()),
-            extra => Err(FrameError::TrailingBytes { kind: self.kind, extra }),
+            extra => Err(FrameError::TrailingBytes {
+                kind: self.kind,
+                extra,
+            }),
         }
     }
 }
@@ -353,7 +372,13 @@ impl Frame {
         out.put_u32_le(0);
         let body_start = out.len();
         match body {
-            Body::Hello { slots, slot_size, max_message, fragment_size, ext } => {
+            Body::Hello {
+                slots,
+                slot_size,
+                max_message,
+                fragment_size,
+                ext,
+            } => {
                 out.put_u32_le(*slots);
                 out.put_u32_le(*slot_size);
                 out.put_u64_le(*max_message);
@@ -381,14 +406,22 @@ impl Frame {
                 out.put_slice(pad);
             }
             Body::ProbeAck { probe_id } => out.put_u32_le(*probe_id),
-            Body::ProbeRts { probe_id, len, desc } => {
+            Body::ProbeRts {
+                probe_id,
+                len,
+                desc,
+            } => {
                 out.put_u32_le(*probe_id);
                 out.put_u64_le(*len);
                 put_prefixed(out, desc, MAX_DESC_LEN);
             }
             Body::Close { code, reason } => {
                 out.put_u32_le(*code);
-                put_prefixed(out, truncate_utf8(reason, u16::MAX as usize).as_bytes(), u16::MAX as usize);
+                put_prefixed(
+                    out,
+                    truncate_utf8(reason, u16::MAX as usize).as_bytes(),
+                    u16::MAX as usize,
+                );
             }
         }
         let body_len = (out.len() - body_start) as u32;
@@ -419,7 +452,11 @@ impl Frame {
         if name == "unknown" {
             return Err(FrameError::UnknownKind(kind));
         }
-        let allowed = if kind == kind::RNDV_DONE { FLAG_PROBE } else { 0 };
+        let allowed = if kind == kind::RNDV_DONE {
+            FLAG_PROBE
+        } else {
+            0
+        };
         if flags & !allowed != 0 {
             return Err(FrameError::UnknownFlags { kind, flags });
         }
@@ -429,7 +466,12 @@ impl Frame {
         if declared as u64 != actual as u64 {
             return Err(FrameError::BodyLenMismatch { declared, actual });
         }
-        let mut r = Reader { buf, pos: HEADER_LEN, end: buf.len(), kind: name };
+        let mut r = Reader {
+            buf,
+            pos: HEADER_LEN,
+            end: buf.len(),
+            kind: name,
+        };
         let body = match kind {
             kind::HELLO => {
                 let slots = r.u32("slots")?;
@@ -441,7 +483,13 @@ impl Frame {
                     return Err(FrameError::ExtTooLong(ext_len));
                 }
                 let ext = r.bytes("ext", ext_len as u64)?;
-                Body::Hello { slots, slot_size, max_message, fragment_size, ext }
+                Body::Hello {
+                    slots,
+                    slot_size,
+                    max_message,
+                    fragment_size,
+                    ext,
+                }
             }
             kind::EAGER => {
                 let count = r.u16("count")?;
@@ -463,24 +511,39 @@ impl Frame {
                 let desc = read_desc(&mut r)?;
                 Body::Rts { seq, len, desc }
             }
-            kind::RNDV_DONE => Body::RndvDone { seq: r.u64("seq")?, probe: flags & FLAG_PROBE != 0 },
+            kind::RNDV_DONE => Body::RndvDone {
+                seq: r.u64("seq")?,
+                probe: flags & FLAG_PROBE != 0,
+            },
             kind::CREDIT => Body::Credit,
             kind::PROBE_EAGER => {
                 let probe_id = r.u32("probe_id")?;
-                Body::ProbeEager { probe_id, pad: r.rest() }
+                Body::ProbeEager {
+                    probe_id,
+                    pad: r.rest(),
+                }
             }
-            kind::PROBE_ACK => Body::ProbeAck { probe_id: r.u32("probe_id")? },
+            kind::PROBE_ACK => Body::ProbeAck {
+                probe_id: r.u32("probe_id")?,
+            },
             kind::PROBE_RTS => {
                 let probe_id = r.u32("probe_id")?;
                 let len = r.u64("len")?;
                 let desc = read_desc(&mut r)?;
-                Body::ProbeRts { probe_id, len, desc }
+                Body::ProbeRts {
+                    probe_id,
+                    len,
+                    desc,
+                }
             }
             kind::CLOSE => {
                 let code = r.u32("code")?;
                 let reason_len = r.u16("reason_len")?;
                 let reason = r.bytes("reason", reason_len as u64)?;
-                Body::Close { code, reason: String::from_utf8_lossy(&reason).into_owned() }
+                Body::Close {
+                    code,
+                    reason: String::from_utf8_lossy(&reason).into_owned(),
+                }
             }
             other => return Err(FrameError::UnknownKind(other)),
         };
@@ -526,15 +589,46 @@ mod tests {
     fn all_kinds() -> Vec<Frame> {
         let desc = Bytes::from_static(b"descriptor");
         vec![
-            Frame { credits: 7, body: Body::Hello { slots: 64, slot_size: 65536, max_message: 1 << 30, fragment_size: 1 << 19, ext: Bytes::from_static(b"x") } },
-            Frame::new(Body::Eager { msgs: vec![Bytes::from_static(b"hello"), Bytes::new()] }),
-            Frame::new(Body::Rts { seq: 3, len: 1 << 40, desc: desc.clone() }),
-            Frame::new(Body::RndvDone { seq: 9, probe: true }),
-            Frame { credits: u32::MAX, body: Body::Credit },
-            Frame::new(Body::ProbeEager { probe_id: 1, pad: Bytes::from(vec![0u8; 100]) }),
+            Frame {
+                credits: 7,
+                body: Body::Hello {
+                    slots: 64,
+                    slot_size: 65536,
+                    max_message: 1 << 30,
+                    fragment_size: 1 << 19,
+                    ext: Bytes::from_static(b"x"),
+                },
+            },
+            Frame::new(Body::Eager {
+                msgs: vec![Bytes::from_static(b"hello"), Bytes::new()],
+            }),
+            Frame::new(Body::Rts {
+                seq: 3,
+                len: 1 << 40,
+                desc: desc.clone(),
+            }),
+            Frame::new(Body::RndvDone {
+                seq: 9,
+                probe: true,
+            }),
+            Frame {
+                credits: u32::MAX,
+                body: Body::Credit,
+            },
+            Frame::new(Body::ProbeEager {
+                probe_id: 1,
+                pad: Bytes::from(vec![0u8; 100]),
+            }),
             Frame::new(Body::ProbeAck { probe_id: 1 }),
-            Frame::new(Body::ProbeRts { probe_id: 2, len: 4096, desc }),
-            Frame::new(Body::Close { code: 1, reason: "bad ünïcode ok".into() }),
+            Frame::new(Body::ProbeRts {
+                probe_id: 2,
+                len: 4096,
+                desc,
+            }),
+            Frame::new(Body::Close {
+                code: 1,
+                reason: "bad ünïcode ok".into(),
+            }),
         ]
     }
 
@@ -549,14 +643,24 @@ mod tests {
 
     #[test]
     fn eager_overhead_matches_the_encoding() {
-        let f = Frame::new(Body::Eager { msgs: vec![Bytes::from(vec![1u8; 1000])] });
+        let f = Frame::new(Body::Eager {
+            msgs: vec![Bytes::from(vec![1u8; 1000])],
+        });
         assert_eq!(f.encoded_len(), 1000 + crate::proto::EAGER_OVERHEAD);
     }
 
     #[test]
     fn eager_payloads_are_zero_copy() {
-        let b = enc(&Frame::new(Body::Eager { msgs: vec![Bytes::from_static(b"abcdef")] }));
-        let Ok(Frame { body: Body::Eager { msgs }, .. }) = Frame::decode(&b) else { panic!("decode") };
+        let b = enc(&Frame::new(Body::Eager {
+            msgs: vec![Bytes::from_static(b"abcdef")],
+        }));
+        let Ok(Frame {
+            body: Body::Eager { msgs },
+            ..
+        }) = Frame::decode(&b)
+        else {
+            panic!("decode")
+        };
         assert_eq!(msgs[0].as_ptr(), b[HEADER_LEN + 6..].as_ptr());
     }
 
@@ -579,23 +683,58 @@ mod tests {
         m[1] = 2;
         assert_eq!(d(&Bytes::from(m)), FrameError::UnsupportedVersion(2));
         assert_eq!(d(&with_body(10, 0, &[])), FrameError::UnknownKind(10));
-        assert_eq!(d(&with_body(kind::CREDIT, 1, &[])), FrameError::UnknownFlags { kind: 5, flags: 1 });
+        assert_eq!(
+            d(&with_body(kind::CREDIT, 1, &[])),
+            FrameError::UnknownFlags { kind: 5, flags: 1 }
+        );
         let mut m = ok.to_vec();
         m.push(0);
-        assert_eq!(d(&Bytes::from(m)), FrameError::BodyLenMismatch { declared: 0, actual: 1 });
-        assert_eq!(d(&with_body(kind::RNDV_DONE, 0, &[1, 2, 3])), FrameError::Truncated { kind: "rndv-done", field: "seq" });
-        assert_eq!(d(&with_body(kind::EAGER, 0, &[0, 0])), FrameError::ZeroCount);
+        assert_eq!(
+            d(&Bytes::from(m)),
+            FrameError::BodyLenMismatch {
+                declared: 0,
+                actual: 1
+            }
+        );
+        assert_eq!(
+            d(&with_body(kind::RNDV_DONE, 0, &[1, 2, 3])),
+            FrameError::Truncated {
+                kind: "rndv-done",
+                field: "seq"
+            }
+        );
+        assert_eq!(
+            d(&with_body(kind::EAGER, 0, &[0, 0])),
+            FrameError::ZeroCount
+        );
         assert!(matches!(
             d(&with_body(kind::EAGER, 0, &[1, 0, 9, 0, 0, 0, 1])),
-            FrameError::LengthPastEnd { field: "message", len: 9, remaining: 1, .. }
+            FrameError::LengthPastEnd {
+                field: "message",
+                len: 9,
+                remaining: 1,
+                ..
+            }
         ));
-        assert_eq!(d(&with_body(kind::CREDIT, 0, &[0])), FrameError::TrailingBytes { kind: "credit", extra: 1 });
+        assert_eq!(
+            d(&with_body(kind::CREDIT, 0, &[0])),
+            FrameError::TrailingBytes {
+                kind: "credit",
+                extra: 1
+            }
+        );
         let mut rts = vec![0u8; 16];
         rts.extend_from_slice(&300u16.to_le_bytes());
-        assert_eq!(d(&with_body(kind::RTS, 0, &rts)), FrameError::DescTooLong(300));
+        assert_eq!(
+            d(&with_body(kind::RTS, 0, &rts)),
+            FrameError::DescTooLong(300)
+        );
         let mut hello = vec![0u8; 20];
         hello.extend_from_slice(&2000u16.to_le_bytes());
-        assert_eq!(d(&with_body(kind::HELLO, 0, &hello)), FrameError::ExtTooLong(2000));
+        assert_eq!(
+            d(&with_body(kind::HELLO, 0, &hello)),
+            FrameError::ExtTooLong(2000)
+        );
     }
 
     #[test]
@@ -604,7 +743,13 @@ mod tests {
         body.extend_from_slice(&2u16.to_le_bytes());
         body.extend_from_slice(&[0xff, b'a']);
         let f = Frame::decode(&with_body(kind::CLOSE, 0, &body));
-        assert_eq!(f, Ok(Frame::new(Body::Close { code: 1, reason: "\u{fffd}a".into() })));
+        assert_eq!(
+            f,
+            Ok(Frame::new(Body::Close {
+                code: 1,
+                reason: "\u{fffd}a".into()
+            }))
+        );
     }
 
     #[test]

@@ -22,8 +22,8 @@
 //! window is owed) when every message of the frame has been consumed by the application, so
 //! unread data is bounded by `credits × slot_size` plus the rendezvous messages in flight.
 
-pub mod frame;
 mod conn;
+pub mod frame;
 mod probe;
 
 pub use conn::Connection;

@@ -20,7 +20,6 @@ use super::Protocol;
 /// How long a probe may take before it is abandoned (the default threshold stays).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
-
 /// Sizes and repetitions the probe measures.
 #[derive(Debug, Clone)]
 pub struct ProbePlan {
@@ -35,8 +34,10 @@ impl ProbePlan {
     /// fits one of the peer's slots), deduplicated, ascending, none above `max_eager`;
     /// 3 counted reps after one warm-up.
     pub fn default_for(max_eager: usize) -> ProbePlan {
-        let mut sizes: Vec<usize> =
-            [1024, 4096, 16 * 1024, max_eager].into_iter().filter(|&s| s <= max_eager && s > 0).collect();
+        let mut sizes: Vec<usize> = [1024, 4096, 16 * 1024, max_eager]
+            .into_iter()
+            .filter(|&s| s <= max_eager && s > 0)
+            .collect();
         sizes.sort_unstable();
         sizes.dedup();
         ProbePlan { sizes, reps: 3 }
@@ -60,7 +61,11 @@ pub struct SizeCost {
 /// practice, the probe just could not measure it). `None` for no candidates.
 pub fn choose_threshold(costs: &[SizeCost]) -> Option<usize> {
     let smallest = costs.iter().map(|c| c.size).min()?;
-    let best = costs.iter().filter(|c| c.eager <= c.rendezvous).map(|c| c.size).max();
+    let best = costs
+        .iter()
+        .filter(|c| c.eager <= c.rendezvous)
+        .map(|c| c.size)
+        .max();
     Some(best.unwrap_or(smallest))
 }
 
@@ -75,8 +80,15 @@ struct Step {
 /// A probe sample ready to go out.
 #[derive(Debug, Clone)]
 pub(crate) enum Sample {
-    Eager { probe_id: u32, pad: Bytes },
-    Rts { probe_id: u32, len: u64, desc: Bytes },
+    Eager {
+        probe_id: u32,
+        pad: Bytes,
+    },
+    Rts {
+        probe_id: u32,
+        len: u64,
+        desc: Bytes,
+    },
 }
 
 /// The probe's bookkeeping on the measuring side.
@@ -113,8 +125,16 @@ impl Probe {
         let mut steps = Vec::new();
         for size_idx in 0..plan.sizes.len() {
             for proto in [Protocol::Eager, Protocol::Rendezvous] {
-                steps.push(Step { size_idx, proto, counted: false });
-                steps.extend((0..plan.reps).map(|_| Step { size_idx, proto, counted: true }));
+                steps.push(Step {
+                    size_idx,
+                    proto,
+                    counted: false,
+                });
+                steps.extend((0..plan.reps).map(|_| Step {
+                    size_idx,
+                    proto,
+                    counted: true,
+                }));
             }
         }
         let max = plan.sizes.iter().copied().max().unwrap_or(0);
@@ -143,8 +163,15 @@ impl Probe {
         let size = self.plan.sizes[step.size_idx];
         let probe_id = self.next_id;
         Some(match step.proto {
-            Protocol::Eager => Sample::Eager { probe_id, pad: self.pad.slice(..size) },
-            Protocol::Rendezvous => Sample::Rts { probe_id, len: size as u64, desc: self.desc.clone() },
+            Protocol::Eager => Sample::Eager {
+                probe_id,
+                pad: self.pad.slice(..size),
+            },
+            Protocol::Rendezvous => Sample::Rts {
+                probe_id,
+                len: size as u64,
+                desc: self.desc.clone(),
+            },
         })
     }
 
@@ -190,7 +217,11 @@ impl Probe {
             // The peer may be reading the probe buffer: the driver must not withdraw it
             // before the answer. An eager sample in flight holds nothing of ours.
             let rts_out = matches!(self.in_flight, Some((_, Protocol::Rendezvous, _)));
-            return if rts_out { Progress::Running } else { Progress::Abandoned };
+            return if rts_out {
+                Progress::Running
+            } else {
+                Progress::Abandoned
+            };
         }
         if self.next_step < self.steps.len() {
             return Progress::Running;
@@ -200,7 +231,13 @@ impl Probe {
             .sizes
             .iter()
             .zip(self.eager_min.iter().zip(&self.rndv_min))
-            .filter_map(|(&size, (e, r))| Some(SizeCost { size, eager: (*e)?, rendezvous: (*r)? }))
+            .filter_map(|(&size, (e, r))| {
+                Some(SizeCost {
+                    size,
+                    eager: (*e)?,
+                    rendezvous: (*r)?,
+                })
+            })
             .collect();
         match choose_threshold(&costs) {
             Some(t) => Progress::Done(t),
@@ -214,12 +251,19 @@ mod tests {
     use super::*;
 
     fn cost(size: usize, eager_us: u64, rndv_us: u64) -> SizeCost {
-        SizeCost { size, eager: Duration::from_micros(eager_us), rendezvous: Duration::from_micros(rndv_us) }
+        SizeCost {
+            size,
+            eager: Duration::from_micros(eager_us),
+            rendezvous: Duration::from_micros(rndv_us),
+        }
     }
 
     #[test]
     fn default_plan_sizes() {
-        assert_eq!(ProbePlan::default_for(65518).sizes, vec![1024, 4096, 16384, 65518]);
+        assert_eq!(
+            ProbePlan::default_for(65518).sizes,
+            vec![1024, 4096, 16384, 65518]
+        );
         assert_eq!(ProbePlan::default_for(16384).sizes, vec![1024, 4096, 16384]);
         assert_eq!(ProbePlan::default_for(3000).sizes, vec![1024, 3000]);
         assert_eq!(ProbePlan::default_for(500).sizes, vec![500]);
@@ -228,7 +272,12 @@ mod tests {
 
     #[test]
     fn picks_the_largest_size_where_eager_still_wins() {
-        let c = [cost(1024, 5, 20), cost(4096, 8, 20), cost(16384, 25, 22), cost(65518, 90, 30)];
+        let c = [
+            cost(1024, 5, 20),
+            cost(4096, 8, 20),
+            cost(16384, 25, 22),
+            cost(65518, 90, 30),
+        ];
         assert_eq!(choose_threshold(&c), Some(4096));
     }
 
@@ -246,7 +295,10 @@ mod tests {
 
     #[test]
     fn a_tie_goes_to_eager() {
-        assert_eq!(choose_threshold(&[cost(1024, 5, 5), cost(4096, 9, 8)]), Some(1024));
+        assert_eq!(
+            choose_threshold(&[cost(1024, 5, 5), cost(4096, 9, 8)]),
+            Some(1024)
+        );
     }
 
     #[test]
@@ -257,7 +309,10 @@ mod tests {
     #[test]
     fn bookkeeping_takes_min_over_counted_reps() {
         let t0 = Instant::now();
-        let plan = ProbePlan { sizes: vec![100, 200], reps: 2 };
+        let plan = ProbePlan {
+            sizes: vec![100, 200],
+            reps: 2,
+        };
         let mut p = Probe::new(plan, Bytes::from_static(b"d"), t0, PROBE_TIMEOUT);
         let mut now = t0;
         let mut last = Progress::Running;
@@ -266,7 +321,11 @@ mod tests {
             p.sent(now);
             let (id, proto, rtt) = match s {
                 // Eager is cheap at 100 and dear at 200; the warm-up (first of each) is slow.
-                Sample::Eager { probe_id, pad } => (probe_id, Protocol::Eager, if pad.len() == 100 { 10 } else { 50 }),
+                Sample::Eager { probe_id, pad } => (
+                    probe_id,
+                    Protocol::Eager,
+                    if pad.len() == 100 { 10 } else { 50 },
+                ),
                 Sample::Rts { probe_id, .. } => (probe_id, Protocol::Rendezvous, 30),
             };
             let rtt = if n % 3 == 0 { 1000 } else { rtt };
@@ -281,11 +340,29 @@ mod tests {
     #[test]
     fn abandoning_waits_for_a_rendezvous_sample_in_flight() {
         let t0 = Instant::now();
-        let mut p = Probe::new(ProbePlan { sizes: vec![100], reps: 0 }, Bytes::new(), t0, PROBE_TIMEOUT);
-        assert!(matches!(p.next_sample(), Some(Sample::Eager { probe_id: 0, .. })));
+        let mut p = Probe::new(
+            ProbePlan {
+                sizes: vec![100],
+                reps: 0,
+            },
+            Bytes::new(),
+            t0,
+            PROBE_TIMEOUT,
+        );
+        assert!(matches!(
+            p.next_sample(),
+            Some(Sample::Eager { probe_id: 0, .. })
+        ));
         p.sent(t0);
         assert_eq!(p.answered(t0, 0, Protocol::Eager), Progress::Running);
-        assert!(matches!(p.next_sample(), Some(Sample::Rts { probe_id: 1, len: 100, .. })));
+        assert!(matches!(
+            p.next_sample(),
+            Some(Sample::Rts {
+                probe_id: 1,
+                len: 100,
+                ..
+            })
+        ));
         p.sent(t0);
         assert_eq!(p.abandon(), Progress::Running);
         assert!(p.next_sample().is_none());
@@ -295,7 +372,15 @@ mod tests {
     #[test]
     fn abandoning_with_an_eager_sample_out_is_immediate() {
         let t0 = Instant::now();
-        let mut p = Probe::new(ProbePlan { sizes: vec![100], reps: 1 }, Bytes::new(), t0, PROBE_TIMEOUT);
+        let mut p = Probe::new(
+            ProbePlan {
+                sizes: vec![100],
+                reps: 1,
+            },
+            Bytes::new(),
+            t0,
+            PROBE_TIMEOUT,
+        );
         assert!(p.next_sample().is_some());
         p.sent(t0);
         assert_eq!(p.abandon(), Progress::Abandoned);

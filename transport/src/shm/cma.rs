@@ -37,25 +37,35 @@ pub unsafe fn read(pid: i32, remote: u64, dst: *mut u8, len: usize) -> Result<()
             iov_base: unsafe { dst.add(done) }.cast(),
             iov_len: len - done,
         };
-        let remote_iov = libc::iovec { iov_base: (remote as usize + done) as *mut libc::c_void, iov_len: len - done };
+        let remote_iov = libc::iovec {
+            iov_base: (remote as usize + done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
         // SAFETY: the local iovec lies in memory the caller vouched for; the remote one is
         // checked by the kernel against the peer's address space.
         let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote_iov, 1, 0) };
         if n < 0 {
             let e = io::Error::last_os_error();
             return Err(match e.raw_os_error() {
-                Some(libc::ESRCH) => Error::PeerGone(format!("peer process {pid} exited during a shared-memory read")),
+                Some(libc::ESRCH) => Error::PeerGone(format!(
+                    "peer process {pid} exited during a shared-memory read"
+                )),
                 Some(libc::EFAULT) => Error::Protocol(format!(
                     "peer region at {:#x}+{} is not mapped in process {pid} (descriptor does not match live memory)",
                     remote as usize + done,
                     len - done
                 )),
                 Some(libc::EINTR) => continue,
-                _ => Error::io(format!("reading {len} bytes from process {pid} with process_vm_readv"), e),
+                _ => Error::io(
+                    format!("reading {len} bytes from process {pid} with process_vm_readv"),
+                    e,
+                ),
             });
         }
         if n == 0 {
-            return Err(Error::PeerGone(format!("peer process {pid} returned a short read (exiting?)")));
+            return Err(Error::PeerGone(format!(
+                "peer process {pid} returned a short read (exiting?)"
+            )));
         }
         done += n as usize;
     }
@@ -69,7 +79,9 @@ pub fn probe(pid: i32, addr: u64, expected: u64) -> Result<(), String> {
     // SAFETY: `word` is a live local of exactly 8 bytes.
     match unsafe { read(pid, addr, (&mut word as *mut u64).cast(), 8) } {
         Ok(()) if word == expected => Ok(()),
-        Ok(()) => Err(format!("probe word of pid {pid} read back wrong (different pid namespace?)")),
+        Ok(()) => Err(format!(
+            "probe word of pid {pid} read back wrong (different pid namespace?)"
+        )),
         Err(Error::Io { source, .. }) => Err(format!(
             "process_vm_readv on pid {pid} failed: {source} (Yama ptrace_scope, seccomp or a container policy)"
         )),

@@ -26,7 +26,7 @@ use super::cma;
 use super::ring::{Consumer, HEADER_BYTES, Producer, RingHeader};
 use super::segment::{self, MappedSlice, Mapping};
 use crate::error::{Error, Result};
-use crate::link::{Exposure, Link, LinkEvent, LinkInfo};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, Registration};
 use crate::pool::Pool;
 
 /// How long `poll_send` spins for ring space before sleeping on an eventfd (the consumer
@@ -78,8 +78,16 @@ const REGION_DESC_LEN: usize = 32;
 /// `REGION: [2, 0 x3][pid u32][region u64][addr u64][len u64]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Desc {
-    Pool { offset: u64, len: u64 },
-    Region { pid: u32, region: u64, addr: u64, len: u64 },
+    Pool {
+        offset: u64,
+        len: u64,
+    },
+    Region {
+        pid: u32,
+        region: u64,
+        addr: u64,
+        len: u64,
+    },
 }
 
 fn le64(b: &[u8], at: usize) -> u64 {
@@ -101,7 +109,12 @@ impl Desc {
                 b.extend_from_slice(&offset.to_le_bytes());
                 b.extend_from_slice(&len.to_le_bytes());
             }
-            Desc::Region { pid, region, addr, len } => {
+            Desc::Region {
+                pid,
+                region,
+                addr,
+                len,
+            } => {
                 b.extend_from_slice(&[D_REGION, 0, 0, 0]);
                 b.extend_from_slice(&pid.to_le_bytes());
                 b.extend_from_slice(&region.to_le_bytes());
@@ -115,10 +128,16 @@ impl Desc {
     fn parse(b: &[u8]) -> Result<Desc> {
         let bad = || Error::Protocol(format!("malformed shm descriptor ({} bytes)", b.len()));
         match b.first() {
-            Some(&D_POOL) if b.len() == POOL_DESC_LEN => Ok(Desc::Pool { offset: le64(b, 8), len: le64(b, 16) }),
-            Some(&D_REGION) if b.len() == REGION_DESC_LEN => {
-                Ok(Desc::Region { pid: le32(b, 4), region: le64(b, 8), addr: le64(b, 16), len: le64(b, 24) })
-            }
+            Some(&D_POOL) if b.len() == POOL_DESC_LEN => Ok(Desc::Pool {
+                offset: le64(b, 8),
+                len: le64(b, 16),
+            }),
+            Some(&D_REGION) if b.len() == REGION_DESC_LEN => Ok(Desc::Region {
+                pid: le32(b, 4),
+                region: le64(b, 8),
+                addr: le64(b, 16),
+                len: le64(b, 24),
+            }),
             _ => Err(bad()),
         }
     }
@@ -230,7 +249,10 @@ pub struct ShmLink {
 
 impl std::fmt::Debug for ShmLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShmLink").field("info", &self.info).field("exposed", &self.regions.len()).finish()
+        f.debug_struct("ShmLink")
+            .field("info", &self.info)
+            .field("exposed", &self.regions.len())
+            .finish()
     }
 }
 
@@ -242,8 +264,16 @@ impl ShmLink {
         // consumer of its RX ring.
         let (tx, rx) = unsafe {
             (
-                Producer::new(p.tx_map.ptr().cast::<RingHeader>(), p.tx_map.ptr().add(HEADER_BYTES), p.tx_cap),
-                Consumer::new(p.rx_map.ptr().cast::<RingHeader>(), p.rx_map.ptr().add(HEADER_BYTES), p.rx_cap),
+                Producer::new(
+                    p.tx_map.ptr().cast::<RingHeader>(),
+                    p.tx_map.ptr().add(HEADER_BYTES),
+                    p.tx_cap,
+                ),
+                Consumer::new(
+                    p.rx_map.ptr().cast::<RingHeader>(),
+                    p.rx_map.ptr().add(HEADER_BYTES),
+                    p.rx_cap,
+                ),
             )
         };
         let pool_map = Arc::new(p.pool_map);
@@ -255,8 +285,14 @@ impl ShmLink {
         let wrap = |fd: OwnedFd, what: &str| {
             // SAFETY: the `AsyncFd` owns the `OwnedFd`, which stays open and unchanged until
             // the `AsyncFd` is dropped.
-            unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
-                .map_err(|e| Error::io(format!("registering the shm {what} eventfd with tokio"), e.into()))
+            unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }.map_err(
+                |e| {
+                    Error::io(
+                        format!("registering the shm {what} eventfd with tokio"),
+                        e.into(),
+                    )
+                },
+            )
         };
         let info = LinkInfo {
             provider: "shm",
@@ -365,7 +401,9 @@ impl ShmLink {
                 Ok(0) => self.peer_eof = true,
                 Ok(n) => {
                     if buf[..n].iter().any(|&b| b != CLOSE_BYTE) {
-                        return Err(Error::Protocol("unexpected bytes on the shm socket after setup".into()));
+                        return Err(Error::Protocol(
+                            "unexpected bytes on the shm socket after setup".into(),
+                        ));
                     }
                     self.peer_closing = true;
                 }
@@ -395,7 +433,9 @@ impl ShmLink {
     /// handling control records on the way.
     fn drain_rx(&mut self) -> Result<Option<Bytes>> {
         loop {
-            let Some(rec) = self.rx.peek()? else { return Ok(None) };
+            let Some(rec) = self.rx.peek()? else {
+                return Ok(None);
+            };
             let ty = rec.ty;
             if ty == T_FRAME {
                 let frame = Bytes::copy_from_slice(rec.payload);
@@ -427,12 +467,23 @@ impl ShmLink {
 
     fn on_read_request(&mut self, b: &[u8]) -> Result<()> {
         if b.len() != 32 {
-            return Err(Error::Protocol(format!("bounce read request of {} bytes", b.len())));
+            return Err(Error::Protocol(format!(
+                "bounce read request of {} bytes",
+                b.len()
+            )));
         }
         if self.serving.len() >= MAX_SERVE_QUEUE {
-            return Err(Error::Protocol(format!("peer queued more than {MAX_SERVE_QUEUE} bounce reads")));
+            return Err(Error::Protocol(format!(
+                "peer queued more than {MAX_SERVE_QUEUE} bounce reads"
+            )));
         }
-        let s = Serve { rid: le64(b, 0), region: le64(b, 8), offset: le64(b, 16), len: le64(b, 24), done: 0 };
+        let s = Serve {
+            rid: le64(b, 0),
+            region: le64(b, 8),
+            offset: le64(b, 16),
+            len: le64(b, 24),
+            done: 0,
+        };
         if s.len == 0 {
             return Err(Error::Protocol("bounce read request of zero bytes".into()));
         }
@@ -442,31 +493,50 @@ impl ShmLink {
 
     fn on_read_data(&mut self, b: &[u8]) -> Result<()> {
         if b.len() < 25 {
-            return Err(Error::Protocol(format!("bounce read answer of {} bytes", b.len())));
+            return Err(Error::Protocol(format!(
+                "bounce read answer of {} bytes",
+                b.len()
+            )));
         }
-        let (rid, chunk_off, slot, len, status) = (le64(b, 0), le64(b, 8), le32(b, 16), le32(b, 20) as u64, b[24]);
+        let (rid, chunk_off, slot, len, status) = (
+            le64(b, 0),
+            le64(b, 8),
+            le32(b, 16),
+            le32(b, 20) as u64,
+            b[24],
+        );
         if status != 0 {
             let why = String::from_utf8_lossy(&b[25..]).into_owned();
             if let Some(r) = self.reads.remove(&rid) {
-                self.completions.push_back((r.id, Err(Error::Protocol(format!("peer refused the read: {why}")))));
+                self.completions.push_back((
+                    r.id,
+                    Err(Error::Protocol(format!("peer refused the read: {why}"))),
+                ));
             }
             return Ok(());
         }
         let nslots = self.peer_bounce.len() / self.peer_bounce_slot;
         if slot as usize >= nslots || len > self.peer_bounce_slot as u64 {
-            return Err(Error::Protocol(format!("bounce answer names slot {slot} with {len} bytes")));
+            return Err(Error::Protocol(format!(
+                "bounce answer names slot {slot} with {len} bytes"
+            )));
         }
         if let Some(r) = self.reads.get_mut(&rid) {
             let end = chunk_off.checked_add(len).filter(|&e| e <= r.len);
             if end.is_none() || len > r.remaining {
-                return Err(Error::Protocol(format!("bounce chunk {chunk_off}+{len} outside a read of {} bytes", r.len)));
+                return Err(Error::Protocol(format!(
+                    "bounce chunk {chunk_off}+{len} outside a read of {} bytes",
+                    r.len
+                )));
             }
             // SAFETY: the slot lies inside the peer's bounce mapping (checked above); dst
             // +chunk_off+len is inside the destination the driver lent us (checked above),
             // which stays valid until this read's completion.
             unsafe {
                 std::ptr::copy_nonoverlapping(
-                    self.peer_bounce.ptr().add(slot as usize * self.peer_bounce_slot),
+                    self.peer_bounce
+                        .ptr()
+                        .add(slot as usize * self.peer_bounce_slot),
                     r.dst.add(chunk_off as usize),
                     len as usize,
                 );
@@ -479,17 +549,23 @@ impl ShmLink {
             }
         }
         // Freed even for a read that already failed: the owner still holds the slot.
-        self.outbox.push_back((T_SLOT_FREE, slot.to_le_bytes().to_vec()));
+        self.outbox
+            .push_back((T_SLOT_FREE, slot.to_le_bytes().to_vec()));
         Ok(())
     }
 
     fn on_slot_free(&mut self, b: &[u8]) -> Result<()> {
         if b.len() != 4 {
-            return Err(Error::Protocol(format!("bounce slot release of {} bytes", b.len())));
+            return Err(Error::Protocol(format!(
+                "bounce slot release of {} bytes",
+                b.len()
+            )));
         }
         let slot = le32(b, 0) as usize;
         if !self.slot_busy.get(slot).copied().unwrap_or(false) {
-            return Err(Error::Protocol(format!("peer released bounce slot {slot}, which it did not hold")));
+            return Err(Error::Protocol(format!(
+                "peer released bounce slot {slot}, which it did not hold"
+            )));
         }
         self.slot_busy[slot] = false;
         self.free_slots.push(slot as u32);
@@ -502,8 +578,19 @@ impl ShmLink {
             let region = self.regions.get(&req.region);
             let refusal = match region {
                 None => Some(format!("region {} is not exposed (withdrawn?)", req.region)),
-                Some(buf) if req.offset.checked_add(req.len).is_none_or(|e| e > buf.len() as u64) => {
-                    Some(format!("range {}+{} is outside region {} of {} bytes", req.offset, req.len, req.region, buf.len()))
+                Some(buf)
+                    if req
+                        .offset
+                        .checked_add(req.len)
+                        .is_none_or(|e| e > buf.len() as u64) =>
+                {
+                    Some(format!(
+                        "range {}+{} is outside region {} of {} bytes",
+                        req.offset,
+                        req.len,
+                        req.region,
+                        buf.len()
+                    ))
                 }
                 Some(_) => None,
             };
@@ -517,7 +604,9 @@ impl ShmLink {
                 self.serving.pop_front();
                 continue;
             }
-            let Some(slot) = self.free_slots.pop() else { return };
+            let Some(slot) = self.free_slots.pop() else {
+                return;
+            };
             let Some(buf) = region else { return };
             let n = (req.len - req.done).min(self.bounce_slot as u64);
             let from = (req.offset + req.done) as usize;
@@ -560,7 +649,10 @@ impl ShmLink {
         }
         self.serve_bounce();
         self.flush_outbox()?;
-        Ok(self.completions.pop_front().map(|(id, result)| LinkEvent::ReadDone { id, result }))
+        Ok(self
+            .completions
+            .pop_front()
+            .map(|(id, result)| LinkEvent::ReadDone { id, result }))
     }
 
     fn wake_rx(&mut self) {
@@ -599,7 +691,10 @@ impl ShmLink {
                 let e = if self.peer_closing {
                     Error::PeerClosed(String::new())
                 } else {
-                    Error::PeerGone(format!("peer process {} exited or crashed without closing", self.peer_pid))
+                    Error::PeerGone(format!(
+                        "peer process {} exited or crashed without closing",
+                        self.peer_pid
+                    ))
                 };
                 self.fail(e);
                 continue;
@@ -680,7 +775,10 @@ impl ShmLink {
             return Err(if self.peer_closing {
                 Error::PeerClosed(String::new())
             } else {
-                Error::PeerGone(format!("peer process {} exited or crashed without closing", self.peer_pid))
+                Error::PeerGone(format!(
+                    "peer process {} exited or crashed without closing",
+                    self.peer_pid
+                ))
             });
         }
         Ok(())
@@ -778,13 +876,35 @@ impl Link for ShmLink {
         self.next_region += 1;
         let len = buf.len() as u64;
         let (desc, zero_copy) = match self.pool.offset_of(buf.as_ptr(), buf.len()) {
-            Some(off) => (Desc::Pool { offset: off as u64, len }, true),
-            None => {
-                (Desc::Region { pid: std::process::id(), region: id, addr: buf.as_ptr() as u64, len }, false)
-            }
+            Some(off) => (
+                Desc::Pool {
+                    offset: off as u64,
+                    len,
+                },
+                true,
+            ),
+            None => (
+                Desc::Region {
+                    pid: std::process::id(),
+                    region: id,
+                    addr: buf.as_ptr() as u64,
+                    len,
+                },
+                false,
+            ),
         };
         self.regions.insert(id, buf);
-        Ok(Exposure { id, descriptor: desc.encode(), zero_copy })
+        let registration = if zero_copy {
+            Registration::Pool
+        } else {
+            Registration::NotNeeded
+        };
+        Ok(Exposure {
+            id,
+            descriptor: desc.encode(),
+            zero_copy,
+            registration,
+        })
     }
 
     fn withdraw(&mut self, id: u64) -> Option<Bytes> {
@@ -806,13 +926,24 @@ impl Link for ShmLink {
                         "pool descriptor {offset}+{len} is outside the peer's pool of {size} bytes"
                     )));
                 }
-                let view = MappedSlice { map: self.peer_pool.clone(), off: offset as usize, len: len as usize };
+                let view = MappedSlice {
+                    map: self.peer_pool.clone(),
+                    off: offset as usize,
+                    len: len as usize,
+                };
                 Ok(Some(Bytes::from_owner(view)))
             }
         }
     }
 
-    unsafe fn post_read(&mut self, id: u64, descriptor: &[u8], offset: u64, dst: *mut u8, len: usize) -> Result<()> {
+    unsafe fn post_read(
+        &mut self,
+        id: u64,
+        descriptor: &[u8],
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<()> {
         if let Some(e) = self.dead_error() {
             return Err(e);
         }
@@ -829,8 +960,14 @@ impl Link for ShmLink {
             return Ok(());
         }
         match desc {
-            Desc::Pool { offset: base, len: dlen } => {
-                if base.checked_add(dlen).is_none_or(|e| e > self.peer_pool.len() as u64) {
+            Desc::Pool {
+                offset: base,
+                len: dlen,
+            } => {
+                if base
+                    .checked_add(dlen)
+                    .is_none_or(|e| e > self.peer_pool.len() as u64)
+                {
                     return Err(Error::Protocol(format!(
                         "pool descriptor {base}+{dlen} is outside the peer's pool of {} bytes",
                         self.peer_pool.len()
@@ -839,11 +976,17 @@ impl Link for ShmLink {
                 // SAFETY: the source lies inside the peer pool mapping (checked above); dst
                 // is valid for `len` bytes per this function's contract.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(self.peer_pool.ptr().add((base + offset) as usize), dst, len);
+                    std::ptr::copy_nonoverlapping(
+                        self.peer_pool.ptr().add((base + offset) as usize),
+                        dst,
+                        len,
+                    );
                 }
                 self.completions.push_back((id, Ok(())));
             }
-            Desc::Region { pid, region, addr, .. } => {
+            Desc::Region {
+                pid, region, addr, ..
+            } => {
                 if pid != self.peer_hello_pid {
                     return Err(Error::Protocol(format!(
                         "descriptor names process {pid} but the peer is process {}",
@@ -852,12 +995,21 @@ impl Link for ShmLink {
                 }
                 if self.cma {
                     // SAFETY: dst is valid for `len` bytes (function contract).
-                    let r = unsafe { cma::read(self.peer_pid, addr.wrapping_add(offset), dst, len) };
+                    let r =
+                        unsafe { cma::read(self.peer_pid, addr.wrapping_add(offset), dst, len) };
                     self.completions.push_back((id, r));
                 } else {
                     let rid = self.next_rid;
                     self.next_rid += 1;
-                    self.reads.insert(rid, BounceRead { id, dst, len: len as u64, remaining: len as u64 });
+                    self.reads.insert(
+                        rid,
+                        BounceRead {
+                            id,
+                            dst,
+                            len: len as u64,
+                            remaining: len as u64,
+                        },
+                    );
                     let mut rec = Vec::with_capacity(32);
                     for w in [rid, region, offset, len as u64] {
                         rec.extend_from_slice(&w.to_le_bytes());
@@ -893,7 +1045,18 @@ mod tests {
 
     #[test]
     fn descriptors_round_trip_and_garbage_is_refused() {
-        for d in [Desc::Pool { offset: 64, len: 100 }, Desc::Region { pid: 7, region: 3, addr: 0xdead_0000, len: 1 << 30 }] {
+        for d in [
+            Desc::Pool {
+                offset: 64,
+                len: 100,
+            },
+            Desc::Region {
+                pid: 7,
+                region: 3,
+                addr: 0xdead_0000,
+                len: 1 << 30,
+            },
+        ] {
             assert_eq!(Desc::parse(&d.encode()).unwrap(), d);
         }
         assert!(Desc::parse(&[]).is_err());

@@ -85,7 +85,9 @@ fn corrupt(what: &str) -> Error {
 /// Checks a ring's geometry before anyone builds a producer or consumer over it.
 pub fn check_capacity(cap: usize) -> Result<(), String> {
     if cap < 64 || !cap.is_multiple_of(8) || cap > (1 << 30) {
-        return Err(format!("ring capacity {cap} must be a multiple of 8 within 64 B..=1 GiB"));
+        return Err(format!(
+            "ring capacity {cap} must be a multiple of 8 within 64 B..=1 GiB"
+        ));
     }
     Ok(())
 }
@@ -112,7 +114,12 @@ impl Producer {
     pub unsafe fn new(hdr: *const RingHeader, data: *mut u8, cap: usize) -> Producer {
         // SAFETY: `hdr` is valid per the contract.
         let head = unsafe { &*hdr }.head.0.load(Ordering::Relaxed);
-        Producer { hdr, data, cap: cap as u64, head }
+        Producer {
+            hdr,
+            data,
+            cap: cap as u64,
+            head,
+        }
     }
 
     fn hdr(&self) -> &RingHeader {
@@ -170,7 +177,11 @@ impl Producer {
         // space is free, so nobody reads it until `head` is published below.
         unsafe {
             write_header(self.data.add(off), payload.len() as u32, ty);
-            std::ptr::copy_nonoverlapping(payload.as_ptr(), self.data.add(off + RECORD_HEADER), payload.len());
+            std::ptr::copy_nonoverlapping(
+                payload.as_ptr(),
+                self.data.add(off + RECORD_HEADER),
+                payload.len(),
+            );
         }
         self.head += total;
         self.hdr().head.0.store(self.head, Ordering::Release);
@@ -237,7 +248,14 @@ impl Consumer {
     pub unsafe fn new(hdr: *const RingHeader, data: *const u8, cap: usize) -> Consumer {
         // SAFETY: `hdr` is valid per the contract.
         let tail = unsafe { &*hdr }.tail.0.load(Ordering::Relaxed);
-        Consumer { hdr, data, cap: cap as u64, tail, head_seen: tail, peeked: 0 }
+        Consumer {
+            hdr,
+            data,
+            cap: cap as u64,
+            tail,
+            head_seen: tail,
+            peeked: 0,
+        }
     }
 
     fn hdr(&self) -> &RingHeader {
@@ -268,7 +286,8 @@ impl Consumer {
             let avail = self.head_seen - self.tail;
             let off = (self.tail % self.cap) as usize;
             // SAFETY: off < cap and both are multiples of 8, so 8 bytes are in bounds.
-            let word = u64::from_le(unsafe { std::ptr::read_volatile(self.data.add(off).cast::<u64>()) });
+            let word =
+                u64::from_le(unsafe { std::ptr::read_volatile(self.data.add(off).cast::<u64>()) });
             let len = word as u32;
             let ty = (word >> 32) as u8;
             if len == WRAP {
@@ -281,13 +300,20 @@ impl Consumer {
                 continue;
             }
             let need = padded(len as usize);
-            if len as usize > max_payload(self.cap as usize) || need > avail || off as u64 + need > self.cap {
-                return Err(corrupt(&format!("record of {len} bytes does not fit the ring")));
+            if len as usize > max_payload(self.cap as usize)
+                || need > avail
+                || off as u64 + need > self.cap
+            {
+                return Err(corrupt(&format!(
+                    "record of {len} bytes does not fit the ring"
+                )));
             }
             self.peeked = need;
             // SAFETY: off+8..off+8+len lies within the ring (checked above) and the producer
             // does not touch it until `tail` moves past it.
-            let payload = unsafe { std::slice::from_raw_parts(self.data.add(off + RECORD_HEADER), len as usize) };
+            let payload = unsafe {
+                std::slice::from_raw_parts(self.data.add(off + RECORD_HEADER), len as usize)
+            };
             return Ok(Some(Record { ty, payload }));
         }
     }
@@ -333,7 +359,10 @@ mod tests {
     }
 
     fn ring(cap: usize) -> (Heap, Producer, Consumer) {
-        let mut h = Heap { hdr: Box::new(RingHeader::new()), data: vec![0u64; cap / 8] };
+        let mut h = Heap {
+            hdr: Box::new(RingHeader::new()),
+            data: vec![0u64; cap / 8],
+        };
         let hp: *const RingHeader = &*h.hdr;
         let dp = h.data.as_mut_ptr().cast::<u8>();
         // SAFETY: the heap buffers live in `h`, which the tests keep alive longer.
@@ -399,7 +428,10 @@ mod tests {
     #[test]
     fn oversized_record_is_an_error_not_a_hang() {
         let (_h, mut p, _c) = ring(128);
-        assert!(matches!(p.try_push(0, &[0u8; 25]), Err(Error::TooLarge { .. })));
+        assert!(matches!(
+            p.try_push(0, &[0u8; 25]),
+            Err(Error::TooLarge { .. })
+        ));
     }
 
     #[test]
@@ -455,7 +487,12 @@ mod tests {
             let len = (i as usize * 13) % 200;
             assert_eq!(r.ty, (i % 200) as u8);
             assert_eq!(r.payload.len(), len);
-            assert!(r.payload.iter().enumerate().all(|(j, &b)| b == (i as usize + j) as u8));
+            assert!(
+                r.payload
+                    .iter()
+                    .enumerate()
+                    .all(|(j, &b)| b == (i as usize + j) as u8)
+            );
             c.pop();
             i += 1;
         }
@@ -480,7 +517,10 @@ mod loom_tests {
 
     impl EventFd {
         fn new() -> Self {
-            EventFd { count: Mutex::new(0), cv: Condvar::new() }
+            EventFd {
+                count: Mutex::new(0),
+                cv: Condvar::new(),
+            }
         }
         fn signal(&self) {
             *self.count.lock().unwrap() += 1;
@@ -520,7 +560,12 @@ mod loom_tests {
     fn ends(s: &Arc<Shared>) -> (Producer, Consumer) {
         let dp = s.data.get().cast::<u8>();
         // SAFETY: `s` is kept alive by both threads for the whole model run.
-        unsafe { (Producer::new(&s.hdr, dp, CAP), Consumer::new(&s.hdr, dp, CAP)) }
+        unsafe {
+            (
+                Producer::new(&s.hdr, dp, CAP),
+                Consumer::new(&s.hdr, dp, CAP),
+            )
+        }
     }
 
     /// Producer that sleeps when full, exactly as the link does.

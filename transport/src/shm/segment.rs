@@ -28,14 +28,33 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Maps all `len` bytes of `fd` shared, writable or read-only.
     pub fn map(fd: BorrowedFd<'_>, len: usize, writable: bool, what: &str) -> Result<Mapping> {
-        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
         // SAFETY: a fresh shared mapping chosen by the kernel aliases nothing of ours; the fd
         // is valid for the call.
-        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
         if ptr == libc::MAP_FAILED {
-            return Err(Error::io(format!("mapping the shm {what} ({len} bytes)"), io::Error::last_os_error()));
+            return Err(Error::io(
+                format!("mapping the shm {what} ({len} bytes)"),
+                io::Error::last_os_error(),
+            ));
         }
-        Ok(Mapping { ptr: ptr.cast(), len })
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
     }
 
     /// Start of the mapping.
@@ -76,23 +95,36 @@ impl AsRef<[u8]> for MappedSlice {
 }
 
 fn cvt(r: libc::c_int, what: impl FnOnce() -> String) -> Result<libc::c_int> {
-    if r < 0 { Err(Error::io(what(), io::Error::last_os_error())) } else { Ok(r) }
+    if r < 0 {
+        Err(Error::io(what(), io::Error::last_os_error()))
+    } else {
+        Ok(r)
+    }
 }
 
 /// Creates a sealed memfd of `len` bytes, private to this user (mode 0600).
 pub fn memfd(name: &CStr, len: usize) -> Result<OwnedFd> {
     let label = || name.to_string_lossy().into_owned();
     // SAFETY: `name` is a valid C string; the flags are plain integers.
-    let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    cvt(raw, || format!("creating memfd {} (needs Linux >= 3.17)", label()))?;
+    let raw =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    cvt(raw, || {
+        format!("creating memfd {} (needs Linux >= 3.17)", label())
+    })?;
     // SAFETY: `raw` is a fresh descriptor owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     // SAFETY: plain syscalls on a descriptor we own.
     unsafe {
-        cvt(libc::fchmod(raw, 0o600), || format!("restricting memfd {} to mode 0600", label()))?;
-        cvt(libc::ftruncate(raw, len as libc::off_t), || format!("sizing memfd {} to {len} bytes", label()))?;
+        cvt(libc::fchmod(raw, 0o600), || {
+            format!("restricting memfd {} to mode 0600", label())
+        })?;
+        cvt(libc::ftruncate(raw, len as libc::off_t), || {
+            format!("sizing memfd {} to {len} bytes", label())
+        })?;
         let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        cvt(libc::fcntl(raw, libc::F_ADD_SEALS, seals), || format!("sealing memfd {}", label()))?;
+        cvt(libc::fcntl(raw, libc::F_ADD_SEALS, seals), || {
+            format!("sealing memfd {}", label())
+        })?;
     }
     Ok(fd)
 }
@@ -107,7 +139,8 @@ pub fn reopen_readonly(fd: BorrowedFd<'_>) -> Result<OwnedFd> {
         // SAFETY: fresh descriptor owned by nobody else.
         return Ok(unsafe { OwnedFd::from_raw_fd(raw) });
     }
-    fd.try_clone_to_owned().map_err(|e| Error::io("duplicating a memfd", e))
+    fd.try_clone_to_owned()
+        .map_err(|e| Error::io("duplicating a memfd", e))
 }
 
 /// Checks that a received descriptor is a memfd sealed against resizing and of `len` bytes.
@@ -115,7 +148,9 @@ pub fn check_memfd(fd: BorrowedFd<'_>, len: usize, what: &str) -> Result<()> {
     // SAFETY: plain fcntl on a descriptor we own.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 {
-        return Err(Error::Handshake(format!("the peer's {what} is not a memfd (cannot read its seals)")));
+        return Err(Error::Handshake(format!(
+            "the peer's {what} is not a memfd (cannot read its seals)"
+        )));
     }
     let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
     if seals & need != need {
@@ -126,7 +161,9 @@ pub fn check_memfd(fd: BorrowedFd<'_>, len: usize, what: &str) -> Result<()> {
     // SAFETY: `st` is plain data filled by the kernel.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid descriptor and out-pointer.
-    cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, || format!("inspecting the peer's {what}"))?;
+    cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, || {
+        format!("inspecting the peer's {what}")
+    })?;
     if st.st_size as u64 != len as u64 {
         return Err(Error::Handshake(format!(
             "the peer's {what} is {} bytes but its hello announced {len}",
@@ -150,7 +187,9 @@ pub fn check_eventfd(fd: BorrowedFd<'_>, what: &str) -> Result<()> {
     let target = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
         .map_err(|e| Error::io(format!("inspecting the peer's {what}"), e))?;
     if target.as_os_str() != "anon_inode:[eventfd]" {
-        return Err(Error::Handshake(format!("the peer's {what} is {target:?}, not an eventfd")));
+        return Err(Error::Handshake(format!(
+            "the peer's {what} is {target:?}, not an eventfd"
+        )));
     }
     Ok(())
 }

@@ -49,7 +49,9 @@ const ACK: u8 = b'K';
 /// that the producer simply waits for space).
 pub fn rx_ring_capacity(config: &Config) -> usize {
     let record = record_for(config.slot_size);
-    let want = (config.credits as usize).saturating_mul(record).saturating_add(64 << 10);
+    let want = (config.credits as usize)
+        .saturating_mul(record)
+        .saturating_add(64 << 10);
     let cap = want.clamp(4 * record + 4096, (256 << 20).max(4 * record + 4096));
     cap.div_ceil(4096) * 4096
 }
@@ -74,11 +76,16 @@ pub struct ShmListener {
 
 fn file_id(path: &Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 fn addr_err(path: &Path, why: impl Into<String>) -> Error {
-    Error::Address { addr: path.display().to_string(), why: why.into() }
+    Error::Address {
+        addr: path.display().to_string(),
+        why: why.into(),
+    }
 }
 
 /// Listens for shm connections on the Unix socket `path` (mode 0600). A socket file left
@@ -88,28 +95,50 @@ pub async fn listen(path: &Path, config: &Config) -> Result<ShmListener> {
     use std::os::unix::fs::FileTypeExt;
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
-            return Err(addr_err(path, "exists and is not a socket; remove it or choose another path"));
+            return Err(addr_err(
+                path,
+                "exists and is not a socket; remove it or choose another path",
+            ));
         }
         // Non-blocking connect: a live listener with a full backlog answers EAGAIN.
         match UnixStream::connect(path).await {
             Ok(_) => {
-                return Err(addr_err(path, "another process is listening there; stop it or choose another path"));
+                return Err(addr_err(
+                    path,
+                    "another process is listening there; stop it or choose another path",
+                ));
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                return Err(addr_err(path, "another process is listening there (backlog full); choose another path"));
+                return Err(addr_err(
+                    path,
+                    "another process is listening there (backlog full); choose another path",
+                ));
             }
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
                 tracing::info!(path = %path.display(), "replacing stale shm socket file");
-                std::fs::remove_file(path).map_err(|e| Error::io(format!("removing stale socket {}", path.display()), e))?;
+                std::fs::remove_file(path).map_err(|e| {
+                    Error::io(format!("removing stale socket {}", path.display()), e)
+                })?;
             }
-            Err(e) => return Err(Error::io(format!("checking whether {} is in use", path.display()), e)),
+            Err(e) => {
+                return Err(Error::io(
+                    format!("checking whether {} is in use", path.display()),
+                    e,
+                ));
+            }
         }
     }
-    let listener = UnixListener::bind(path).map_err(|e| Error::io(format!("binding shm socket {}", path.display()), e))?;
+    let listener = UnixListener::bind(path)
+        .map_err(|e| Error::io(format!("binding shm socket {}", path.display()), e))?;
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| Error::io(format!("restricting {} to mode 0600", path.display()), e))?;
-    Ok(ShmListener { listener, path: path.to_path_buf(), config: config.clone(), id: file_id(path) })
+    Ok(ShmListener {
+        listener,
+        path: path.to_path_buf(),
+        config: config.clone(),
+        id: file_id(path),
+    })
 }
 
 impl ShmListener {
@@ -126,7 +155,9 @@ impl ShmListener {
                 .map_err(|e| Error::io(format!("accepting on {}", self.path.display()), e))?;
             match establish(stream, &self.config, &self.path).await? {
                 Some(link) => return Ok(link),
-                None => tracing::debug!(path = %self.path.display(), "skipped a connection that closed before its hello"),
+                None => {
+                    tracing::debug!(path = %self.path.display(), "skipped a connection that closed before its hello")
+                }
             }
         }
     }
@@ -154,10 +185,16 @@ pub async fn connect(path: &Path, config: &Config) -> Result<ShmLink> {
             io::ErrorKind::ConnectionRefused => "; the listener is gone (stale socket file)",
             _ => "",
         };
-        Error::io(format!("connecting to shm socket {}{hint}", path.display()), e)
+        Error::io(
+            format!("connecting to shm socket {}{hint}", path.display()),
+            e,
+        )
     })?;
     establish(stream, config, path).await?.ok_or_else(|| {
-        Error::Handshake(format!("the listener on {} closed the connection before its hello", path.display()))
+        Error::Handshake(format!(
+            "the listener on {} closed the connection before its hello",
+            path.display()
+        ))
     })
 }
 
@@ -249,9 +286,16 @@ impl Hello {
     }
 
     fn validate(&self, token_len: usize) -> Result<()> {
-        let bad = |what: String| Err(Error::Handshake(format!("the peer's hello is invalid: {what}")));
+        let bad = |what: String| {
+            Err(Error::Handshake(format!(
+                "the peer's hello is invalid: {what}"
+            )))
+        };
         if !(1024..=16 << 20).contains(&self.slot_size) {
-            return bad(format!("slot size {} outside 1 KiB..=16 MiB", self.slot_size));
+            return bad(format!(
+                "slot size {} outside 1 KiB..=16 MiB",
+                self.slot_size
+            ));
         }
         if !(1..=65_536).contains(&self.credits) {
             return bad(format!("credits {} outside 1..=65536", self.credits));
@@ -260,12 +304,19 @@ impl Hello {
             return bad(e);
         }
         if ring::max_payload(self.rx_ring as usize) < self.slot_size as usize {
-            return bad(format!("ring of {} bytes cannot hold a {}-byte frame", self.rx_ring, self.slot_size));
+            return bad(format!(
+                "ring of {} bytes cannot hold a {}-byte frame",
+                self.rx_ring, self.slot_size
+            ));
         }
         if self.pool_size == 0 || !self.pool_size.is_multiple_of(4096) || self.pool_size > 1 << 40 {
-            return bad(format!("pool size {} is not a page multiple within 4 KiB..=1 TiB", self.pool_size));
+            return bad(format!(
+                "pool size {} is not a page multiple within 4 KiB..=1 TiB",
+                self.pool_size
+            ));
         }
-        if !(4096..=16 << 20).contains(&self.bounce_slot) || !self.bounce_slot.is_multiple_of(4096) {
+        if !(4096..=16 << 20).contains(&self.bounce_slot) || !self.bounce_slot.is_multiple_of(4096)
+        {
             return bad(format!("bounce slot of {} bytes", self.bounce_slot));
         }
         if !(1..=64).contains(&self.bounce_slots) {
@@ -336,7 +387,10 @@ fn socket_peer_pid(stream: &UnixStream) -> Result<i32> {
         )
     };
     if r != 0 {
-        return Err(Error::io("reading the peer's credentials (SO_PEERCRED)", io::Error::last_os_error()));
+        return Err(Error::io(
+            "reading the peer's credentials (SO_PEERCRED)",
+            io::Error::last_os_error(),
+        ));
     }
     Ok(cred.pid)
 }
@@ -348,7 +402,11 @@ async fn read_hello_fixed(stream: &mut UnixStream) -> Result<Option<[u8; HELLO_F
     while got < HELLO_FIXED {
         match stream.read(&mut fixed[got..]).await {
             Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(setup_io("reading the hello")(io::ErrorKind::UnexpectedEof.into())),
+            Ok(0) => {
+                return Err(setup_io("reading the hello")(
+                    io::ErrorKind::UnexpectedEof.into(),
+                ));
+            }
             Ok(n) => got += n,
             Err(e) if got == 0 && e.kind() == io::ErrorKind::ConnectionReset => return Ok(None),
             Err(e) => return Err(setup_io("reading the hello")(e)),
@@ -383,17 +441,29 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
     };
     // A peer that hung up at once makes this write fail; its reason shows in the read.
     let sent = stream.write_all(&me.encode()).await;
-    let Some(fixed) = read_hello_fixed(&mut stream).await? else { return Ok(None) };
+    let Some(fixed) = read_hello_fixed(&mut stream).await? else {
+        return Ok(None);
+    };
     sent.map_err(setup_io("sending the hello"))?;
     let (mut peer, token_len) = Hello::decode_fixed(&fixed)?;
     if peer.token.is_some() {
         let mut t = vec![0u8; token_len];
-        stream.read_exact(&mut t).await.map_err(setup_io("reading the auth token"))?;
-        peer.token = Some(String::from_utf8(t).map_err(|_| Error::Handshake("the peer's auth token is not UTF-8".into()))?);
+        stream
+            .read_exact(&mut t)
+            .await
+            .map_err(setup_io("reading the auth token"))?;
+        peer.token = Some(
+            String::from_utf8(t)
+                .map_err(|_| Error::Handshake("the peer's auth token is not UTF-8".into()))?,
+        );
     }
     check_auth(&me.token, &peer.token)?;
     if peer.pid as i32 != peer_pid {
-        tracing::debug!(hello_pid = peer.pid, socket_pid = peer_pid, "shm peer is in another pid namespace");
+        tracing::debug!(
+            hello_pid = peer.pid,
+            socket_pid = peer_pid,
+            "shm peer is in another pid namespace"
+        );
     }
 
     // Our segments: the TX ring the peer asked for, our pool and bounce area.
@@ -405,31 +475,66 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
     let space_efd = segment::eventfd()?;
     let pool_ro = segment::reopen_readonly(pool_fd.as_fd())?;
     let bounce_ro = segment::reopen_readonly(bounce_fd.as_fd())?;
-    let out = [tx_fd.as_fd(), pool_ro.as_fd(), bounce_ro.as_fd(), data_efd.as_fd(), space_efd.as_fd()];
+    let out = [
+        tx_fd.as_fd(),
+        pool_ro.as_fd(),
+        bounce_ro.as_fd(),
+        data_efd.as_fd(),
+        space_efd.as_fd(),
+    ];
     stream
         .async_io(Interest::WRITABLE, || send_fds(&stream, &out))
         .await
         .map_err(setup_io("sending shared-memory descriptors"))?;
     drop((pool_ro, bounce_ro));
-    let mut got = stream.async_io(Interest::READABLE, || recv_fds(&stream)).await.map_err(setup_io("receiving shared-memory descriptors"))?;
+    let mut got = stream
+        .async_io(Interest::READABLE, || recv_fds(&stream))
+        .await
+        .map_err(setup_io("receiving shared-memory descriptors"))?;
     if got.len() != FD_COUNT {
-        return Err(Error::Handshake(format!("the peer sent {} descriptors, expected {FD_COUNT}", got.len())));
+        return Err(Error::Handshake(format!(
+            "the peer sent {} descriptors, expected {FD_COUNT}",
+            got.len()
+        )));
     }
-    let peer_space_efd = got.pop().ok_or_else(|| Error::Handshake("missing eventfd".into()))?;
-    let peer_data_efd = got.pop().ok_or_else(|| Error::Handshake("missing eventfd".into()))?;
+    let peer_space_efd = got
+        .pop()
+        .ok_or_else(|| Error::Handshake("missing eventfd".into()))?;
+    let peer_data_efd = got
+        .pop()
+        .ok_or_else(|| Error::Handshake("missing eventfd".into()))?;
     let (rx_fd, peer_pool_fd, peer_bounce_fd) = (&got[0], &got[1], &got[2]);
-    segment::check_memfd(rx_fd.as_fd(), HEADER_BYTES + me.rx_ring as usize, "ring segment")?;
+    segment::check_memfd(
+        rx_fd.as_fd(),
+        HEADER_BYTES + me.rx_ring as usize,
+        "ring segment",
+    )?;
     segment::check_memfd(peer_pool_fd.as_fd(), peer.pool_size as usize, "pool")?;
     segment::check_memfd(peer_bounce_fd.as_fd(), peer.bounce_len(), "bounce area")?;
     segment::check_eventfd(peer_data_efd.as_fd(), "data eventfd")?;
     segment::check_eventfd(peer_space_efd.as_fd(), "space eventfd")?;
 
     let tx_map = Mapping::map(tx_fd.as_fd(), HEADER_BYTES + tx_cap, true, "TX ring")?;
-    let rx_map = Mapping::map(rx_fd.as_fd(), HEADER_BYTES + me.rx_ring as usize, true, "RX ring")?;
+    let rx_map = Mapping::map(
+        rx_fd.as_fd(),
+        HEADER_BYTES + me.rx_ring as usize,
+        true,
+        "RX ring",
+    )?;
     let pool_map = Mapping::map(pool_fd.as_fd(), me.pool_size as usize, true, "pool")?;
-    let peer_pool = Mapping::map(peer_pool_fd.as_fd(), peer.pool_size as usize, false, "peer pool")?;
+    let peer_pool = Mapping::map(
+        peer_pool_fd.as_fd(),
+        peer.pool_size as usize,
+        false,
+        "peer pool",
+    )?;
     let bounce = Mapping::map(bounce_fd.as_fd(), me.bounce_len(), true, "bounce area")?;
-    let peer_bounce = Mapping::map(peer_bounce_fd.as_fd(), peer.bounce_len(), false, "peer bounce area")?;
+    let peer_bounce = Mapping::map(
+        peer_bounce_fd.as_fd(),
+        peer.bounce_len(),
+        false,
+        "peer bounce area",
+    )?;
     // The mappings keep the memfds alive; their descriptors are no longer needed.
     drop((tx_fd, pool_fd, bounce_fd, got));
 
@@ -439,15 +544,29 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
         cma::probe(peer_pid, peer.probe_addr, peer.probe_value)
     };
     match &cma {
-        Ok(()) => tracing::info!(peer_pid, "shm link: rendezvous reads use CMA (process_vm_readv)"),
-        Err(reason) => tracing::info!(peer_pid, %reason, "shm link: rendezvous reads use the bounce area"),
+        Ok(()) => tracing::info!(
+            peer_pid,
+            "shm link: rendezvous reads use CMA (process_vm_readv)"
+        ),
+        Err(reason) => {
+            tracing::info!(peer_pid, %reason, "shm link: rendezvous reads use the bounce area")
+        }
     }
 
-    stream.write_all(&[ACK]).await.map_err(setup_io("acknowledging the setup"))?;
+    stream
+        .write_all(&[ACK])
+        .await
+        .map_err(setup_io("acknowledging the setup"))?;
     let mut ack = [0u8; 1];
-    stream.read_exact(&mut ack).await.map_err(setup_io("waiting for the peer's acknowledgement"))?;
+    stream
+        .read_exact(&mut ack)
+        .await
+        .map_err(setup_io("waiting for the peer's acknowledgement"))?;
     if ack[0] != ACK {
-        return Err(Error::Handshake(format!("unexpected setup acknowledgement byte {:#x}", ack[0])));
+        return Err(Error::Handshake(format!(
+            "unexpected setup acknowledgement byte {:#x}",
+            ack[0]
+        )));
     }
 
     let link = ShmLink::new(Parts {
@@ -483,7 +602,10 @@ const CMSG_FDS: usize = 16;
 fn send_fds(stream: &UnixStream, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let raw: Vec<libc::c_int> = fds.iter().map(|f| f.as_raw_fd()).collect();
     let payload = [b'F'];
-    let mut iov = libc::iovec { iov_base: payload.as_ptr() as *mut libc::c_void, iov_len: 1 };
+    let mut iov = libc::iovec {
+        iov_base: payload.as_ptr() as *mut libc::c_void,
+        iov_len: 1,
+    };
     let data_len = std::mem::size_of_val(raw.as_slice()) as u32;
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(data_len) } as usize;
@@ -501,7 +623,11 @@ fn send_fds(stream: &UnixStream, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
         (*cmsg).cmsg_len = libc::CMSG_LEN(data_len) as _;
-        std::ptr::copy_nonoverlapping(raw.as_ptr().cast::<u8>(), libc::CMSG_DATA(cmsg), data_len as usize);
+        std::ptr::copy_nonoverlapping(
+            raw.as_ptr().cast::<u8>(),
+            libc::CMSG_DATA(cmsg),
+            data_len as usize,
+        );
     }
     // SAFETY: `msg` is fully initialised and its buffers outlive the call.
     let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
@@ -509,14 +635,20 @@ fn send_fds(stream: &UnixStream, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     if n != 1 {
-        return Err(io::Error::new(io::ErrorKind::WriteZero, "descriptor message not sent"));
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            "descriptor message not sent",
+        ));
     }
     Ok(())
 }
 
 fn recv_fds(stream: &UnixStream) -> io::Result<Vec<OwnedFd>> {
     let mut payload = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: 1 };
+    let mut iov = libc::iovec {
+        iov_base: payload.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
     let data_len = (CMSG_FDS * std::mem::size_of::<libc::c_int>()) as u32;
     // SAFETY: pure size computation.
     let space = unsafe { libc::CMSG_SPACE(data_len) } as usize;
@@ -551,13 +683,21 @@ fn recv_fds(stream: &UnixStream) -> io::Result<Vec<OwnedFd>> {
         }
     }
     if n == 0 {
-        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "end of stream"));
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "end of stream",
+        ));
     }
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(io::Error::other("the peer sent more descriptors than expected (truncated)"));
+        return Err(io::Error::other(
+            "the peer sent more descriptors than expected (truncated)",
+        ));
     }
     if payload[0] != b'F' {
-        return Err(io::Error::other(format!("unexpected setup message {:#x} instead of descriptors", payload[0])));
+        return Err(io::Error::other(format!(
+            "unexpected setup message {:#x} instead of descriptors",
+            payload[0]
+        )));
     }
     Ok(fds)
 }
@@ -594,13 +734,28 @@ mod tests {
 
         let mut bad = fixed;
         bad[0] = b'X';
-        assert!(Hello::decode_fixed(&bad).unwrap_err().to_string().contains("magic"));
+        assert!(
+            Hello::decode_fixed(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("magic")
+        );
         let mut bad = fixed;
         bad[8] = 9;
-        assert!(Hello::decode_fixed(&bad).unwrap_err().to_string().contains("version 9"));
+        assert!(
+            Hello::decode_fixed(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("version 9")
+        );
         let mut bad = fixed;
         bad[32..40].copy_from_slice(&64u64.to_le_bytes());
-        assert!(Hello::decode_fixed(&bad).unwrap_err().to_string().contains("cannot hold"));
+        assert!(
+            Hello::decode_fixed(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("cannot hold")
+        );
     }
 
     #[test]
@@ -609,9 +764,17 @@ mod tests {
         let cap = rx_ring_capacity(&c);
         assert!(cap >= c.credits as usize * c.slot_size);
         assert!(ring::max_payload(cap) >= c.slot_size);
-        let c = Config { credits: 1, slot_size: 16 << 20, ..Config::default() };
+        let c = Config {
+            credits: 1,
+            slot_size: 16 << 20,
+            ..Config::default()
+        };
         assert!(ring::max_payload(rx_ring_capacity(&c)) >= c.slot_size);
-        let c = Config { credits: 65_536, slot_size: 16 << 20, ..Config::default() };
+        let c = Config {
+            credits: 65_536,
+            slot_size: 16 << 20,
+            ..Config::default()
+        };
         assert!(rx_ring_capacity(&c) <= 1 << 30);
     }
 

@@ -26,7 +26,7 @@ use tokio::net::TcpStream;
 use super::wire::{self, ReadRequest, ResponseHead};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::link::{Exposure, Link, LinkEvent, LinkInfo};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, Registration};
 use crate::pool::Pool;
 
 /// How much to read ahead into the record buffer at once. Small enough that a large read
@@ -123,10 +123,16 @@ impl std::fmt::Debug for TcpLink {
 }
 
 impl TcpLink {
-    pub(crate) fn new(stream: TcpStream, peer: String, config: &Config, peer_slot: usize) -> TcpLink {
+    pub(crate) fn new(
+        stream: TcpStream,
+        peer: String,
+        config: &Config,
+        peer_slot: usize,
+    ) -> TcpLink {
         // Peers send us frames sized for our slots; the peer's own slot size and a 64 KiB
         // floor are accepted too so a mismatch in what "slot size" covers is never fatal.
-        let max_in_frame = config.slot_size.max(peer_slot).max(wire::MIN_FRAME_LIMIT) + wire::FRAME_SLACK;
+        let max_in_frame =
+            config.slot_size.max(peer_slot).max(wire::MIN_FRAME_LIMIT) + wire::FRAME_SLACK;
         TcpLink {
             stream,
             peer,
@@ -158,7 +164,11 @@ impl TcpLink {
 
     /// Reads posted and not yet completed.
     pub fn reads_outstanding(&self) -> usize {
-        self.reads.len() + usize::from(matches!(self.recv, Recv::ResponseData { .. } | Recv::ResponseError { .. }))
+        self.reads.len()
+            + usize::from(matches!(
+                self.recv,
+                Recv::ResponseData { .. } | Recv::ResponseError { .. }
+            ))
     }
 
     /// Bytes taken for sending and not yet written to the socket.
@@ -226,7 +236,11 @@ impl TcpLink {
                 }
             }
         }
-        while self.serves.front().is_some_and(|&end| end <= self.written_total) {
+        while self
+            .serves
+            .front()
+            .is_some_and(|&end| end <= self.written_total)
+        {
             self.serves.pop_front();
         }
     }
@@ -295,7 +309,11 @@ impl TcpLink {
             match self.stream.try_read_buf(&mut (&mut self.rbuf).limit(want)) {
                 Ok(0) => return Poll::Ready(Err(self.eof())),
                 Ok(_) => {}
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
                 Err(e) => return Poll::Ready(Err(self.gone(e))),
             }
         }
@@ -306,7 +324,10 @@ impl TcpLink {
         if matches!(self.recv, Recv::Header) && self.rbuf.is_empty() {
             Error::PeerGone(format!("{} closed the connection", self.peer))
         } else {
-            Error::PeerGone(format!("{} closed the connection in the middle of a record", self.peer))
+            Error::PeerGone(format!(
+                "{} closed the connection in the middle of a record",
+                self.peer
+            ))
         }
     }
 
@@ -334,9 +355,12 @@ impl TcpLink {
                         ))));
                     }
                     wire::T_READ_RESPONSE
-                        if len >= wire::READ_RESPONSE_HEAD && len - wire::READ_RESPONSE_HEAD <= wire::MAX_READ =>
+                        if len >= wire::READ_RESPONSE_HEAD
+                            && len - wire::READ_RESPONSE_HEAD <= wire::MAX_READ =>
                     {
-                        Recv::ResponseHead { payload: len - wire::READ_RESPONSE_HEAD }
+                        Recv::ResponseHead {
+                            payload: len - wire::READ_RESPONSE_HEAD,
+                        }
                     }
                     wire::T_READ_RESPONSE => {
                         return Poll::Ready(Err(Error::Protocol(format!(
@@ -381,7 +405,10 @@ impl TcpLink {
                 let text = String::from_utf8_lossy(&self.rbuf[..len]).into_owned();
                 self.rbuf.advance(len);
                 self.recv = Recv::Header;
-                let result = Err(Error::Protocol(format!("{} refused a read: {text}", self.peer)));
+                let result = Err(Error::Protocol(format!(
+                    "{} refused a read: {text}",
+                    self.peer
+                )));
                 Poll::Ready(Ok(Some(LinkEvent::ReadDone { id, result })))
             }
         }
@@ -396,7 +423,10 @@ impl TcpLink {
             )));
         }
         let Some(front) = self.reads.front() else {
-            return Err(Error::Protocol(format!("tcp read response for read {} but no read is outstanding", head.read_id)));
+            return Err(Error::Protocol(format!(
+                "tcp read response for read {} but no read is outstanding",
+                head.read_id
+            )));
         };
         if front.id != head.read_id {
             return Err(Error::Protocol(format!(
@@ -417,12 +447,17 @@ impl TcpLink {
             )));
         }
         let Some(dst) = self.reads.pop_front() else {
-            return Err(Error::Protocol("tcp read queue emptied unexpectedly".into()));
+            return Err(Error::Protocol(
+                "tcp read queue emptied unexpectedly".into(),
+            ));
         };
         self.recv = if head.status == wire::STATUS_OK {
             Recv::ResponseData { dst, done: 0 }
         } else {
-            Recv::ResponseError { id: dst.id, len: payload }
+            Recv::ResponseError {
+                id: dst.id,
+                len: payload,
+            }
         };
         Ok(())
     }
@@ -446,7 +481,10 @@ impl TcpLink {
             // SAFETY: as above; the slice covers exactly the part not yet filled, and
             // `MaybeUninit` makes no claim that it holds initialised bytes.
             let rest = unsafe {
-                std::slice::from_raw_parts_mut(dst.ptr.add(*done).cast::<MaybeUninit<u8>>(), dst.len - *done)
+                std::slice::from_raw_parts_mut(
+                    dst.ptr.add(*done).cast::<MaybeUninit<u8>>(),
+                    dst.len - *done,
+                )
             };
             let mut rb = ReadBuf::uninit(rest);
             match Pin::new(&mut self.stream).poll_read(cx, &mut rb) {
@@ -458,7 +496,10 @@ impl TcpLink {
                 }
                 Poll::Ready(Ok(())) => *done += rb.filled().len(),
                 Poll::Ready(Err(e)) => {
-                    return Poll::Ready(Err(Error::PeerGone(format!("connection to {} failed: {e}", self.peer))));
+                    return Poll::Ready(Err(Error::PeerGone(format!(
+                        "connection to {} failed: {e}",
+                        self.peer
+                    ))));
                 }
                 Poll::Pending => return Poll::Pending,
             }
@@ -484,14 +525,19 @@ impl TcpLink {
             )));
         }
         let answer = match self.regions.get(&req.region_id) {
-            None => Err(format!("unknown region {} (never exposed, or already withdrawn)", req.region_id)),
+            None => Err(format!(
+                "unknown region {} (never exposed, or already withdrawn)",
+                req.region_id
+            )),
             Some(region) => match req.offset.checked_add(u64::from(req.len)) {
                 Some(end) if end <= region.len() as u64 && (req.len as usize) <= wire::MAX_READ => {
                     Ok(region.slice(req.offset as usize..end as usize))
                 }
-                _ if req.len as usize > wire::MAX_READ => {
-                    Err(format!("read of {} bytes exceeds the tcp limit of {} bytes per request", req.len, wire::MAX_READ))
-                }
+                _ if req.len as usize > wire::MAX_READ => Err(format!(
+                    "read of {} bytes exceeds the tcp limit of {} bytes per request",
+                    req.len,
+                    wire::MAX_READ
+                )),
                 _ => Err(format!(
                     "range of {} bytes at offset {} is outside region {} of {} bytes",
                     req.len,
@@ -504,7 +550,11 @@ impl TcpLink {
         let before = self.staging.len();
         match answer {
             Ok(data) => {
-                let head = ResponseHead { read_id: req.read_id, status: wire::STATUS_OK, len: req.len };
+                let head = ResponseHead {
+                    read_id: req.read_id,
+                    status: wire::STATUS_OK,
+                    len: req.len,
+                };
                 wire::put_response_head(&mut self.staging, &head);
                 self.staged(self.staging.len() - before);
                 self.queue_bytes(data);
@@ -513,7 +563,11 @@ impl TcpLink {
                 tracing::debug!(peer = %self.peer, read = req.read_id, %text, "refusing tcp read");
                 let mut text = text.into_bytes();
                 text.truncate(wire::MAX_ERROR_TEXT);
-                let head = ResponseHead { read_id: req.read_id, status: wire::STATUS_REFUSED, len: text.len() as u32 };
+                let head = ResponseHead {
+                    read_id: req.read_id,
+                    status: wire::STATUS_REFUSED,
+                    len: text.len() as u32,
+                };
                 wire::put_response_head(&mut self.staging, &head);
                 self.staging.put_slice(&text);
                 self.staged(self.staging.len() - before);
@@ -531,7 +585,10 @@ impl TcpLink {
             _ => None,
         };
         match in_flight.or_else(|| self.reads.pop_front().map(|d| d.id)) {
-            Some(id) => Poll::Ready(Ok(LinkEvent::ReadDone { id, result: Err(err) })),
+            Some(id) => Poll::Ready(Ok(LinkEvent::ReadDone {
+                id,
+                result: Err(err),
+            })),
             None => Poll::Ready(Err(err)),
         }
     }
@@ -625,7 +682,12 @@ impl Link for TcpLink {
         self.next_region += 1;
         let descriptor = wire::descriptor(id, buf.len() as u64);
         self.regions.insert(id, buf);
-        Ok(Exposure { id, descriptor, zero_copy: false })
+        Ok(Exposure {
+            id,
+            descriptor,
+            zero_copy: false,
+            registration: Registration::NotNeeded,
+        })
     }
 
     fn withdraw(&mut self, id: u64) -> Option<Bytes> {
@@ -642,7 +704,14 @@ impl Link for TcpLink {
         Ok(None)
     }
 
-    unsafe fn post_read(&mut self, id: u64, descriptor: &[u8], offset: u64, dst: *mut u8, len: usize) -> Result<()> {
+    unsafe fn post_read(
+        &mut self,
+        id: u64,
+        descriptor: &[u8],
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<()> {
         if let Some(e) = &self.dead {
             return Err(e.clone());
         }
@@ -657,14 +726,22 @@ impl Link for TcpLink {
                 which: "largest single tcp read; lower Config::fragment_size",
             });
         }
-        if offset.checked_add(len as u64).is_none_or(|end| end > region_len) {
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > region_len)
+        {
             return Err(Error::Protocol(format!(
                 "read of {len} bytes at offset {offset} is outside region {region_id} of {region_len} bytes"
             )));
         }
         self.reads.push_back(Dst { id, ptr: dst, len });
         let before = self.staging.len();
-        let req = ReadRequest { read_id: id, region_id, offset, len: len as u32 };
+        let req = ReadRequest {
+            read_id: id,
+            region_id,
+            offset,
+            len: len as u32,
+        };
         wire::put_read_request(&mut self.staging, &req);
         self.staged(self.staging.len() - before);
         self.flush_now();

@@ -47,21 +47,28 @@ pub struct TcpListener {
 pub async fn listen(addr: &str, config: &Config) -> Result<TcpListener> {
     config.validate()?;
     let addrs = resolve(addr).await?;
-    let inner = tokio::net::TcpListener::bind(&addrs[..]).await.map_err(|e| {
-        let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
-            ": the address is in use (is another server running there?)"
-        } else {
-            ""
-        };
-        Error::io(format!("cannot listen at {addr}{hint}"), e)
-    })?;
-    Ok(TcpListener { inner, config: config.clone() })
+    let inner = tokio::net::TcpListener::bind(&addrs[..])
+        .await
+        .map_err(|e| {
+            let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+                ": the address is in use (is another server running there?)"
+            } else {
+                ""
+            };
+            Error::io(format!("cannot listen at {addr}{hint}"), e)
+        })?;
+    Ok(TcpListener {
+        inner,
+        config: config.clone(),
+    })
 }
 
 impl TcpListener {
     /// The address actually bound (useful after binding port 0).
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        self.inner.local_addr().map_err(|e| Error::io("reading the tcp listener's address", e))
+        self.inner
+            .local_addr()
+            .map_err(|e| Error::io("reading the tcp listener's address", e))
     }
 
     /// Waits for the next peer and sets the connection up. A peer that fails setup (wrong
@@ -69,8 +76,11 @@ impl TcpListener {
     /// listener stays usable. Setup runs inline: spawn per accepted stream if one slow
     /// client must not delay the next.
     pub async fn accept(&self) -> Result<TcpLink> {
-        let (stream, addr) =
-            self.inner.accept().await.map_err(|e| Error::io("accepting a tcp connection", e))?;
+        let (stream, addr) = self
+            .inner
+            .accept()
+            .await
+            .map_err(|e| Error::io("accepting a tcp connection", e))?;
         let peer = addr.to_string();
         match tokio::time::timeout(SETUP_TIMEOUT, setup(stream, &self.config, peer.clone())).await {
             Ok(r) => r,
@@ -94,11 +104,21 @@ pub async fn connect(addr: &str, config: &Config) -> Result<TcpLink> {
             }
         }
         let Some((a, e)) = last else {
-            return Err(Error::Address { addr: addr.into(), why: "resolves to no address".into() });
+            return Err(Error::Address {
+                addr: addr.into(),
+                why: "resolves to no address".into(),
+            });
         };
-        let shown = if a.to_string() == addr { addr.to_string() } else { format!("{addr} ({a})") };
+        let shown = if a.to_string() == addr {
+            addr.to_string()
+        } else {
+            format!("{addr} ({a})")
+        };
         Err(if e.kind() == std::io::ErrorKind::ConnectionRefused {
-            Error::io(format!("nothing listens at {shown}: is the server running?"), e)
+            Error::io(
+                format!("nothing listens at {shown}: is the server running?"),
+                e,
+            )
         } else {
             Error::io(format!("cannot connect to {shown}"), e)
         })
@@ -115,17 +135,28 @@ pub async fn connect(addr: &str, config: &Config) -> Result<TcpLink> {
 async fn resolve(addr: &str) -> Result<Vec<SocketAddr>> {
     let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
         .await
-        .map_err(|e| Error::Address { addr: addr.into(), why: format!("{e} (expected host:port, e.g. 10.0.0.2:7000)") })?
+        .map_err(|e| Error::Address {
+            addr: addr.into(),
+            why: format!("{e} (expected host:port, e.g. 10.0.0.2:7000)"),
+        })?
         .collect();
     if addrs.is_empty() {
-        return Err(Error::Address { addr: addr.into(), why: "resolves to no address".into() });
+        return Err(Error::Address {
+            addr: addr.into(),
+            why: "resolves to no address".into(),
+        });
     }
     Ok(addrs)
 }
 
 async fn setup(mut stream: TcpStream, config: &Config, peer: String) -> Result<TcpLink> {
     // Frames are latency-bound and already batched by the link's write queue.
-    stream.set_nodelay(true).map_err(|e| Error::io(format!("setting TCP_NODELAY on the connection to {peer}"), e))?;
+    stream.set_nodelay(true).map_err(|e| {
+        Error::io(
+            format!("setting TCP_NODELAY on the connection to {peer}"),
+            e,
+        )
+    })?;
     let theirs = preface::exchange(&mut stream, config, &peer).await?;
     tracing::debug!(%peer, peer_slot = theirs.slot_size, "tcp link set up");
     Ok(TcpLink::new(stream, peer, config, theirs.slot_size))

@@ -31,7 +31,11 @@ pub(crate) struct PeerPreface {
 }
 
 /// Runs the exchange on a fresh stream; `peer` names the other end in errors.
-pub(crate) async fn exchange(stream: &mut TcpStream, config: &Config, peer: &str) -> Result<PeerPreface> {
+pub(crate) async fn exchange(
+    stream: &mut TcpStream,
+    config: &Config,
+    peer: &str,
+) -> Result<PeerPreface> {
     let token = config.auth_token.as_deref().unwrap_or("").as_bytes();
     if token.len() > MAX_TOKEN {
         return Err(Error::Config(format!(
@@ -39,8 +43,12 @@ pub(crate) async fn exchange(stream: &mut TcpStream, config: &Config, peer: &str
             token.len()
         )));
     }
-    let slot = u32::try_from(config.slot_size)
-        .map_err(|_| Error::Config(format!("slot_size {} does not fit the tcp preface", config.slot_size)))?;
+    let slot = u32::try_from(config.slot_size).map_err(|_| {
+        Error::Config(format!(
+            "slot_size {} does not fit the tcp preface",
+            config.slot_size
+        ))
+    })?;
     let mut out = Vec::with_capacity(MAGIC.len() + FIXED_AFTER_MAGIC + token.len());
     out.put_slice(MAGIC);
     out.put_u16_le(VERSION);
@@ -50,7 +58,10 @@ pub(crate) async fn exchange(stream: &mut TcpStream, config: &Config, peer: &str
     stream.write_all(&out).await.map_err(|e| io_err(peer, e))?;
 
     let mut magic = [0u8; 8];
-    stream.read_exact(&mut magic).await.map_err(|e| io_err(peer, e))?;
+    stream
+        .read_exact(&mut magic)
+        .await
+        .map_err(|e| io_err(peer, e))?;
     if &magic != MAGIC {
         return Err(Error::Handshake(format!(
             "peer at {peer} is not an Ibex tcp endpoint (it sent {:?} instead of {:?}); check the address and port",
@@ -59,7 +70,10 @@ pub(crate) async fn exchange(stream: &mut TcpStream, config: &Config, peer: &str
         )));
     }
     let mut fixed = [0u8; FIXED_AFTER_MAGIC];
-    stream.read_exact(&mut fixed).await.map_err(|e| io_err(peer, e))?;
+    stream
+        .read_exact(&mut fixed)
+        .await
+        .map_err(|e| io_err(peer, e))?;
     let version = u16::from_le_bytes([fixed[0], fixed[1]]);
     if version != VERSION {
         return Err(Error::Handshake(format!(
@@ -79,7 +93,10 @@ pub(crate) async fn exchange(stream: &mut TcpStream, config: &Config, peer: &str
         )));
     }
     let mut theirs = vec![0u8; token_len];
-    stream.read_exact(&mut theirs).await.map_err(|e| io_err(peer, e))?;
+    stream
+        .read_exact(&mut theirs)
+        .await
+        .map_err(|e| io_err(peer, e))?;
 
     // An empty token counts as none, the same as IBEX_AUTH_TOKEN="" does.
     let ours_set = !token.is_empty();
@@ -94,7 +111,9 @@ pub(crate) async fn exchange(stream: &mut TcpStream, config: &Config, peer: &str
             "authentication with peer at {peer} failed ({why}); set the same IBEX_AUTH_TOKEN on both sides"
         )));
     }
-    Ok(PeerPreface { slot_size: peer_slot as usize })
+    Ok(PeerPreface {
+        slot_size: peer_slot as usize,
+    })
 }
 
 fn io_err(peer: &str, e: std::io::Error) -> Error {

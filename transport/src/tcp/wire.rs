@@ -100,12 +100,21 @@ pub(crate) fn record_header(b: &[u8]) -> (u8, u32) {
 
 /// Parses a read-request body of exactly [`READ_REQUEST_BODY`] bytes.
 pub(crate) fn read_request(b: &[u8]) -> ReadRequest {
-    ReadRequest { read_id: u64_at(b, 0), region_id: u64_at(b, 8), offset: u64_at(b, 16), len: u32_at(b, 24) }
+    ReadRequest {
+        read_id: u64_at(b, 0),
+        region_id: u64_at(b, 8),
+        offset: u64_at(b, 16),
+        len: u32_at(b, 24),
+    }
 }
 
 /// Parses a read-response head of at least [`READ_RESPONSE_HEAD`] bytes.
 pub(crate) fn response_head(b: &[u8]) -> ResponseHead {
-    ResponseHead { read_id: u64_at(b, 0), status: b[8], len: u32_at(b, 9) }
+    ResponseHead {
+        read_id: u64_at(b, 0),
+        status: b[8],
+        len: u32_at(b, 9),
+    }
 }
 
 /// Encodes the descriptor of an exposed region.
@@ -134,20 +143,41 @@ mod tests {
 
     #[test]
     fn request_round_trips() {
-        let r = ReadRequest { read_id: 7, region_id: 9, offset: 1 << 40, len: 12345 };
+        let r = ReadRequest {
+            read_id: 7,
+            region_id: 9,
+            offset: 1 << 40,
+            len: 12345,
+        };
         let mut b = Vec::new();
         put_read_request(&mut b, &r);
         assert_eq!(b.len(), RECORD_HEADER + READ_REQUEST_BODY);
-        assert_eq!(record_header(&b), (T_READ_REQUEST, READ_REQUEST_BODY as u32));
+        assert_eq!(
+            record_header(&b),
+            (T_READ_REQUEST, READ_REQUEST_BODY as u32)
+        );
         let p = read_request(&b[RECORD_HEADER..]);
-        assert_eq!((p.read_id, p.region_id, p.offset, p.len), (7, 9, 1 << 40, 12345));
+        assert_eq!(
+            (p.read_id, p.region_id, p.offset, p.len),
+            (7, 9, 1 << 40, 12345)
+        );
     }
 
     #[test]
     fn response_length_covers_payload() {
         let mut b = Vec::new();
-        put_response_head(&mut b, &ResponseHead { read_id: 3, status: STATUS_OK, len: 100 });
-        assert_eq!(record_header(&b), (T_READ_RESPONSE, (READ_RESPONSE_HEAD + 100) as u32));
+        put_response_head(
+            &mut b,
+            &ResponseHead {
+                read_id: 3,
+                status: STATUS_OK,
+                len: 100,
+            },
+        );
+        assert_eq!(
+            record_header(&b),
+            (T_READ_RESPONSE, (READ_RESPONSE_HEAD + 100) as u32)
+        );
         let h = response_head(&b[RECORD_HEADER..]);
         assert_eq!((h.read_id, h.status, h.len), (3, STATUS_OK, 100));
     }

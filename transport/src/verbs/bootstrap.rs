@@ -59,7 +59,11 @@ impl QpInfo {
 
     fn decode(b: &[u8]) -> Result<QpInfo> {
         if b.len() != Self::LEN {
-            return Err(Error::Handshake(format!("verbs queue pair info has {} bytes, expected {}", b.len(), Self::LEN)));
+            return Err(Error::Handshake(format!(
+                "verbs queue pair info has {} bytes, expected {}",
+                b.len(),
+                Self::LEN
+            )));
         }
         let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
         let mut gid = [0u8; 16];
@@ -75,10 +79,15 @@ impl QpInfo {
             max_rd_atom: u32_at(38),
         };
         if !(1..=5).contains(&info.mtu) {
-            return Err(Error::Handshake(format!("peer announced an invalid path MTU code {}", info.mtu)));
+            return Err(Error::Handshake(format!(
+                "peer announced an invalid path MTU code {}",
+                info.mtu
+            )));
         }
         if info.slot_size < 64 || info.recv_slots == 0 || info.qpn == 0 || info.qpn > 0xFF_FFFF {
-            return Err(Error::Handshake(format!("peer announced unusable queue pair parameters {info:?}")));
+            return Err(Error::Handshake(format!(
+                "peer announced unusable queue pair parameters {info:?}"
+            )));
         }
         Ok(info)
     }
@@ -88,7 +97,9 @@ async fn write_msg(s: &mut TcpStream, body: &[u8]) -> Result<()> {
     let mut m = Vec::with_capacity(4 + body.len());
     m.extend_from_slice(&(body.len() as u32).to_le_bytes());
     m.extend_from_slice(body);
-    s.write_all(&m).await.map_err(|e| Error::io("verbs bootstrap: sending to the peer", e))
+    s.write_all(&m)
+        .await
+        .map_err(|e| Error::io("verbs bootstrap: sending to the peer", e))
 }
 
 async fn read_msg(s: &mut TcpStream) -> Result<Vec<u8>> {
@@ -122,12 +133,16 @@ pub(crate) async fn hello(s: &mut TcpStream, token: Option<&str>) -> Result<()> 
     b.extend_from_slice(&(token.len() as u16).to_le_bytes());
     b.extend_from_slice(token.as_bytes());
     if token.len() > (MAX_BODY as usize - 8) {
-        return Err(Error::Config("IBEX_AUTH_TOKEN is too long (at most 4000 bytes)".into()));
+        return Err(Error::Config(
+            "IBEX_AUTH_TOKEN is too long (at most 4000 bytes)".into(),
+        ));
     }
     write_msg(s, &b).await?;
     let p = read_msg(s).await?;
     if p.len() < 8 || &p[..4] != MAGIC {
-        return Err(Error::Handshake("the peer is not an Ibex verbs endpoint (bad magic in its hello)".into()));
+        return Err(Error::Handshake(
+            "the peer is not an Ibex verbs endpoint (bad magic in its hello)".into(),
+        ));
     }
     let ver = u16::from_le_bytes([p[4], p[5]]);
     if ver != VERSION {
@@ -137,7 +152,9 @@ pub(crate) async fn hello(s: &mut TcpStream, token: Option<&str>) -> Result<()> 
     }
     let tlen = u16::from_le_bytes([p[6], p[7]]) as usize;
     if p.len() != 8 + tlen {
-        return Err(Error::Handshake("malformed hello from the peer (token length)".into()));
+        return Err(Error::Handshake(
+            "malformed hello from the peer (token length)".into(),
+        ));
     }
     if &p[8..] != token.as_bytes() {
         return Err(Error::Handshake(
@@ -155,11 +172,16 @@ pub(crate) async fn exchange_info(s: &mut TcpStream, ours: &QpInfo) -> Result<Qp
 
 /// Tells the peer our queue pair is ready, waits for it to say the same.
 pub(crate) async fn ready(s: &mut TcpStream) -> Result<()> {
-    s.write_all(&[READY]).await.map_err(|e| Error::io("verbs bootstrap: sending ready", e))?;
+    s.write_all(&[READY])
+        .await
+        .map_err(|e| Error::io("verbs bootstrap: sending ready", e))?;
     let mut b = [0u8; 1];
     s.read_exact(&mut b).await.map_err(gone)?;
     if b[0] != READY {
-        return Err(Error::Handshake(format!("expected the peer's ready byte, got {:#x}", b[0])));
+        return Err(Error::Handshake(format!(
+            "expected the peer's ready byte, got {:#x}",
+            b[0]
+        )));
     }
     Ok(())
 }
@@ -170,10 +192,22 @@ mod tests {
 
     #[test]
     fn qp_info_round_trips_and_rejects_garbage() {
-        let i = QpInfo { qpn: 17, psn: 0x12345, gid: [7; 16], lid: 3, mtu: 3, recv_slots: 24, slot_size: 4096, max_rd_atom: 16 };
+        let i = QpInfo {
+            qpn: 17,
+            psn: 0x12345,
+            gid: [7; 16],
+            lid: 3,
+            mtu: 3,
+            recv_slots: 24,
+            slot_size: 4096,
+            max_rd_atom: 16,
+        };
         assert_eq!(QpInfo::decode(&i.encode()).unwrap(), i);
         assert!(QpInfo::decode(&i.encode()[1..]).is_err());
-        let bad = QpInfo { mtu: 9, ..i.clone() };
+        let bad = QpInfo {
+            mtu: 9,
+            ..i.clone()
+        };
         assert!(QpInfo::decode(&bad.encode()).is_err());
         let bad = QpInfo { recv_slots: 0, ..i };
         assert!(QpInfo::decode(&bad.encode()).is_err());

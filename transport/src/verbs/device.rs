@@ -17,8 +17,7 @@ use crate::error::{Error, Result};
 /// GID type value `ibv_query_gid_type` reports for RoCE v2 (`IBV_GID_TYPE_SYSFS_ROCE_V2`).
 const GID_TYPE_ROCE_V2: u32 = 1;
 
-const NO_DEVICE: &str =
-    "no RDMA device found: install rdma-core and load a driver (e.g. rdma_rxe for Soft-RoCE), or use tcp://";
+const NO_DEVICE: &str = "no RDMA device found: install rdma-core and load a driver (e.g. rdma_rxe for Soft-RoCE), or use tcp://";
 
 /// An opened device with the port and GID this side will use.
 pub(crate) struct Device {
@@ -42,7 +41,11 @@ pub(crate) struct Device {
 
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} port {} gid[{}] {}", self.name, self.port, self.gid_index, self.gid)
+        write!(
+            f,
+            "{} port {} gid[{}] {}",
+            self.name, self.port, self.gid_index, self.gid
+        )
     }
 }
 
@@ -66,24 +69,33 @@ pub(crate) fn open(opts: &VerbsOptions) -> Result<Device> {
         no_device(src)
     })?;
     if list.is_empty() {
-        return Err(no_device(io::Error::new(io::ErrorKind::NotFound, "ibv_get_device_list returned no devices")));
+        return Err(no_device(io::Error::new(
+            io::ErrorKind::NotFound,
+            "ibv_get_device_list returned no devices",
+        )));
     }
     let mut tried = Vec::new();
     for dev in list.iter() {
         let name = dev.name();
         if let Some(want) = &opts.device
-            && &name != want {
-                tried.push(name);
-                continue;
-            }
-        let ctx = dev.open().map_err(|e| Error::io(format!("opening RDMA device {name}"), io::Error::other(e)))?;
+            && &name != want
+        {
+            tried.push(name);
+            continue;
+        }
+        let ctx = dev
+            .open()
+            .map_err(|e| Error::io(format!("opening RDMA device {name}"), io::Error::other(e)))?;
         match choose_port_and_gid(&ctx, opts) {
             Ok((port, gid_index, gid, lid, active_mtu)) => {
-                let attr = ctx
-                    .query_device()
-                    .map_err(|e| Error::io(format!("querying RDMA device {name}"), io::Error::other(e)))?;
+                let attr = ctx.query_device().map_err(|e| {
+                    Error::io(format!("querying RDMA device {name}"), io::Error::other(e))
+                })?;
                 let pd = ctx.alloc_pd().map_err(|e| {
-                    Error::io(format!("allocating a protection domain on {name}"), io::Error::other(e))
+                    Error::io(
+                        format!("allocating a protection domain on {name}"),
+                        io::Error::other(e),
+                    )
                 })?;
                 return Ok(Device {
                     ctx,
@@ -102,7 +114,9 @@ pub(crate) fn open(opts: &VerbsOptions) -> Result<Device> {
                 });
             }
             Err(why) if opts.device.is_some() => {
-                return Err(Error::Config(format!("RDMA device {name} is not usable: {why} (IBEX_RDMA_DEVICE)")));
+                return Err(Error::Config(format!(
+                    "RDMA device {name} is not usable: {why} (IBEX_RDMA_DEVICE)"
+                )));
             }
             Err(why) => tried.push(format!("{name} ({why})")),
         }
@@ -114,7 +128,10 @@ pub(crate) fn open(opts: &VerbsOptions) -> Result<Device> {
         ))),
         None => Err(no_device(io::Error::new(
             io::ErrorKind::NotFound,
-            format!("no device has an ACTIVE port with a usable GID: {}", tried.join(", ")),
+            format!(
+                "no device has an ACTIVE port with a usable GID: {}",
+                tried.join(", ")
+            ),
         ))),
     }
 }
@@ -122,8 +139,13 @@ pub(crate) fn open(opts: &VerbsOptions) -> Result<Device> {
 /// Picks the port (first ACTIVE one unless given) and GID index. Without `IBEX_GID_INDEX` the
 /// choice on Ethernet is a RoCE v2 GID, IPv4-mapped first: its route resolves at once, while
 /// the link-local IPv6 GID needs neighbour discovery on the first connection.
-fn choose_port_and_gid(ctx: &DeviceContext, opts: &VerbsOptions) -> std::result::Result<(u8, u8, Gid, u16, Mtu), String> {
-    let attr = ctx.query_device().map_err(|e| format!("query_device: {e}"))?;
+fn choose_port_and_gid(
+    ctx: &DeviceContext,
+    opts: &VerbsOptions,
+) -> std::result::Result<(u8, u8, Gid, u16, Mtu), String> {
+    let attr = ctx
+        .query_device()
+        .map_err(|e| format!("query_device: {e}"))?;
     let ports: Vec<u8> = match opts.port {
         Some(p) => vec![p],
         None => (1..=attr.phys_port_cnt()).collect(),
@@ -144,11 +166,17 @@ fn choose_port_and_gid(ctx: &DeviceContext, opts: &VerbsOptions) -> std::result:
         let tbl = pattr.gid_tbl_len().max(0) as u32;
         let pick = if let Some(i) = opts.gid_index {
             if i >= tbl {
-                return Err(format!("IBEX_GID_INDEX {i} is outside the GID table of port {port} ({tbl} entries)"));
+                return Err(format!(
+                    "IBEX_GID_INDEX {i} is outside the GID table of port {port} ({tbl} entries)"
+                ));
             }
-            let gid = ctx.query_gid(port, i).map_err(|e| format!("query_gid({i}): {e}"))?;
+            let gid = ctx
+                .query_gid(port, i)
+                .map_err(|e| format!("query_gid({i}): {e}"))?;
             if gid.is_zero() {
-                return Err(format!("IBEX_GID_INDEX {i} is an empty GID entry on port {port}"));
+                return Err(format!(
+                    "IBEX_GID_INDEX {i} is an empty GID entry on port {port}"
+                ));
             }
             Some((i, gid))
         } else if pattr.link_layer() == LinkLayer::InfiniBand {
@@ -156,18 +184,24 @@ fn choose_port_and_gid(ctx: &DeviceContext, opts: &VerbsOptions) -> std::result:
         } else {
             let mut v2 = Vec::new();
             for i in 0..tbl.min(256) {
-                let Ok(gid) = ctx.query_gid(port, i) else { continue };
+                let Ok(gid) = ctx.query_gid(port, i) else {
+                    continue;
+                };
                 if gid.is_zero() || ctx.query_gid_type(port, i).ok() != Some(GID_TYPE_ROCE_V2) {
                     continue;
                 }
                 v2.push((i, gid));
             }
-            let ipv4 = v2.iter().copied().find(|(_, g)| std::net::Ipv6Addr::from(*g).to_ipv4_mapped().is_some());
+            let ipv4 = v2
+                .iter()
+                .copied()
+                .find(|(_, g)| std::net::Ipv6Addr::from(*g).to_ipv4_mapped().is_some());
             ipv4.or_else(|| v2.first().copied())
         };
         match pick {
             Some((i, gid)) => {
-                let idx = u8::try_from(i).map_err(|_| format!("GID index {i} does not fit the address vector"))?;
+                let idx = u8::try_from(i)
+                    .map_err(|_| format!("GID index {i} does not fit the address vector"))?;
                 return Ok((port, idx, gid, pattr.lid(), pattr.active_mtu()));
             }
             None => why = format!("port {port} has no RoCE v2 GID (set IBEX_GID_INDEX)"),
@@ -177,7 +211,10 @@ fn choose_port_and_gid(ctx: &DeviceContext, opts: &VerbsOptions) -> std::result:
 }
 
 fn memlock_kib() -> String {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit only writes the struct we pass, which lives on our stack.
     let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
     if rc != 0 {
@@ -192,7 +229,10 @@ fn memlock_kib() -> String {
 /// Wraps an error from a call that pins memory (registration, QP or CQ creation) so that the
 /// common cause, a low locked-memory limit, is named together with its fix.
 pub(crate) fn pin_error(what: String, source: io::Error) -> Error {
-    let memlock = matches!(source.raw_os_error(), Some(libc::ENOMEM) | Some(libc::EPERM));
+    let memlock = matches!(
+        source.raw_os_error(),
+        Some(libc::ENOMEM) | Some(libc::EPERM)
+    );
     if memlock {
         Error::io(
             format!(
@@ -212,7 +252,12 @@ pub(crate) fn pin_error(what: String, source: io::Error) -> Error {
 /// # Safety
 /// `ptr..ptr+len` must stay valid (and, with `LocalWrite`, writable) until the returned region
 /// is dropped.
-pub(crate) unsafe fn register(pd: &Arc<ProtectionDomain>, ptr: *const u8, len: usize, access: AccessFlags) -> Result<Arc<MemoryRegion>> {
+pub(crate) unsafe fn register(
+    pd: &Arc<ProtectionDomain>,
+    ptr: *const u8,
+    len: usize,
+    access: AccessFlags,
+) -> Result<Arc<MemoryRegion>> {
     // SAFETY: forwarded to the caller.
     let r = unsafe { pd.reg_mr(ptr as usize, len, access) };
     r.map_err(|e| {
@@ -280,11 +325,28 @@ mod tests {
 
     #[test]
     fn pinning_errors_name_the_memlock_fix() {
-        let e = pin_error("registering 4096 bytes".into(), io::Error::from_raw_os_error(libc::ENOMEM)).to_string();
-        assert!(e.contains("registering 4096 bytes failed") && e.contains("ulimit -l") && e.contains("LimitMEMLOCK"), "{e}");
-        let e = pin_error("registering 1 bytes".into(), io::Error::from_raw_os_error(libc::EPERM)).to_string();
+        let e = pin_error(
+            "registering 4096 bytes".into(),
+            io::Error::from_raw_os_error(libc::ENOMEM),
+        )
+        .to_string();
+        assert!(
+            e.contains("registering 4096 bytes failed")
+                && e.contains("ulimit -l")
+                && e.contains("LimitMEMLOCK"),
+            "{e}"
+        );
+        let e = pin_error(
+            "registering 1 bytes".into(),
+            io::Error::from_raw_os_error(libc::EPERM),
+        )
+        .to_string();
         assert!(e.contains("locked-memory limit"), "{e}");
-        let e = pin_error("creating a queue pair".into(), io::Error::from_raw_os_error(libc::EINVAL)).to_string();
+        let e = pin_error(
+            "creating a queue pair".into(),
+            io::Error::from_raw_os_error(libc::EINVAL),
+        )
+        .to_string();
         assert!(!e.contains("ulimit"), "{e}");
     }
 }

@@ -25,7 +25,8 @@ use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    ExtendedQueuePair, PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
+    ExtendedQueuePair, PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry,
+    WorkRequestFlags,
 };
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -33,7 +34,7 @@ use tokio::net::TcpStream;
 use super::device::Slab;
 use super::progress::{AsyncEvents, Progress, Wc};
 use crate::error::{Error, Result};
-use crate::link::{Exposure, Link, LinkEvent, LinkInfo, RecvBuf};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, RecvBuf, Registration};
 use crate::pool::{Pool, PoolBufMut};
 
 pub(crate) const WR_RECV: u64 = 0;
@@ -66,7 +67,10 @@ impl Desc {
 
     pub fn decode(b: &[u8]) -> Result<Desc> {
         let b: &[u8; DESC_LEN] = b.try_into().map_err(|_| {
-            Error::Protocol(format!("malformed verbs descriptor: {} bytes, expected {DESC_LEN}", b.len()))
+            Error::Protocol(format!(
+                "malformed verbs descriptor: {} bytes, expected {DESC_LEN}",
+                b.len()
+            ))
         })?;
         let mut a = [0u8; 8];
         a.copy_from_slice(&b[0..8]);
@@ -75,7 +79,9 @@ impl Desc {
         let len = u64::from_le_bytes(a);
         let rkey = u32::from_le_bytes([b[16], b[17], b[18], b[19]]);
         if addr.checked_add(len).is_none() {
-            return Err(Error::Protocol("malformed verbs descriptor: region wraps the address space".into()));
+            return Err(Error::Protocol(
+                "malformed verbs descriptor: region wraps the address space".into(),
+            ));
         }
         Ok(Desc { addr, len, rkey })
     }
@@ -83,8 +89,12 @@ impl Desc {
 
 enum SqKind {
     /// `slot`: the send used a slot of the send ring (not inline).
-    Send { slot: bool },
-    Read { op: u64 },
+    Send {
+        slot: bool,
+    },
+    Read {
+        op: u64,
+    },
     Marker,
 }
 
@@ -308,22 +318,38 @@ impl VerbsLink {
         // SAFETY: the slot lies in the registered receive slab, which outlives the QP
         // (field order), and is not touched by us until its completion comes back.
         unsafe { wr.setup_sge(lkey, addr, len) };
-        guard.post().map_err(|e| Error::io("posting a receive", std::io::Error::other(e)))
+        guard
+            .post()
+            .map_err(|e| Error::io("posting a receive", std::io::Error::other(e)))
     }
 
     /// Posts every receive slot; called once before the queue pair leaves INIT.
-    pub(crate) fn post_all_recvs(qp: &mut ExtendedQueuePair, recv: &Slab, n: usize, slot_size: usize) -> Result<()> {
+    pub(crate) fn post_all_recvs(
+        qp: &mut ExtendedQueuePair,
+        recv: &Slab,
+        n: usize,
+        slot_size: usize,
+    ) -> Result<()> {
         let mut guard = qp.start_post_recv();
         for slot in 0..n {
             let wr = guard.construct_wr(WR_RECV | slot as u64);
             // SAFETY: as in `post_recv`.
-            unsafe { wr.setup_sge(recv.lkey(), recv.addr() + (slot * slot_size) as u64, slot_size as u32) };
+            unsafe {
+                wr.setup_sge(
+                    recv.lkey(),
+                    recv.addr() + (slot * slot_size) as u64,
+                    slot_size as u32,
+                )
+            };
         }
-        guard.post().map_err(|e| Error::io("posting the initial receives", std::io::Error::other(e)))
+        guard
+            .post()
+            .map_err(|e| Error::io("posting the initial receives", std::io::Error::other(e)))
     }
 
     fn send_room(&self, inline: bool) -> bool {
-        self.sq_sends < self.n_send && (inline || ((self.slots_used - self.slots_freed) as usize) < self.n_send)
+        self.sq_sends < self.n_send
+            && (inline || ((self.slots_used - self.slots_freed) as usize) < self.n_send)
     }
 
     /// Handles everything in `self.wcs`.
@@ -344,21 +370,24 @@ impl VerbsLink {
         if self.closing && self.sq.is_empty() {
             self.shutdown_socket();
         }
-        if freed
-            && let Some(w) = &self.send_waker {
-                w.wake_by_ref();
-            }
+        if freed && let Some(w) = &self.send_waker {
+            w.wake_by_ref();
+        }
         if self.events.len() > had_events
-            && let Some(w) = &self.event_waker {
-                w.wake_by_ref();
-            }
+            && let Some(w) = &self.event_waker
+        {
+            w.wake_by_ref();
+        }
     }
 
     fn recv_done(&mut self, wc: Wc) {
         let slot = (wc.wr_id & !WR_KIND) as usize;
         if wc.status != sys::ibv_wc_status::IBV_WC_SUCCESS {
             let e = if wc.status == sys::ibv_wc_status::IBV_WC_LOC_LEN_ERR {
-                Error::Protocol(format!("the peer sent a frame larger than our receive slot ({} bytes)", self.slot_size))
+                Error::Protocol(format!(
+                    "the peer sent a frame larger than our receive slot ({} bytes)",
+                    self.slot_size
+                ))
             } else {
                 Error::PeerGone(format!("receive failed: {}", status_name(wc.status)))
             };
@@ -366,18 +395,27 @@ impl VerbsLink {
             return;
         }
         if slot >= self.n_recv || wc.byte_len as usize > self.slot_size {
-            self.die(Error::Protocol(format!("receive completion out of range (slot {slot}, {} bytes)", wc.byte_len)));
+            self.die(Error::Protocol(format!(
+                "receive completion out of range (slot {slot}, {} bytes)",
+                wc.byte_len
+            )));
             return;
         }
-        let frame = (wc.imm != IMM_MARKER)
-            .then(|| self.recv.slice(slot * self.slot_size, wc.byte_len as usize).map(Bytes::copy_from_slice));
+        let frame = (wc.imm != IMM_MARKER).then(|| {
+            self.recv
+                .slice(slot * self.slot_size, wc.byte_len as usize)
+                .map(Bytes::copy_from_slice)
+        });
         if self.dead.is_none()
-            && let Err(e) = self.post_recv(slot) {
-                self.die(e);
-            }
+            && let Err(e) = self.post_recv(slot)
+        {
+            self.die(e);
+        }
         match frame {
             Some(Some(b)) => self.events.push_back(LinkEvent::Frame(b)),
-            Some(None) => self.die(Error::Protocol("receive completion outside the receive slab".into())),
+            Some(None) => self.die(Error::Protocol(
+                "receive completion outside the receive slab".into(),
+            )),
             None => {}
         }
     }
@@ -397,13 +435,20 @@ impl VerbsLink {
                         self.slots_freed += 1;
                     }
                     if this && wc.status != sys::ibv_wc_status::IBV_WC_SUCCESS {
-                        self.die(Error::PeerGone(format!("sending to the peer failed: {}", status_name(wc.status))));
+                        self.die(Error::PeerGone(format!(
+                            "sending to the peer failed: {}",
+                            status_name(wc.status)
+                        )));
                     }
                 }
                 SqKind::Marker => {}
                 SqKind::Read { op } => {
                     self.reads_in_flight -= 1;
-                    let status = if this { wc.status } else { sys::ibv_wc_status::IBV_WC_SUCCESS };
+                    let status = if this {
+                        wc.status
+                    } else {
+                        sys::ibv_wc_status::IBV_WC_SUCCESS
+                    };
                     self.read_chunk_done(op, status);
                 }
             }
@@ -414,28 +459,37 @@ impl VerbsLink {
         use sys::ibv_wc_status::*;
         let err = match status {
             IBV_WC_SUCCESS => None,
-            IBV_WC_REM_ACCESS_ERR | IBV_WC_REM_INV_REQ_ERR | IBV_WC_REM_OP_ERR => Some(Error::Protocol(format!(
-                "peer refused the read: bad descriptor ({}); the queue pair is now in error",
-                status_name(status)
+            IBV_WC_REM_ACCESS_ERR | IBV_WC_REM_INV_REQ_ERR | IBV_WC_REM_OP_ERR => {
+                Some(Error::Protocol(format!(
+                    "peer refused the read: bad descriptor ({}); the queue pair is now in error",
+                    status_name(status)
+                )))
+            }
+            s => Some(Error::PeerGone(format!(
+                "RDMA READ failed: {}",
+                status_name(s)
             ))),
-            s => Some(Error::PeerGone(format!("RDMA READ failed: {}", status_name(s)))),
         };
         if let Some(e) = &err {
             self.die(e.clone());
         }
-        let Some(r) = self.reads.get_mut(&op) else { return };
+        let Some(r) = self.reads.get_mut(&op) else {
+            return;
+        };
         r.left -= 1;
         if r.err.is_none() {
             r.err = err;
         }
         if r.left == 0
-            && let Some(r) = self.reads.remove(&op) {
-                let result = match r.err {
-                    Some(e) => Err(e),
-                    None => Ok(()),
-                };
-                self.events.push_back(LinkEvent::ReadDone { id: r.id, result });
-            }
+            && let Some(r) = self.reads.remove(&op)
+        {
+            let result = match r.err {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
+            self.events
+                .push_back(LinkEvent::ReadDone { id: r.id, result });
+        }
     }
 
     /// Posts queued READ chunks up to the READ depth; fails them all once the link is dead.
@@ -450,16 +504,22 @@ impl VerbsLink {
             return;
         }
         while self.reads_in_flight < self.max_rd {
-            let Some(c) = self.read_queue.pop_front() else { break };
+            let Some(c) = self.read_queue.pop_front() else {
+                break;
+            };
             let seq = self.next_seq;
             let mut guard = self.qp.start_post_send();
-            let wr = guard.construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled).setup_read(c.rkey, c.raddr);
+            let wr = guard
+                .construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled)
+                .setup_read(c.rkey, c.raddr);
             // SAFETY: `laddr..+len` lies in registered memory that the caller of `post_read`
             // keeps alive until the ReadDone (or until the link, and so the QP, is dropped).
             unsafe { wr.setup_sge(c.lkey, c.laddr, c.len) };
             if let Err(e) = guard.post() {
                 if let Some(r) = self.reads.get_mut(&c.op) {
-                    r.err.get_or_insert_with(|| Error::io("posting an RDMA READ", std::io::Error::other(e.to_string())));
+                    r.err.get_or_insert_with(|| {
+                        Error::io("posting an RDMA READ", std::io::Error::other(e.to_string()))
+                    });
                 }
                 self.read_chunk_done(c.op, sys::ibv_wc_status::IBV_WC_SUCCESS);
                 self.die(Error::io("posting an RDMA READ", std::io::Error::other(e)));
@@ -467,7 +527,10 @@ impl VerbsLink {
             }
             self.next_seq += 1;
             self.reads_in_flight += 1;
-            self.sq.push_back(SqEntry { seq, kind: SqKind::Read { op: c.op } });
+            self.sq.push_back(SqEntry {
+                seq,
+                kind: SqKind::Read { op: c.op },
+            });
         }
     }
 
@@ -500,20 +563,27 @@ impl VerbsLink {
                 "{} closed its verbs bootstrap connection (process exited or link closed)",
                 self.peer
             ))),
-            Poll::Ready(Ok(())) => Some(Error::Protocol("unexpected data on the verbs bootstrap connection".into())),
-            Poll::Ready(Err(e)) => Some(Error::PeerGone(format!("verbs bootstrap connection to {} failed: {e}", self.peer))),
+            Poll::Ready(Ok(())) => Some(Error::Protocol(
+                "unexpected data on the verbs bootstrap connection".into(),
+            )),
+            Poll::Ready(Err(e)) => Some(Error::PeerGone(format!(
+                "verbs bootstrap connection to {} failed: {e}",
+                self.peer
+            ))),
         }
     }
 
     fn lkey_for(&self, dst: *const u8, len: usize) -> Option<u32> {
         if let Some(Some(p)) = &self.recv_pool
-            && p.pool.offset_of(dst, len).is_some() {
-                return Some(p.lkey);
-            }
+            && p.pool.offset_of(dst, len).is_some()
+        {
+            return Some(p.lkey);
+        }
         if let Some(Some(p)) = self.pool.get()
-            && p.pool.offset_of(dst, len).is_some() {
-                return Some(p.lkey);
-            }
+            && p.pool.offset_of(dst, len).is_some()
+        {
+            return Some(p.lkey);
+        }
         let d = dst as usize;
         let (&start, (rlen, weak)) = self.recv_regions.range(..=d).next_back()?;
         let mr = weak.upgrade()?;
@@ -521,7 +591,11 @@ impl VerbsLink {
     }
 
     fn reg_pool(&self, size: usize, what: &str) -> Option<RegPool> {
-        match Slab::new(&self.pd, size, AccessFlags::LocalWrite | AccessFlags::RemoteRead) {
+        match Slab::new(
+            &self.pd,
+            size,
+            AccessFlags::LocalWrite | AccessFlags::RemoteRead,
+        ) {
             Ok(mut slab) => {
                 let (lkey, rkey, base, len) = (slab.lkey(), slab.rkey(), slab.base(), slab.len());
                 // SAFETY: the slab owns the memory, keeps it registered and never touches it
@@ -577,12 +651,20 @@ impl Link for VerbsLink {
             }
         }
         let seq = self.next_seq;
-        let slots_free = self.n_send - (self.slots_used - self.slots_freed) as usize - usize::from(!inline);
+        let slots_free =
+            self.n_send - (self.slots_used - self.slots_freed) as usize - usize::from(!inline);
         let room_after = (self.n_send - self.sq_sends - 1).min(slots_free);
         let signal = self.unsignaled + 1 >= self.signal_every || room_after < self.signal_every;
-        let flags = if signal { WorkRequestFlags::Signaled } else { WorkRequestFlags::none() };
+        let flags = if signal {
+            WorkRequestFlags::Signaled
+        } else {
+            WorkRequestFlags::none()
+        };
         let slot = (self.slots_used % self.n_send as u64) as usize;
-        let (slot_addr, lkey) = (self.send.addr() + (slot * self.max_frame) as u64, self.send.lkey());
+        let (slot_addr, lkey) = (
+            self.send.addr() + (slot * self.max_frame) as u64,
+            self.send.lkey(),
+        );
         if !inline {
             let Some(dst) = self.send.slice_mut(slot * self.max_frame, frame.len()) else {
                 return Poll::Ready(Err(Error::Config("send slot outside the send slab".into())));
@@ -590,7 +672,9 @@ impl Link for VerbsLink {
             dst.copy_from_slice(frame);
         }
         let mut guard = self.qp.start_post_send();
-        let wr = guard.construct_wr(WR_SQ | seq, flags).setup_send_imm(IMM_FRAME);
+        let wr = guard
+            .construct_wr(WR_SQ | seq, flags)
+            .setup_send_imm(IMM_FRAME);
         if inline {
             wr.setup_inline_data(frame);
         } else if frame.is_empty() {
@@ -613,7 +697,10 @@ impl Link for VerbsLink {
             self.slots_used += 1;
         }
         self.unsignaled = if signal { 0 } else { self.unsignaled + 1 };
-        self.sq.push_back(SqEntry { seq, kind: SqKind::Send { slot: !inline } });
+        self.sq.push_back(SqEntry {
+            seq,
+            kind: SqKind::Send { slot: !inline },
+        });
         Poll::Ready(Ok(()))
     }
 
@@ -682,37 +769,53 @@ impl Link for VerbsLink {
             return Err(e.clone());
         }
         let (ptr, len) = (buf.as_ptr() as usize, buf.len());
-        let (rkey, key) = if len == 0 {
-            (0, None)
-        } else if let Some(Some(p)) = self.pool.get().filter(|p| p.as_ref().is_some_and(|p| p.pool.offset_of(buf.as_ptr(), len).is_some())) {
-            (p.rkey, None)
+        let (rkey, key, registration) = if len == 0 {
+            (0, None, Registration::NotNeeded)
+        } else if let Some(Some(p)) = self.pool.get().filter(|p| {
+            p.as_ref()
+                .is_some_and(|p| p.pool.offset_of(buf.as_ptr(), len).is_some())
+        }) {
+            (p.rkey, None, Registration::Pool)
         } else if let Some((mr, n)) = self.reg_cache.get_mut(&(ptr, len)) {
             *n += 1;
-            (mr.rkey(), Some((ptr, len)))
+            (mr.rkey(), Some((ptr, len)), Registration::CacheHit)
         } else {
             // SAFETY: the Bytes stays in `exposures` (keeping the memory alive and unchanged)
             // until withdraw, which drops the region with the last exposure of this range.
-            let mr = unsafe { super::device::register(&self.pd, buf.as_ptr(), len, AccessFlags::RemoteRead)? };
+            let mr = unsafe {
+                super::device::register(&self.pd, buf.as_ptr(), len, AccessFlags::RemoteRead)?
+            };
             let rkey = mr.rkey();
             self.reg_cache.insert((ptr, len), (mr, 1));
-            (rkey, Some((ptr, len)))
+            (rkey, Some((ptr, len)), Registration::Registered)
         };
         let id = self.next_exposure;
         self.next_exposure += 1;
-        let descriptor = Desc { addr: ptr as u64, len: len as u64, rkey }.encode();
+        let descriptor = Desc {
+            addr: ptr as u64,
+            len: len as u64,
+            rkey,
+        }
+        .encode();
         self.exposures.insert(id, Exposed { buf, key });
-        Ok(Exposure { id, descriptor, zero_copy: false })
+        Ok(Exposure {
+            id,
+            descriptor,
+            zero_copy: false,
+            registration,
+        })
     }
 
     fn withdraw(&mut self, id: u64) -> Option<Bytes> {
         let e = self.exposures.remove(&id)?;
         if let Some(key) = e.key
-            && let Some((_, n)) = self.reg_cache.get_mut(&key) {
-                *n -= 1;
-                if *n == 0 {
-                    self.reg_cache.remove(&key);
-                }
+            && let Some((_, n)) = self.reg_cache.get_mut(&key)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.reg_cache.remove(&key);
             }
+        }
         Some(e.buf)
     }
 
@@ -723,7 +826,10 @@ impl Link for VerbsLink {
     fn map_remote(&mut self, descriptor: &[u8], len: u64) -> Result<Option<Bytes>> {
         let d = Desc::decode(descriptor)?;
         if len > d.len {
-            return Err(Error::Protocol(format!("message of {len} bytes does not fit its exposed region of {} bytes", d.len)));
+            return Err(Error::Protocol(format!(
+                "message of {len} bytes does not fit its exposed region of {} bytes",
+                d.len
+            )));
         }
         Ok(None)
     }
@@ -737,21 +843,36 @@ impl Link for VerbsLink {
             self.recv_pool = Some(self.reg_pool(size, "receive slab"));
         }
         if let Some(Some(p)) = &self.recv_pool
-            && let Ok(mut b) = p.pool.alloc(len) {
-                let ptr = b.as_mut_ptr();
-                // SAFETY: the pool buffer is ours alone, stays put, and lives as long as the
-                // PoolBufMut that owns it.
-                return Ok(unsafe { RecvBuf::from_raw(ptr, len, Box::new(b) as Box<dyn std::any::Any + Send + Sync>) });
-            }
+            && let Ok(mut b) = p.pool.alloc(len)
+        {
+            let ptr = b.as_mut_ptr();
+            // SAFETY: the pool buffer is ours alone, stays put, and lives as long as the
+            // PoolBufMut that owns it.
+            return Ok(unsafe {
+                RecvBuf::from_raw(
+                    ptr,
+                    len,
+                    Box::new(b) as Box<dyn std::any::Any + Send + Sync>,
+                )
+            });
+        }
         self.recv_regions.retain(|_, (_, w)| w.strong_count() > 0);
         let mut slab = Slab::new(&self.pd, len, AccessFlags::LocalWrite)?;
         let ptr = slab.base();
-        self.recv_regions.insert(ptr as usize, (len, Arc::downgrade(slab.mr())));
+        self.recv_regions
+            .insert(ptr as usize, (len, Arc::downgrade(slab.mr())));
         // SAFETY: the slab owns the memory and its registration; both live as long as the RecvBuf.
         Ok(unsafe { RecvBuf::from_raw(ptr, len, Box::new(slab)) })
     }
 
-    unsafe fn post_read(&mut self, id: u64, descriptor: &[u8], offset: u64, dst: *mut u8, len: usize) -> Result<()> {
+    unsafe fn post_read(
+        &mut self,
+        id: u64,
+        descriptor: &[u8],
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<()> {
         if let Some(e) = &self.dead {
             return Err(e.clone());
         }
@@ -764,7 +885,8 @@ impl Link for VerbsLink {
             )));
         }
         if len == 0 {
-            self.events.push_back(LinkEvent::ReadDone { id, result: Ok(()) });
+            self.events
+                .push_back(LinkEvent::ReadDone { id, result: Ok(()) });
             if let Some(w) = &self.event_waker {
                 w.wake_by_ref();
             }
@@ -772,13 +894,21 @@ impl Link for VerbsLink {
         }
         let Some(lkey) = self.lkey_for(dst, len) else {
             return Err(Error::Config(
-                "post_read destination is not registered memory: read into buffers from alloc_recv".into(),
+                "post_read destination is not registered memory: read into buffers from alloc_recv"
+                    .into(),
             ));
         };
         let op = self.next_op;
         self.next_op += 1;
         let chunks = len.div_ceil(READ_CHUNK);
-        self.reads.insert(op, ReadOp { id, left: chunks, err: None });
+        self.reads.insert(
+            op,
+            ReadOp {
+                id,
+                left: chunks,
+                err: None,
+            },
+        );
         for i in 0..chunks {
             let off = i * READ_CHUNK;
             let n = READ_CHUNK.min(len - off);
@@ -796,7 +926,10 @@ impl Link for VerbsLink {
     }
 
     fn pool(&self) -> Option<Arc<Pool>> {
-        self.pool.get_or_init(|| self.reg_pool(self.pool_size, "pool")).as_ref().map(|p| p.pool.clone())
+        self.pool
+            .get_or_init(|| self.reg_pool(self.pool_size, "pool"))
+            .as_ref()
+            .map(|p| p.pool.clone())
     }
 
     fn close(&mut self) {
@@ -815,14 +948,19 @@ impl Link for VerbsLink {
             let seq = self.next_seq;
             let (lkey, addr) = (self.send.lkey(), self.send.addr());
             let mut guard = self.qp.start_post_send();
-            let wr = guard.construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled).setup_send_imm(IMM_MARKER);
+            let wr = guard
+                .construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled)
+                .setup_send_imm(IMM_MARKER);
             // SAFETY: zero bytes of the registered send slab are named; nothing is read.
             unsafe { wr.setup_sge(lkey, addr, 0) };
             match guard.post() {
                 Ok(()) => {
                     self.next_seq += 1;
                     self.unsignaled = 0;
-                    self.sq.push_back(SqEntry { seq, kind: SqKind::Marker });
+                    self.sq.push_back(SqEntry {
+                        seq,
+                        kind: SqKind::Marker,
+                    });
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "verbs: posting the close marker failed");
@@ -849,11 +987,22 @@ mod tests {
 
     #[test]
     fn descriptor_round_trips_and_rejects_garbage() {
-        let d = Desc { addr: 0x1000, len: 4096, rkey: 0xdead };
+        let d = Desc {
+            addr: 0x1000,
+            len: 4096,
+            rkey: 0xdead,
+        };
         assert_eq!(Desc::decode(&d.encode()).unwrap(), d);
         assert!(Desc::decode(&d.encode()[..19]).is_err());
         assert!(Desc::decode(&[0u8; 21]).is_err());
-        let wrap = Desc { addr: u64::MAX - 10, len: 100, rkey: 1 };
-        assert!(matches!(Desc::decode(&wrap.encode()), Err(Error::Protocol(_))));
+        let wrap = Desc {
+            addr: u64::MAX - 10,
+            len: 100,
+            rkey: 1,
+        };
+        assert!(matches!(
+            Desc::decode(&wrap.encode()),
+            Err(Error::Protocol(_))
+        ));
     }
 }

@@ -22,7 +22,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::device_context::Mtu;
-use sideway::ibverbs::queue_pair::{QueuePair, QueuePairAttribute, QueuePairAttributeMask, QueuePairState};
+use sideway::ibverbs::queue_pair::{
+    QueuePair, QueuePairAttribute, QueuePairAttributeMask, QueuePairState,
+};
 use tokio::net::{TcpListener, TcpStream};
 
 pub use device::device_available;
@@ -63,7 +65,13 @@ pub struct VerbsOptions {
 
 impl Default for VerbsOptions {
     fn default() -> Self {
-        VerbsOptions { device: None, port: None, gid_index: None, busy_poll: false, spin: progress::DEFAULT_SPIN }
+        VerbsOptions {
+            device: None,
+            port: None,
+            gid_index: None,
+            busy_poll: false,
+            spin: progress::DEFAULT_SPIN,
+        }
     }
 }
 
@@ -74,19 +82,40 @@ impl VerbsOptions {
         let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
         let num = |n: &str| -> Result<Option<u32>> {
             var(n)
-                .map(|v| v.trim().parse::<u32>().map_err(|_| Error::Config(format!("{n}={v:?} is not a number"))))
+                .map(|v| {
+                    v.trim()
+                        .parse::<u32>()
+                        .map_err(|_| Error::Config(format!("{n}={v:?} is not a number")))
+                })
                 .transpose()
         };
         let port = num("IBEX_RDMA_PORT")?
-            .map(|p| u8::try_from(p).ok().filter(|&p| p > 0).ok_or_else(|| Error::Config(format!("IBEX_RDMA_PORT={p} must be 1..=255"))))
+            .map(|p| {
+                u8::try_from(p)
+                    .ok()
+                    .filter(|&p| p > 0)
+                    .ok_or_else(|| Error::Config(format!("IBEX_RDMA_PORT={p} must be 1..=255")))
+            })
             .transpose()?;
         let busy_poll = match var("IBEX_VERBS_BUSY_POLL").as_deref() {
             None | Some("0") | Some("false") | Some("no") => false,
             Some("1") | Some("true") | Some("yes") => true,
-            Some(v) => return Err(Error::Config(format!("IBEX_VERBS_BUSY_POLL={v:?}: use 1 or 0"))),
+            Some(v) => {
+                return Err(Error::Config(format!(
+                    "IBEX_VERBS_BUSY_POLL={v:?}: use 1 or 0"
+                )));
+            }
         };
-        let spin = num("IBEX_VERBS_SPIN_US")?.map_or(progress::DEFAULT_SPIN, |us| Duration::from_micros(us.into()));
-        Ok(VerbsOptions { device: var("IBEX_RDMA_DEVICE"), port, gid_index: num("IBEX_GID_INDEX")?, busy_poll, spin })
+        let spin = num("IBEX_VERBS_SPIN_US")?.map_or(progress::DEFAULT_SPIN, |us| {
+            Duration::from_micros(us.into())
+        });
+        Ok(VerbsOptions {
+            device: var("IBEX_RDMA_DEVICE"),
+            port,
+            gid_index: num("IBEX_GID_INDEX")?,
+            busy_poll,
+            spin,
+        })
     }
 }
 
@@ -115,9 +144,18 @@ pub async fn listen_with(addr: &str, config: &Config, opts: VerbsOptions) -> Res
     // Probe the device now: a server without RDMA should fail at start, not at first accept.
     drop(device::open(&opts)?);
     let a = strip_scheme(addr);
-    let tcp = TcpListener::bind(a).await.map_err(|e| Error::io(format!("binding the verbs bootstrap socket {a}"), e))?;
-    let local_addr = tcp.local_addr().map_err(|e| Error::io("reading the bound address", e))?;
-    Ok(VerbsListener { tcp, config: config.clone(), opts, local_addr })
+    let tcp = TcpListener::bind(a)
+        .await
+        .map_err(|e| Error::io(format!("binding the verbs bootstrap socket {a}"), e))?;
+    let local_addr = tcp
+        .local_addr()
+        .map_err(|e| Error::io("reading the bound address", e))?;
+    Ok(VerbsListener {
+        tcp,
+        config: config.clone(),
+        opts,
+        local_addr,
+    })
 }
 
 /// Connects to a verbs listener at `addr` (`host:port` or `verbs://host:port`).
@@ -133,7 +171,12 @@ pub async fn connect_with(addr: &str, config: &Config, opts: VerbsOptions) -> Re
     let a = strip_scheme(addr);
     let tcp = tokio::time::timeout(bootstrap::TIMEOUT, TcpStream::connect(a))
         .await
-        .map_err(|_| Error::Timeout(format!("connecting to {a}: no answer within {:?}", bootstrap::TIMEOUT)))?
+        .map_err(|_| {
+            Error::Timeout(format!(
+                "connecting to {a}: no answer within {:?}",
+                bootstrap::TIMEOUT
+            ))
+        })?
         .map_err(|e| Error::io(format!("connecting to the verbs bootstrap socket {a}"), e))?;
     establish(tcp, config, &opts, a.to_string()).await
 }
@@ -155,13 +198,20 @@ impl VerbsListener {
 
     /// Waits for the next peer and sets up its link.
     pub async fn accept(&self) -> Result<VerbsLink> {
-        let (tcp, peer) = self.tcp.accept().await.map_err(|e| Error::io("accepting a verbs bootstrap connection", e))?;
+        let (tcp, peer) = self
+            .tcp
+            .accept()
+            .await
+            .map_err(|e| Error::io("accepting a verbs bootstrap connection", e))?;
         establish(tcp, &self.config, &self.opts, peer.to_string()).await
     }
 }
 
 fn psn() -> u32 {
-    let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     (t ^ std::process::id().rotate_left(12)) & 0xFF_FFFF
 }
 
@@ -169,12 +219,25 @@ fn qp_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::io(what.to_string(), std::io::Error::other(e.to_string()))
 }
 
-async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, peer: String) -> Result<VerbsLink> {
+async fn establish(
+    mut tcp: TcpStream,
+    config: &Config,
+    opts: &VerbsOptions,
+    peer: String,
+) -> Result<VerbsLink> {
     let _ = tcp.set_nodelay(true);
-    let timeout = |what: &str| Error::Timeout(format!("verbs setup with {peer}: {what} took longer than {:?}", bootstrap::TIMEOUT));
-    tokio::time::timeout(bootstrap::TIMEOUT, bootstrap::hello(&mut tcp, config.auth_token.as_deref()))
-        .await
-        .map_err(|_| timeout("hello"))??;
+    let timeout = |what: &str| {
+        Error::Timeout(format!(
+            "verbs setup with {peer}: {what} took longer than {:?}",
+            bootstrap::TIMEOUT
+        ))
+    };
+    tokio::time::timeout(
+        bootstrap::TIMEOUT,
+        bootstrap::hello(&mut tcp, config.auth_token.as_deref()),
+    )
+    .await
+    .map_err(|_| timeout("hello"))??;
 
     let dev = device::open(opts)?;
     let n_recv = config.credits as usize * 2 + 16;
@@ -192,7 +255,11 @@ async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, pee
     let channel = if opts.busy_poll {
         None
     } else {
-        Some(dev.ctx.create_comp_channel().map_err(|e| qp_err("creating a completion channel", e))?)
+        Some(
+            dev.ctx
+                .create_comp_channel()
+                .map_err(|e| qp_err("creating a completion channel", e))?,
+        )
     };
     // The builder is not `Send`: keep it out of the awaits below.
     let cq = {
@@ -230,7 +297,10 @@ async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, pee
                 #[allow(unreachable_patterns)]
                 other => std::io::Error::other(other.to_string()),
             };
-            pin_error(format!("creating a queue pair (send {sq_depth}, receive {n_recv} entries)"), src)
+            pin_error(
+                format!("creating a queue pair (send {sq_depth}, receive {n_recv} entries)"),
+                src,
+            )
         })?,
     };
     let max_inline = qp
@@ -245,7 +315,8 @@ async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, pee
         .setup_pkey_index(0)
         .setup_port(dev.port)
         .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteRead);
-    qp.modify(&attr).map_err(|e| qp_err("moving the queue pair to INIT", e))?;
+    qp.modify(&attr)
+        .map_err(|e| qp_err("moving the queue pair to INIT", e))?;
     VerbsLink::post_all_recvs(&mut qp, &recv, n_recv, config.slot_size)?;
 
     let our_psn = psn();
@@ -260,14 +331,19 @@ async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, pee
         slot_size: config.slot_size as u32,
         max_rd_atom: rd_atom,
     };
-    let theirs = tokio::time::timeout(bootstrap::TIMEOUT, bootstrap::exchange_info(&mut tcp, &ours))
-        .await
-        .map_err(|_| timeout("queue pair exchange"))??;
+    let theirs = tokio::time::timeout(
+        bootstrap::TIMEOUT,
+        bootstrap::exchange_info(&mut tcp, &ours),
+    )
+    .await
+    .map_err(|_| timeout("queue pair exchange"))??;
     tracing::debug!(device = ?dev, ?ours, ?theirs, "verbs: connecting queue pairs");
 
     let max_frame = theirs.slot_size as usize;
     if max_frame > (16 << 20) {
-        return Err(Error::Handshake(format!("peer announced a {max_frame}-byte receive slot; at most 16 MiB is supported")));
+        return Err(Error::Handshake(format!(
+            "peer announced a {max_frame}-byte receive slot; at most 16 MiB is supported"
+        )));
     }
     let send = Slab::new(&dev.pd, n_send * max_frame, AccessFlags::LocalWrite)?;
     let max_rd = rd_cap.min(theirs.max_rd_atom).max(1);
@@ -289,7 +365,12 @@ async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, pee
         // 12 = 0.64 ms: how long a sender backs off when we have no receive posted.
         .setup_min_rnr_timer(12)
         .setup_address_vector(&ah);
-    qp.modify(&attr).map_err(|e| qp_err("moving the queue pair to RTR (is the peer's GID reachable from this port?)", e))?;
+    qp.modify(&attr).map_err(|e| {
+        qp_err(
+            "moving the queue pair to RTR (is the peer's GID reachable from this port?)",
+            e,
+        )
+    })?;
     let mut attr = QueuePairAttribute::new();
     attr.setup_state(QueuePairState::ReadyToSend)
         .setup_sq_psn(our_psn)
@@ -298,9 +379,12 @@ async fn establish(mut tcp: TcpStream, config: &Config, opts: &VerbsOptions, pee
         // 7 = retry forever on receiver-not-ready: control frames may briefly outrun receives.
         .setup_rnr_retry(7)
         .setup_max_read_atomic(max_rd as u8);
-    qp.modify(&attr).map_err(|e| qp_err("moving the queue pair to RTS", e))?;
+    qp.modify(&attr)
+        .map_err(|e| qp_err("moving the queue pair to RTS", e))?;
 
-    tokio::time::timeout(bootstrap::TIMEOUT, bootstrap::ready(&mut tcp)).await.map_err(|_| timeout("ready"))??;
+    tokio::time::timeout(bootstrap::TIMEOUT, bootstrap::ready(&mut tcp))
+        .await
+        .map_err(|_| timeout("ready"))??;
 
     let progress = match channel {
         Some(ch) => Progress::channel(cq, ch, opts.spin)?,

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use futures_util::task::AtomicWaker;
 use rdma_mummy_sys as sys;
-use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue, PollCompletionQueueError};
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue, PollCompletionQueueError,
+};
 use sideway::ibverbs::device_context::DeviceContext;
 use tokio::io::unix::AsyncFd;
 
@@ -42,8 +44,14 @@ impl Fd {
     fn register(self, what: &str) -> Result<AsyncFd<Fd>> {
         // SAFETY: the fd stays open and the same while `self.1` (its owner) lives, and the
         // AsyncFd owns `self`.
-        unsafe { AsyncFd::register_with_interest(self, tokio::io::Interest::READABLE) }
-            .map_err(|e| Error::io(format!("registering the {what} with tokio (is a runtime running?)"), e.into_parts().1))
+        unsafe { AsyncFd::register_with_interest(self, tokio::io::Interest::READABLE) }.map_err(
+            |e| {
+                Error::io(
+                    format!("registering the {what} with tokio (is a runtime running?)"),
+                    e.into_parts().1,
+                )
+            },
+        )
     }
 }
 
@@ -71,7 +79,12 @@ fn poll_cq(cq: &BasicCompletionQueue, out: &mut Vec<Wc>) -> io::Result<usize> {
         Ok(poller) => {
             let before = out.len();
             for wc in poller {
-                out.push(Wc { wr_id: wc.wr_id(), status: wc.status(), byte_len: wc.byte_len(), imm: wc.imm_data() });
+                out.push(Wc {
+                    wr_id: wc.wr_id(),
+                    status: wc.status(),
+                    byte_len: wc.byte_len(),
+                    imm: wc.imm_data(),
+                });
             }
             Ok(out.len() - before)
         }
@@ -108,10 +121,22 @@ pub(crate) enum Progress {
 
 impl Progress {
     /// Event-driven progress over `channel`, which `cq` was created with.
-    pub fn channel(cq: Arc<BasicCompletionQueue>, channel: Arc<CompletionChannel>, spin: Duration) -> Result<Progress> {
-        channel.set_nonblocking(true).map_err(|e| Error::io("making the completion channel non-blocking", e))?;
+    pub fn channel(
+        cq: Arc<BasicCompletionQueue>,
+        channel: Arc<CompletionChannel>,
+        spin: Duration,
+    ) -> Result<Progress> {
+        channel
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("making the completion channel non-blocking", e))?;
         let fd = Fd(channel.as_raw_fd(), channel.clone()).register("completion channel")?;
-        Ok(Progress::Channel { fd, cq, channel, armed: false, spin })
+        Ok(Progress::Channel {
+            fd,
+            cq,
+            channel,
+            armed: false,
+            spin,
+        })
     }
 
     /// A thread that spins on `cq` until this is dropped.
@@ -147,18 +172,30 @@ impl Progress {
                 }
             })
             .map_err(|e| Error::io("starting the verbs busy-poll thread", e))?;
-        Ok(Progress::Busy { shared, thread: Some(thread), spin })
+        Ok(Progress::Busy {
+            shared,
+            thread: Some(thread),
+            spin,
+        })
     }
 
     /// Appends available completions to `out` without waiting. Returns how many.
     pub fn poll_now(&mut self, out: &mut Vec<Wc>) -> Result<usize> {
         match self {
-            Progress::Channel { cq, .. } => poll_cq(cq, out).map_err(|e| Error::io("polling the completion queue", e)),
+            Progress::Channel { cq, .. } => {
+                poll_cq(cq, out).map_err(|e| Error::io("polling the completion queue", e))
+            }
             Progress::Busy { shared, .. } => {
                 if let Some(e) = shared.failed.lock().ok().and_then(|mut f| f.take()) {
-                    return Err(Error::io("polling the completion queue (busy-poll thread)", e));
+                    return Err(Error::io(
+                        "polling the completion queue (busy-poll thread)",
+                        e,
+                    ));
                 }
-                let mut q = shared.queue.lock().map_err(|_| Error::Config("verbs completion queue lock poisoned".into()))?;
+                let mut q = shared
+                    .queue
+                    .lock()
+                    .map_err(|_| Error::Config("verbs completion queue lock poisoned".into()))?;
                 let n = q.len();
                 out.append(&mut q);
                 Ok(n)
@@ -184,7 +221,11 @@ impl Progress {
             Progress::Busy { shared, .. } => {
                 shared.waker.register(cx.waker());
                 // Re-check: the thread may have pushed between our poll and the registration.
-                if self.poll_now(out)? > 0 { Poll::Ready(Ok(())) } else { Poll::Pending }
+                if self.poll_now(out)? > 0 {
+                    Poll::Ready(Ok(()))
+                } else {
+                    Poll::Pending
+                }
             }
             Progress::Channel { .. } => self.poll_channel(cx, out),
         }
@@ -192,13 +233,25 @@ impl Progress {
 
     fn poll_channel(&mut self, cx: &mut Context<'_>, out: &mut Vec<Wc>) -> Poll<Result<()>> {
         loop {
-            let Progress::Channel { fd, cq, channel, armed, .. } = self else { return Poll::Pending };
+            let Progress::Channel {
+                fd,
+                cq,
+                channel,
+                armed,
+                ..
+            } = self
+            else {
+                return Poll::Pending;
+            };
             if !*armed {
                 // SAFETY: `cq` is a live CQ created with a completion channel; the provider's
                 // req_notify_cq only touches that CQ.
                 let rc = unsafe { sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0) };
                 if rc != 0 {
-                    return Poll::Ready(Err(Error::io("arming the completion queue", io::Error::from_raw_os_error(rc))));
+                    return Poll::Ready(Err(Error::io(
+                        "arming the completion queue",
+                        io::Error::from_raw_os_error(rc),
+                    )));
                 }
                 *armed = true;
                 // A completion that arrived before arming raises no event: look once more.
@@ -208,14 +261,22 @@ impl Progress {
             }
             match fd.poll_read_ready(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(Error::io("waiting on the completion channel", e))),
+                Poll::Ready(Err(e)) => {
+                    return Poll::Ready(Err(Error::io("waiting on the completion channel", e)));
+                }
                 Poll::Ready(Ok(mut guard)) => {
                     let mut n = 0u32;
                     let mut ev_cq: *mut sys::ibv_cq = std::ptr::null_mut();
                     loop {
                         let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
                         // SAFETY: the channel is live and non-blocking; the out-pointers are ours.
-                        let rc = unsafe { sys::ibv_get_cq_event(channel.comp_channel().as_ptr(), &mut ev_cq, &mut ctx) };
+                        let rc = unsafe {
+                            sys::ibv_get_cq_event(
+                                channel.comp_channel().as_ptr(),
+                                &mut ev_cq,
+                                &mut ctx,
+                            )
+                        };
                         if rc != 0 {
                             break;
                         }
@@ -257,7 +318,8 @@ impl AsyncEvents {
     pub fn new(ctx: Arc<DeviceContext>) -> Result<AsyncEvents> {
         // SAFETY: reading a field of the live context rdma-core gave us.
         let raw = unsafe { (*ctx.context().as_ptr()).async_fd };
-        set_nonblocking(raw).map_err(|e| Error::io("making the device event fd non-blocking", e))?;
+        set_nonblocking(raw)
+            .map_err(|e| Error::io("making the device event fd non-blocking", e))?;
         let fd = Fd(raw, ctx.clone()).register("device event fd")?;
         Ok(AsyncEvents { fd, ctx })
     }
@@ -269,7 +331,9 @@ impl AsyncEvents {
             loop {
                 let mut ev = std::mem::MaybeUninit::<sys::ibv_async_event>::zeroed();
                 // SAFETY: the context is live, its async fd is non-blocking, `ev` is ours.
-                let rc = unsafe { sys::ibv_get_async_event(self.ctx.context().as_ptr(), ev.as_mut_ptr()) };
+                let rc = unsafe {
+                    sys::ibv_get_async_event(self.ctx.context().as_ptr(), ev.as_mut_ptr())
+                };
                 if rc != 0 {
                     break;
                 }
@@ -277,7 +341,11 @@ impl AsyncEvents {
                 // the bindings' enum knows.
                 // SAFETY: the call filled `ev`; `event_type` is a 4-byte field at this offset.
                 let kind = unsafe {
-                    ev.as_ptr().cast::<u8>().add(std::mem::offset_of!(sys::ibv_async_event, event_type)).cast::<u32>().read()
+                    ev.as_ptr()
+                        .cast::<u8>()
+                        .add(std::mem::offset_of!(sys::ibv_async_event, event_type))
+                        .cast::<u32>()
+                        .read()
                 };
                 // SAFETY: the union's first word is the object pointer for QP events.
                 let obj = unsafe { ev.as_ptr().cast::<*mut std::ffi::c_void>().read() };
@@ -295,9 +363,14 @@ impl AsyncEvents {
                         )));
                     }
                     DEVICE_FATAL => {
-                        fatal = Some(Error::PeerGone("the RDMA device reported a fatal error (async event DEVICE_FATAL)".into()));
+                        fatal = Some(Error::PeerGone(
+                            "the RDMA device reported a fatal error (async event DEVICE_FATAL)"
+                                .into(),
+                        ));
                     }
-                    PORT_ERR => tracing::warn!("RDMA port went down (async event PORT_ERR); waiting for it to recover"),
+                    PORT_ERR => tracing::warn!(
+                        "RDMA port went down (async event PORT_ERR); waiting for it to recover"
+                    ),
                     other => tracing::debug!(event = other, "RDMA async event"),
                 }
             }

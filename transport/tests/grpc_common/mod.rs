@@ -15,7 +15,9 @@ pub use transports::{Chan, ServerHandle, Transport};
 pub fn pattern(len: usize, seed: u8) -> Bytes {
     // Build one 251-byte period (prime, so it does not line up with power-of-two sizes) and
     // repeat it with `extend_from_slice`, which stays fast in debug builds even for 64 MiB.
-    let period: Vec<u8> = (0..251u32).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+    let period: Vec<u8> = (0..251u32)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect();
     let mut v = Vec::with_capacity(len);
     while v.len() < len {
         let take = (len - v.len()).min(period.len());

@@ -54,7 +54,11 @@ impl BenchImpl {
 
     /// The service with message size limits (`None` keeps tonic's defaults: 4 MiB decode,
     /// unlimited encode).
-    pub fn server(self, max_decode: Option<usize>, max_encode: Option<usize>) -> BenchServer<BenchImpl> {
+    pub fn server(
+        self,
+        max_decode: Option<usize>,
+        max_encode: Option<usize>,
+    ) -> BenchServer<BenchImpl> {
         let mut s = BenchServer::new(self);
         if let Some(n) = max_decode {
             s = s.max_decoding_message_size(n);
@@ -67,7 +71,11 @@ impl BenchImpl {
 
     fn guard(&self, method: &'static str) -> Guard {
         let _ = self.events.send(Event::Started(method));
-        Guard { method, events: self.events.clone(), done: false }
+        Guard {
+            method,
+            events: self.events.clone(),
+            done: false,
+        }
     }
 }
 
@@ -93,15 +101,27 @@ impl Drop for Guard {
 }
 
 fn mode<T>(req: &Request<T>) -> String {
-    req.metadata().get("x-mode").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string()
+    req.metadata()
+        .get("x-mode")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// The error every failing handler returns: details plus one ascii and one binary entry.
 pub fn test_error() -> Status {
     let mut md = MetadataMap::new();
     md.insert("x-error-ascii", "why".parse().unwrap());
-    md.insert_bin("x-error-bin", tonic::metadata::MetadataValue::from_bytes(b"\x00\xfe"));
-    Status::with_details_and_metadata(Code::InvalidArgument, ERROR_MESSAGE, Bytes::from_static(ERROR_DETAILS), md)
+    md.insert_bin(
+        "x-error-bin",
+        tonic::metadata::MetadataValue::from_bytes(b"\x00\xfe"),
+    );
+    Status::with_details_and_metadata(
+        Code::InvalidArgument,
+        ERROR_MESSAGE,
+        Bytes::from_static(ERROR_DETAILS),
+        md,
+    )
 }
 
 /// Applies the common modes; `Ok(())` means carry on normally.
@@ -110,7 +130,9 @@ async fn common_mode(mode: &str) -> Result<(), Status> {
         return Err(test_error());
     }
     if let Some(ms) = mode.strip_prefix("sleep:") {
-        let ms: u64 = ms.parse().map_err(|_| Status::invalid_argument("bad sleep"))?;
+        let ms: u64 = ms
+            .parse()
+            .map_err(|_| Status::invalid_argument("bad sleep"))?;
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
     if mode == "hold" {
@@ -126,11 +148,25 @@ async fn common_mode(mode: &str) -> Result<(), Status> {
 fn echo_metadata(from: &MetadataMap, out: &mut MetadataMap) {
     for kv in from.iter() {
         match kv {
-            KeyAndValueRef::Ascii(k, v) if k.as_str().starts_with("x-") && k.as_str() != "x-mode" => {
-                out.insert(tonic::metadata::AsciiMetadataKey::from_bytes(format!("echo-{}", k.as_str()).as_bytes()).unwrap(), v.clone());
+            KeyAndValueRef::Ascii(k, v)
+                if k.as_str().starts_with("x-") && k.as_str() != "x-mode" =>
+            {
+                out.insert(
+                    tonic::metadata::AsciiMetadataKey::from_bytes(
+                        format!("echo-{}", k.as_str()).as_bytes(),
+                    )
+                    .unwrap(),
+                    v.clone(),
+                );
             }
             KeyAndValueRef::Binary(k, v) if k.as_str().starts_with("x-") => {
-                out.insert_bin(tonic::metadata::BinaryMetadataKey::from_bytes(format!("echo-{}", k.as_str()).as_bytes()).unwrap(), v.clone());
+                out.insert_bin(
+                    tonic::metadata::BinaryMetadataKey::from_bytes(
+                        format!("echo-{}", k.as_str()).as_bytes(),
+                    )
+                    .unwrap(),
+                    v.clone(),
+                );
             }
             _ => {}
         }
@@ -149,7 +185,10 @@ impl Bench for BenchImpl {
         echo_metadata(req.metadata(), &mut md);
         let payload = if mode == "pull" {
             let (p, one_sided) = super::transports::pull(&req).await?;
-            md.insert("x-one-sided", if one_sided { "true" } else { "false" }.parse().unwrap());
+            md.insert(
+                "x-one-sided",
+                if one_sided { "true" } else { "false" }.parse().unwrap(),
+            );
             p
         } else {
             req.into_inner()
@@ -165,7 +204,10 @@ impl Bench for BenchImpl {
         common_mode(&mode(&req)).await?;
         let p = req.into_inner();
         guard.finish();
-        Ok(Response::new(Ack { bytes: p.buffers.iter().map(|b| b.len() as u64).sum(), buffers: p.buffers.len() as u32 }))
+        Ok(Response::new(Ack {
+            bytes: p.buffers.iter().map(|b| b.len() as u64).sum(),
+            buffers: p.buffers.len() as u32,
+        }))
     }
 
     type StreamStream = PayloadStream;
@@ -174,14 +216,22 @@ impl Bench for BenchImpl {
         let guard = self.guard("stream");
         let mode = mode(&req);
         common_mode(&mode).await?;
-        let fail_after: Option<u32> = mode.strip_prefix("fail-after:").and_then(|n| n.parse().ok());
+        let fail_after: Option<u32> = mode
+            .strip_prefix("fail-after:")
+            .and_then(|n| n.parse().ok());
         let r = req.into_inner();
         let size = r.payload_size as usize;
         let count = r.count;
         // A status ends the stream: nothing follows the error.
         let n = fail_after.map_or(count, |f| (f + 1).min(count));
         let s = tokio_stream::iter(0..n).map(move |i| {
-            if Some(i) == fail_after { Err(test_error()) } else { Ok(Payload { buffers: vec![pattern(size, i as u8)] }) }
+            if Some(i) == fail_after {
+                Err(test_error())
+            } else {
+                Ok(Payload {
+                    buffers: vec![pattern(size, i as u8)],
+                })
+            }
         });
         guard.finish();
         Ok(Response::new(Box::pin(s)))
@@ -189,7 +239,10 @@ impl Bench for BenchImpl {
 
     type ChatStream = PayloadStream;
 
-    async fn chat(&self, req: Request<Streaming<Payload>>) -> Result<Response<PayloadStream>, Status> {
+    async fn chat(
+        &self,
+        req: Request<Streaming<Payload>>,
+    ) -> Result<Response<PayloadStream>, Status> {
         let guard = self.guard("chat");
         common_mode(&mode(&req)).await?;
         let mut inbound = req.into_inner();
@@ -203,7 +256,9 @@ impl Bench for BenchImpl {
             }
         });
         guard.finish();
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn upload(&self, req: Request<Streaming<Payload>>) -> Result<Response<Ack>, Status> {

@@ -15,7 +15,11 @@ use tower::util::BoxCloneSyncService;
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A client channel of any transport.
-pub type Chan = BoxCloneSyncService<http::Request<tonic::body::Body>, http::Response<tonic::body::Body>, ChanError>;
+pub type Chan = BoxCloneSyncService<
+    http::Request<tonic::body::Body>,
+    http::Response<tonic::body::Body>,
+    ChanError,
+>;
 
 /// A transport's channel error behind one concrete type. (A bare `BoxError` as the service
 /// error trips a higher-ranked `From` bound inside spawned tasks.) tonic looks for a
@@ -45,8 +49,16 @@ pub struct ServerHandle {
 
 impl ServerHandle {
     /// Wraps a spawned server task that stops (gracefully) when the sender fires.
-    pub fn new(addr: String, shutdown: oneshot::Sender<()>, task: JoinHandle<Result<(), String>>) -> Self {
-        ServerHandle { addr, shutdown: Some(shutdown), task }
+    pub fn new(
+        addr: String,
+        shutdown: oneshot::Sender<()>,
+        task: JoinHandle<Result<(), String>>,
+    ) -> Self {
+        ServerHandle {
+            addr,
+            shutdown: Some(shutdown),
+            task,
+        }
     }
 
     /// Asks the server to stop accepting and drain.
@@ -58,7 +70,9 @@ impl ServerHandle {
 
     /// Waits for the server to finish; its result.
     pub async fn join(self) -> Result<(), String> {
-        self.task.await.map_err(|e| format!("server task panicked: {e}"))?
+        self.task
+            .await
+            .map_err(|e| format!("server task panicked: {e}"))?
     }
 
     /// Graceful shutdown, then join.
@@ -113,9 +127,12 @@ impl Transport for Stock {
         let task = tokio::spawn(async move {
             tonic::transport::Server::builder()
                 .add_routes(routes)
-                .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), async {
-                    let _ = rx.await;
-                })
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener),
+                    async {
+                        let _ = rx.await;
+                    },
+                )
                 .await
                 .map_err(|e| chain(&e))
         });
@@ -140,14 +157,21 @@ impl Transport for Stock {
 
 /// Ibex's test configuration: a fixed eager threshold, so no connect-time probe.
 pub fn ibex_config() -> ibex_transport::Config {
-    ibex_transport::Config { eager_threshold: Some(16 * 1024), ..Default::default() }
+    ibex_transport::Config {
+        eager_threshold: Some(16 * 1024),
+        ..Default::default()
+    }
 }
 
 async fn ibex_serve(uri: String, routes: Routes) -> ServerHandle {
     ibex_serve_with(uri, routes, ibex_config()).await
 }
 
-async fn ibex_serve_with(uri: String, routes: Routes, config: ibex_transport::Config) -> ServerHandle {
+async fn ibex_serve_with(
+    uri: String,
+    routes: Routes,
+    config: ibex_transport::Config,
+) -> ServerHandle {
     let listener = ibex_transport::listen(&uri, config).await.unwrap();
     let addr = listener.local_uri();
     let (tx, rx) = oneshot::channel::<()>();
@@ -168,9 +192,14 @@ async fn ibex_connect(addr: &str) -> Result<Chan, String> {
 }
 
 async fn ibex_connect_with(addr: &str, config: ibex_transport::Config) -> Result<Chan, String> {
-    let ch = ibex_transport::grpc::Channel::connect_with_config(addr, config).await.map_err(|e| chain(&e))?;
-    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| r.map(tonic::body::Body::new));
-    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
+    let ch = ibex_transport::grpc::Channel::connect_with_config(addr, config)
+        .await
+        .map_err(|e| chain(&e))?;
+    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| {
+        r.map(tonic::body::Body::new)
+    });
+    let ch =
+        ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
     Ok(Chan::new(ch))
 }
 
@@ -178,7 +207,11 @@ async fn ibex_connect_with(addr: &str, config: ibex_transport::Config) -> Result
 pub fn shm_uri() -> String {
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("shm://{}/ibex-grpc-{}-{n}.sock", std::env::temp_dir().display(), std::process::id())
+    format!(
+        "shm://{}/ibex-grpc-{}-{n}.sock",
+        std::env::temp_dir().display(),
+        std::process::id()
+    )
 }
 
 /// gRPC over Ibex, shared-memory provider.
@@ -228,18 +261,30 @@ pub async fn pull(req: &Request<Payload>) -> Result<(Payload, bool), Status> {
     let peer = req
         .extensions()
         .get::<ibex_transport::grpc::PeerHandle>()
-        .ok_or_else(|| Status::failed_precondition("no PeerHandle: this transport cannot read client memory"))?;
+        .ok_or_else(|| {
+            Status::failed_precondition("no PeerHandle: this transport cannot read client memory")
+        })?;
     let len: usize = req
         .metadata()
         .get("x-pull-len")
         .and_then(|v| v.to_str().ok()?.parse().ok())
         .ok_or_else(|| Status::invalid_argument("x-pull-len missing"))?;
-    let desc = req.get_ref().buffers.first().cloned().ok_or_else(|| Status::invalid_argument("no descriptor"))?;
+    let desc = req
+        .get_ref()
+        .buffers
+        .first()
+        .cloned()
+        .ok_or_else(|| Status::invalid_argument("no descriptor"))?;
     let got = peer
         .read_remote(desc, ibex_transport::link::RecvBuf::heap(len))
         .await
         .map_err(|e| Status::internal(format!("read_remote failed: {e}")))?;
-    Ok((Payload { buffers: vec![got.into_bytes()] }, peer.one_sided()))
+    Ok((
+        Payload {
+            buffers: vec![got.into_bytes()],
+        },
+        peer.one_sided(),
+    ))
 }
 
 /// gRPC over Ibex, verbs provider: only in the Soft-RoCE VM (`scripts/verbs-test.sh`), which
@@ -249,7 +294,10 @@ pub struct IbexVerbs;
 
 #[cfg(feature = "verbs")]
 fn verbs_config(var: &str) -> ibex_transport::Config {
-    ibex_transport::Config { rdma_device: std::env::var(var).ok(), ..ibex_config() }
+    ibex_transport::Config {
+        rdma_device: std::env::var(var).ok(),
+        ..ibex_config()
+    }
 }
 
 #[cfg(feature = "verbs")]
@@ -259,7 +307,12 @@ impl Transport for IbexVerbs {
 
     async fn serve(routes: Routes) -> ServerHandle {
         let at = std::env::var("IBEX_TEST_LISTEN_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into());
-        ibex_serve_with(format!("verbs://{at}"), routes, verbs_config("IBEX_TEST_SERVER_DEV")).await
+        ibex_serve_with(
+            format!("verbs://{at}"),
+            routes,
+            verbs_config("IBEX_TEST_SERVER_DEV"),
+        )
+        .await
     }
 
     async fn connect(addr: &str) -> Result<Chan, String> {

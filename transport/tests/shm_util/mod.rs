@@ -17,7 +17,12 @@ pub fn sock_path(name: &str) -> PathBuf {
 
 /// A small configuration so tests stay light.
 pub fn small_config() -> Config {
-    Config { slot_size: 4096, credits: 4, pool_size: 4 << 20, ..Config::default() }
+    Config {
+        slot_size: 4096,
+        credits: 4,
+        pool_size: 4 << 20,
+        ..Config::default()
+    }
 }
 
 /// Two linked ends in this process: (accepted, connected).
@@ -47,8 +52,9 @@ pub async fn frame(link: &mut ShmLink) -> Bytes {
 /// bounce slots, so a misplaced chunk shows.
 pub fn pattern(len: usize, seed: u32) -> Bytes {
     let period = (1 << 20) + 13;
-    let block: Vec<u8> =
-        (0..period.min(len) as u32).map(|i| (i.wrapping_add(seed).wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    let block: Vec<u8> = (0..period.min(len) as u32)
+        .map(|i| (i.wrapping_add(seed).wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
     let mut v = Vec::with_capacity(len);
     while v.len() < len {
         let n = (len - v.len()).min(block.len());
@@ -77,7 +83,9 @@ pub async fn read_all(
             let n = frag.min(total - next);
             // SAFETY: base+next..+n lies in `dst`, which is kept alive (leaked on failure)
             // until every posted read has completed.
-            if let Err(e) = unsafe { reader.post_read(next as u64, desc, offset + next as u64, base.add(next), n) } {
+            if let Err(e) = unsafe {
+                reader.post_read(next as u64, desc, offset + next as u64, base.add(next), n)
+            } {
                 failure = Some(e);
                 break;
             }
@@ -96,7 +104,9 @@ pub async fn read_all(
                     failure = Some(e);
                 }
             }
-            Ok(LinkEvent::Frame(f)) => panic!("unexpected frame of {} bytes during a read", f.len()),
+            Ok(LinkEvent::Frame(f)) => {
+                panic!("unexpected frame of {} bytes during a read", f.len())
+            }
             Err(e) => failure = Some(e),
         }
     }
@@ -115,7 +125,13 @@ pub async fn read_all(
 /// Runs the `#[ignore]`d test `name` of this test binary in a child process with `envs`.
 pub fn child(name: &str, envs: &[(&str, &str)]) -> Command {
     let mut c = Command::new(std::env::current_exe().expect("current_exe"));
-    c.args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"]);
+    c.args([
+        "--exact",
+        name,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
     for (k, v) in envs {
         c.env(k, v);
     }
@@ -126,14 +142,20 @@ pub fn child(name: &str, envs: &[(&str, &str)]) -> Command {
 /// Runs a child test to completion and fails with its output if it failed.
 pub fn run_child(name: &str, envs: &[(&str, &str)]) {
     let out = child(name, envs).output().expect("spawning the child test");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "child {name} failed:\n{text}");
-    assert!(text.contains("1 passed"), "child {name} did not run:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child {name} did not run:\n{text}"
+    );
 }
 
 /// Descriptors open in this process.
 pub fn fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 /// Mappings of ibex memfds in this process.
