@@ -119,6 +119,7 @@ pub fn check_transport(t: TransportKind) -> Result<(), String> {
 /// Runs the demo; returns worker 0's report (the caller checks the accuracy bar).
 pub fn run(args: &DemoArgs) -> Result<Report, String> {
     check_transport(args.transport)?;
+    crate::gpu::ensure(args.train.device)?;
     if args.ps == 0 || args.workers == 0 {
         return Err("--ps and --workers must be at least 1".into());
     }

@@ -9,6 +9,7 @@
 
 mod data;
 mod demo;
+mod gpu;
 mod launch;
 mod model;
 mod progress;

@@ -9,6 +9,7 @@ use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, VarSpec, Worker, WorkerEr
 use serde::{Deserialize, Serialize};
 
 use crate::data::{self, Dataset, Schedule};
+use crate::gpu::{Device, Trainer};
 use crate::model::{LocalMomentum, Mlp, Params};
 
 /// Hyper-parameters and data of a training run; the same flags drive `ibex demo`,
@@ -48,6 +49,9 @@ pub struct TrainArgs {
     /// overlap saves (see docs/demo.md).
     #[arg(long)]
     pub overlap: bool,
+    /// Where workers compute: `cpu`, or `cuda` (a build with `--features cuda` and a GPU).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
 }
 
 impl TrainArgs {
@@ -62,6 +66,7 @@ impl TrainArgs {
             format!("--seed={}", self.seed),
             format!("--test-size={}", self.test_size),
             format!("--log-every={}", self.log_every),
+            format!("--device={}", self.device.as_str()),
         ];
         if self.overlap {
             v.push("--overlap".into());
@@ -319,25 +324,40 @@ pub async fn run_worker(
     };
     let mut params = worker.pull(&names, step).await.map_err(|e| e.to_string())?;
     job.mlp.check(&params)?;
+    let mut gpu = Trainer::open(job.mlp, args.device, args.batch / workers)?;
+    if let Some(g) = &mut gpu {
+        g.load(&params)?;
+    }
     let initial = (step == 0).then(|| params.clone());
     let (mut losses, mut recoveries) = (Vec::new(), 0u32);
     let (t0, first_step) = (Instant::now(), step);
     while step < args.steps {
         let batch = job.train.gather(&job.schedule.shard(step, index, workers));
-        let (loss, result) = if !args.overlap {
-            let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
-            let pairs: Vec<(&str, &[f32])> = names
-                .iter()
-                .copied()
-                .zip(grads.iter().map(Vec::as_slice))
-                .collect();
-            (loss, worker.push_pull(step, &pairs).await)
-        } else {
-            overlapped_step(&job, &worker, step, &params, &batch).await
+        let (loss, result) = match &mut gpu {
+            // Device parameters are updated in place; `params` is refreshed at the end.
+            Some(g) => match g.step(&worker, step, &batch).await {
+                Ok(loss) => (loss, Ok(None)),
+                Err(e) => (0.0, Err(e)),
+            },
+            None if !args.overlap => {
+                let (loss, grads) = job.mlp.loss_and_grad(&params, &batch);
+                let pairs: Vec<(&str, &[f32])> = names
+                    .iter()
+                    .copied()
+                    .zip(grads.iter().map(Vec::as_slice))
+                    .collect();
+                (loss, worker.push_pull(step, &pairs).await.map(Some))
+            }
+            None => {
+                let (loss, r) = overlapped_step(&job, &worker, step, &params, &batch).await;
+                (loss, r.map(Some))
+            }
         };
         match result {
             Ok(fresh) => {
-                params = fresh;
+                if let Some(fresh) = fresh {
+                    params = fresh;
+                }
                 log_step(args, step, loss, &mut losses);
                 step += 1;
                 if ticks {
@@ -350,6 +370,9 @@ pub async fn run_worker(
                 drop(worker);
                 let (w, s) = reconnect_and_resume(spec, index, &vars).await?;
                 params = w.pull(&names, s).await.map_err(|e| e.to_string())?;
+                if let Some(g) = &mut gpu {
+                    g.load(&params)?;
+                }
                 println!("recovered at step {s} (was at {step})");
                 (worker, step) = (w, s);
             }
@@ -357,6 +380,9 @@ pub async fn run_worker(
         }
     }
     let secs = t0.elapsed().as_secs_f64();
+    if let Some(g) = &gpu {
+        params = g.params()?;
+    }
     let mut r = job.finish(workers, step, losses, params);
     r.steps_per_sec = (step - first_step) as f64 / secs.max(1e-9);
     r.recoveries = recoveries;
@@ -471,6 +497,7 @@ mod tests {
             mnist: None,
             log_every: 1000,
             overlap: false,
+            device: Device::Cpu,
         }
     }
 

@@ -21,8 +21,13 @@ pub struct Config {
     pub slot_size: usize,
     /// Number of eager receive slots = data frames the peer may have outstanding (credits).
     pub credits: u32,
-    /// Rendezvous fragment size (bytes per one-sided read).
-    pub fragment_size: usize,
+    /// Rendezvous fragment size (bytes per one-sided read). `None` = pick it with the probe
+    /// at connection start, from the read bandwidth measured at a few candidate sizes (falls
+    /// back to `default_fragment_size` if the probe is off, fails, or the peer cannot take
+    /// part). `IBEX_FRAGMENT_SIZE` overrides both.
+    pub fragment_size: Option<usize>,
+    /// Fragment size used until (or instead of) the probe's verdict.
+    pub default_fragment_size: usize,
     /// Reads in flight per connection.
     pub max_reads_in_flight: usize,
     /// Largest message this side accepts.
@@ -33,6 +38,18 @@ pub struct Config {
     pub auth_token: Option<String>,
     /// verbs: the RDMA device to use (e.g. `mlx5_0`, `rxe0`); overrides `IBEX_RDMA_DEVICE`.
     pub rdma_device: Option<String>,
+    /// Which settings [`Config::with_env`] took from the environment, so that statistics
+    /// can say `"env"` rather than `"config"`.
+    pub env_overrides: EnvOverrides,
+}
+
+/// Settings that came from environment variables (see [`Config::env_overrides`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EnvOverrides {
+    /// `eager_threshold` came from `IBEX_EAGER_THRESHOLD`.
+    pub eager_threshold: bool,
+    /// `fragment_size` came from `IBEX_FRAGMENT_SIZE`.
+    pub fragment_size: bool,
 }
 
 impl Default for Config {
@@ -44,19 +61,21 @@ impl Default for Config {
             probe_timeout: crate::proto::PROBE_TIMEOUT,
             slot_size: 64 * 1024,
             credits: 64,
-            fragment_size: 512 * 1024,
+            fragment_size: None,
+            default_fragment_size: 512 * 1024,
             max_reads_in_flight: 8,
             max_message_size: 1 << 30,
             pool_size: 256 << 20,
             auth_token: None,
             rdma_device: None,
+            env_overrides: EnvOverrides::default(),
         }
     }
 }
 
 impl Config {
     /// The default configuration with environment overrides applied
-    /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_AUTH_TOKEN`).
+    /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_AUTH_TOKEN`).
     pub fn from_env() -> Result<Self> {
         Config::default().with_env()
     }
@@ -65,9 +84,17 @@ impl Config {
     pub fn with_env(mut self) -> Result<Self> {
         if let Some(v) = env_usize("IBEX_EAGER_THRESHOLD")? {
             self.eager_threshold = Some(v);
+            self.env_overrides.eager_threshold = true;
         }
         if let Some(v) = env_usize("IBEX_FRAGMENT_SIZE")? {
-            self.fragment_size = v;
+            self.fragment_size = Some(v);
+            self.env_overrides.fragment_size = true;
+        }
+        if let Ok(v) = std::env::var("IBEX_PROBE_TIMEOUT_MS") {
+            let ms = v.trim().parse::<u64>().ok().filter(|&ms| ms > 0).ok_or_else(|| {
+                Error::Config(format!("IBEX_PROBE_TIMEOUT_MS={v:?} is not a positive number of milliseconds (example: 2000)"))
+            })?;
+            self.probe_timeout = std::time::Duration::from_millis(ms);
         }
         if let Ok(t) = std::env::var("IBEX_AUTH_TOKEN")
             && !t.is_empty()
@@ -92,11 +119,17 @@ impl Config {
                 self.credits
             )));
         }
-        if self.fragment_size < 4096 || self.fragment_size > (64 << 20) {
-            return Err(Error::Config(format!(
-                "fragment_size {} must be within 4 KiB..=64 MiB",
-                self.fragment_size
-            )));
+        for (name, f) in [
+            ("fragment_size", self.fragment_size),
+            ("default_fragment_size", Some(self.default_fragment_size)),
+        ] {
+            if let Some(f) = f
+                && !(MIN_FRAGMENT..=MAX_FRAGMENT).contains(&f)
+            {
+                return Err(Error::Config(format!(
+                    "{name} {f} must be within 4 KiB..=64 MiB (IBEX_FRAGMENT_SIZE sets fragment_size)"
+                )));
+            }
         }
         if self.max_reads_in_flight == 0 {
             return Err(Error::Config(
@@ -118,7 +151,29 @@ impl Config {
     pub fn max_eager(&self) -> usize {
         self.slot_size - crate::proto::EAGER_OVERHEAD
     }
+
+    /// True when the connect-time probe should run: it is on, and the eager threshold or the
+    /// fragment size is left for it to pick.
+    pub fn wants_probe(&self) -> bool {
+        self.probe && (self.eager_threshold.is_none() || self.fragment_size.is_none())
+    }
+
+    /// Bytes of the zero buffer the probe's rendezvous samples read: the largest eager
+    /// candidate, or the fragment samples' length when the fragment size is to be probed.
+    pub fn probe_buffer_len(&self) -> usize {
+        let frag = if self.fragment_size.is_none() {
+            crate::proto::FRAGMENT_PROBE_LEN
+        } else {
+            0
+        };
+        self.max_eager().max(frag)
+    }
 }
+
+/// Smallest fragment size a configuration (or a peer's probe sample) may ask for.
+pub const MIN_FRAGMENT: usize = 4096;
+/// Largest fragment size a configuration (or a peer's probe sample) may ask for.
+pub const MAX_FRAGMENT: usize = 64 << 20;
 
 fn env_usize(name: &str) -> Result<Option<usize>> {
     match std::env::var(name) {
@@ -157,6 +212,62 @@ mod tests {
         assert_eq!(parse_size("16K"), Some(16384));
         assert_eq!(parse_size("1MiB"), Some(1 << 20));
         assert_eq!(parse_size("x"), None);
+    }
+
+    #[test]
+    fn fragment_sizes_are_bounded() {
+        let c = Config {
+            fragment_size: Some(1000),
+            ..Config::default()
+        };
+        assert!(matches!(c.validate(), Err(Error::Config(m)) if m.contains("fragment_size 1000")));
+        let c = Config {
+            default_fragment_size: 128 << 20,
+            ..Config::default()
+        };
+        assert!(
+            matches!(c.validate(), Err(Error::Config(m)) if m.contains("default_fragment_size"))
+        );
+        assert!(
+            Config {
+                fragment_size: Some(64 << 10),
+                ..Config::default()
+            }
+            .validate()
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn the_probe_runs_while_something_is_left_to_pick() {
+        let d = Config::default();
+        assert!(d.wants_probe());
+        assert_eq!(d.probe_buffer_len(), crate::proto::FRAGMENT_PROBE_LEN);
+        let t = Config {
+            eager_threshold: Some(4096),
+            ..Config::default()
+        };
+        assert!(t.wants_probe(), "the fragment size is still open");
+        let both = Config {
+            fragment_size: Some(1 << 20),
+            ..t.clone()
+        };
+        assert!(!both.wants_probe());
+        assert_eq!(
+            Config {
+                fragment_size: Some(1 << 20),
+                ..Config::default()
+            }
+            .probe_buffer_len(),
+            d.max_eager()
+        );
+        assert!(
+            !Config {
+                probe: false,
+                ..Config::default()
+            }
+            .wants_probe()
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ static GUARD: std::sync::LazyLock<Duration> = std::sync::LazyLock::new(|| {
 });
 
 mod conn_util;
-use conn_util::{fixed_threshold, pattern, uri};
+use conn_util::{fixed_threshold, init_tracing, pattern, uri};
 
 /// verbs tests run only in the Soft-RoCE VM; elsewhere they say so and return.
 #[cfg(feature = "verbs")]
@@ -41,6 +41,7 @@ fn side(config: &Config, provider: &str, var: &str) -> Config {
 }
 
 async fn pair_with(provider: &str, tag: &str, config: Config) -> (Connection, Connection) {
+    init_tracing();
     let l = listen(
         &uri(provider, tag),
         side(&config, provider, "IBEX_TEST_SERVER_DEV"),
@@ -274,16 +275,24 @@ async fn threshold_probe_picks_a_value(p: &str) {
     // From the environment, as users build it (the VM harness raises the probe's time limit).
     let cfg = Config {
         eager_threshold: None,
+        fragment_size: None,
         probe: true,
         ..Config::from_env().expect("config")
     };
     let (a, b) = pair_with(p, "probe", cfg.clone()).await;
-    let t = a.probe_done().await;
-    assert!(t >= 1024 && t <= cfg.max_eager(), "threshold {t}");
-    // Known defect: on Soft-RoCE the probe ends without a verdict and keeps the default
-    // (not a time-out; cause not found yet). Everywhere else it must decide.
-    if p != "verbs" {
-        assert_eq!(a.stats().proto.threshold_source, "probe");
+    // Each end probes its own way out.
+    for (side, c) in [("server", &a), ("client", &b)] {
+        let t = c.probe_done().await;
+        assert!(t >= 1024 && t <= cfg.max_eager(), "threshold {t}");
+        let s = c.stats();
+        println!("{p} {side}: {s}");
+        assert_eq!(s.proto.threshold_source, "probe", "{s}");
+        // Both ends are this build, so the fragment size is probed as well.
+        assert_eq!(s.proto.fragment_source, "probe", "{s}");
+        assert!(
+            ibex_transport::proto::FRAGMENT_CANDIDATES.contains(&s.proto.fragment_size),
+            "{s}"
+        );
     }
     // Probe traffic never reaches the application.
     a.send(Bytes::from_static(b"first")).await.unwrap();

@@ -62,7 +62,7 @@ fn kill_mid_rendezvous(provider: &str) {
         let maps_before = memfd_maps();
         // Small fragments, one at a time: the transfer is still running when the kill lands.
         let slow = Config {
-            fragment_size: 64 * 1024,
+            fragment_size: Some(64 * 1024),
             max_reads_in_flight: 1,
             ..fixed_threshold(4096)
         };

@@ -820,8 +820,9 @@ mod ibex_only {
     }
 
     /// How calls map onto transport messages: a small unary call is one message each way
-    /// (head, body and end coalesced), and a large body frame is its own message, which the
-    /// transport moves rendezvous.
+    /// (head, body and end coalesced), and a large body frame travels as 1 MiB pieces, each
+    /// its own message, which the transport moves rendezvous (so the receiver decodes one
+    /// piece while the next is moving).
     async fn message_paths<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
         let ch = Channel::connect_with_config(&srv.addr, ibex_config())
@@ -856,13 +857,13 @@ mod ibex_only {
         let after2 = ch.connection().stats();
         assert_eq!(
             delta(&after, &after2),
-            [1, 1, 1, 1],
-            "2 MiB echo: [eager sent, eager recv, rndv sent, rndv recv]"
+            [2, 2, 2, 2],
+            "2 MiB echo, two pieces each way: [eager sent, eager recv, rndv sent, rndv recv]"
         );
         let body = after2.proto.rndv_bytes_sent - after.proto.rndv_bytes_sent;
         assert!(
             (2 * MIB as u64..2 * MIB as u64 + 64).contains(&body),
-            "the body frame went whole, not split: {body} B"
+            "the pieces add up to the body frame: {body} B"
         );
         srv.shutdown().await.unwrap();
     }
@@ -877,12 +878,12 @@ mod ibex_only {
         within(message_paths::<IbexTcp>()).await
     }
 
-    /// A body frame the transport refuses (over the peer's `max_message_size`) fails only its
-    /// call, with `ResourceExhausted` naming the limit, in either direction; the connection's
-    /// framing survives and the next call works.
+    /// A body piece the transport refuses (over the peer's `max_message_size`, here below the
+    /// 1 MiB piece size) fails only its call, with `ResourceExhausted` naming the limit, in
+    /// either direction; the connection's framing survives and the next call works.
     async fn transport_limit(uri: impl Fn() -> String) {
         let small = ibex_transport::Config {
-            max_message_size: MIB as u64,
+            max_message_size: MIB as u64 / 4,
             ..ibex_config()
         };
         for (server_cfg, client_cfg) in [
@@ -910,7 +911,7 @@ mod ibex_only {
                 })
                 .await
             {
-                Ok(_) => panic!("a 2 MiB message passed a 1 MiB transport limit"),
+                Ok(_) => panic!("a 2 MiB message passed a 256 KiB transport limit"),
                 Err(e) => e,
             };
             assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");

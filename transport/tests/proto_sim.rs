@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ibex_transport::Config;
+use ibex_transport::config::EnvOverrides;
 use ibex_transport::error::Error;
 use ibex_transport::proto::frame::{Body, Frame};
 use ibex_transport::proto::{
@@ -64,6 +65,12 @@ struct SimCfg {
     read_bw: u64,
     /// Random extra per read, up to this (reorders completions).
     read_jitter: Duration,
+    /// Reads share one pipe: each waits for the previous one to leave it, then holds it for
+    /// `read_op` plus its length at `read_bw` (a NIC serving reads one after the other).
+    /// Otherwise every read runs on its own at full bandwidth.
+    read_pipe: bool,
+    /// Per-read cost inside the pipe (work request handling, a round trip per read).
+    read_op: Duration,
     /// Slow reader: the application consumes one message per interval.
     consume_every: Option<Duration>,
     /// Receivers map rendezvous buffers instead of reading them.
@@ -79,6 +86,8 @@ impl Default for SimCfg {
             read_latency: Duration::from_micros(2),
             read_bw: 0,
             read_jitter: Duration::ZERO,
+            read_pipe: false,
+            read_op: Duration::ZERO,
             consume_every: None,
             mapped: false,
             seed: 1,
@@ -87,11 +96,7 @@ impl Default for SimCfg {
 }
 
 fn ns_for(len: usize, bw: u64) -> Duration {
-    if bw == 0 {
-        Duration::ZERO
-    } else {
-        Duration::from_nanos(len as u64 * 1000 / bw)
-    }
+    Duration::from_nanos((len as u64 * 1000).checked_div(bw).unwrap_or(0))
 }
 
 struct PendingRead {
@@ -136,6 +141,10 @@ struct Side {
     released: Vec<MsgId>,
     discarded: Vec<MsgId>,
     thresholds: Vec<usize>,
+    /// Fragment sizes reported by `ProbeDone`.
+    fragments: Vec<usize>,
+    /// The read pipe (`SimCfg::read_pipe`) is busy until then.
+    pipe_free: Instant,
     /// Actions seen after `Closed` (must only be releases, discards, a threshold).
     after_close: Vec<String>,
     dead: bool,
@@ -167,6 +176,8 @@ impl Side {
             released: Vec::new(),
             discarded: Vec::new(),
             thresholds: Vec::new(),
+            fragments: Vec::new(),
+            pipe_free: now,
             after_close: Vec::new(),
             dead: false,
         }
@@ -356,6 +367,7 @@ impl Sim {
             self.cfg.read_bw,
             self.cfg.consume_every,
         );
+        let (read_pipe, read_op) = (self.cfg.read_pipe, self.cfg.read_op);
         let (me, peer) = self.sides_mut(i);
         if me.closed.is_some() {
             me.after_close
@@ -395,7 +407,14 @@ impl Sim {
                     me.dest.contains_key(&msg),
                     "read for a message without destination"
                 );
-                let at = now + read_latency + ns_for(len, read_bw) + Duration::from_nanos(jitter);
+                let at = if read_pipe {
+                    let done =
+                        (now + read_latency).max(me.pipe_free) + read_op + ns_for(len, read_bw);
+                    me.pipe_free = done;
+                    done
+                } else {
+                    now + read_latency + ns_for(len, read_bw) + Duration::from_nanos(jitter)
+                };
                 me.read_issue_order.push(id);
                 me.reads.push(PendingRead {
                     at,
@@ -451,11 +470,15 @@ impl Sim {
                 me.mapped.remove(&msg);
                 me.discarded.push(msg);
             }
-            Action::ThresholdChosen { threshold } => {
+            Action::ProbeDone {
+                threshold,
+                fragment_size,
+            } => {
                 if let Some(id) = me.probe_exposure.take() {
                     me.exposed.remove(&id);
                 }
                 me.thresholds.push(threshold);
+                me.fragments.push(fragment_size);
             }
             Action::Closed { error } => {
                 assert!(me.closed.is_none(), "Closed twice");
@@ -672,7 +695,7 @@ fn a_256_mib_message_arrives_intact() {
     sim.run();
     sim.assert_all_delivered();
     let rs = sim.sides[1].conn.stats();
-    assert_eq!(rs.reads_issued, (len / c.fragment_size) as u64);
+    assert_eq!(rs.reads_issued, (len / c.default_fragment_size) as u64);
     assert_eq!(rs.rndv_bytes_recv, len as u64);
 }
 
@@ -711,7 +734,7 @@ fn message_size_limits_are_enforced_on_both_sides() {
 #[test]
 fn reordered_read_completions_still_deliver_in_order() {
     let c = Config {
-        fragment_size: 4096,
+        fragment_size: Some(4096),
         max_reads_in_flight: 8,
         ..config()
     };
@@ -740,7 +763,7 @@ fn reordered_read_completions_still_deliver_in_order() {
 #[test]
 fn reads_in_flight_never_exceed_the_limit() {
     let c = Config {
-        fragment_size: 4096,
+        fragment_size: Some(4096),
         max_reads_in_flight: 3,
         ..config()
     };
@@ -890,7 +913,7 @@ fn credits_come_back_in_credit_frames_when_nothing_else_flows() {
 fn five_thousand_mixed_messages_arrive_in_order() {
     let c = Config {
         credits: 16,
-        fragment_size: 64 * 1024,
+        fragment_size: Some(64 * 1024),
         ..config()
     };
     let cfg = SimCfg {
@@ -1003,11 +1026,7 @@ fn probe_with(cfg: SimCfg) -> (usize, Sim) {
     let len = c.max_eager();
     sim.start_probe(0, len);
     sim.run();
-    assert_eq!(
-        sim.sides[0].thresholds.len(),
-        1,
-        "exactly one ThresholdChosen"
-    );
+    assert_eq!(sim.sides[0].thresholds.len(), 1, "exactly one ProbeDone");
     assert!(sim.sides[0].probe_exposure.is_none());
     (sim.sides[0].thresholds[0], sim)
 }
@@ -1119,13 +1138,267 @@ fn a_probe_started_before_the_handshake_waits_for_it() {
     assert_eq!(sim.sides[0].thresholds, vec![c.max_eager()]);
 }
 
+#[test]
+fn the_probe_time_limit_counts_from_the_handshake() {
+    // Setting a provider up (registering memory) can take seconds before the peer's Hello
+    // arrives; that time must not eat the probe's budget.
+    let c = config();
+    let t0 = Instant::now();
+    let mut conn = Connection::new(&c, t0);
+    conn.start_probe(t0, Bytes::from_static(b"probe"), c.max_eager());
+    assert_eq!(
+        conn.poll_timeout(),
+        None,
+        "no probe clock before the handshake"
+    );
+    let t1 = t0 + Duration::from_secs(5);
+    conn.handle_frame(t1, hello(&c));
+    assert_eq!(conn.poll_timeout(), Some(t1 + c.probe_timeout));
+    conn.handle_timeout(t1 + c.probe_timeout - Duration::from_millis(1));
+    assert!(
+        conn.poll_action().is_none(),
+        "the probe was abandoned before its time"
+    );
+}
+
+/// Runs the whole probe (threshold, then fragment size) from side 0 and returns the
+/// fragment size it chose.
+fn probe_fragments_with(cfg: SimCfg) -> (usize, Sim) {
+    let c = config();
+    let mut sim = Sim::pair(&c, &c, cfg);
+    sim.start_probe(0, c.probe_buffer_len());
+    sim.run();
+    let s = &sim.sides[0];
+    assert_eq!(s.fragments.len(), 1, "exactly one ProbeDone");
+    assert_eq!(s.conn.fragment_size(), s.fragments[0]);
+    assert!(s.probe_exposure.is_none());
+    (s.fragments[0], sim)
+}
+
+/// Reads share a 1 GB/s pipe and each costs `op_us` in it.
+fn read_pipe(op_us: u64) -> SimCfg {
+    SimCfg {
+        read_pipe: true,
+        read_op: Duration::from_micros(op_us),
+        read_bw: 1_000,
+        ..SimCfg::default()
+    }
+}
+
+#[test]
+fn a_high_cost_per_read_makes_the_probe_pick_large_fragments() {
+    let (f, mut sim) = probe_fragments_with(read_pipe(200));
+    assert_eq!(f, 1 << 20);
+    let s = sim.sides[0].conn.stats().clone();
+    assert_eq!((s.fragment_size, s.fragment_source), (1 << 20, "probe"));
+    assert_eq!(s.threshold_source, "probe", "both phases ran");
+    // 16 threshold samples, a warm-up and two rounds of five fragment samples; none delivered.
+    assert_eq!(sim.sides[1].discarded.len(), 16 + 11);
+    assert_eq!(sim.sides[1].delivered, 0);
+    assert!(
+        sim.sides[0].sent_frames.iter().any(|f| f.0 == 10),
+        "no ProbeRead went out"
+    );
+    // The verdict governs this side's reads: an 8 MiB message from the peer takes 8 of them.
+    assert_eq!(sim.sides[0].conn.stats().reads_issued, 0);
+    sim.send(1, payload(3, 8 << 20));
+    sim.run();
+    sim.assert_all_delivered();
+    assert_eq!(sim.sides[0].conn.stats().reads_issued, 8);
+}
+
+#[test]
+fn a_pipe_limited_link_ties_and_the_probe_picks_the_smallest_fragment() {
+    // No per-read cost: with reads in flight the pipe is always full, whatever the size.
+    let (f, _) = probe_fragments_with(read_pipe(0));
+    assert_eq!(f, 64 << 10);
+}
+
+#[test]
+fn the_probe_finds_a_fragment_size_in_the_middle() {
+    // 10 µs per read on 4 MiB at 1 GB/s (~4.2 ms): 128 KiB still costs 7% more than 1 MiB,
+    // 256 KiB only 3%, which is within the 5% tie margin.
+    let (f, _) = probe_fragments_with(read_pipe(10));
+    assert_eq!(f, 256 << 10);
+}
+
+#[test]
+fn the_fragment_probe_is_deterministic() {
+    let cfg = SimCfg {
+        read_jitter: Duration::from_micros(30),
+        seed: 7,
+        ..read_pipe(20)
+    };
+    let runs: Vec<usize> = (0..3)
+        .map(|_| probe_fragments_with(cfg.clone()).0)
+        .collect();
+    assert!(runs.windows(2).all(|w| w[0] == w[1]), "{runs:?}");
+}
+
+#[test]
+fn a_configured_fragment_size_is_not_probed_and_says_where_it_came_from() {
+    let c = Config {
+        fragment_size: Some(128 << 10),
+        ..config()
+    };
+    let mut sim = Sim::pair(&c, &c, read_pipe(200));
+    sim.start_probe(0, c.probe_buffer_len());
+    sim.run();
+    let s = &sim.sides[0];
+    assert!(
+        !s.sent_frames.iter().any(|f| f.0 == 10),
+        "a ProbeRead went out"
+    );
+    assert_eq!(s.fragments, vec![128 << 10]);
+    let st = s.conn.stats();
+    assert_eq!(
+        (st.fragment_size, st.fragment_source, st.threshold_source),
+        (128 << 10, "config", "probe")
+    );
+    assert_eq!(s.conn.fragment_verdict(), None);
+    // From the environment (Config::with_env records it), and the default otherwise.
+    let env = EnvOverrides {
+        eager_threshold: true,
+        fragment_size: true,
+    };
+    let e = Config {
+        eager_threshold: Some(2000),
+        fragment_size: Some(1 << 20),
+        env_overrides: env,
+        ..config()
+    };
+    let conn = Connection::new(&e, Instant::now());
+    assert_eq!(
+        (conn.stats().threshold_source, conn.stats().fragment_source),
+        ("env", "env")
+    );
+    assert_eq!(conn.fragment_size(), 1 << 20);
+    let conn = Connection::new(&config(), Instant::now());
+    assert_eq!(
+        (conn.stats().fragment_size, conn.stats().fragment_source),
+        (config().default_fragment_size, "default")
+    );
+}
+
+#[test]
+fn an_older_peer_gets_no_fragment_probe() {
+    // Its Hello has no extension: it would reject a ProbeRead as an unknown kind.
+    let c = config();
+    let (mut conn, t0) = established(&c);
+    conn.start_probe(t0, Bytes::from_static(b"probe"), c.probe_buffer_len());
+    let mut kinds = Vec::new();
+    let mut done = None;
+    for _ in 0..1000 {
+        while let Some(f) = conn.poll_transmit(t0) {
+            let body = Frame::decode(&f).expect("frame").body;
+            kinds.push(body.kind());
+            let answer = match body {
+                Body::ProbeEager { probe_id, .. } => Body::ProbeAck { probe_id },
+                Body::ProbeRts { probe_id, .. } | Body::ProbeRead { probe_id, .. } => {
+                    Body::RndvDone {
+                        seq: u64::from(probe_id),
+                        probe: true,
+                    }
+                }
+                _ => continue,
+            };
+            // Return the sample's credit too, as the peer would.
+            conn.handle_frame(
+                t0,
+                Frame {
+                    credits: 1,
+                    body: answer,
+                }
+                .to_bytes(),
+            );
+        }
+        if let Some(a) = drain_actions(&mut conn)
+            .into_iter()
+            .find(|a| matches!(a, Action::ProbeDone { .. }))
+        {
+            done = Some(a);
+            break;
+        }
+    }
+    assert!(
+        matches!(done, Some(Action::ProbeDone { fragment_size, .. }) if fragment_size == c.default_fragment_size)
+    );
+    assert!(
+        !kinds.contains(&10),
+        "ProbeRead sent to a peer that did not announce it"
+    );
+    assert_eq!(kinds.len(), 32, "the threshold phase ran in full");
+    assert_eq!(
+        (conn.stats().threshold_source, conn.stats().fragment_source),
+        ("probe", "default")
+    );
+}
+
+#[test]
+fn probe_reads_and_hello_extensions_are_checked() {
+    let c = config();
+    let read = |fragment: u32| {
+        Frame::new(Body::ProbeRead {
+            probe_id: 0,
+            len: 1 << 20,
+            fragment,
+            desc: Bytes::from_static(b"d"),
+        })
+        .to_bytes()
+    };
+    let (mut conn, t0) = established(&c);
+    assert_rejected(&mut conn, t0, read(100), "100-byte fragments");
+    let (mut conn, t0) = established(&c);
+    assert_rejected(&mut conn, t0, read(128 << 20), "fragments");
+    let (mut conn, t0) = established(&c);
+    conn.handle_frame(t0, read(64 << 10));
+    let actions = drain_actions(&mut conn);
+    assert!(
+        matches!(actions[..], [Action::BeginRecv { probe: true, len, .. }] if len == 1 << 20),
+        "{actions:?}"
+    );
+    // A Hello whose extension entry runs past the block.
+    let t0 = Instant::now();
+    let mut conn = Connection::new(&c, t0);
+    let bad = Frame::new(Body::Hello {
+        slots: 4,
+        slot_size: 65536,
+        max_message: 1 << 30,
+        fragment_size: 1 << 19,
+        ext: Bytes::from_static(&[1, 0, 9, 0, 1]),
+    });
+    assert_rejected(&mut conn, t0, bad.to_bytes(), "malformed Hello extension");
+}
+
+#[test]
+fn a_probe_read_is_read_in_the_fragments_it_asks_for() {
+    let c = config();
+    let mut sim = Sim::pair(&c, &c, SimCfg::default());
+    let now = sim.now;
+    let (_, desc) = sim.sides[0].expose(Bytes::from(vec![0u8; 1 << 20]));
+    let f = Frame::new(Body::ProbeRead {
+        probe_id: 0,
+        len: 1 << 20,
+        fragment: 128 << 10,
+        desc,
+    })
+    .to_bytes();
+    // As if side 0 had sent it: it holds one of side 1's slots until credited back.
+    sim.sides[0].outstanding += 1;
+    sim.sides[1].conn.handle_frame(now, f);
+    sim.run();
+    assert_eq!(sim.sides[1].conn.stats().reads_issued, 8);
+    assert_eq!(sim.sides[1].discarded.len(), 1);
+}
+
 /// Feeds a connection the peer's Hello by hand.
 fn hello(c: &Config) -> Bytes {
     Frame::new(Body::Hello {
         slots: c.credits,
         slot_size: c.slot_size as u32,
         max_message: c.max_message_size,
-        fragment_size: c.fragment_size as u32,
+        fragment_size: c.default_fragment_size as u32,
+        // As the first version-1 builds send it: no extension, so no fragment probe.
         ext: Bytes::new(),
     })
     .to_bytes()
@@ -1148,7 +1421,7 @@ fn an_unanswered_probe_is_abandoned_after_two_seconds() {
     assert!(conn.poll_action().is_none());
     conn.handle_timeout(t0 + Duration::from_secs(2));
     assert!(
-        matches!(conn.poll_action(), Some(Action::ThresholdChosen { threshold }) if threshold == c.default_eager_threshold)
+        matches!(conn.poll_action(), Some(Action::ProbeDone { threshold, .. }) if threshold == c.default_eager_threshold)
     );
     assert_eq!(conn.poll_timeout(), None);
     assert_eq!(conn.stats().threshold_source, "default");
@@ -1597,6 +1870,14 @@ fn any_body() -> impl Strategy<Value = Body> {
             }
         }),
         (any::<u32>(), ".{0,100}").prop_map(|(code, reason)| Body::Close { code, reason }),
+        (any::<u32>(), any::<u64>(), any::<u32>(), bytes_up_to(257)).prop_map(
+            |(probe_id, len, fragment, desc)| Body::ProbeRead {
+                probe_id,
+                len,
+                fragment,
+                desc
+            }
+        ),
     ]
 }
 
@@ -1638,7 +1919,7 @@ proptest! {
         seed in any::<u64>(),
         slow in any::<bool>(),
     ) {
-        let c = Config { credits: 4, fragment_size: 64 * 1024, ..config() };
+        let c = Config { credits: 4, fragment_size: Some(64 * 1024), ..config() };
         let cfg = SimCfg {
             read_jitter: Duration::from_micros(20),
             link_bw: if slow { 50 } else { 0 },

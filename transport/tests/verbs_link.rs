@@ -300,6 +300,48 @@ async fn rdma_read_in_fragments_with_several_outstanding() {
 }
 
 #[tokio::test]
+async fn reads_beyond_the_read_depth_queue_and_all_complete() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    // The depth is bounded by both devices' max_qp_(init_)rd_atom; post three times that
+    // many reads at once: the link must hold the rest back, not fail or drop them.
+    let depth = c.read_depth();
+    assert!((1..=16).contains(&depth), "read depth {depth}");
+    let (frag, n) = (16 << 10, depth * 3);
+    let data = Bytes::from(pattern(11, frag * n));
+    let exp = s.expose(data.clone()).expect("expose");
+    let mut dst = c.alloc_recv(frag * n).expect("alloc_recv");
+    for i in 0..n {
+        // SAFETY: `dst` outlives every ReadDone we wait for below and the link.
+        unsafe {
+            c.post_read(
+                i as u64,
+                &exp.descriptor,
+                (i * frag) as u64,
+                dst.as_mut_ptr().add(i * frag),
+                frag,
+            )
+        }
+        .expect("post_read");
+    }
+    let mut done = vec![false; n];
+    for _ in 0..n {
+        match next(&mut c).await.expect("event") {
+            LinkEvent::ReadDone { id, result } => {
+                result.expect("read succeeds");
+                assert!(
+                    !std::mem::replace(&mut done[id as usize], true),
+                    "duplicate ReadDone {id}"
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(dst.as_slice() == &data[..], "read data differs");
+}
+
+#[tokio::test]
 async fn bad_descriptors_are_errors() {
     let Some(env) = env() else { return };
     let cfg = small_config();

@@ -23,14 +23,14 @@ const CONNECT_RETRY: Duration = Duration::from_secs(30);
 /// Tensors at least this large go as remote-buffer descriptors when the channel reads them
 /// one-sided (shm CMA, RDMA): below it the extra round trip of the read costs more than
 /// the copy it saves.
-const REMOTE_MIN_BYTES: usize = 256 << 10;
+pub(crate) const REMOTE_MIN_BYTES: usize = 256 << 10;
 
 /// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
 const MAX_MESSAGE: usize = 1 << 30;
 
 /// The generated client is generic over the channel; one worker may use either kind.
 #[derive(Clone)]
-enum Client {
+pub(crate) enum Client {
     Ibex(
         ParameterServerClient<ibex_transport::grpc::Channel>,
         ibex_transport::grpc::Channel,
@@ -50,10 +50,12 @@ macro_rules! rpc {
 
 /// A training task's handle on the parameter servers.
 pub struct Worker {
-    index: u32,
-    clients: Vec<Client>,
+    pub(crate) index: u32,
+    pub(crate) clients: Vec<Client>,
     state: Mutex<State>,
     profile: Mutex<CommProfile>,
+    /// Registered gradient buffers per variable (see `staging`).
+    pub(crate) staging: crate::staging::Cache,
 }
 
 #[derive(Default)]
@@ -93,6 +95,7 @@ impl Worker {
                 load,
             }),
             profile: Mutex::new(CommProfile::default()),
+            staging: Default::default(),
         })
     }
 
@@ -210,14 +213,31 @@ impl Worker {
     /// before the step is applied).
     pub async fn push(&self, step: u64, grads: &[(&str, &[f32])]) -> Result<(), WorkerError> {
         let reqs = self.push_requests(step, grads).await?;
-        try_join_all(reqs.into_iter().map(|(ps, req, _keep)| async move {
-            self.count("Push");
-            let r = rpc!(self.clients[ps], push, req).map_err(|s| WorkerError::from_status(ps, s));
-            drop(_keep);
-            r
-        }))
-        .await?;
+        self.send_push(reqs).await
+    }
+
+    /// Sends one push request per PS; each exposed buffer lives until its call returned.
+    pub(crate) async fn send_push(&self, reqs: Vec<PushReq>) -> Result<(), WorkerError> {
+        try_join_all(reqs.into_iter().map(|r| self.send_one(r, false))).await?;
         Ok(())
+    }
+
+    /// Sends one PS's push (or push-pull, returning its fresh values); the exposed buffers
+    /// live until the call returned, since the PS reads them during the call.
+    pub(crate) async fn send_one(
+        &self,
+        (ps, req, keep): PushReq,
+        pull: bool,
+    ) -> Result<Vec<pb::Tensor>, WorkerError> {
+        let values = if pull {
+            self.count("PushPull");
+            rpc!(self.clients[ps], push_pull, req).map(|r| r.into_inner().values)
+        } else {
+            self.count("Push");
+            rpc!(self.clients[ps], push, req).map(|_| Vec::new())
+        };
+        drop(keep);
+        values.map_err(|s| WorkerError::from_status(ps, s))
     }
 
     /// Pushes `grads` for `step`, waits until the step is applied, and returns the fresh
@@ -229,16 +249,17 @@ impl Worker {
     ) -> Result<Vec<Vec<f32>>, WorkerError> {
         let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
         let reqs = self.push_requests(step, grads).await?;
-        let replies = try_join_all(reqs.into_iter().map(|(ps, req, keep)| async move {
-            self.count("PushPull");
-            let r =
-                rpc!(self.clients[ps], push_pull, req).map_err(|s| WorkerError::from_status(ps, s));
-            // The PS has read any exposed buffers once the call returned.
-            drop(keep);
-            Ok::<_, WorkerError>(r?.into_inner().values)
-        }))
-        .await?;
-        self.assemble(&places, replies.into_iter().flatten())
+        self.send_push_pull(&places, reqs).await
+    }
+
+    /// Sends one push-pull request per PS and reassembles the fresh values of `places`.
+    pub(crate) async fn send_push_pull(
+        &self,
+        places: &[Placement],
+        reqs: Vec<PushReq>,
+    ) -> Result<Vec<Vec<f32>>, WorkerError> {
+        let replies = try_join_all(reqs.into_iter().map(|r| self.send_one(r, true))).await?;
+        self.assemble(places, replies.into_iter().flatten())
     }
 
     /// Rows `ids` of sparse table `table`, concatenated (`ids.len() * dim` values).
@@ -428,13 +449,13 @@ impl Worker {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn count(&self, method: &'static str) {
+    pub(crate) fn count(&self, method: &'static str) {
         if let Ok(mut p) = self.profile.lock() {
             p.record_rpc(method);
         }
     }
 
-    fn lookup<'a>(
+    pub(crate) fn lookup<'a>(
         &self,
         names: impl Iterator<Item = &'a str>,
     ) -> Result<Vec<Placement>, WorkerError> {
@@ -467,7 +488,7 @@ impl Worker {
         &self,
         step: u64,
         grads: &[(&str, &[f32])],
-    ) -> Result<Vec<(usize, pb::PushRequest, Vec<RemoteBuf>)>, WorkerError> {
+    ) -> Result<Vec<PushReq>, WorkerError> {
         let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
         let mut per_ps: Vec<(Vec<pb::Tensor>, Vec<RemoteBuf>)> = (0..self.clients.len())
             .map(|_| Default::default())
@@ -523,7 +544,18 @@ impl Worker {
         shape: Vec<usize>,
         values: &[f32],
     ) -> Result<(pb::Tensor, Option<RemoteBuf>), WorkerError> {
-        let bytes = f32_to_bytes(values);
+        self.tensor_from_bytes(ps, name, shape, f32_to_bytes(values))
+            .await
+    }
+
+    /// As [`Worker::tensor`], for little-endian f32 bytes the caller already holds.
+    pub(crate) async fn tensor_from_bytes(
+        &self,
+        ps: usize,
+        name: &str,
+        shape: Vec<usize>,
+        bytes: Bytes,
+    ) -> Result<(pb::Tensor, Option<RemoteBuf>), WorkerError> {
         let len = bytes.len();
         let mut t = pb::Tensor {
             name: name.to_string(),
@@ -578,7 +610,7 @@ impl Worker {
     }
 
     /// Reassembles whole variables (in `places` order) from the parts in `values`.
-    fn assemble(
+    pub(crate) fn assemble(
         &self,
         places: &[Placement],
         values: impl Iterator<Item = pb::Tensor>,
@@ -621,6 +653,9 @@ fn malformed(ps: usize, what: &str) -> WorkerError {
         message: format!("malformed reply: {what}"),
     }
 }
+
+/// One PS's push request, with the exposed buffers that must outlive the call.
+pub(crate) type PushReq = (usize, pb::PushRequest, Vec<RemoteBuf>);
 
 /// For one part of a table: positions in the caller's `ids` it serves, and their part-local ids.
 type PartIds = (Vec<usize>, Vec<u64>);

@@ -70,6 +70,50 @@ pub enum WorkerError {
     /// The Ibex transport failed outside a call (exposing a buffer).
     #[error("transport: {0}")]
     Transport(#[from] ibex_transport::Error),
+    /// A registered gradient buffer is still held: by a push whose RPC has not returned (the
+    /// PS may still read it) or by another staging lease. `Worker::stage` waits instead.
+    #[error(
+        "the staging buffer of {name:?} is still in use by a push in flight or another lease; wait with Worker::stage"
+    )]
+    BufferBusy {
+        /// The variable.
+        name: String,
+    },
+    /// The CUDA driver library (`libcuda.so`) cannot be loaded, or lacks a function Ibex needs.
+    #[error(
+        "no usable CUDA driver: {detail}; install the NVIDIA driver (it provides libcuda.so.1) and make sure \
+         the dynamic loader finds it (ldconfig or LD_LIBRARY_PATH), or run on the CPU (--device cpu)"
+    )]
+    NoCudaDriver {
+        /// What was searched or what is missing.
+        detail: String,
+    },
+    /// The driver loaded but there is no (such) CUDA device.
+    #[error(
+        "no CUDA device: {detail}; check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on the CPU (--device cpu)"
+    )]
+    NoCudaDevice {
+        /// Device count, ordinal asked for, or the driver's code.
+        detail: String,
+    },
+    /// A device or pinned-host allocation failed for lack of memory.
+    #[error(
+        "CUDA out of memory in {op} ({bytes} B requested); free GPU memory or use smaller tensors"
+    )]
+    CudaOutOfMemory {
+        /// What was being allocated.
+        op: String,
+        /// Bytes requested.
+        bytes: usize,
+    },
+    /// Any other CUDA driver, cuBLAS or NVRTC failure.
+    #[error("CUDA call {op} failed: {code}")]
+    Cuda {
+        /// The operation.
+        op: String,
+        /// The driver's error code name (or the library's message).
+        code: String,
+    },
     /// Misuse of the API (bad arguments that never reach a PS).
     #[error("{0}")]
     Usage(String),

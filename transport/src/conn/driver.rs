@@ -124,7 +124,6 @@ pub(crate) struct State {
     pub link: Option<Box<dyn Link>>,
     pub info: LinkInfo,
     pub pool: Option<Arc<Pool>>,
-    pub fragment_size: usize,
     pending_tx: Option<Bytes>,
     sends: HashMap<MsgId, PendingSend>,
     dests: HashMap<MsgId, Dest>,
@@ -177,7 +176,6 @@ impl State {
     pub fn new(
         core: proto::Connection,
         link: Box<dyn Link>,
-        fragment_size: usize,
         self_ref: std::sync::Weak<Shared>,
     ) -> State {
         let info = link.info();
@@ -192,7 +190,6 @@ impl State {
             link: Some(link),
             info,
             pool,
-            fragment_size,
             pending_tx: None,
             sends: HashMap::new(),
             dests: HashMap::new(),
@@ -346,7 +343,7 @@ impl State {
         }
         let req = API_READ_BIT | self.next_api_id;
         self.next_api_id += 1;
-        let frag = self.fragment_size.max(1);
+        let frag = self.core.fragment_size().max(1);
         let nfrags = len.div_ceil(frag).max(1);
         let base = match staging.as_mut() {
             Some(s) => s.as_mut_ptr(),
@@ -554,14 +551,21 @@ impl State {
                 }
                 false
             }
-            Action::ThresholdChosen { threshold } => {
+            Action::ProbeDone {
+                threshold,
+                fragment_size,
+            } => {
                 if let (Some(id), Some(link)) = (self.probe_exposure.take(), self.link.as_mut()) {
                     link.withdraw(id);
                 }
+                let s = self.core.stats();
                 tracing::info!(
                     threshold,
+                    threshold_source = s.threshold_source,
+                    fragment_size,
+                    fragment_source = s.fragment_source,
                     provider = self.info.provider,
-                    "eager threshold chosen by probe"
+                    "connect-time probe over"
                 );
                 true
             }
@@ -891,7 +895,10 @@ impl State {
                 match link.poll_event(cx) {
                     Poll::Ready(ev) => {
                         let failed = ev.is_err();
-                        self.handle_event(ev, now, wake);
+                        // A fresh clock per event: the probe times its samples from the
+                        // turn's `now` at transmit, and an answer in the same turn would
+                        // otherwise measure zero.
+                        self.handle_event(ev, Instant::now(), wake);
                         progress = true;
                         if failed {
                             break;

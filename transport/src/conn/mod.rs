@@ -63,10 +63,10 @@ impl Connection {
         config.validate()?;
         let now = Instant::now();
         let core = crate::proto::Connection::new(config, now);
-        let probe = config.eager_threshold.is_none() && config.probe;
-        let probe_len = config.max_eager();
+        let probe = config.wants_probe();
+        let probe_len = config.probe_buffer_len();
         let shared = Arc::new_cyclic(|weak| {
-            let mut state = State::new(core, link, config.fragment_size, weak.clone());
+            let mut state = State::new(core, link, weak.clone());
             if probe {
                 // The probe's rendezvous samples read this zero buffer.
                 if let Some(link) = state.link.as_mut() {

@@ -107,8 +107,8 @@ impl fmt::Display for ConnStats {
         )?;
         writeln!(
             f,
-            "eager threshold {} B ({})",
-            p.eager_threshold, p.threshold_source
+            "eager threshold {} B ({}), fragment {} B ({})",
+            p.eager_threshold, p.threshold_source, p.fragment_size, p.fragment_source
         )?;
         writeln!(
             f,

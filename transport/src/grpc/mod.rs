@@ -17,8 +17,9 @@
 //!
 //! How calls travel is described in `grpc/wire.rs`: each call is
 //! `HEAD *DATA [TRAILERS|END]` in each direction, many calls share one connection, and every
-//! body frame is its own transport message above a few KiB, so the transport moves large
-//! messages rendezvous without a copy. Flow control is per call (a byte window), so a slow
+//! body frame is its own transport message above a few KiB (in 1 MiB pieces from 2 MiB up,
+//! so the receiver decodes while the rest moves), and the transport moves large messages
+//! rendezvous without a copy. Flow control is per call (a byte window), so a slow
 //! reader of one call never stalls the others. What HTTP/2 did and tonic's own server layer
 //! did is done here: `grpc-timeout` deadlines (enforced on both sides), cancellation (the
 //! handler's future is dropped when the client cancels or goes away), trailers and

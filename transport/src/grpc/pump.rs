@@ -18,6 +18,11 @@ use super::{CallShared, Mux, transport_status};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Body frames of at least twice this size travel as several packets of this size: a whole 16 MiB
+/// message would otherwise be read, then copied by tonic's decoder, then answered, one
+/// stage after the other. Large enough that the per-message cost stays small.
+const PIECE: usize = 1 << 20;
+
 /// Which end is sending: it decides how the call ends.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Side {
@@ -147,11 +152,25 @@ where
         let (mut p, d) = pending.take().unwrap_or_else(|| (Packet::new(id), None));
         match item {
             Some(Ok(frame)) => match frame.into_data() {
-                Ok(data) => {
+                Ok(mut data) => {
                     // One body frame per packet: send what is filled, start a new one.
                     let mut p = p;
                     if d.is_some() {
                         if let Err(e) = mux.send(p, d).await {
+                            return Pumped::Failed(transport_status(&e));
+                        }
+                        p = Packet::new(id);
+                    }
+                    // A large frame goes in pieces (views of it, no copy), so the receiver
+                    // can hand the first to its decoder while the next is still moving.
+                    // The last piece takes the remainder (up to two pieces' worth), so a
+                    // message just over a multiple of PIECE does not end in a tiny one.
+                    while data.len() >= 2 * PIECE {
+                        let piece = data.split_to(PIECE);
+                        if !call.acquire(piece.len()).await {
+                            return Pumped::Stopped;
+                        }
+                        if let Err(e) = mux.send(p, Some(piece)).await {
                             return Pumped::Failed(transport_status(&e));
                         }
                         p = Packet::new(id);

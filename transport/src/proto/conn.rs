@@ -12,12 +12,14 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::frame::{Body, Frame, HEADER_LEN, MAX_DESC_LEN, truncate_utf8};
-use super::probe::{Probe, ProbePlan, Progress, Sample};
+use super::frame::{
+    Body, FEATURE_PROBE_READ, Frame, HEADER_LEN, HelloExt, MAX_DESC_LEN, truncate_utf8,
+};
+use super::probe::{FRAGMENT_PROBE_LEN, Probe, ProbePlan, Progress, Sample, Verdict};
 use super::{
     Action, Delivery, EAGER_OVERHEAD, MsgId, PROBE_MSG_BIT, ProtoStats, Protocol, RecvMode,
 };
-use crate::config::Config;
+use crate::config::{Config, MAX_FRAGMENT, MIN_FRAGMENT};
 use crate::error::Error;
 
 /// Close codes on the wire.
@@ -34,6 +36,8 @@ const MIN_PEER_SLOT: usize = 1024;
 struct Peer {
     slot_size: usize,
     max_message: u64,
+    /// Optional features from its `Hello` extension ([`FEATURE_PROBE_READ`]).
+    features: u32,
 }
 
 /// A queued outgoing message, in send order.
@@ -62,6 +66,9 @@ struct RndvIn {
     state: RndvState,
     /// Offset of the next fragment to issue.
     next_offset: u64,
+    /// Bytes per read: the fragment size in force when it was announced, or the one a
+    /// fragment-probe sample asks for.
+    frag: u64,
     reads_out: usize,
 }
 
@@ -129,11 +136,13 @@ pub struct Connection {
 
     // Threshold and probe.
     probe: Option<Probe>,
-    /// `start_probe` before the handshake: descriptor, length, when.
-    pending_probe: Option<(Bytes, usize, Instant)>,
+    /// `start_probe` before the handshake: descriptor and length.
+    pending_probe: Option<(Bytes, usize)>,
     /// Probe ids issued so far (answers to higher ids are forged).
     probe_issued: u32,
     probe_verdict: Option<usize>,
+    /// The fragment size the last probe picked.
+    fragment_verdict: Option<usize>,
 
     // Closing.
     /// Graceful close requested with this reason.
@@ -152,8 +161,14 @@ impl Connection {
             slots: config.credits,
             slot_size: u32::try_from(config.slot_size).unwrap_or(u32::MAX),
             max_message: config.max_message_size,
-            fragment_size: u32::try_from(config.fragment_size).unwrap_or(u32::MAX),
-            ext: Bytes::new(),
+            fragment_size: u32::try_from(
+                config.fragment_size.unwrap_or(config.default_fragment_size),
+            )
+            .unwrap_or(u32::MAX),
+            ext: HelloExt {
+                features: FEATURE_PROBE_READ,
+            }
+            .encode(),
         };
         let mut c = Connection {
             cfg: config.clone(),
@@ -183,11 +198,12 @@ impl Connection {
             pending_probe: None,
             probe_issued: 0,
             probe_verdict: None,
+            fragment_verdict: None,
             closing: None,
             close_error: None,
             final_frame: None,
         };
-        c.refresh_threshold();
+        c.refresh_settings();
         c
     }
 
@@ -225,11 +241,21 @@ impl Connection {
                     slots,
                     slot_size,
                     max_message,
+                    ext,
                     ..
                 },
                 None,
             ) => {
-                return self.on_hello(now, *slots, *slot_size as usize, *max_message);
+                let features = match HelloExt::decode(ext) {
+                    Ok(e) => e.features,
+                    Err(e) => return self.violation(format!("malformed Hello extension: {e}")),
+                };
+                let peer = Peer {
+                    slot_size: *slot_size as usize,
+                    max_message: *max_message,
+                    features,
+                };
+                return self.on_hello(now, *slots, peer);
             }
             (Body::Close { code, reason }, _) => {
                 let reason = if *code == CLOSE_GRACEFUL {
@@ -300,7 +326,34 @@ impl Connection {
                         "probe id {probe_id} reused while still in progress"
                     ));
                 }
-                self.begin_recv(msg, len, desc, true);
+                let frag = self.fragment_size() as u64;
+                self.begin_recv(msg, len, desc, true, frag);
+            }
+            Body::ProbeRead {
+                probe_id,
+                len,
+                fragment,
+                desc,
+            } => {
+                self.owed += 1;
+                let msg = PROBE_MSG_BIT | u64::from(probe_id);
+                if len > self.cfg.max_message_size {
+                    return self.violation(format!(
+                        "probe read of {len} bytes exceeds our max_message_size of {} bytes",
+                        self.cfg.max_message_size
+                    ));
+                }
+                if !(MIN_FRAGMENT..=MAX_FRAGMENT).contains(&(fragment as usize)) {
+                    return self.violation(format!(
+                        "probe read asks for {fragment}-byte fragments; {MIN_FRAGMENT}..={MAX_FRAGMENT} are allowed"
+                    ));
+                }
+                if self.recv.contains_key(&msg) {
+                    return self.violation(format!(
+                        "probe id {probe_id} reused while still in progress"
+                    ));
+                }
+                self.begin_recv(msg, len, desc, true, u64::from(fragment));
             }
         }
     }
@@ -347,7 +400,9 @@ impl Connection {
             _ => None,
         };
         if let Some(progress) = expired {
-            tracing::info!("threshold probe timed out; keeping the default eager threshold");
+            tracing::info!(
+                "probe timed out; what it finished measuring stands, the rest keeps its default"
+            );
             self.probe_progress(progress);
         }
     }
@@ -496,13 +551,17 @@ impl Connection {
         }
     }
 
-    /// Starts the threshold probe, using an exposed zero-filled buffer of `len` bytes
-    /// (`len` ≥ the largest probe size in `ProbePlan`) for its rendezvous samples.
+    /// Starts the connect-time probe, using an exposed zero-filled buffer of `len` bytes
+    /// ([`Config::probe_buffer_len`]) for its rendezvous and read samples.
     ///
-    /// Sizes above `len` are skipped. With `config.eager_threshold` set, the probe still
-    /// measures and logs its verdict ([`Connection::probe_verdict`]) but the configured
-    /// threshold stays in force. It always ends in one [`Action::ThresholdChosen`] (carrying
-    /// the threshold in force), after which the driver may withdraw the buffer.
+    /// Threshold sizes above `len` are skipped; the fragment phase runs only when
+    /// `config.fragment_size` is `None`, the peer announced [`FEATURE_PROBE_READ`], and
+    /// `len` and the peer's largest message cover [`FRAGMENT_PROBE_LEN`]. Its time limit
+    /// (`config.probe_timeout`) runs from the handshake, or from now if the handshake is
+    /// already done. With `config.eager_threshold` set, the probe still measures and logs
+    /// its threshold verdict ([`Connection::probe_verdict`]) but the configured threshold
+    /// stays in force. It always ends in one [`Action::ProbeDone`] (carrying the settings
+    /// in force), after which the driver may withdraw the buffer.
     pub fn start_probe(&mut self, now: Instant, descriptor: Bytes, len: usize) {
         if self.is_closed() {
             return;
@@ -512,12 +571,12 @@ impl Connection {
             return;
         }
         if self.closing.is_some() {
-            return self.threshold_chosen();
+            return self.probe_done();
         }
         if self.peer.is_some() {
             self.begin_probe(descriptor, len, now);
         } else {
-            self.pending_probe = Some((descriptor, len, now));
+            self.pending_probe = Some((descriptor, len));
         }
     }
 
@@ -538,7 +597,7 @@ impl Connection {
         }
         self.closing = Some(reason.to_owned());
         if self.pending_probe.take().is_some() {
-            self.threshold_chosen();
+            self.probe_done();
         }
         if let Some(p) = &mut self.probe {
             let progress = p.abandon();
@@ -579,6 +638,17 @@ impl Connection {
                         } => Body::ProbeRts {
                             probe_id,
                             len,
+                            desc,
+                        },
+                        Sample::Read {
+                            probe_id,
+                            len,
+                            fragment,
+                            desc,
+                        } => Body::ProbeRead {
+                            probe_id,
+                            len,
+                            fragment,
                             desc,
                         },
                     }));
@@ -627,6 +697,21 @@ impl Connection {
     /// it from taking effect. `None` before a probe finished (or if it was abandoned).
     pub fn probe_verdict(&self) -> Option<usize> {
         self.probe_verdict
+    }
+
+    /// The rendezvous fragment size in force for this side's reads: configured, else the
+    /// probe's verdict, else the default.
+    pub fn fragment_size(&self) -> usize {
+        self.cfg
+            .fragment_size
+            .or(self.fragment_verdict)
+            .unwrap_or(self.cfg.default_fragment_size)
+    }
+
+    /// The fragment size the probe picked; `None` before it finished, if it did not
+    /// measure fragments (configured, peer without the feature) or was abandoned first.
+    pub fn fragment_verdict(&self) -> Option<usize> {
+        self.fragment_verdict
     }
 
     /// True once [`Action::Closed`] has been emitted.
@@ -753,18 +838,16 @@ impl Connection {
 
     // ---- receive side ----
 
-    fn on_hello(&mut self, now: Instant, slots: u32, slot_size: usize, max_message: u64) {
-        if slots == 0 || slot_size < MIN_PEER_SLOT {
+    fn on_hello(&mut self, now: Instant, slots: u32, peer: Peer) {
+        if slots == 0 || peer.slot_size < MIN_PEER_SLOT {
             return self.violation(format!(
-                "Hello announces {slots} slots of {slot_size} bytes; at least 1 slot of {MIN_PEER_SLOT} bytes is required"
+                "Hello announces {slots} slots of {} bytes; at least 1 slot of {MIN_PEER_SLOT} bytes is required",
+                peer.slot_size
             ));
         }
-        self.peer = Some(Peer {
-            slot_size,
-            max_message,
-        });
+        self.peer = Some(peer);
         self.send_credits = slots;
-        self.refresh_threshold();
+        self.refresh_settings();
         let cap = self.eager_cap();
         if let Some(len) = self.data.iter().find_map(|o| match o {
             Out::Eager(m) if m.len() > cap => Some(m.len()),
@@ -778,8 +861,11 @@ impl Connection {
                 Some((CLOSE_LOCAL_ERROR, msg)),
             );
         }
-        if let Some((desc, len, at)) = self.pending_probe.take() {
-            self.begin_probe(desc, len, at.min(now));
+        // The time limit counts from here, not from `start_probe`: it bounds the probe, and
+        // the provider's set-up before the handshake (registering memory, which takes seconds
+        // under emulation) is not the probe's. The handshake has its own limit.
+        if let Some((desc, len)) = self.pending_probe.take() {
+            self.begin_probe(desc, len, now);
         }
     }
 
@@ -818,16 +904,18 @@ impl Connection {
             ));
         }
         self.next_recv_seq += 1;
-        self.begin_recv(seq, len, desc, false);
+        let frag = self.fragment_size() as u64;
+        self.begin_recv(seq, len, desc, false, frag);
     }
 
-    fn begin_recv(&mut self, msg: MsgId, len: u64, desc: Bytes, probe: bool) {
+    fn begin_recv(&mut self, msg: MsgId, len: u64, desc: Bytes, probe: bool, frag: u64) {
         let r = RndvIn {
             len,
             desc: desc.clone(),
             probe,
             state: RndvState::Announced,
             next_offset: 0,
+            frag,
             reads_out: 0,
         };
         self.recv.insert(msg, InMsg::Rndv(r));
@@ -841,7 +929,6 @@ impl Connection {
 
     /// Issues fragment reads, message by message, up to the in-flight limit.
     fn pump_reads(&mut self) {
-        let frag = self.cfg.fragment_size.max(1) as u64;
         while self.reads.len() < self.cfg.max_reads_in_flight {
             let Some(&msg) = self.read_queue.first() else {
                 break;
@@ -851,7 +938,7 @@ impl Connection {
                 continue;
             };
             let offset = r.next_offset;
-            let len = frag.min(r.len - offset);
+            let len = r.frag.max(1).min(r.len - offset);
             r.next_offset += len;
             r.reads_out += 1;
             if r.next_offset == r.len {
@@ -934,12 +1021,31 @@ impl Connection {
     fn begin_probe(&mut self, desc: Bytes, len: usize, started: Instant) {
         let mut plan = ProbePlan::default_for(self.eager_cap());
         plan.sizes.retain(|&s| s <= len);
-        if plan.sizes.is_empty() {
+        // Fragments are probed only when left open, with a peer that speaks `ProbeRead`
+        // (older peers would reject it), and when the sample fits the buffer and the peer.
+        let peer = self.peer.map_or((0, 0), |p| (p.features, p.max_message));
+        let frag_len = FRAGMENT_PROBE_LEN;
+        if self.cfg.fragment_size.is_none() {
+            if peer.0 & FEATURE_PROBE_READ == 0 {
+                tracing::info!(
+                    "peer does not take part in the fragment probe (older build); keeping the default fragment size"
+                );
+            } else if len < frag_len || peer.1 < frag_len as u64 {
+                tracing::info!(
+                    len,
+                    peer_max_message = peer.1,
+                    "fragment probe skipped: its {frag_len}-byte sample does not fit"
+                );
+            } else {
+                plan = plan.with_fragments(frag_len);
+            }
+        }
+        if plan.sizes.is_empty() && plan.fragments.is_empty() {
             tracing::info!(
                 len,
-                "probe buffer too small for any probe size; keeping the default threshold"
+                "probe buffer too small for any probe size; keeping the defaults"
             );
-            return self.threshold_chosen();
+            return self.probe_done();
         }
         self.probe = Some(Probe::new(plan, desc, started, self.cfg.probe_timeout));
     }
@@ -958,42 +1064,55 @@ impl Connection {
     }
 
     fn probe_progress(&mut self, progress: Progress) {
-        match progress {
-            Progress::Running => {}
-            Progress::Done(t) => {
-                self.probe = None;
-                self.probe_verdict = Some(t);
-                if self.cfg.eager_threshold.is_some() {
-                    tracing::info!(
-                        measured = t,
-                        "probe verdict reported only: eager_threshold is configured"
-                    );
-                } else {
-                    tracing::info!(threshold = t, "probe chose the eager threshold");
-                }
-                self.refresh_threshold();
-                self.threshold_chosen();
-            }
-            Progress::Abandoned => {
-                self.probe = None;
-                self.threshold_chosen();
+        let Progress::Finished(Verdict {
+            threshold,
+            fragment,
+        }) = progress
+        else {
+            return;
+        };
+        self.probe = None;
+        if let Some(t) = threshold {
+            self.probe_verdict = Some(t);
+            if self.cfg.eager_threshold.is_some() {
+                tracing::info!(
+                    measured = t,
+                    "probe verdict reported only: eager_threshold is configured"
+                );
+            } else {
+                tracing::info!(threshold = t, "probe chose the eager threshold");
             }
         }
+        if let Some(f) = fragment {
+            self.fragment_verdict = Some(f);
+            tracing::info!(fragment = f, "probe chose the rendezvous fragment size");
+        }
+        self.refresh_settings();
+        self.probe_done();
     }
 
-    fn threshold_chosen(&mut self) {
-        self.actions.push_back(Action::ThresholdChosen {
+    fn probe_done(&mut self) {
+        self.actions.push_back(Action::ProbeDone {
             threshold: self.eager_threshold(),
+            fragment_size: self.fragment_size(),
         });
     }
 
-    fn refresh_threshold(&mut self) {
+    /// Puts the threshold and fragment size in force, and where they came from, in the stats.
+    fn refresh_settings(&mut self) {
+        let env = self.cfg.env_overrides;
         self.stats.eager_threshold = self.eager_threshold();
-        self.stats.threshold_source = match (self.cfg.eager_threshold, self.probe_verdict) {
-            (Some(_), _) => "config",
-            (None, Some(_)) => "probe",
-            (None, None) => "default",
-        };
+        self.stats.threshold_source = source(
+            self.cfg.eager_threshold.is_some(),
+            env.eager_threshold,
+            self.probe_verdict.is_some(),
+        );
+        self.stats.fragment_size = self.fragment_size();
+        self.stats.fragment_source = source(
+            self.cfg.fragment_size.is_some(),
+            env.fragment_size,
+            self.fragment_verdict.is_some(),
+        );
     }
 
     // ---- closing ----
@@ -1032,7 +1151,7 @@ impl Connection {
             self.actions.push_back(Action::Release { msg });
         }
         if self.probe.take().is_some() || self.pending_probe.take().is_some() {
-            self.threshold_chosen();
+            self.probe_done();
         }
         self.control.clear();
         self.data.clear();
@@ -1043,6 +1162,16 @@ impl Connection {
         self.unconsumed.clear();
         self.groups.clear();
         self.mapped_unreleased.clear();
+    }
+}
+
+/// Where a setting in force came from, for the stats.
+fn source(configured: bool, from_env: bool, probed: bool) -> &'static str {
+    match (configured, from_env, probed) {
+        (true, true, _) => "env",
+        (true, false, _) => "config",
+        (false, _, true) => "probe",
+        (false, _, false) => "default",
     }
 }
 

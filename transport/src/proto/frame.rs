@@ -26,6 +26,11 @@ pub const MAX_DESC_LEN: usize = 256;
 pub const MAX_EXT_LEN: usize = 1024;
 /// `RndvDone` flag: the sequence number is a probe id, not a message.
 pub const FLAG_PROBE: u8 = 0x01;
+/// `Hello` extension entry: a `u32` bit set of the optional features the sender speaks.
+pub const EXT_FEATURES: u16 = 1;
+/// Feature bit: the sender answers [`Body::ProbeRead`] (the fragment-size probe). A peer
+/// sends `ProbeRead` only to a side that announced it: older peers reject unknown kinds.
+pub const FEATURE_PROBE_READ: u32 = 1 << 0;
 
 /// Frame kind codes (the header's `kind` byte).
 pub mod kind {
@@ -47,6 +52,8 @@ pub mod kind {
     pub const PROBE_RTS: u8 = 8;
     /// [`super::Body::Close`].
     pub const CLOSE: u8 = 9;
+    /// [`super::Body::ProbeRead`].
+    pub const PROBE_READ: u8 = 10;
 }
 
 /// One decoded (or to-be-encoded) frame: the header's credits and the kind-specific body.
@@ -74,7 +81,8 @@ pub enum Body {
         max_message: u64,
         /// The sender's rendezvous fragment size (informational).
         fragment_size: u32,
-        /// Reserved extension block (at most [`MAX_EXT_LEN`] bytes; ignored by version 1).
+        /// Extension block (at most [`MAX_EXT_LEN`] bytes): entries of `tag u16 | len u16 |
+        /// value`, see [`HelloExt`]. Empty from the first version-1 builds, which ignore it.
         ext: Bytes,
     },
     /// Kind 2: one or more whole messages (more than one = coalesced), in order.
@@ -120,6 +128,19 @@ pub enum Body {
         probe_id: u32,
         /// Bytes to read.
         len: u64,
+        /// The provider's descriptor of the probe buffer.
+        desc: Bytes,
+    },
+    /// Kind 10: a fragment-size probe sample, sent only to a peer that announced
+    /// [`FEATURE_PROBE_READ`]. The peer reads it like a [`Body::ProbeRts`] but in fragments
+    /// of `fragment` bytes, and answers `RndvDone { seq: probe_id, probe: true }`.
+    ProbeRead {
+        /// Probe sample id (shared with the other probe samples).
+        probe_id: u32,
+        /// Bytes to read.
+        len: u64,
+        /// Fragment size the peer must read with.
+        fragment: u32,
         /// The provider's descriptor of the probe buffer.
         desc: Bytes,
     },
@@ -220,6 +241,7 @@ impl Body {
             Body::ProbeAck { .. } => kind::PROBE_ACK,
             Body::ProbeRts { .. } => kind::PROBE_RTS,
             Body::Close { .. } => kind::CLOSE,
+            Body::ProbeRead { .. } => kind::PROBE_READ,
         }
     }
 
@@ -227,7 +249,11 @@ impl Body {
     pub fn is_data(&self) -> bool {
         matches!(
             self,
-            Body::Eager { .. } | Body::Rts { .. } | Body::ProbeEager { .. } | Body::ProbeRts { .. }
+            Body::Eager { .. }
+                | Body::Rts { .. }
+                | Body::ProbeEager { .. }
+                | Body::ProbeRts { .. }
+                | Body::ProbeRead { .. }
         )
     }
 
@@ -250,6 +276,7 @@ impl Body {
             Body::ProbeAck { .. } => 4,
             Body::ProbeRts { desc, .. } => 4 + 8 + 2 + desc.len(),
             Body::Close { reason, .. } => 4 + 2 + reason.len(),
+            Body::ProbeRead { desc, .. } => 4 + 8 + 4 + 2 + desc.len(),
         }
     }
 }
@@ -265,6 +292,7 @@ fn kind_name(kind: u8) -> &'static str {
         kind::PROBE_ACK => "probe-ack",
         kind::PROBE_RTS => "probe-rts",
         kind::CLOSE => "close",
+        kind::PROBE_READ => "probe-read",
         _ => "unknown",
     }
 }
@@ -423,6 +451,17 @@ impl Frame {
                     u16::MAX as usize,
                 );
             }
+            Body::ProbeRead {
+                probe_id,
+                len,
+                fragment,
+                desc,
+            } => {
+                out.put_u32_le(*probe_id);
+                out.put_u64_le(*len);
+                out.put_u32_le(*fragment);
+                put_prefixed(out, desc, MAX_DESC_LEN);
+            }
         }
         let body_len = (out.len() - body_start) as u32;
         out[len_at..len_at + 4].copy_from_slice(&body_len.to_le_bytes());
@@ -545,10 +584,70 @@ impl Frame {
                     reason: String::from_utf8_lossy(&reason).into_owned(),
                 }
             }
+            kind::PROBE_READ => {
+                let probe_id = r.u32("probe_id")?;
+                let len = r.u64("len")?;
+                let fragment = r.u32("fragment")?;
+                let desc = read_desc(&mut r)?;
+                Body::ProbeRead {
+                    probe_id,
+                    len,
+                    fragment,
+                    desc,
+                }
+            }
             other => return Err(FrameError::UnknownKind(other)),
         };
         r.finish()?;
         Ok(Frame { credits, body })
+    }
+}
+
+/// What a `Hello` extension block says. The block is a sequence of entries
+/// `tag u16 | len u16 | value` (little-endian); entries with unknown tags are skipped, so
+/// later builds can add some without a new wire version. Known entries:
+/// - [`EXT_FEATURES`]: a `u32` bit set ([`FEATURE_PROBE_READ`]); bytes beyond the first
+///   four are reserved for more bits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HelloExt {
+    /// Optional features the sender speaks.
+    pub features: u32,
+}
+
+impl HelloExt {
+    /// The extension block announcing `self`.
+    pub fn encode(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(8);
+        out.put_u16_le(EXT_FEATURES);
+        out.put_u16_le(4);
+        out.put_u32_le(self.features);
+        out.freeze()
+    }
+
+    /// Parses an extension block; an empty one (older peers) announces nothing.
+    pub fn decode(ext: &Bytes) -> Result<HelloExt, FrameError> {
+        let mut r = Reader {
+            buf: ext,
+            pos: 0,
+            end: ext.len(),
+            kind: "hello",
+        };
+        let mut out = HelloExt::default();
+        while r.remaining() > 0 {
+            let tag = r.u16("ext tag")?;
+            let len = r.u16("ext len")?;
+            let value = r.bytes("ext value", u64::from(len))?;
+            if tag == EXT_FEATURES {
+                let bits: [u8; 4] = value.get(..4).and_then(|b| b.try_into().ok()).ok_or(
+                    FrameError::Truncated {
+                        kind: "hello",
+                        field: "ext features",
+                    },
+                )?;
+                out.features = u32::from_le_bytes(bits);
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -629,6 +728,12 @@ mod tests {
                 code: 1,
                 reason: "bad ünïcode ok".into(),
             }),
+            Frame::new(Body::ProbeRead {
+                probe_id: 3,
+                len: 4 << 20,
+                fragment: 1 << 16,
+                desc: Bytes::from_static(b"d"),
+            }),
         ]
     }
 
@@ -682,7 +787,7 @@ mod tests {
         let mut m = ok.to_vec();
         m[1] = 2;
         assert_eq!(d(&Bytes::from(m)), FrameError::UnsupportedVersion(2));
-        assert_eq!(d(&with_body(10, 0, &[])), FrameError::UnknownKind(10));
+        assert_eq!(d(&with_body(11, 0, &[])), FrameError::UnknownKind(11));
         assert_eq!(
             d(&with_body(kind::CREDIT, 1, &[])),
             FrameError::UnknownFlags { kind: 5, flags: 1 }
@@ -735,6 +840,38 @@ mod tests {
             d(&with_body(kind::HELLO, 0, &hello)),
             FrameError::ExtTooLong(2000)
         );
+    }
+
+    #[test]
+    fn hello_extensions_round_trip_and_skip_unknown_entries() {
+        let ext = HelloExt {
+            features: FEATURE_PROBE_READ,
+        };
+        assert_eq!(HelloExt::decode(&ext.encode()), Ok(ext));
+        assert_eq!(
+            HelloExt::decode(&Bytes::new()),
+            Ok(HelloExt::default()),
+            "older peers send nothing"
+        );
+        // An unknown entry first, and a features entry longer than today's four bytes.
+        let mut v = vec![0x34, 0x12, 2, 0, 0xaa, 0xbb];
+        v.extend_from_slice(&[1, 0, 6, 0, 1, 0, 0, 0, 0xff, 0xff]);
+        assert_eq!(
+            HelloExt::decode(&Bytes::from(v)),
+            Ok(HelloExt { features: 1 })
+        );
+        assert!(matches!(
+            HelloExt::decode(&Bytes::from_static(&[1, 0, 9, 0, 1])),
+            Err(FrameError::LengthPastEnd { .. })
+        ));
+        assert!(matches!(
+            HelloExt::decode(&Bytes::from_static(&[1, 0, 2, 0, 1, 0])),
+            Err(FrameError::Truncated { .. })
+        ));
+        assert!(matches!(
+            HelloExt::decode(&Bytes::from_static(&[1])),
+            Err(FrameError::Truncated { .. })
+        ));
     }
 
     #[test]

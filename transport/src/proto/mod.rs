@@ -12,7 +12,7 @@
 //! - rendezvous: RTS with the provider's descriptor, receiver-driven fragmented reads with
 //!   several in flight, and the completion (`RndvDone`) that releases the sender's buffer;
 //! - coalescing of small messages queued while the link is busy;
-//! - the adaptive eager threshold and its connect-time probe;
+//! - the connect-time probe, which picks the eager threshold and the fragment size;
 //! - in-order delivery, whatever order reads complete in.
 //!
 //! Flow control. Each data frame (`Eager`, `Rts`, `ProbeEager`, `ProbeRts`) takes one of the
@@ -27,7 +27,10 @@ pub mod frame;
 mod probe;
 
 pub use conn::Connection;
-pub use probe::{PROBE_TIMEOUT, ProbePlan, SizeCost, choose_threshold};
+pub use probe::{
+    FRAGMENT_CANDIDATES, FRAGMENT_PROBE_LEN, FragmentCost, PROBE_TIMEOUT, ProbePlan, SizeCost,
+    choose_fragment, choose_threshold,
+};
 
 use bytes::Bytes;
 
@@ -116,17 +119,20 @@ pub enum Action {
         /// The message.
         msg: MsgId,
     },
-    /// The threshold probe finished and picked this eager threshold.
-    ThresholdChosen {
+    /// The connect-time probe is over (finished, abandoned, or never able to start): the
+    /// driver may withdraw its buffer. Carries the settings now in force.
+    ProbeDone {
         /// Bytes: messages up to this size go eager.
         threshold: usize,
+        /// Bytes per rendezvous read on this side ([`Connection::fragment_size`]).
+        fragment_size: usize,
     },
     /// The connection is over. Every pending send and receive fails with `error`
     /// (`Error::LocallyClosed` / `Error::PeerClosed` on a clean close).
     ///
     /// It comes first; right after it follow a [`Action::Discard`] for every message
     /// being received, a [`Action::Release`] for every rendezvous send not yet released
-    /// (these fail with `error`), and a [`Action::ThresholdChosen`] if a probe was still
+    /// (these fail with `error`), and a [`Action::ProbeDone`] if a probe was still
     /// running. Nothing else follows.
     Closed {
         /// Why.
@@ -179,4 +185,8 @@ pub struct ProtoStats {
     pub eager_threshold: usize,
     /// How the threshold was chosen: `"probe"`, `"config"`, `"env"` or `"default"`.
     pub threshold_source: &'static str,
+    /// The rendezvous fragment size in force for this side's reads.
+    pub fragment_size: usize,
+    /// How the fragment size was chosen: `"probe"`, `"config"`, `"env"` or `"default"`.
+    pub fragment_source: &'static str,
 }

@@ -4,6 +4,16 @@
 use bytes::Bytes;
 use ibex_transport::Config;
 
+/// Logs to the test's output, filtered by `RUST_LOG` (nothing without it); safe to call
+/// from every test.
+#[allow(dead_code)] // not every test binary that shares this module logs
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
 /// A recognisable payload: byte i is `i * 31 + seed`.
 pub fn pattern(len: usize, seed: u8) -> Bytes {
     (0..len)
@@ -12,11 +22,14 @@ pub fn pattern(len: usize, seed: u8) -> Bytes {
         .into()
 }
 
-/// The default configuration with a fixed eager threshold (no connect-time probe).
+/// The default configuration with a fixed eager threshold and the default fragment size
+/// fixed too, so that no connect-time probe runs.
 pub fn fixed_threshold(t: usize) -> Config {
+    let c = Config::default();
     Config {
         eager_threshold: Some(t),
-        ..Config::default()
+        fragment_size: Some(c.default_fragment_size),
+        ..c
     }
 }
 

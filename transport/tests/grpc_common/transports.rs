@@ -155,11 +155,14 @@ impl Transport for Stock {
     }
 }
 
-/// Ibex's test configuration: a fixed eager threshold, so no connect-time probe.
+/// Ibex's test configuration: a fixed eager threshold and fragment size, so no connect-time
+/// probe.
 pub fn ibex_config() -> ibex_transport::Config {
+    let c = ibex_transport::Config::default();
     ibex_transport::Config {
         eager_threshold: Some(16 * 1024),
-        ..Default::default()
+        fragment_size: Some(c.default_fragment_size),
+        ..c
     }
 }
 
