@@ -27,6 +27,10 @@ cargo test --locked -p ibex-cluster --features cuda --bin ibex gpu
 step "benchmarks and examples build"
 cargo build --workspace --locked --benches --examples
 
+step "ibex-bench smoke: every benchmark over every transport once, tiny sizes, no timing"
+# The debug ibex-bench and ibex-ps binaries are the ones the workspace tests built.
+"${CARGO_TARGET_DIR:-target}/debug/ibex-bench" compare --smoke --out "${CARGO_TARGET_DIR:-target}/ibex-bench-smoke"
+
 step "shm ring: loom model checks"
 RUSTFLAGS="--cfg ibex_loom" CARGO_TARGET_DIR=target/loom \
     cargo test --locked -p ibex-transport --release --lib shm::ring

@@ -8,7 +8,9 @@
 
 #![warn(missing_docs)]
 
+mod models;
 mod payload;
+mod ps_step;
 mod report;
 mod run;
 mod server;
@@ -68,6 +70,12 @@ enum Cmd {
     /// A tensor through registered buffers (Ibex: descriptor + server-side read_remote;
     /// stock tonic: Sink of the same bytes), beside single-thread memcpy.
     Tensor(BenchArgs),
+    /// One synchronous training step of a real model (push every gradient, pull every
+    /// variable) for M worker processes against N `ibex-ps` processes, no compute.
+    PsStep(ps_step::PsStepArgs),
+    /// One worker of `ps-step` (started by it).
+    #[command(hide = true)]
+    PsWorker(ps_step::PsWorkerArgs),
     /// Run benchmarks over every available transport in one go; ratio table against tonic.
     Compare(CompareArgs),
 }
@@ -153,10 +161,14 @@ struct CompareArgs {
     /// Short settings: the whole run stays under 2 minutes on a 2-core machine.
     #[arg(long)]
     quick: bool,
+    /// CI check: every benchmark kind once per transport with tiny sizes; exits non-zero
+    /// unless each produced its record. Asserts no timing.
+    #[arg(long, conflicts_with = "quick")]
+    smoke: bool,
     /// Transports (default: every available one).
     #[arg(long, value_enum, value_delimiter = ',')]
     transports: Vec<Transport>,
-    /// Benchmarks: latency, bw, bibw, ps-throughput, sweep, tensor (default: all).
+    /// Benchmarks: latency, bw, bibw, ps-throughput, sweep, tensor, ps-step (default: all).
     #[arg(long, value_delimiter = ',')]
     benches: Vec<String>,
     /// Measured seconds per point (default 2, quick 0.2).
@@ -191,6 +203,8 @@ fn main() {
         Cmd::PsThroughput(a) => bench("ps-throughput", a),
         Cmd::Sweep(a) => bench("sweep", a),
         Cmd::Tensor(a) => bench("tensor", a),
+        Cmd::PsStep(a) => ps_step::run(a),
+        Cmd::PsWorker(a) => ps_step::worker(a),
     };
     if let Err(e) = r {
         eprintln!("ibex-bench: {e}");
@@ -406,14 +420,25 @@ async fn client(name: &str, a: &BenchArgs, addrs: &[String]) -> Res<Vec<Record>>
     Ok(out)
 }
 
+/// How long and how large a `compare` run is.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Full,
+    Quick,
+    Smoke,
+}
+
 /// One client run of the compare plan: subcommand and its arguments.
-fn plan(benches: &[String], quick: bool, max_size: usize) -> Vec<(&'static str, Vec<String>)> {
+fn plan(benches: &[String], mode: Mode, max_size: usize) -> Vec<(&'static str, Vec<String>)> {
     let on = |b: &str| benches.is_empty() || benches.iter().any(|x| x == b);
     let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let (quick, smoke) = (mode != Mode::Full, mode == Mode::Smoke);
     let mut p = Vec::new();
     if on("latency") {
         p.push(("latency", s(&["--size", "64"])));
-        p.push(("latency", s(&["--scheme", "skew"])));
+        if !smoke {
+            p.push(("latency", s(&["--scheme", "skew"])));
+        }
         if !quick {
             p.push((
                 "latency",
@@ -423,21 +448,28 @@ fn plan(benches: &[String], quick: bool, max_size: usize) -> Vec<(&'static str, 
         }
     }
     if on("bw") {
-        p.push(("bw", s(&["--scheme", "skew"])));
-        p.push(("bw", s(&["--size", "16M"])));
-        p.push(("bw", s(&["--size", "64K", "--window", "64"])));
+        if smoke {
+            p.push(("bw", s(&["--size", "1K"])));
+        } else {
+            p.push(("bw", s(&["--scheme", "skew"])));
+            p.push(("bw", s(&["--size", "16M"])));
+            p.push(("bw", s(&["--size", "64K", "--window", "64"])));
+        }
         if !quick {
             p.push(("bw", s(&["--scheme", "uniform", "--category", "medium"])));
             p.push(("bw", s(&["--size", "1M", "--window", "64"])));
         }
     }
     if on("bibw") {
-        p.push((
-            "bibw",
-            s(&["--size", if quick { "64K" } else { "1M" }, "--window", "64"]),
-        ));
+        let (size, window) = match mode {
+            Mode::Smoke => ("1K", "4"),
+            Mode::Quick => ("64K", "64"),
+            Mode::Full => ("1M", "64"),
+        };
+        p.push(("bibw", s(&["--size", size, "--window", window])));
     }
     if on("ps-throughput") {
+        let workers = if smoke { "2" } else { "3" };
         p.push((
             "ps-throughput",
             s(&[
@@ -446,7 +478,7 @@ fn plan(benches: &[String], quick: bool, max_size: usize) -> Vec<(&'static str, 
                 "--category",
                 "small",
                 "--workers",
-                "3",
+                workers,
                 "--ps",
                 "2",
             ]),
@@ -459,16 +491,73 @@ fn plan(benches: &[String], quick: bool, max_size: usize) -> Vec<(&'static str, 
         }
     }
     if on("tensor") {
-        p.push(("tensor", s(&["--size", "16M"])));
+        p.push(("tensor", s(&["--size", if smoke { "64K" } else { "16M" }])));
     }
     if on("sweep") {
         let m = max_size.to_string();
-        p.push((
-            "sweep",
-            s(&["--max-size", &m, "--step", if quick { "16" } else { "2" }]),
-        ));
+        let step = match mode {
+            Mode::Smoke => "32",
+            Mode::Quick => "16",
+            Mode::Full => "2",
+        };
+        p.push(("sweep", s(&["--max-size", &m, "--step", step])));
+    }
+    if on("ps-step") {
+        let mut a = s(&["--model", "resnet50", "--workers", "2", "--ps", "2"]);
+        match mode {
+            Mode::Smoke => a.extend(s(&["--steps", "1", "--warmup-steps", "0"])),
+            Mode::Quick => a.push("--quick".into()),
+            Mode::Full => {}
+        }
+        p.push(("ps-step", a));
     }
     p
+}
+
+/// The record names a plan entry produces.
+fn produces(bench: &str) -> &'static [&'static str] {
+    match bench {
+        "latency" => &["latency"],
+        "bw" => &["bw"],
+        "bibw" => &["bibw"],
+        "ps-throughput" => &["ps-throughput"],
+        "tensor" => &["tensor", "memcpy"],
+        "sweep" => &["sweep-lat", "sweep-bw"],
+        "ps-step" => &["ps-step"],
+        _ => &[],
+    }
+}
+
+/// Whether a plan entry runs over `t`: `ps-step` needs a transport the PS serves.
+fn applies(bench: &str, t: Transport) -> bool {
+    bench != "ps-step" || ps_step::kind(t).is_some()
+}
+
+/// `--smoke`'s check: every benchmark kind of the plan left a record for every transport it
+/// applies to. Returns what is missing, as `transport: record`.
+fn missing(
+    plan: &[(&'static str, Vec<String>)],
+    transports: &[Transport],
+    records: &[Record],
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for &t in transports {
+        for (bench, _) in plan {
+            if !applies(bench, t) {
+                continue;
+            }
+            for want in produces(bench) {
+                let have = records.iter().any(|r| {
+                    r.bench == *want && (r.transport == t.name() || r.transport == "local")
+                });
+                let line = format!("{}: {want}", t.name());
+                if !have && !out.contains(&line) {
+                    out.push(line);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Runs one client process and collects its JSON records. A client that fails or hangs
@@ -514,12 +603,34 @@ fn compare(a: CompareArgs) -> Res<()> {
     } else {
         a.transports.clone()
     };
-    let duration = a.duration.unwrap_or(if a.quick { 0.2 } else { 2.0 });
-    let warmup = a.warmup.unwrap_or(if a.quick { 0.05 } else { 0.5 });
-    let max_size = a
-        .max_size
-        .unwrap_or(if a.quick { 16 << 20 } else { 64 << 20 });
-    let plan = plan(&a.benches, a.quick, max_size);
+    let mode = if a.smoke {
+        Mode::Smoke
+    } else if a.quick {
+        Mode::Quick
+    } else {
+        Mode::Full
+    };
+    let (duration, warmup, max_size) = match mode {
+        Mode::Full => (2.0, 0.5, 64 << 20),
+        Mode::Quick => (0.2, 0.05, 16 << 20),
+        Mode::Smoke => (0.05, 0.0, 1 << 10),
+    };
+    let (duration, warmup, max_size) = (
+        a.duration.unwrap_or(duration),
+        a.warmup.unwrap_or(warmup),
+        a.max_size.unwrap_or(max_size),
+    );
+    let plan = plan(&a.benches, mode, max_size);
+    if let Some(unknown) = a.benches.iter().find(|b| produces(b).is_empty()) {
+        return Err(format!("unknown benchmark `{unknown}` in --benches: use latency, bw, bibw, ps-throughput, sweep, tensor, ps-step").into());
+    }
+    if plan.iter().any(|(b, _)| *b == "ps-step")
+        && transports.iter().any(|&t| applies("ps-step", t))
+    {
+        ps_step::ibex_ps_binary()
+            .map_err(|e| format!("{e} (or leave ps-step out with --benches)"))?;
+    }
+    let mut served = Vec::new();
     let started = Instant::now();
     let mut all: Vec<Record> = Vec::new();
     let mut failures = Vec::new();
@@ -537,34 +648,46 @@ fn compare(a: CompareArgs) -> Res<()> {
                 continue;
             }
         };
+        served.push(t);
         for (bench, extra) in &plan {
+            if !applies(bench, t) {
+                continue;
+            }
             let n = if *bench == "ps-throughput" { 2 } else { 1 };
-            let connect: Vec<&str> = servers.iter().take(n).map(|s| s.addr.as_str()).collect();
             let mut args: Vec<String> = vec![
                 bench.to_string(),
                 "--transport".into(),
                 t.name().into(),
-                "--connect".into(),
-                connect.join(","),
+                "--json".into(),
             ];
-            args.extend(
-                [
-                    "--json",
-                    "--duration",
-                    &duration.to_string(),
-                    "--warmup",
-                    &warmup.to_string(),
-                ]
-                .map(String::from),
-            );
+            let limit = if *bench == "ps-step" {
+                // It starts its own PS and workers, and counts steps, not seconds.
+                Duration::from_secs(900)
+            } else {
+                let connect: Vec<&str> = servers.iter().take(n).map(|s| s.addr.as_str()).collect();
+                args.extend(
+                    [
+                        "--connect",
+                        &connect.join(","),
+                        "--duration",
+                        &duration.to_string(),
+                        "--warmup",
+                        &warmup.to_string(),
+                    ]
+                    .map(String::from),
+                );
+                let points = if *bench == "sweep" { 60.0 } else { 1.0 };
+                Duration::from_secs_f64(60.0 + points * (duration + warmup) * 4.0)
+            };
             args.extend(extra.iter().cloned());
-            let points = if *bench == "sweep" { 60.0 } else { 1.0 };
-            let limit = Duration::from_secs_f64(60.0 + points * (duration + warmup) * 4.0);
             match run_client(&args, limit) {
                 Ok(recs) => {
-                    let srss = servers.iter().take(n).map(LocalServer::rss_kib).sum();
+                    let srss: u64 = servers.iter().take(n).map(LocalServer::rss_kib).sum();
                     for mut r in recs {
-                        r.server_rss_kib = srss;
+                        // ps-step measured its own PS processes.
+                        if r.bench != "ps-step" {
+                            r.server_rss_kib = srss;
+                        }
                         println!("{}", report::row(&r));
                         all.push(r);
                     }
@@ -576,8 +699,11 @@ fn compare(a: CompareArgs) -> Res<()> {
             }
         }
     }
-    print!("{}", report::ratios(&all));
-    print!("{}", report::bars(&all));
+    // Smoke sizes and durations say nothing about speed; only the records count there.
+    if mode != Mode::Smoke {
+        print!("{}", report::ratios(&all));
+        print!("{}", report::bars(&all));
+    }
     std::fs::create_dir_all(&a.out)?;
     let mut jl = String::new();
     for r in &all {
@@ -595,7 +721,7 @@ fn compare(a: CompareArgs) -> Res<()> {
         "Echo round trip p50 vs payload size",
         "µs",
         |r| r.p50_us,
-    ) {
+    )? {
         std::fs::write(a.out.join("latency.svg"), s)?;
     }
     if let Some(s) = report::svg(
@@ -604,7 +730,7 @@ fn compare(a: CompareArgs) -> Res<()> {
         "Sink bandwidth (OSU window) vs payload size",
         "MB/s",
         |r| r.mb_s,
-    ) {
+    )? {
         std::fs::write(a.out.join("bandwidth.svg"), s)?;
     }
     println!(
@@ -613,6 +739,21 @@ fn compare(a: CompareArgs) -> Res<()> {
         a.out.display(),
         started.elapsed().as_secs_f64()
     );
+    if mode == Mode::Smoke {
+        for m in missing(&plan, &served, &all) {
+            failures.push(format!("{m}: no record"));
+        }
+        if failures.is_empty() {
+            println!(
+                "smoke: every benchmark left its record over {}",
+                served
+                    .iter()
+                    .map(|t| t.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
     if !failures.is_empty() {
         return Err(format!(
             "{} run(s) failed:\n  {}",
@@ -622,4 +763,79 @@ fn compare(a: CompareArgs) -> Res<()> {
         .into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(bench: &str, t: &str) -> Record {
+        Record {
+            bench: bench.into(),
+            transport: t.into(),
+            payload: "1 buffer".into(),
+            bytes: 1,
+            window: 1,
+            topology: "1x1".into(),
+            calls: 1,
+            p50_us: 1.0,
+            p99_us: 1.0,
+            p999_us: 1.0,
+            mean_us: 1.0,
+            mb_s: 1.0,
+            rpc_s: 1.0,
+            client_rss_kib: 0,
+            server_rss_kib: 0,
+        }
+    }
+
+    #[test]
+    fn smoke_plan_covers_every_bench_and_ps_step_only_where_the_ps_serves() {
+        let p = plan(&[], Mode::Smoke, 1024);
+        let kinds: Vec<&str> = p.iter().map(|(b, _)| *b).collect();
+        assert_eq!(
+            kinds,
+            [
+                "latency",
+                "bw",
+                "bibw",
+                "ps-throughput",
+                "tensor",
+                "sweep",
+                "ps-step"
+            ]
+        );
+        let ts = [Transport::IbexShm, Transport::RawTcp];
+        let mut have: Vec<Record> = Vec::new();
+        for t in ["ibex-shm", "raw-tcp"] {
+            for b in [
+                "latency",
+                "bw",
+                "bibw",
+                "ps-throughput",
+                "tensor",
+                "sweep-lat",
+                "sweep-bw",
+            ] {
+                have.push(rec(b, t));
+            }
+        }
+        have.push(rec("memcpy", "local"));
+        assert_eq!(missing(&p, &ts, &have), ["ibex-shm: ps-step"]);
+        have.push(rec("ps-step", "ibex-shm"));
+        assert!(missing(&p, &ts, &have).is_empty());
+        have.retain(|r| !(r.bench == "sweep-bw" && r.transport == "raw-tcp"));
+        assert_eq!(missing(&p, &ts, &have), ["raw-tcp: sweep-bw"]);
+    }
+
+    #[test]
+    fn quick_plan_runs_ps_step_resnet50_2x2() {
+        let p = plan(&["ps-step".into()], Mode::Quick, 1024);
+        assert_eq!(p.len(), 1);
+        assert!(
+            p[0].1
+                .join(" ")
+                .contains("--model resnet50 --workers 2 --ps 2 --quick")
+        );
+    }
 }

@@ -8,7 +8,10 @@ use serde::{Deserialize, Serialize};
 /// One measured point. Serialized as one JSON line.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Record {
-    /// `latency`, `bw`, `bibw`, `ps-throughput`, `sweep-lat`, `sweep-bw`, `tensor`, `memcpy`.
+    /// `latency`, `bw`, `bibw`, `ps-throughput`, `sweep-lat`, `sweep-bw`, `tensor`, `memcpy`,
+    /// `ps-step` (there: `calls` = measured steps, `rpc_s` = steps/s, percentiles per step,
+    /// `mb_s` = every worker's pulled variables plus pushed gradients per second, `bytes` =
+    /// the model's f32 bytes, `payload` = the model).
     pub bench: String,
     /// Transport name (`tonic`, `ibex-shm`, ...).
     pub transport: String,
@@ -75,7 +78,7 @@ pub fn header() -> String {
 /// One human-readable table row.
 pub fn row(r: &Record) -> String {
     format!(
-        "{:<13} {:<10} {:<18} {:>7} {:>4} {:>5} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>10.0} {:>8.1} {:>8.1}",
+        "{:<13} {:<10} {:<18} {:>7} {:>4} {:>5} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.1} {:>10.*} {:>8.1} {:>8.1}",
         r.bench,
         r.transport,
         r.payload,
@@ -88,6 +91,8 @@ pub fn row(r: &Record) -> String {
         r.p999_us,
         r.mean_us,
         r.mb_s,
+        // ps-step's steps/s are small numbers.
+        if r.rpc_s < 100.0 { 2 } else { 0 },
         r.rpc_s,
         r.client_rss_kib as f64 / 1024.0,
         r.server_rss_kib as f64 / 1024.0
@@ -128,6 +133,7 @@ fn merit(r: &Record) -> (String, f64, bool, &'static str) {
     match r.bench.as_str() {
         "latency" | "sweep-lat" => (key, r.p50_us, false, "p50 lower"),
         "ps-throughput" => (key, r.rpc_s, true, "RPC/s"),
+        "ps-step" => (key, r.rpc_s, true, "steps/s"),
         _ => (key, r.mb_s, true, "MB/s"),
     }
 }
@@ -262,6 +268,18 @@ pub fn bars(records: &[Record]) -> String {
         1.5,
         "x",
     );
+    let step = |t: &str| {
+        find("ps-step", t, &|r| {
+            r.payload == "resnet50" && r.topology == "2x2"
+        })
+        .map(|r| r.rpc_s)
+    };
+    bar(
+        "ps-step resnet50 2x2, ibex-shm / tonic steps/s",
+        step("ibex-shm").zip(step("tonic")).map(|(a, b)| a / b),
+        3.0,
+        "x",
+    );
     let cost = lat64("ibex-shm")
         .zip(lat64("raw-shm"))
         .map(|(g, r)| 3.0 - (g - r));
@@ -274,21 +292,25 @@ pub fn bars(records: &[Record]) -> String {
     out
 }
 
-/// An SVG plot of `value` against payload size, log-log, one line per transport. Written by
-/// hand: no font files or system libraries are needed to produce or view it.
+/// An SVG plot of `value` against payload size, log-log, one line per transport, drawn with
+/// plotters' SVG backend. Without plotters' `ttf` feature its text layout is estimated
+/// (`naive` font metrics) and the text goes into the SVG as `<text>` for the viewer to
+/// render, so no font files or system libraries are needed to produce it.
 pub fn svg(
     records: &[Record],
     bench: &str,
     title: &str,
     unit: &str,
     value: fn(&Record) -> f64,
-) -> Option<String> {
+) -> crate::Res<Option<String>> {
+    use plotters::prelude::*;
+
     let pts: Vec<&Record> = records
         .iter()
         .filter(|r| r.bench == bench && value(r) > 0.0)
         .collect();
     if pts.is_empty() {
-        return None;
+        return Ok(None);
     }
     let mut names: Vec<&str> = Vec::new();
     for r in &pts {
@@ -296,94 +318,74 @@ pub fn svg(
             names.push(&r.transport);
         }
     }
-    let (w, h, l, rgt, top, bot) = (900.0, 520.0, 80.0, 170.0, 40.0, 60.0);
-    let lx = |b: usize| (b.max(1) as f64).log2();
     let (x0, x1) = pts.iter().fold((f64::MAX, f64::MIN), |(a, b), r| {
-        (a.min(lx(r.bytes)), b.max(lx(r.bytes)))
+        (a.min(r.bytes.max(1) as f64), b.max(r.bytes.max(1) as f64))
     });
+    let x1 = if x1 > x0 { x1 } else { x0 * 2.0 };
     let (y0, y1) = pts.iter().fold((f64::MAX, f64::MIN), |(a, b), r| {
-        (a.min(value(r).log10()), b.max(value(r).log10()))
+        (a.min(value(r)), b.max(value(r)))
     });
-    let (y0, y1) = (y0.floor(), y1.ceil().max(y0.floor() + 1.0));
-    let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
-    let px = |x: f64| l + (x - x0) / (x1 - x0) * (w - l - rgt);
-    let py = |y: f64| top + (y1 - y) / (y1 - y0) * (h - top - bot);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+    // Whole decades, so the axis starts and ends on labelled lines.
+    let (y0, y1) = (
+        10f64.powf(y0.log10().floor()),
+        10f64.powf(y1.log10().ceil().max(y0.log10().floor() + 1.0)),
     );
-    let _ = writeln!(
-        s,
-        r#"<rect width="100%" height="100%" fill="white"/><text x="{}" y="24" font-size="16" text-anchor="middle">{title}</text>"#,
-        w / 2.0
-    );
-    for d in (y0 as i32)..=(y1 as i32) {
-        let y = py(d as f64);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{l}" x2="{}" y1="{y}" y2="{y}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">1e{d}</text>"##,
-            w - rgt,
-            l - 6.0,
-            y + 4.0
-        );
-    }
-    let mut e = x0.ceil() as i32;
-    while e as f64 <= x1 {
-        let x = px(e as f64);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{x}" x2="{x}" y1="{top}" y2="{}" stroke="#eee"/><text x="{x}" y="{}" text-anchor="middle">{}</text>"##,
-            h - bot,
-            h - bot + 16.0,
-            fmt_size(1usize << e)
-        );
-        e += if x1 - x0 > 14.0 { 2 } else { 1 };
-    }
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="middle">payload bytes (log2)</text>"#,
-        (l + w - rgt) / 2.0,
-        h - 16.0
-    );
-    let _ = writeln!(
-        s,
-        r#"<text x="18" y="{}" transform="rotate(-90 18 {})" text-anchor="middle">{unit} (log10)</text>"#,
-        h / 2.0,
-        h / 2.0
-    );
-    const COLORS: [&str; 8] = [
-        "#000000", "#7f7f7f", "#d62728", "#1f77b4", "#9467bd", "#ff7f0e", "#2ca02c", "#8c564b",
+    const COLORS: [RGBColor; 8] = [
+        RGBColor(0, 0, 0),
+        RGBColor(127, 127, 127),
+        RGBColor(214, 39, 40),
+        RGBColor(31, 119, 180),
+        RGBColor(148, 103, 189),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(140, 86, 75),
     ];
-    for (i, n) in names.iter().enumerate() {
-        let c = COLORS[i % COLORS.len()];
-        let mut line: Vec<(f64, f64)> = pts
-            .iter()
-            .filter(|r| r.transport == *n)
-            .map(|r| (px(lx(r.bytes)), py(value(r).log10())))
-            .collect();
-        line.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let path: Vec<String> = line.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
-        let _ = writeln!(
-            s,
-            r#"<polyline fill="none" stroke="{c}" stroke-width="2" points="{}"/>"#,
-            path.join(" ")
-        );
-        for (x, y) in &line {
-            let _ = writeln!(s, r#"<circle cx="{x:.1}" cy="{y:.1}" r="3" fill="{c}"/>"#);
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (900, 520)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 24))
+            .margin(12)
+            .x_label_area_size(44)
+            .y_label_area_size(72)
+            .build_cartesian_2d((x0..x1).log_scale().base(2.0), (y0..y1).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_desc("payload bytes")
+            .y_desc(unit)
+            .label_style(("sans-serif", 15))
+            .axis_desc_style(("sans-serif", 17))
+            .x_labels(14)
+            .x_label_formatter(&|x| fmt_size(x.round() as usize))
+            .y_label_formatter(&|y| format!("{y}"))
+            .draw()?;
+        for (i, n) in names.iter().enumerate() {
+            let c = COLORS[i % COLORS.len()];
+            let mut line: Vec<(f64, f64)> = pts
+                .iter()
+                .filter(|r| r.transport == *n)
+                .map(|r| (r.bytes.max(1) as f64, value(r)))
+                .collect();
+            line.sort_by(|a, b| a.0.total_cmp(&b.0));
+            chart
+                .draw_series(LineSeries::new(line.iter().copied(), c.stroke_width(2)))?
+                .label(*n)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
+            chart.draw_series(line.iter().map(|&p| Circle::new(p, 3, c.filled())))?;
         }
-        let ly = top + 10.0 + i as f64 * 18.0;
-        let _ = writeln!(
-            s,
-            r#"<line x1="{}" x2="{}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"/><text x="{}" y="{}">{n}</text>"#,
-            w - rgt + 12.0,
-            w - rgt + 36.0,
-            w - rgt + 42.0,
-            ly + 4.0
-        );
+        chart
+            .configure_series_labels()
+            .label_font(("sans-serif", 15))
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+        root.present()?;
     }
-    s.push_str("</svg>\n");
-    Some(s)
+    Ok(Some(out))
 }
 
 #[cfg(test)]
@@ -439,9 +441,23 @@ mod tests {
             rec("sweep-lat", "tonic", 1024, 40.0, 1.0),
             rec("sweep-lat", "ibex-shm", 1, 3.0, 1.0),
         ];
-        let s = svg(&rs, "sweep-lat", "t", "µs", |r| r.p50_us).expect("points");
-        assert_eq!(s.matches("<polyline").count(), 2);
-        assert!(svg(&rs, "sweep-bw", "t", "MB/s", |r| r.mb_s).is_none());
+        let s = svg(&rs, "sweep-lat", "Echo p50", "µs", |r| r.p50_us)
+            .expect("plot")
+            .expect("points");
+        // One line per transport plus its legend swatch, one marker per point, labelled axes.
+        assert_eq!(s.matches(r#"stroke-width="2" points"#).count(), 4, "{s}");
+        assert_eq!(s.matches("<circle").count(), 3, "{s}");
+        for text in ["Echo p50", "payload bytes", "µs", "tonic", "ibex-shm", "1K"] {
+            assert!(
+                s.lines().any(|l| l.trim() == text),
+                "text {text:?} missing in {s}"
+            );
+        }
+        assert!(
+            svg(&rs, "sweep-bw", "t", "MB/s", |r| r.mb_s)
+                .expect("plot")
+                .is_none()
+        );
         let line = serde_json::to_string(&rs[0]).expect("json");
         let back: Record = serde_json::from_str(&line).expect("parse");
         assert_eq!(back.bytes, 1);

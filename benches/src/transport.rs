@@ -18,16 +18,20 @@ use crate::server::{MAX_MSG, RAW_ECHO, RAW_SINK, TENSOR_MAGIC};
 #[serde(rename_all = "kebab-case")]
 pub enum Transport {
     /// Stock tonic, HTTP/2 over TCP loopback, default settings (16 KiB frames): the baseline.
+    #[value(alias = "grpc")]
     Tonic,
     /// Stock tonic with 1 MiB HTTP/2 frames on both sides (its best large-message setting).
     #[value(name = "tonic-1m")]
     #[serde(rename = "tonic-1m")]
     Tonic1m,
     /// The same gRPC service over Ibex shared memory.
+    #[value(alias = "shm")]
     IbexShm,
     /// The same gRPC service over Ibex tcp.
+    #[value(alias = "tcp")]
     IbexTcp,
     /// The same gRPC service over Ibex verbs (build with `--features verbs`, needs a device).
+    #[value(alias = "verbs")]
     IbexVerbs,
     /// The Ibex transport without the gRPC layer, shm (messages, no protobuf, no calls).
     RawShm,
