@@ -6,6 +6,7 @@
 //! `tonic::transport::Channel` and with `ibex_transport::grpc::Channel` alike.
 
 mod optimizer;
+pub mod tensor;
 
 pub use optimizer::Optimizer;
 

@@ -230,11 +230,9 @@ pub(crate) fn load(
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    ibex_proto::tensor::f32_to_le_vec(v)
 }
 
 fn read_f32(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+    ibex_proto::tensor::f32_from_le_bytes(b)
 }

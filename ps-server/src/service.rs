@@ -113,10 +113,7 @@ impl PsService {
         self.metrics
             .bytes_pushed
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        Ok(ibex_proto::tensor::f32_from_le_bytes(&bytes))
     }
 
     /// Decodes dense gradients, checking each tensor's declared shape against its variable.
@@ -177,11 +174,7 @@ impl PsService {
 }
 
 fn f32_bytes(v: &[f32]) -> Bytes {
-    let mut b = Vec::with_capacity(v.len() * 4);
-    for x in v {
-        b.extend_from_slice(&x.to_le_bytes());
-    }
-    Bytes::from(b)
+    ibex_proto::tensor::f32_to_le_bytes(v)
 }
 
 #[tonic::async_trait]

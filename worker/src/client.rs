@@ -604,9 +604,7 @@ impl Worker {
         if let Ok(mut p) = self.profile.lock() {
             p.record_received(b.len() as u64);
         }
-        Ok(b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        Ok(ibex_proto::tensor::f32_from_le_bytes(b))
     }
 
     /// Reassembles whole variables (in `places` order) from the parts in `values`.
@@ -686,11 +684,7 @@ fn split_ids(p: &Placement, ids: &[u64]) -> Result<Vec<PartIds>, WorkerError> {
 }
 
 pub(crate) fn f32_to_bytes(v: &[f32]) -> Bytes {
-    let mut b = Vec::with_capacity(v.len() * 4);
-    for x in v {
-        b.extend_from_slice(&x.to_le_bytes());
-    }
-    Bytes::from(b)
+    ibex_proto::tensor::f32_to_le_bytes(v)
 }
 
 async fn connect_one(ps: usize, uri: String, kind: TransportKind) -> Result<Client, WorkerError> {
