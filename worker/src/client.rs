@@ -619,7 +619,8 @@ impl Worker {
             .iter()
             .map(|p| {
                 let row = p.row_len();
-                let mut out = Vec::with_capacity(p.spec.numel());
+                let mut out =
+                    Vec::with_capacity(if p.parts.len() > 1 { p.spec.numel() } else { 0 });
                 for part in &p.parts {
                     let t = by_name.remove(&part.name).ok_or_else(|| {
                         malformed(part.ps, &format!("reply lacks {:?}", part.name))
@@ -635,6 +636,10 @@ impl Worker {
                                 part.rows * row
                             ),
                         ));
+                    }
+                    if p.parts.len() == 1 {
+                        // The usual case: the decoded values are the variable, no second copy.
+                        return Ok(v);
                     }
                     out.extend_from_slice(&v);
                 }
