@@ -28,6 +28,10 @@ pub struct Config {
     pub fragment_size: Option<usize>,
     /// Fragment size used until (or instead of) the probe's verdict.
     pub default_fragment_size: usize,
+    /// Let the probe pick the fragment size when `fragment_size` is `None`. Connections turn
+    /// it off themselves on providers where the fragment size barely matters (shm's single
+    /// CMA copy, tcp's stream): there the probe's read samples would only slow every connect.
+    pub probe_fragments: bool,
     /// Reads in flight per connection.
     pub max_reads_in_flight: usize,
     /// Largest message this side accepts.
@@ -63,6 +67,7 @@ impl Default for Config {
             credits: 64,
             fragment_size: None,
             default_fragment_size: 512 * 1024,
+            probe_fragments: true,
             max_reads_in_flight: 8,
             max_message_size: 1 << 30,
             pool_size: 256 << 20,
@@ -155,13 +160,18 @@ impl Config {
     /// True when the connect-time probe should run: it is on, and the eager threshold or the
     /// fragment size is left for it to pick.
     pub fn wants_probe(&self) -> bool {
-        self.probe && (self.eager_threshold.is_none() || self.fragment_size.is_none())
+        self.probe && (self.eager_threshold.is_none() || self.probes_fragments())
+    }
+
+    /// Whether the fragment size is left to the probe.
+    pub fn probes_fragments(&self) -> bool {
+        self.fragment_size.is_none() && self.probe_fragments
     }
 
     /// Bytes of the zero buffer the probe's rendezvous samples read: the largest eager
     /// candidate, or the fragment samples' length when the fragment size is to be probed.
     pub fn probe_buffer_len(&self) -> usize {
-        let frag = if self.fragment_size.is_none() {
+        let frag = if self.probes_fragments() {
             crate::proto::FRAGMENT_PROBE_LEN
         } else {
             0

@@ -1025,7 +1025,7 @@ impl Connection {
         // (older peers would reject it), and when the sample fits the buffer and the peer.
         let peer = self.peer.map_or((0, 0), |p| (p.features, p.max_message));
         let frag_len = FRAGMENT_PROBE_LEN;
-        if self.cfg.fragment_size.is_none() {
+        if self.cfg.probes_fragments() {
             if peer.0 & FEATURE_PROBE_READ == 0 {
                 tracing::info!(
                     "peer does not take part in the fragment probe (older build); keeping the default fragment size"
