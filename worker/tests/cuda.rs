@@ -3,12 +3,9 @@
 //! the missing-driver test runs for real where libcuda is absent and skips where present.
 #![cfg(feature = "cuda")]
 
-use std::time::Duration;
+mod common;
 
-use ibex_ps::{Mode, PsConfig};
-use ibex_worker::{
-    ClusterSpec, Dtype, Gpu, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError,
-};
+use ibex_worker::{Dtype, Gpu, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError};
 
 const LR: f32 = 0.1;
 /// 640 x 512 f32: two parts of 640 KiB across two PS (descriptor path on shm).
@@ -47,41 +44,6 @@ fn a_missing_driver_is_a_typed_error_not_a_panic() {
     ));
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn start_ps(
-    transport: TransportKind,
-    num_ps: usize,
-) -> (ClusterSpec, Vec<tokio::sync::oneshot::Sender<()>>) {
-    let spec = ClusterSpec {
-        ps: (0..num_ps)
-            .map(|_| format!("127.0.0.1:{}", free_port()))
-            .collect(),
-        workers: vec!["127.0.0.1:0".into()],
-        transport,
-    };
-    let mut stops = Vec::new();
-    for i in 0..num_ps {
-        let mut cfg = PsConfig::new(spec.ps_uri(i));
-        cfg.shard = i as u32;
-        cfg.num_workers = 1;
-        cfg.mode = Mode::Sync;
-        cfg.sync_timeout = Duration::from_secs(20);
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        stops.push(tx);
-        tokio::spawn(ibex_ps::run(cfg, async move {
-            let _ = rx.await;
-        }));
-    }
-    (spec, stops)
-}
-
 fn var(name: &str, shape: &[usize]) -> VarSpec {
     VarSpec {
         name: name.into(),
@@ -101,7 +63,7 @@ fn g(step: u64, i: usize) -> f32 {
 /// same gradients pushed from host slices, and the fresh values land in device memory.
 async fn device_matches_host(transport: TransportKind) {
     let Some(gpu) = gpu() else { return };
-    let (spec, _stops) = start_ps(transport, 2);
+    let (spec, _stops) = common::start_sync_ps(transport, 2, 1);
     let w = Worker::connect(&spec, 0).await.unwrap();
     let small = [7usize];
     w.create_variables(&[
@@ -176,7 +138,7 @@ async fn device_pushes_over_stock_grpc_match_host_pushes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_errors_are_typed() {
     let Some(gpu) = gpu() else { return };
-    let (spec, _stops) = start_ps(TransportKind::Shm, 1);
+    let (spec, _stops) = common::start_sync_ps(TransportKind::Shm, 1, 1);
     let w = Worker::connect(&spec, 0).await.unwrap();
     w.create_variables(&[var("v", &[5])]).await.unwrap();
     let wrong = gpu.alloc_zeros(3).unwrap();

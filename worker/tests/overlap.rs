@@ -2,48 +2,14 @@
 //! pushed in parts give exactly the values one `push_pull` per step gives, the pull waits for
 //! every worker, and bad input or a failed push ends the step with an error, not a hang.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use ibex_ps::{Mode, PsConfig};
-use ibex_worker::{
-    ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError,
-};
+use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError};
 
 const STEPS: u64 = 6;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Two sync shards for two workers; dropping the senders stops them.
-fn start(transport: TransportKind) -> (ClusterSpec, Vec<tokio::sync::oneshot::Sender<()>>) {
-    let spec = ClusterSpec {
-        ps: (0..2)
-            .map(|_| format!("127.0.0.1:{}", free_port()))
-            .collect(),
-        workers: vec!["127.0.0.1:0".into(); 2],
-        transport,
-    };
-    let mut stops = Vec::new();
-    for i in 0..2 {
-        let mut cfg = PsConfig::new(spec.ps_uri(i));
-        cfg.shard = i as u32;
-        cfg.num_workers = 2;
-        cfg.mode = Mode::Sync;
-        cfg.sync_timeout = Duration::from_secs(10);
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        stops.push(tx);
-        tokio::spawn(ibex_ps::run(cfg, async move {
-            let _ = rx.await;
-        }));
-    }
-    (spec, stops)
-}
 
 fn vars() -> Vec<VarSpec> {
     let v = |name: &str, shape: Vec<usize>| VarSpec {
@@ -80,7 +46,7 @@ fn grad(worker: usize, step: u64, values: &[f32]) -> Vec<f32> {
 const NAMES: [&str; 4] = ["l1/kernel", "l1/bias", "l2/kernel", "l2/bias"];
 
 async fn train(transport: TransportKind, layered: bool) -> Vec<Vec<f32>> {
-    let (spec, _stops) = start(transport);
+    let (spec, _stops) = common::start_sync_ps(transport, 2, 2);
     let mut handles = Vec::new();
     for r in 0..2 {
         let spec = spec.clone();
@@ -136,7 +102,7 @@ async fn layered_pushes_equal_one_push_pull_per_step() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pull_waits_for_every_worker_and_errors_end_the_step() {
-    let (spec, _stops) = start(TransportKind::Tcp);
+    let (spec, _stops) = common::start_sync_ps(TransportKind::Tcp, 2, 2);
     let w0 = Arc::new(Worker::connect(&spec, 0).await.unwrap());
     let w1 = Arc::new(Worker::connect(&spec, 1).await.unwrap());
     w0.create_variables(&vars()).await.unwrap();

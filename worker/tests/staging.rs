@@ -3,55 +3,17 @@
 //! slice pushes, buffers are reused across steps, a buffer in flight is not handed out
 //! again, and misuse gets typed errors.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use ibex_ps::{Mode, PsConfig};
-use ibex_worker::{
-    ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError,
-};
+use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError};
 
 const LR: f32 = 0.1;
 /// 640 x 512 f32 = 1.25 MiB: split into two parts of 640 KiB, each above the descriptor
 /// threshold (256 KiB).
 const BIG: [usize; 2] = [640, 512];
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Starts `num_ps` sync-mode PS for `workers` workers; returns the spec and their stop handles.
-fn start_ps(
-    transport: TransportKind,
-    num_ps: usize,
-    workers: u32,
-) -> (ClusterSpec, Vec<tokio::sync::oneshot::Sender<()>>) {
-    let spec = ClusterSpec {
-        ps: (0..num_ps)
-            .map(|_| format!("127.0.0.1:{}", free_port()))
-            .collect(),
-        workers: vec!["127.0.0.1:0".into(); workers as usize],
-        transport,
-    };
-    let mut stops = Vec::new();
-    for i in 0..num_ps {
-        let mut cfg = PsConfig::new(spec.ps_uri(i));
-        cfg.shard = i as u32;
-        cfg.num_workers = workers;
-        cfg.mode = Mode::Sync;
-        cfg.sync_timeout = Duration::from_secs(20);
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        stops.push(tx);
-        tokio::spawn(ibex_ps::run(cfg, async move {
-            let _ = rx.await;
-        }));
-    }
-    (spec, stops)
-}
 
 fn var(name: &str, shape: &[usize]) -> VarSpec {
     VarSpec {
@@ -72,7 +34,7 @@ fn g(step: u64, i: usize) -> f32 {
 /// Per step: variables `a_*` pushed from slices, `b_*` (same specs) from registered buffers,
 /// with the same gradients; afterwards both must hold identical values, equal to plain SGD.
 async fn staged_equals_slices(transport: TransportKind) -> Worker {
-    let (spec, _stops) = start_ps(transport, 2, 1);
+    let (spec, _stops) = common::start_sync_ps(transport, 2, 1);
     let w = Worker::connect(&spec, 0).await.unwrap();
     let small = [7usize];
     w.create_variables(&[
@@ -199,7 +161,7 @@ async fn staged_pushes_over_tcp_go_inline() {
 /// A buffer whose push has not returned is not handed out again; it is once the call returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buffer_in_flight_is_not_handed_out_again() {
-    let (spec, _stops) = start_ps(TransportKind::Shm, 1, 2);
+    let (spec, _stops) = common::start_sync_ps(TransportKind::Shm, 1, 2);
     let vars = [var("w", &[100_000])];
     let w0 = Arc::new(Worker::connect(&spec, 0).await.unwrap());
     let w1 = Worker::connect(&spec, 1).await.unwrap();
@@ -251,7 +213,7 @@ async fn a_buffer_in_flight_is_not_handed_out_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misuse_gets_typed_errors() {
-    let (spec, _stops) = start_ps(TransportKind::Tcp, 2, 1);
+    let (spec, _stops) = common::start_sync_ps(TransportKind::Tcp, 2, 1);
     let w = Worker::connect(&spec, 0).await.unwrap();
     let table = VarSpec {
         sparse: true,

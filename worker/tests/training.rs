@@ -3,9 +3,8 @@
 //! of half the batch; the PS averages them, which equals the full-batch gradient.
 //! Tolerance: 1e-4 relative (f32 sums in a different order than the f64 reference).
 
-use std::time::Duration;
+mod common;
 
-use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
 
 const N: usize = 64;
@@ -38,35 +37,8 @@ fn grad(w: &[f32], b: f32, xs: &[[f32; D]], ys: &[f32]) -> (Vec<f32>, f32) {
     (gw, gb)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 async fn run(transport: TransportKind) {
-    let spec = ClusterSpec {
-        ps: (0..2)
-            .map(|_| format!("127.0.0.1:{}", free_port()))
-            .collect(),
-        workers: vec!["127.0.0.1:0".into(); 2],
-        transport,
-    };
-    let mut stops = Vec::new();
-    for i in 0..2 {
-        let mut cfg = PsConfig::new(spec.ps_uri(i));
-        cfg.shard = i as u32;
-        cfg.num_workers = 2;
-        cfg.mode = Mode::Sync;
-        cfg.sync_timeout = Duration::from_secs(10);
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        stops.push(tx);
-        tokio::spawn(ibex_ps::run(cfg, async move {
-            let _ = rx.await;
-        }));
-    }
+    let (spec, stops) = common::start_sync_ps(transport, 2, 2);
     let vars = vec![
         VarSpec {
             name: "w".into(),
