@@ -49,6 +49,8 @@ pub(crate) struct Shared {
     /// Serialises receivers: messages are ordered, so concurrent receivers make no sense,
     /// and it keeps posted `recv_into` buffers matched to the right message.
     pub recv_lock: tokio::sync::Mutex<()>,
+    /// Tasks waiting in [`super::Connection::poll_recv`]: woken with `changed`'s waiters.
+    pub readers: Mutex<Vec<std::task::Waker>>,
 }
 
 impl Shared {
@@ -60,6 +62,15 @@ impl Shared {
 
     pub fn wake_driver(&self) {
         self.driver_waker.wake();
+    }
+
+    /// Wakes everything waiting for news: `changed`'s waiters and `poll_recv` readers.
+    pub fn notify_changed(&self) {
+        self.changed.notify_waiters();
+        let readers = std::mem::take(&mut *self.readers.lock().unwrap_or_else(|e| e.into_inner()));
+        for w in readers {
+            w.wake();
+        }
     }
 
     pub fn release(&self, r: Released) {
@@ -708,7 +719,7 @@ impl Future for Driver {
         loop {
             if st.turn(&shared, cx, &mut this.timer, &mut wake) {
                 drop(st);
-                shared.changed.notify_waiters();
+                shared.notify_changed();
                 shared.send_space.notify_waiters();
                 return Poll::Ready(());
             }
@@ -747,7 +758,7 @@ impl Future for Driver {
                     this.spinning_since = None;
                     if st.turn(&shared, cx, &mut this.timer, &mut wake) {
                         drop(st);
-                        shared.changed.notify_waiters();
+                        shared.notify_changed();
                         shared.send_space.notify_waiters();
                         return Poll::Ready(());
                     }
@@ -760,7 +771,7 @@ impl Future for Driver {
         }
         drop(st);
         if wake.app {
-            shared.changed.notify_waiters();
+            shared.notify_changed();
         }
         if wake.send_space {
             shared.send_space.notify_waiters();

@@ -10,6 +10,7 @@ mod driver;
 mod stats;
 
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -97,6 +98,7 @@ impl Connection {
                 send_space: tokio::sync::Notify::new(),
                 released: std::sync::Mutex::new(Vec::new()),
                 recv_lock: tokio::sync::Mutex::new(()),
+                readers: std::sync::Mutex::new(Vec::new()),
             }
         });
         tokio::spawn(Driver::new(shared.clone()));
@@ -209,39 +211,71 @@ impl Connection {
         let _order = shared.recv_lock.lock().await;
         loop {
             let notified = shared.changed.notified();
-            let spin;
             tokio::pin!(notified);
             notified.as_mut().enable();
-            {
-                let mut st = shared.lock();
-                if let Some(ready) = st.delivered.pop_front() {
-                    let msg = ready.msg();
-                    st.consumed += 1;
-                    st.core.consumed(msg);
-                    let credit_due = st.core.credit_due();
-                    drop(st);
-                    // Owed credits below the batching threshold ride on the next frame; only
-                    // a full batch needs the driver now.
-                    if credit_due {
-                        shared.wake_driver();
-                    }
-                    return Ok(match ready {
-                        ReadyMsg::Bytes(_, b) => b,
-                        ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
-                    });
-                }
-                if let Some(e) = &st.closed {
-                    return Err(e.clone());
-                }
-                st.spin_requested = st.busy_poll;
-                spin = st.busy_poll;
-            }
-            // The link wakes the driver when data comes; it only needs a nudge to spin.
-            if spin {
-                shared.wake_driver();
+            if let Some(r) = self.try_take() {
+                return r;
             }
             notified.await;
         }
+    }
+
+    /// Polls for the next message, for callers that read from inside `poll` functions and
+    /// must not hold a receive lock while they are not being polled: any number of tasks may
+    /// poll at once, each message goes to exactly one of them, and all are woken when
+    /// messages arrive (whoever waits, reads). Does not mix with a concurrent
+    /// [`Connection::recv_into`], whose posted buffer expects the next message.
+    pub fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Result<Bytes>> {
+        // Register before looking, so a delivery between the two still wakes this task.
+        {
+            let mut readers = self
+                .shared()
+                .readers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if !readers.iter().any(|w| w.will_wake(cx.waker())) {
+                readers.push(cx.waker().clone());
+            }
+        }
+        match self.try_take() {
+            Some(r) => Poll::Ready(r),
+            None => Poll::Pending,
+        }
+    }
+
+    /// Takes the next delivered message, or the reason the connection closed; `None` (and a
+    /// spin request where busy-polling is on) when there is nothing yet.
+    fn try_take(&self) -> Option<Result<Bytes>> {
+        let shared = self.shared();
+        let spin = {
+            let mut st = shared.lock();
+            if let Some(ready) = st.delivered.pop_front() {
+                let msg = ready.msg();
+                st.consumed += 1;
+                st.core.consumed(msg);
+                let credit_due = st.core.credit_due();
+                drop(st);
+                // Owed credits below the batching threshold ride on the next frame; only
+                // a full batch needs the driver now.
+                if credit_due {
+                    shared.wake_driver();
+                }
+                return Some(Ok(match ready {
+                    ReadyMsg::Bytes(_, b) => b,
+                    ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
+                }));
+            }
+            if let Some(e) = &st.closed {
+                return Some(Err(e.clone()));
+            }
+            st.spin_requested = st.busy_poll;
+            st.busy_poll
+        };
+        // The link wakes the driver when data comes; it only needs a nudge to spin.
+        if spin {
+            shared.wake_driver();
+        }
+        None
     }
 
     /// Receives the next message into `buf`, returning it with the message length. When

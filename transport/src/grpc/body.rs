@@ -24,6 +24,18 @@ pub(crate) enum Inbound {
     Error(Status),
 }
 
+/// A connection that whoever waits on it may read (the client's: it has no reader task).
+pub(crate) trait ReadSource: Send + Sync {
+    /// Takes one message off the connection and dispatches it to its call. `Ready(true)`:
+    /// one was dispatched (poll again for more); `Ready(false)`: the connection is closed
+    /// and every call has been told; `Pending`: nothing yet, and `cx` is woken when there is.
+    fn poll_read(&self, cx: &mut Context<'_>) -> Poll<bool>;
+}
+
+/// Messages one poll may take off the connection before it yields, so a reader busy with
+/// other calls' traffic does not starve its own task's neighbours.
+pub(crate) const READ_BUDGET: usize = 64;
+
 /// Something to run when the body is dropped before its end (the client cancels its call).
 pub(crate) trait OnDrop: Send + Sync {
     /// The call ended normally: nothing to do on drop.
@@ -41,6 +53,8 @@ pub struct IncomingBody {
     consumed: i64,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     guard: Option<Box<dyn OnDrop>>,
+    /// Where to read from while waiting for a frame, when no task reads for us.
+    reader: Option<Arc<dyn ReadSource>>,
     /// What the call says if its source vanished without an end (connection lost).
     lost: Status,
     done: bool,
@@ -71,6 +85,7 @@ impl IncomingBody {
             consumed: 0,
             deadline: None,
             guard: None,
+            reader: None,
             lost,
             done: false,
         }
@@ -83,6 +98,11 @@ impl IncomingBody {
 
     pub(crate) fn with_guard(mut self, g: Box<dyn OnDrop>) -> Self {
         self.guard = Some(g);
+        self
+    }
+
+    pub(crate) fn with_reader(mut self, r: Arc<dyn ReadSource>) -> Self {
+        self.reader = Some(r);
         self
     }
 
@@ -123,40 +143,62 @@ impl http_body::Body for IncomingBody {
             return Poll::Ready(None);
         }
         // What already arrived is delivered before a deadline is looked at.
-        match this.rx.poll_recv(cx) {
-            Poll::Ready(Some(Inbound::Data(d))) => {
-                this.consume(d.len());
-                Poll::Ready(Some(Ok(Frame::data(d))))
-            }
-            Poll::Ready(Some(Inbound::Trailers(t))) => {
-                this.end();
-                Poll::Ready(Some(Ok(Frame::trailers(t))))
-            }
-            Poll::Ready(Some(Inbound::End)) => {
-                this.end();
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Inbound::Error(s))) => {
-                this.end();
-                Poll::Ready(Some(Err(s)))
-            }
-            Poll::Ready(None) => {
-                this.end();
-                Poll::Ready(Some(Err(this.lost.clone())))
-            }
-            Poll::Pending => {
-                if let Some(d) = this.deadline.as_mut()
-                    && d.as_mut().poll(cx).is_ready()
-                {
-                    // Leave the guard armed: dropping it resets the call on the server.
-                    this.done = true;
-                    this.guard = None;
-                    return Poll::Ready(Some(Err(Status::deadline_exceeded(
-                        "Deadline exceeded (grpc-timeout) while receiving the response",
-                    ))));
+        let mut budget = READ_BUDGET;
+        loop {
+            return match this.rx.poll_recv(cx) {
+                Poll::Ready(Some(Inbound::Data(d))) => {
+                    this.consume(d.len());
+                    Poll::Ready(Some(Ok(Frame::data(d))))
                 }
-                Poll::Pending
-            }
+                Poll::Ready(Some(Inbound::Trailers(t))) => {
+                    this.end();
+                    Poll::Ready(Some(Ok(Frame::trailers(t))))
+                }
+                Poll::Ready(Some(Inbound::End)) => {
+                    this.end();
+                    Poll::Ready(None)
+                }
+                Poll::Ready(Some(Inbound::Error(s))) => {
+                    this.end();
+                    Poll::Ready(Some(Err(s)))
+                }
+                Poll::Ready(None) => {
+                    this.end();
+                    Poll::Ready(Some(Err(this.lost.clone())))
+                }
+                Poll::Pending => {
+                    // Nothing for us yet: read the connection ourselves (whoever waits, reads).
+                    if let Some(r) = &this.reader
+                        && budget > 0
+                    {
+                        match r.poll_read(cx) {
+                            Poll::Ready(true) => {
+                                budget -= 1;
+                                continue;
+                            }
+                            Poll::Ready(false) => {
+                                // Closed: our channel has been told; look once more.
+                                this.reader = None;
+                                continue;
+                            }
+                            Poll::Pending => {}
+                        }
+                    } else if budget == 0 {
+                        cx.waker().wake_by_ref();
+                    }
+                    if let Some(d) = this.deadline.as_mut()
+                        && d.as_mut().poll(cx).is_ready()
+                    {
+                        // Leave the guard armed: dropping it resets the call on the server.
+                        this.done = true;
+                        this.guard = None;
+                        return Poll::Ready(Some(Err(Status::deadline_exceeded(
+                            "Deadline exceeded (grpc-timeout) while receiving the response",
+                        ))));
+                    }
+                    Poll::Pending
+                }
+            };
         }
     }
 

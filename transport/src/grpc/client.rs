@@ -11,10 +11,11 @@ use http::{HeaderMap, StatusCode};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
-use super::body::{Inbound, IncomingBody, OnDrop};
+use super::body::{Inbound, IncomingBody, OnDrop, ReadSource};
+use super::demux::{Demux, Got};
 use super::pump::{Pumped, Side, pump};
-use super::wire::{Data, Head, Packet};
-use super::{CallShared, Mux, RemoteBuf, parse_timeout};
+use super::wire::{Head, Limits, Packet};
+use super::{CallShared, Mux, RemoteBuf, parse_timeout, read_while};
 use crate::config::Config;
 use crate::conn::Connection;
 use crate::error::{Error, Result};
@@ -28,6 +29,9 @@ type HeadResult = std::result::Result<(StatusCode, HeaderMap), Status>;
 ///
 /// It does not reconnect: once the connection is gone, calls fail with `Unavailable`
 /// saying why, and a new channel must be connected.
+///
+/// A call runs to completion on the task that makes it: the request goes onto the link from
+/// the caller's poll, and the caller reads its own response off the connection.
 #[derive(Clone)]
 pub struct Channel {
     inner: Arc<Inner>,
@@ -41,21 +45,21 @@ impl std::fmt::Debug for Channel {
     }
 }
 
-/// Lives while a channel clone or a call does; stops the reader after the last.
+/// Lives while a channel clone or a call does.
 struct Inner {
     shared: Arc<Shared>,
-    reader: tokio::task::AbortHandle,
 }
 
-impl Drop for Inner {
-    fn drop(&mut self) {
-        self.reader.abort();
-    }
-}
-
+/// There is no reader task: whoever waits for the server (a caller for its response head, a
+/// response body for its next frame, a request stream for window) reads the connection
+/// itself and hands what it reads to the calls it belongs to. A unary call is completed on
+/// the task that made it, with no hop between tasks.
 struct Shared {
     mux: Arc<Mux>,
     calls: Mutex<Calls>,
+    /// Held while one message is taken off the connection and dispatched, so messages are
+    /// demultiplexed and delivered in connection order whichever task reads them.
+    demux: Mutex<Demux>,
 }
 
 #[derive(Default)]
@@ -170,52 +174,51 @@ impl Shared {
     }
 }
 
-/// Reads the connection and hands packets to their calls, until the connection ends.
-async fn reader(shared: Arc<Shared>) {
-    let conn = shared.mux.conn.clone();
-    let peer = conn.peer();
-    let gone = |e: Error| {
+impl Shared {
+    fn gone(&self, e: Error) -> Status {
         Status::unavailable(format!(
-            "the Ibex connection to the gRPC server ({peer}) is gone: {e}"
+            "the Ibex connection to the gRPC server ({}) is gone: {e}",
+            self.mux.conn.peer()
         ))
-    };
-    loop {
-        let msg = match conn.recv().await {
-            Ok(m) => m,
-            Err(e) => return shared.fail_all(gone(e)),
-        };
-        let p = match Packet::decode(msg, false) {
-            Ok(p) => p,
-            Err(e) => {
-                shared.fail_all(gone(e));
-                return conn.close().await;
+    }
+
+    fn is_closed(&self) -> bool {
+        self.lock().closed.is_some()
+    }
+}
+
+impl ReadSource for Shared {
+    fn poll_read(&self, cx: &mut Context<'_>) -> Poll<bool> {
+        if self.is_closed() {
+            return Poll::Ready(false);
+        }
+        let mut demux = self.demux.lock().unwrap_or_else(|p| p.into_inner());
+        let msg = match self.mux.conn.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Ok(m)) => m,
+            Poll::Ready(Err(e)) => {
+                drop(demux);
+                self.fail_all(self.gone(e));
+                return Poll::Ready(false);
             }
         };
-        let data = match &p.data {
-            Some(Data::Inline(b)) => Some(b.clone()),
-            Some(Data::Next(len)) => match conn.recv().await {
-                Ok(m) if m.len() as u64 == *len => Some(m),
-                // The server's transport refused the body; an abort of the call came instead.
-                Ok(m) => match Packet::decode(m, false) {
-                    Ok(abort) if abort.call == p.call && abort.data.is_none() => {
-                        shared.dispatch(p, None);
-                        shared.dispatch(abort, None);
-                        continue;
-                    }
-                    _ => {
-                        let e = Error::Protocol(format!(
-                            "gRPC call framing: expected a body of {len} bytes for call {}",
-                            p.call
-                        ));
-                        shared.fail_all(gone(e));
-                        return conn.close().await;
-                    }
-                },
-                Err(e) => return shared.fail_all(gone(e)),
-            },
-            None => None,
-        };
-        shared.dispatch(p, data);
+        match demux.push(msg) {
+            Ok(Got::Nothing) => {}
+            Ok(Got::One(p, d)) => self.dispatch(p, d),
+            Ok(Got::Aborted(p, abort)) => {
+                self.dispatch(p, None);
+                self.dispatch(abort, None);
+            }
+            Err(e) => {
+                drop(demux);
+                tracing::warn!(%e, peer = %self.mux.conn.peer(), "gRPC client: closing the connection");
+                self.fail_all(self.gone(e));
+                let conn = self.mux.conn.clone();
+                tokio::spawn(async move { conn.close().await });
+                return Poll::Ready(false);
+            }
+        }
+        Poll::Ready(true)
     }
 }
 
@@ -258,17 +261,29 @@ impl Channel {
     /// Runs gRPC calls over an established connection (which nothing else should read).
     /// Must be called within a tokio runtime.
     pub fn new(conn: Connection) -> Channel {
-        // The call reader waits in `recv` all the time and replies are produced by tasks of
-        // this runtime: busy-polling there would only delay them (measured: every round trip
-        // paid the whole spin budget).
-        conn.set_busy_poll(false);
+        Channel::with_limits(conn, Limits::default())
+    }
+
+    /// Like [`Channel::new`], accepting response header lists of up to
+    /// `max_header_list_size` bytes (name + value + 32 per entry, as HTTP/2 counts; default
+    /// 16 KiB, as hyper's). A server that sends more breaks the connection.
+    pub fn with_max_header_list_size(conn: Connection, max_header_list_size: usize) -> Channel {
+        Channel::with_limits(
+            conn,
+            Limits {
+                max_header_list_size,
+            },
+        )
+    }
+
+    fn with_limits(conn: Connection, limits: Limits) -> Channel {
         let shared = Arc::new(Shared {
             mux: Arc::new(Mux::new(conn, Side::Client)),
             calls: Mutex::new(Calls::default()),
+            demux: Mutex::new(Demux::new(false, limits)),
         });
-        let reader = tokio::spawn(reader(shared.clone())).abort_handle();
         Channel {
-            inner: Arc::new(Inner { shared, reader }),
+            inner: Arc::new(Inner { shared }),
         }
     }
 
@@ -347,6 +362,7 @@ impl Channel {
         let pump_shared = shared.clone();
         let pump_call = call.clone();
         let mut sending = Box::pin(async move {
+            let reader: &Shared = &pump_shared;
             if let Pumped::Failed(s) = pump(
                 &pump_shared.mux,
                 id,
@@ -355,6 +371,7 @@ impl Channel {
                 body,
                 Side::Client,
                 None,
+                Some(reader),
             )
             .await
             {
@@ -371,6 +388,8 @@ impl Channel {
             tokio::spawn(sending);
         }
 
+        // Whoever waits, reads: this task takes the answer off the connection itself.
+        let head_rx = read_while(&*shared, head_rx);
         let head = match deadline {
             Some(d) => tokio::select! {
                 h = head_rx => h,
@@ -397,9 +416,11 @@ impl Channel {
         };
         let lost =
             Status::unavailable("the Ibex connection to the gRPC server was lost during the call");
+        let reader: Arc<dyn ReadSource> = shared.clone();
         let body = IncomingBody::new(body_rx, shared.mux.clone(), id, call, lost)
             .with_deadline(deadline)
-            .with_guard(Box::new(guard));
+            .with_guard(Box::new(guard))
+            .with_reader(reader);
         let mut resp = http::Response::new(body);
         *resp.status_mut() = status;
         *resp.headers_mut() = headers;

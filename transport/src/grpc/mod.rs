@@ -31,12 +31,15 @@
 
 mod body;
 mod client;
+mod demux;
 mod pump;
 mod server;
 mod wire;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -50,6 +53,7 @@ pub use crate::conn::RemoteBuf;
 
 use crate::conn::Connection;
 use crate::error::{Error, Result};
+use body::{READ_BUDGET, ReadSource};
 use pump::Side;
 use tonic::Status;
 use wire::{Data, INLINE_MAX, Packet};
@@ -164,6 +168,29 @@ impl Mux {
             });
         }
     }
+}
+
+/// Waits for `fut`, reading the connection from `src` meanwhile, so that what `fut` waits
+/// for arrives without a reader task (whoever waits, reads).
+pub(crate) async fn read_while<F: Future>(src: &dyn ReadSource, fut: F) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(|cx| {
+        for _ in 0..READ_BUDGET {
+            if let Poll::Ready(v) = fut.as_mut().poll(cx) {
+                return Poll::Ready(v);
+            }
+            match src.poll_read(cx) {
+                Poll::Ready(true) => {}
+                // Closed: whatever `fut` waits on was failed with the connection.
+                Poll::Ready(false) => return fut.as_mut().poll(cx),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        // Other calls' traffic kept coming: let the runtime run their tasks, then go on.
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
+    .await
 }
 
 /// A one-way latch tasks can wait on (call finished or cancelled, server shutting down).

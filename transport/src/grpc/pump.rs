@@ -13,8 +13,9 @@ use http_body::{Body, Frame};
 use tokio::time::Instant;
 use tonic::Status;
 
+use super::body::ReadSource;
 use super::wire::Packet;
-use super::{CallShared, Mux, transport_status};
+use super::{CallShared, Mux, read_while, transport_status};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -85,7 +86,9 @@ fn sent(r: crate::error::Result<()>) -> Pumped {
 }
 
 /// Sends `head` and then `body` for call `id`. `deadline` (server only) ends the response
-/// with `DeadlineExceeded` if the body is still going when it passes.
+/// with `DeadlineExceeded` if the body is still going when it passes. `reader` (client
+/// only) is read while waiting for window, since the peer's grants arrive on it.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn pump<B>(
     mux: &Arc<Mux>,
     id: u32,
@@ -94,6 +97,7 @@ pub(crate) async fn pump<B>(
     body: B,
     side: Side,
     deadline: Option<Instant>,
+    reader: Option<&dyn ReadSource>,
 ) -> Pumped
 where
     B: Body<Data = Bytes> + Send + 'static,
@@ -167,7 +171,7 @@ where
                     // message just over a multiple of PIECE does not end in a tiny one.
                     while data.len() >= 2 * PIECE {
                         let piece = data.split_to(PIECE);
-                        if !call.acquire(piece.len()).await {
+                        if !acquire(call, piece.len(), reader).await {
                             return Pumped::Stopped;
                         }
                         if let Err(e) = mux.send(p, Some(piece)).await {
@@ -175,7 +179,7 @@ where
                         }
                         p = Packet::new(id);
                     }
-                    if !call.acquire(data.len()).await {
+                    if !acquire(call, data.len(), reader).await {
                         return Pumped::Stopped;
                     }
                     pending = Some((p, Some(data)));
@@ -203,5 +207,13 @@ where
                 return Pumped::Failed(status);
             }
         }
+    }
+}
+
+/// Takes window for `len` bytes, reading the connection meanwhile where no task does.
+async fn acquire(call: &CallShared, len: usize, reader: Option<&dyn ReadSource>) -> bool {
+    match reader {
+        Some(r) => read_while(r, call.acquire(len)).await,
+        None => call.acquire(len).await,
     }
 }

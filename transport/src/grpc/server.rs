@@ -6,7 +6,9 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use futures_util::FutureExt;
+use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
+use std::pin::Pin;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -16,8 +18,9 @@ use tonic::service::Routes;
 use tower::Service;
 
 use super::body::{Inbound, IncomingBody};
+use super::demux::{Demux, Got};
 use super::pump::{Side, pump};
-use super::wire::{Data, Head, Packet};
+use super::wire::{Head, Limits, Packet};
 use super::{CallShared, Flag, Mux, parse_timeout};
 use crate::config::Config;
 use crate::conn::{ConnStats, Connection, Listener};
@@ -42,6 +45,26 @@ pub struct Builder {
     routes: Option<Routes>,
     config: Option<Config>,
     stats: ServerStats,
+    limits: ServeLimits,
+}
+
+/// What one client connection may ask of the server.
+#[derive(Debug, Clone, Copy)]
+struct ServeLimits {
+    wire: Limits,
+    max_concurrent_calls: usize,
+}
+
+/// The default of [`Builder::max_concurrent_calls`].
+pub const DEFAULT_MAX_CONCURRENT_CALLS: usize = 4096;
+
+impl Default for ServeLimits {
+    fn default() -> ServeLimits {
+        ServeLimits {
+            wire: Limits::default(),
+            max_concurrent_calls: DEFAULT_MAX_CONCURRENT_CALLS,
+        }
+    }
 }
 
 /// The transport counters of a server's connections, for metrics: take it with
@@ -118,6 +141,21 @@ impl Builder {
         self
     }
 
+    /// Calls one client connection may have in flight (default 4096). A call past it is
+    /// answered `ResourceExhausted` at once, naming this setting.
+    pub fn max_concurrent_calls(mut self, n: usize) -> Self {
+        self.limits.max_concurrent_calls = n.max(1);
+        self
+    }
+
+    /// Bytes of one request header list, counted as HTTP/2 counts them (name + value + 32
+    /// per entry; default 16 KiB, as hyper's). A client that sends more loses its
+    /// connection, with the limit named in the server's log.
+    pub fn max_header_list_size(mut self, bytes: usize) -> Self {
+        self.limits.wire.max_header_list_size = bytes;
+        self
+    }
+
     /// Adds a generated tonic service (`GreeterServer::new(..)`, ...).
     pub fn add_service<S>(mut self, svc: S) -> Self
     where
@@ -191,8 +229,9 @@ impl Builder {
                         let stats = self.stats.clone();
                         let id = stats.add(&conn);
                         let (routes, shutdown) = (routes.clone(), shutdown.clone());
+                        let limits = self.limits;
                         conns.spawn(async move {
-                            serve_conn(conn, routes, shutdown).await;
+                            serve_conn(conn, routes, shutdown, limits).await;
                             stats.remove(id);
                         });
                     }
@@ -284,41 +323,51 @@ impl ConnState {
     }
 }
 
-/// A packet waiting for its body, which is the next message on the connection.
-struct Partial {
-    packet: Packet,
-    len: u64,
+/// What one connection's task needs besides the connection.
+struct ConnCtx {
+    st: Arc<ConnState>,
+    peer: PeerHandle,
+    routes: Routes,
+    limits: ServeLimits,
+    draining: bool,
+    /// The calls in flight. They run on this task, the one that reads the connection: a
+    /// handler that is ready at once answers in the poll that brought its request, with no
+    /// task hop, and its reply goes straight onto the link.
+    running: FuturesUnordered<Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
-async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
-    // Handlers run on this runtime and produce the replies; the reader must not spin.
-    conn.set_busy_poll(false);
-    let peer = PeerHandle { conn: conn.clone() };
-    let st = Arc::new(ConnState {
-        mux: Arc::new(Mux::new(conn.clone(), Side::Server)),
-        calls: Mutex::new(HashMap::new()),
-    });
-    let mut tasks = JoinSet::new();
-    let mut draining = false;
-    let mut partial: Option<Partial> = None;
+async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limits: ServeLimits) {
+    let mut cx = ConnCtx {
+        st: Arc::new(ConnState {
+            mux: Arc::new(Mux::new(conn.clone(), Side::Server)),
+            calls: Mutex::new(HashMap::new()),
+        }),
+        peer: PeerHandle { conn: conn.clone() },
+        routes,
+        limits,
+        draining: false,
+        running: FuturesUnordered::new(),
+    };
+    let mut demux = Demux::new(true, limits.wire);
+    let peer = conn.peer();
     loop {
         tokio::select! {
-            _ = shutdown.wait(), if !draining => {
-                draining = true;
+            biased;
+            _ = shutdown.wait(), if !cx.draining => {
+                cx.draining = true;
                 let mut p = Packet::new(0);
                 p.goaway = true;
-                let _ = st.mux.send(p, None).await;
-                if tasks.is_empty() {
+                let _ = cx.st.mux.send(p, None).await;
+                if cx.running.is_empty() {
                     break;
                 }
             }
-            Some(_) = tasks.join_next(), if !tasks.is_empty() => {
-                if draining && tasks.is_empty() {
+            Some(()) = cx.running.next(), if !cx.running.is_empty() => {
+                if cx.draining && cx.running.is_empty() {
                     break;
                 }
             }
-            // `recv` is cancel-safe; a packet whose body is still to come waits in `partial`.
-            msg = conn.recv() => {
+            msg = std::future::poll_fn(|c| conn.poll_recv(c)) => {
                 let msg = match msg {
                     Ok(m) => m,
                     Err(e) => {
@@ -326,153 +375,141 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>) {
                         break;
                     }
                 };
-                let (p, data) = match partial.take() {
-                    Some(Partial { packet, len }) if msg.len() as u64 == len => (packet, Some(msg)),
-                    // The client's transport refused the body; an abort of the call came instead.
-                    Some(Partial { packet, len }) => match Packet::decode(msg, true) {
-                        Ok(abort) if abort.call == packet.call && abort.data.is_none() => {
-                            let r = dispatch(&st, &peer, &routes, &mut tasks, draining, packet, None)
-                                .and_then(|()| dispatch(&st, &peer, &routes, &mut tasks, draining, abort, None));
-                            if let Err(e) = r {
-                                tracing::warn!(%e, peer = %peer.peer(), "gRPC server: closing the connection");
-                                break;
-                            }
-                            continue;
-                        }
-                        _ => {
-                            tracing::warn!(peer = %peer.peer(), "gRPC server: expected a body of {len} bytes for call {}; closing the connection", packet.call);
-                            break;
-                        }
-                    },
-                    None => match Packet::decode(msg, true) {
-                        Ok(mut p) => match p.data.take() {
-                            Some(Data::Next(len)) => {
-                                partial = Some(Partial { packet: p, len });
-                                continue;
-                            }
-                            Some(Data::Inline(d)) => (p, Some(d)),
-                            None => (p, None),
-                        },
-                        Err(e) => {
-                            tracing::warn!(%e, peer = %peer.peer(), "gRPC server: closing the connection");
-                            break;
-                        }
-                    },
+                let r = match demux.push(msg) {
+                    Ok(Got::Nothing) => Ok(()),
+                    Ok(Got::One(p, data)) => cx.dispatch(p, data),
+                    Ok(Got::Aborted(p, abort)) => {
+                        cx.dispatch(p, None).and_then(|()| cx.dispatch(abort, None))
+                    }
+                    Err(e) => Err(e),
                 };
-                if let Err(e) = dispatch(&st, &peer, &routes, &mut tasks, draining, p, data) {
-                    tracing::warn!(%e, peer = %peer.peer(), "gRPC server: closing the connection");
+                if let Err(e) = r {
+                    tracing::warn!(%e, %peer, "gRPC server: closing the connection");
                     break;
                 }
             }
         }
     }
     // Whatever is still running has lost its client (or the connection broke the protocol).
-    for (_, c) in st.lock().drain() {
+    for (_, c) in cx.st.lock().drain() {
         let _ = c.body.send(Inbound::Error(Status::cancelled(
             "the client's connection is gone",
         )));
         c.shared.finish();
     }
-    while tasks.join_next().await.is_some() {}
+    while cx.running.next().await.is_some() {}
     conn.close().await;
 }
 
-fn dispatch(
-    st: &Arc<ConnState>,
-    peer: &PeerHandle,
-    routes: &Routes,
-    tasks: &mut JoinSet<()>,
-    draining: bool,
-    p: Packet,
-    data: Option<Bytes>,
-) -> Result<()> {
-    let id = p.call;
-    if let Some(Head::Request { path, headers }) = p.head {
-        if draining {
-            // Raced with our GOAWAY: refuse, as HTTP/2 refuses streams past GOAWAY.
-            let (parts, ()) =
-                Status::unavailable("the gRPC server is shutting down; retry on a new connection")
-                    .into_http::<()>()
-                    .into_parts();
-            let mut r = Packet::new(id);
-            r.head = Some(Head::Response {
-                status: parts.status,
-                headers: parts.headers,
-            });
-            r.end = true;
-            st.mux.send_detached(r);
-            return Ok(());
-        }
-        let call = CallShared::new();
-        let (tx, rx) = mpsc::unbounded_channel();
-        {
-            let mut calls = st.lock();
-            if calls.contains_key(&id) {
-                return Err(Error::Protocol(format!(
-                    "gRPC call framing: call id {id} opened twice"
-                )));
+impl ConnCtx {
+    /// A trailers-only answer to a call that never reaches a handler.
+    fn refuse(&self, id: u32, status: Status) {
+        let (parts, ()) = status.into_http::<()>().into_parts();
+        let mut r = Packet::new(id);
+        r.head = Some(Head::Response {
+            status: parts.status,
+            headers: parts.headers,
+        });
+        r.end = true;
+        self.st.mux.send_detached(r);
+    }
+
+    fn dispatch(&mut self, p: Packet, data: Option<Bytes>) -> Result<()> {
+        let id = p.call;
+        if let Some(Head::Request { path, headers }) = p.head {
+            if self.draining {
+                // Raced with our GOAWAY: refuse, as HTTP/2 refuses streams past GOAWAY.
+                self.refuse(
+                    id,
+                    Status::unavailable(
+                        "the gRPC server is shutting down; retry on a new connection",
+                    ),
+                );
+                return Ok(());
             }
-            calls.insert(
+            let call = CallShared::new();
+            let (tx, rx) = mpsc::unbounded_channel();
+            {
+                let mut calls = self.st.lock();
+                if calls.contains_key(&id) {
+                    return Err(Error::Protocol(format!(
+                        "gRPC call framing: call id {id} opened twice"
+                    )));
+                }
+                if calls.len() >= self.limits.max_concurrent_calls {
+                    drop(calls);
+                    self.refuse(
+                        id,
+                        Status::resource_exhausted(format!(
+                            "the server allows at most {} calls in flight per connection \
+                             (grpc::Builder::max_concurrent_calls); wait for some to finish",
+                            self.limits.max_concurrent_calls
+                        )),
+                    );
+                    return Ok(());
+                }
+                calls.insert(
+                    id,
+                    ServerCall {
+                        body: tx,
+                        shared: call.clone(),
+                    },
+                );
+            }
+            let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
+            let body = IncomingBody::new(
+                rx,
+                self.st.mux.clone(),
                 id,
-                ServerCall {
-                    body: tx,
-                    shared: call.clone(),
-                },
+                call.clone(),
+                Status::cancelled("the client's connection is gone"),
             );
-        }
-        let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
-        let body = IncomingBody::new(
-            rx,
-            st.mux.clone(),
-            id,
-            call.clone(),
-            Status::cancelled("the client's connection is gone"),
-        );
-        let mut req = http::Request::new(body);
-        *req.method_mut() = http::Method::POST;
-        *req.uri_mut() = path
-            .parse()
-            .map_err(|_| Error::Protocol(format!("gRPC call framing: bad method path {path:?}")))?;
-        *req.version_mut() = http::Version::HTTP_2;
-        *req.headers_mut() = headers;
-        req.extensions_mut().insert(peer.clone());
-        tasks.spawn(run_call(
-            st.clone(),
-            id,
-            call,
-            req,
-            routes.clone(),
-            deadline,
-        ));
-    }
-    let calls = st.lock();
-    // Packets for calls that already ended here are dropped.
-    let Some(c) = calls.get(&id) else {
-        return Ok(());
-    };
-    if let Some(w) = p.window {
-        c.shared.grant(w);
-    }
-    if let Some(d) = data {
-        if !c.shared.received(d.len()) {
-            let _ = c.body.send(Inbound::Error(Status::resource_exhausted(
-                "the client overran the call's flow-control window",
+            let mut req = http::Request::new(body);
+            *req.method_mut() = http::Method::POST;
+            *req.uri_mut() = path.parse().map_err(|_| {
+                Error::Protocol(format!("gRPC call framing: bad method path {path:?}"))
+            })?;
+            *req.version_mut() = http::Version::HTTP_2;
+            *req.headers_mut() = headers;
+            req.extensions_mut().insert(self.peer.clone());
+            self.running.push(Box::pin(run_call(
+                self.st.clone(),
+                id,
+                call,
+                req,
+                self.routes.clone(),
+                deadline,
             )));
-        } else {
-            let _ = c.body.send(Inbound::Data(d));
         }
+        let calls = self.st.lock();
+        // Packets for calls that already ended here are dropped.
+        let Some(c) = calls.get(&id) else {
+            return Ok(());
+        };
+        if let Some(w) = p.window {
+            c.shared.grant(w);
+        }
+        if let Some(d) = data {
+            if !c.shared.received(d.len()) {
+                let _ = c.body.send(Inbound::Error(Status::resource_exhausted(
+                    "the client overran the call's flow-control window",
+                )));
+            } else {
+                let _ = c.body.send(Inbound::Data(d));
+            }
+        }
+        if p.end {
+            let _ = c.body.send(Inbound::End);
+        }
+        if p.reset {
+            // The client cancelled: the handler's future is dropped by `answer`.
+            let _ = c.body.send(Inbound::Error(Status::cancelled(
+                "the client cancelled the call",
+            )));
+            c.shared.finish();
+        }
+        Ok(())
     }
-    if p.end {
-        let _ = c.body.send(Inbound::End);
-    }
-    if p.reset {
-        // The client cancelled: the handler's future is dropped by its task.
-        let _ = c.body.send(Inbound::Error(Status::cancelled(
-            "the client cancelled the call",
-        )));
-        c.shared.finish();
-    }
-    Ok(())
 }
 
 async fn run_call(
@@ -544,6 +581,6 @@ async fn answer(
             status: parts.status,
             headers: parts.headers,
         });
-        pump(&st.mux, id, call, head, body, Side::Server, deadline).await;
+        pump(&st.mux, id, call, head, body, Side::Server, deadline, None).await;
     }
 }

@@ -38,6 +38,28 @@ pub(crate) const GOAWAY: u8 = 128;
 /// transport message (no copy, and the transport may move them rendezvous).
 pub(crate) const INLINE_MAX: usize = 8 * 1024;
 
+/// HTTP/2's accounting for one header entry beyond its name and value (RFC 7540 6.5.2).
+const HEADER_ENTRY_OVERHEAD: usize = 32;
+
+/// What a receiver accepts from its peer before the call framing is even decoded.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// Bytes of one header list (head or trailers), counted as HTTP/2 counts them: name +
+    /// value + 32 per entry. hyper's (and so stock tonic's) default is 16 KiB.
+    pub max_header_list_size: usize,
+}
+
+/// The default of [`Limits::max_header_list_size`].
+pub(crate) const DEFAULT_MAX_HEADER_LIST_SIZE: usize = 16 << 10;
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_header_list_size: DEFAULT_MAX_HEADER_LIST_SIZE,
+        }
+    }
+}
+
 /// The head block of a packet.
 #[derive(Debug)]
 pub(crate) enum Head {
@@ -144,7 +166,7 @@ impl Packet {
 
     /// Decodes a packet; any malformation is a protocol error (the connection is unusable).
     /// `request` says which head the receiver expects (true on the server).
-    pub(crate) fn decode(mut b: Bytes, request: bool) -> Result<Packet> {
+    pub(crate) fn decode(mut b: Bytes, request: bool, limits: &Limits) -> Result<Packet> {
         let call = get_u32(&mut b, "call id")?;
         let flags = get_u8(&mut b, "flags")?;
         let mut p = Packet::new(call);
@@ -159,7 +181,7 @@ impl Packet {
                 }
                 Head::Request {
                     path,
-                    headers: get_headers(&mut h)?,
+                    headers: get_headers(&mut h, limits)?,
                 }
             } else {
                 let code = get_u16(&mut h, "HTTP status")?;
@@ -167,7 +189,7 @@ impl Packet {
                     .map_err(|_| proto_err(format!("invalid HTTP status {code}")))?;
                 Head::Response {
                     status,
-                    headers: get_headers(&mut h)?,
+                    headers: get_headers(&mut h, limits)?,
                 }
             });
             expect_empty(&h, "head block")?;
@@ -185,7 +207,7 @@ impl Packet {
         }
         if flags & TRAILERS != 0 {
             let mut t = take(&mut b, "trailers block")?;
-            p.trailers = Some(get_headers(&mut t)?);
+            p.trailers = Some(get_headers(&mut t, limits)?);
             expect_empty(&t, "trailers block")?;
         }
         if flags & WINDOW != 0 {
@@ -284,20 +306,42 @@ fn get_str16(b: &mut Bytes, what: &str) -> Result<String> {
         .map_err(|_| proto_err(format!("{what} is not UTF-8")))
 }
 
-fn get_headers(b: &mut Bytes) -> Result<HeaderMap> {
-    let n = get_u16(b, "header count")?;
-    let mut h = HeaderMap::with_capacity(n as usize);
+fn get_headers(b: &mut Bytes, limits: &Limits) -> Result<HeaderMap> {
+    let n = usize::from(get_u16(b, "header count")?);
+    // Checked before anything is allocated: the count sizes the map.
+    let max_entries = limits.max_header_list_size / HEADER_ENTRY_OVERHEAD;
+    if n > max_entries {
+        return Err(header_limit(format!(
+            "{n} header entries exceed the {max_entries} that a header list of at most {} bytes can hold",
+            limits.max_header_list_size
+        )));
+    }
+    let mut h = HeaderMap::with_capacity(n);
+    let mut size = 0usize;
     for _ in 0..n {
         let len = get_u16(b, "header name")? as usize;
         need(b, len, "header name")?;
         let name = HeaderName::from_bytes(&b.split_to(len))
             .map_err(|_| proto_err("invalid header name".into()))?;
         let v = take(b, "header value")?;
+        size = size.saturating_add(len + v.len() + HEADER_ENTRY_OVERHEAD);
+        if size > limits.max_header_list_size {
+            return Err(header_limit(format!(
+                "the header list exceeds {} bytes (name + value + 32 per entry)",
+                limits.max_header_list_size
+            )));
+        }
         let value = HeaderValue::from_maybe_shared(v)
             .map_err(|_| proto_err(format!("invalid value for header {name}")))?;
         h.append(name, value);
     }
     Ok(h)
+}
+
+fn header_limit(why: String) -> Error {
+    proto_err(format!(
+        "{why}; raise max_header_list_size on the receiving side (grpc::Builder or Channel) if this peer is trusted"
+    ))
 }
 
 fn expect_empty(b: &Bytes, what: &str) -> Result<()> {
@@ -332,7 +376,7 @@ mod tests {
         });
         p.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x03abc")));
         p.end = true;
-        let d = Packet::decode(p.encode().unwrap(), true).unwrap();
+        let d = Packet::decode(p.encode().unwrap(), true, &Limits::default()).unwrap();
         assert_eq!(d.call, 7);
         match d.head {
             Some(Head::Request { path, headers: h }) => {
@@ -358,7 +402,7 @@ mod tests {
         t.insert("grpc-status", HeaderValue::from_static("0"));
         p.trailers = Some(t.clone());
         p.window = Some(12345);
-        let d = Packet::decode(p.encode().unwrap(), false).unwrap();
+        let d = Packet::decode(p.encode().unwrap(), false, &Limits::default()).unwrap();
         assert!(
             matches!(d.head, Some(Head::Response { status: StatusCode::OK, ref headers }) if headers.is_empty())
         );
@@ -372,11 +416,11 @@ mod tests {
     fn control_flags_round_trip() {
         let mut p = Packet::new(0);
         p.goaway = true;
-        let d = Packet::decode(p.encode().unwrap(), false).unwrap();
+        let d = Packet::decode(p.encode().unwrap(), false, &Limits::default()).unwrap();
         assert!(d.goaway && !d.reset && !d.end);
         let mut p = Packet::new(3);
         p.reset = true;
-        let d = Packet::decode(p.encode().unwrap(), true).unwrap();
+        let d = Packet::decode(p.encode().unwrap(), true, &Limits::default()).unwrap();
         assert!(d.reset && !d.goaway && d.head.is_none() && d.data.is_none());
     }
 
@@ -391,7 +435,7 @@ mod tests {
         let good = p.encode().unwrap();
         // Every truncation fails cleanly.
         for cut in 0..good.len() {
-            let e = Packet::decode(good.slice(..cut), true).unwrap_err();
+            let e = Packet::decode(good.slice(..cut), true, &Limits::default()).unwrap_err();
             assert!(
                 matches!(e, Error::Protocol(ref m) if m.contains("gRPC call framing")),
                 "cut {cut}: {e}"
@@ -401,7 +445,7 @@ mod tests {
         let mut long = good.to_vec();
         long.push(0);
         assert!(
-            Packet::decode(long.into(), true)
+            Packet::decode(long.into(), true, &Limits::default())
                 .unwrap_err()
                 .to_string()
                 .contains("unexpected bytes")
@@ -413,7 +457,7 @@ mod tests {
             headers: HeaderMap::new(),
         });
         assert!(
-            Packet::decode(bad.encode().unwrap(), true)
+            Packet::decode(bad.encode().unwrap(), true, &Limits::default())
                 .unwrap_err()
                 .to_string()
                 .contains("does not start with '/'")
@@ -421,7 +465,7 @@ mod tests {
         // An invalid HTTP status, a bad header name.
         let raw = [0, 0, 0, 1, HEAD, 0, 0, 0, 4, 0, 5, 0, 0];
         assert!(
-            Packet::decode(Bytes::copy_from_slice(&raw), false)
+            Packet::decode(Bytes::copy_from_slice(&raw), false, &Limits::default())
                 .unwrap_err()
                 .to_string()
                 .contains("invalid HTTP status 5")
@@ -430,7 +474,7 @@ mod tests {
             0, 0, 0, 1, TRAILERS, 0, 0, 0, 9, 0, 1, 0, 1, b' ', 0, 0, 0, 0,
         ];
         assert!(
-            Packet::decode(Bytes::copy_from_slice(&raw), false)
+            Packet::decode(Bytes::copy_from_slice(&raw), false, &Limits::default())
                 .unwrap_err()
                 .to_string()
                 .contains("invalid header name")
@@ -456,7 +500,7 @@ mod tests {
             0,
         ];
         assert!(
-            Packet::decode(Bytes::copy_from_slice(&raw), true)
+            Packet::decode(Bytes::copy_from_slice(&raw), true, &Limits::default())
                 .unwrap_err()
                 .to_string()
                 .contains("both inline and separate")
