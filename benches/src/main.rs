@@ -8,6 +8,7 @@
 
 #![warn(missing_docs)]
 
+mod floor;
 mod models;
 mod payload;
 mod ps_step;
@@ -78,6 +79,20 @@ enum Cmd {
     PsWorker(ps_step::PsWorkerArgs),
     /// Run benchmarks over every available transport in one go; ratio table against tonic.
     Compare(CompareArgs),
+    /// The physical floor of a round trip: two processes ping-pong over one shared cache
+    /// line, spinning and sleeping on a futex (no transport). `compare` runs it beside the
+    /// latency runs.
+    Floor {
+        /// Unmeasured seconds first.
+        #[arg(long, default_value_t = 0.5)]
+        warmup: f64,
+        /// Measured seconds per waiting mode.
+        #[arg(long, default_value_t = 2.0)]
+        duration: f64,
+        /// JSON lines on stdout instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -197,6 +212,11 @@ fn main() {
             threads,
         } => server::serve(transport, listen, threads),
         Cmd::Compare(a) => compare(a),
+        Cmd::Floor {
+            warmup,
+            duration,
+            json,
+        } => floor(warmup, duration, json),
         Cmd::Latency(a) => bench("latency", a),
         Cmd::Bw(a) => bench("bw", a),
         Cmd::Bibw(a) => bench("bibw", a),
@@ -210,6 +230,30 @@ fn main() {
         eprintln!("ibex-bench: {e}");
         std::process::exit(1);
     }
+}
+
+/// `ibex-bench floor`: both waiting modes, as records.
+fn floor(warmup: f64, duration: f64, json: bool) -> Res<()> {
+    let (w, d) = (
+        Duration::from_secs_f64(warmup),
+        Duration::from_secs_f64(duration),
+    );
+    let records = [
+        floor::measure(floor::Wait::Spin, w, d)?,
+        floor::measure(floor::Wait::Futex, w, d)?,
+    ];
+    let mut out = std::io::stdout().lock();
+    if !json {
+        writeln!(out, "{}", report::header())?;
+    }
+    for r in &records {
+        if json {
+            writeln!(out, "{}", serde_json::to_string(r)?)?;
+        } else {
+            writeln!(out, "{}", report::row(r))?;
+        }
+    }
+    Ok(())
 }
 
 /// A local server process; killed on drop.
@@ -517,7 +561,7 @@ fn plan(benches: &[String], mode: Mode, max_size: usize) -> Vec<(&'static str, V
 /// The record names a plan entry produces.
 fn produces(bench: &str) -> &'static [&'static str] {
     match bench {
-        "latency" => &["latency"],
+        "latency" => &["latency", "floor"],
         "bw" => &["bw"],
         "bibw" => &["bibw"],
         "ps-throughput" => &["ps-throughput"],
@@ -635,6 +679,28 @@ fn compare(a: CompareArgs) -> Res<()> {
     let mut all: Vec<Record> = Vec::new();
     let mut failures = Vec::new();
     println!("{}", report::header());
+    if plan.iter().any(|(b, _)| *b == "latency") {
+        // The floor the latency runs are judged against, measured in this same run.
+        let args: Vec<String> = [
+            "floor",
+            "--json",
+            "--duration",
+            &duration.to_string(),
+            "--warmup",
+            &warmup.to_string(),
+        ]
+        .map(String::from)
+        .to_vec();
+        match run_client(&args, Duration::from_secs(60)) {
+            Ok(recs) => {
+                for r in recs {
+                    println!("{}", report::row(&r));
+                    all.push(r);
+                }
+            }
+            Err(e) => failures.push(format!("floor: {e}")),
+        }
+    }
     for &t in &transports {
         // One set of server processes per transport, shared by its benches; PS throughput
         // uses two of them.
@@ -821,6 +887,7 @@ mod tests {
             }
         }
         have.push(rec("memcpy", "local"));
+        have.push(rec("floor", "local"));
         assert_eq!(missing(&p, &ts, &have), ["ibex-shm: ps-step"]);
         have.push(rec("ps-step", "ibex-shm"));
         assert!(missing(&p, &ts, &have).is_empty());

@@ -685,22 +685,18 @@ fn d_owner(d: Dest) -> Box<dyn Any + Send> {
 pub(crate) struct Driver {
     pub shared: Arc<Shared>,
     pub timer: Pin<Box<tokio::time::Sleep>>,
-    /// Busy-poll budget before sleeping (`IBEX_SPIN_US`, default 50 µs).
+    /// Busy-poll budget before sleeping ([`crate::Config::spin`]).
     pub spin: Duration,
     /// When the current spin began, while one is under way.
     pub spinning_since: Option<Instant>,
 }
 
 impl Driver {
-    pub fn new(shared: Arc<Shared>) -> Driver {
-        let spin = std::env::var("IBEX_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(50);
+    pub fn new(shared: Arc<Shared>, spin: Duration) -> Driver {
         Driver {
             shared,
             timer: Box::pin(tokio::time::sleep(Duration::from_secs(3600))),
-            spin: Duration::from_micros(spin),
+            spin,
             spinning_since: None,
         }
     }

@@ -101,7 +101,7 @@ impl Connection {
                 readers: std::sync::Mutex::new(Vec::new()),
             }
         });
-        tokio::spawn(Driver::new(shared.clone()));
+        tokio::spawn(Driver::new(shared.clone(), config.spin));
         let conn = Connection {
             handle: Arc::new(Handle { shared }),
         };

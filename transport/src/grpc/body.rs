@@ -9,7 +9,11 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::HeaderMap;
 use http_body::Frame;
-use tokio::sync::mpsc;
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures_util::task::AtomicWaker;
 use tonic::Status;
 
 use super::wire::Packet;
@@ -22,6 +26,72 @@ pub(crate) enum Inbound {
     Trailers(HeaderMap),
     End,
     Error(Status),
+}
+
+/// A call's inbound queue: what the connection's reader dispatched, for the body to take.
+/// Lighter than a channel (a tokio channel allocates a 32-slot block per call, and calls are
+/// many and short).
+pub(crate) struct Inbox {
+    queue: Mutex<VecDeque<Inbound>>,
+    waker: AtomicWaker,
+    /// The sending side is gone: nothing more will come.
+    closed: AtomicBool,
+}
+
+/// The dispatching side of an [`Inbox`]; dropping it closes the inbox.
+pub(crate) struct InboxTx(Arc<Inbox>);
+
+pub(crate) fn inbox() -> (InboxTx, Arc<Inbox>) {
+    let i = Arc::new(Inbox {
+        queue: Mutex::new(VecDeque::new()),
+        waker: AtomicWaker::new(),
+        closed: AtomicBool::new(false),
+    });
+    (InboxTx(i.clone()), i)
+}
+
+impl InboxTx {
+    pub(crate) fn send(&self, item: Inbound) {
+        self.0
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(item);
+        self.0.waker.wake();
+    }
+}
+
+impl Drop for InboxTx {
+    fn drop(&mut self) {
+        self.0.closed.store(true, Ordering::Release);
+        self.0.waker.wake();
+    }
+}
+
+impl Inbox {
+    /// The next item; `None` once the sender is gone and the queue is empty.
+    fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<Inbound>> {
+        // Register first, so an item pushed between the look and the return still wakes us.
+        self.waker.register(cx.waker());
+        if let Some(x) = self
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front()
+        {
+            return Poll::Ready(Some(x));
+        }
+        if self.closed.load(Ordering::Acquire) {
+            // Anything pushed before the close is visible now.
+            return Poll::Ready(
+                self.queue
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .pop_front(),
+            );
+        }
+        Poll::Pending
+    }
 }
 
 /// A connection that whoever waits on it may read (the client's: it has no reader task).
@@ -45,7 +115,7 @@ pub(crate) trait OnDrop: Send + Sync {
 /// An incoming gRPC body: data frames, then (on the client) the trailers. Errors are
 /// [`tonic::Status`] values, so tonic reports them with their real code.
 pub struct IncomingBody {
-    rx: mpsc::UnboundedReceiver<Inbound>,
+    rx: Arc<Inbox>,
     mux: Arc<Mux>,
     call_id: u32,
     call: Arc<CallShared>,
@@ -71,7 +141,7 @@ impl std::fmt::Debug for IncomingBody {
 
 impl IncomingBody {
     pub(crate) fn new(
-        rx: mpsc::UnboundedReceiver<Inbound>,
+        rx: Arc<Inbox>,
         mux: Arc<Mux>,
         call_id: u32,
         call: Arc<CallShared>,

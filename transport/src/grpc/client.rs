@@ -8,10 +8,10 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tonic::Status;
 
-use super::body::{Inbound, IncomingBody, OnDrop, ReadSource};
+use super::body::{Inbound, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
 use super::demux::{Demux, Got};
 use super::pump::{Pumped, Side, pump};
 use super::wire::{Head, Limits, Packet};
@@ -74,7 +74,7 @@ struct Calls {
 
 struct Call {
     head: Option<oneshot::Sender<HeadResult>>,
-    body: mpsc::UnboundedSender<Inbound>,
+    body: InboxTx,
     shared: Arc<CallShared>,
 }
 
@@ -92,7 +92,7 @@ impl Shared {
             if let Some(h) = c.head.take() {
                 let _ = h.send(Err(status.clone()));
             }
-            let _ = c.body.send(Inbound::Error(status.clone()));
+            c.body.send(Inbound::Error(status.clone()));
             c.shared.finish();
         }
     }
@@ -104,7 +104,7 @@ impl Shared {
             if let Some(h) = c.head.take() {
                 let _ = h.send(Err(status.clone()));
             }
-            let _ = c.body.send(Inbound::Error(status));
+            c.body.send(Inbound::Error(status));
             c.shared.finish();
         }
     }
@@ -130,18 +130,18 @@ impl Shared {
         }
         if let Some(d) = data {
             if !c.shared.received(d.len()) {
-                let _ = c.body.send(Inbound::Error(Status::resource_exhausted(
+                c.body.send(Inbound::Error(Status::resource_exhausted(
                     "the server overran the call's flow-control window",
                 )));
                 self.reset_locked(&mut calls, p.call);
                 return;
             }
-            let _ = c.body.send(Inbound::Data(d));
+            c.body.send(Inbound::Data(d));
         }
         if let Some(t) = p.trailers {
-            let _ = c.body.send(Inbound::Trailers(t));
+            c.body.send(Inbound::Trailers(t));
         } else if p.end {
-            let _ = c.body.send(Inbound::End);
+            c.body.send(Inbound::End);
         }
         if p.reset {
             // Cancelled, as stock tonic reports the HTTP/2 reset of a panicked handler.
@@ -149,7 +149,7 @@ impl Shared {
             if let Some(h) = c.head.take() {
                 let _ = h.send(Err(s.clone()));
             }
-            let _ = c.body.send(Inbound::Error(s));
+            c.body.send(Inbound::Error(s));
         }
         if (p.end || p.reset)
             && let Some(mut c) = calls.map.remove(&p.call)
@@ -322,7 +322,7 @@ impl Channel {
         let shared = inner.shared.clone();
         let call = CallShared::new();
         let (head_tx, head_rx) = oneshot::channel();
-        let (body_tx, body_rx) = mpsc::unbounded_channel();
+        let (body_tx, body_rx) = inbox();
         let id = {
             let mut calls = shared.lock();
             if let Some(s) = &calls.closed {

@@ -17,7 +17,7 @@ use tonic::server::NamedService;
 use tonic::service::Routes;
 use tower::Service;
 
-use super::body::{Inbound, IncomingBody};
+use super::body::{Inbound, InboxTx, IncomingBody, inbox};
 use super::demux::{Demux, Got};
 use super::pump::{Side, pump};
 use super::wire::{Head, Limits, Packet};
@@ -313,7 +313,7 @@ struct ConnState {
 }
 
 struct ServerCall {
-    body: mpsc::UnboundedSender<Inbound>,
+    body: InboxTx,
     shared: Arc<CallShared>,
 }
 
@@ -392,7 +392,7 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
     }
     // Whatever is still running has lost its client (or the connection broke the protocol).
     for (_, c) in cx.st.lock().drain() {
-        let _ = c.body.send(Inbound::Error(Status::cancelled(
+        c.body.send(Inbound::Error(Status::cancelled(
             "the client's connection is gone",
         )));
         c.shared.finish();
@@ -428,7 +428,7 @@ impl ConnCtx {
                 return Ok(());
             }
             let call = CallShared::new();
-            let (tx, rx) = mpsc::unbounded_channel();
+            let (tx, rx) = inbox();
             {
                 let mut calls = self.st.lock();
                 if calls.contains_key(&id) {
@@ -491,19 +491,19 @@ impl ConnCtx {
         }
         if let Some(d) = data {
             if !c.shared.received(d.len()) {
-                let _ = c.body.send(Inbound::Error(Status::resource_exhausted(
+                c.body.send(Inbound::Error(Status::resource_exhausted(
                     "the client overran the call's flow-control window",
                 )));
             } else {
-                let _ = c.body.send(Inbound::Data(d));
+                c.body.send(Inbound::Data(d));
             }
         }
         if p.end {
-            let _ = c.body.send(Inbound::End);
+            c.body.send(Inbound::End);
         }
         if p.reset {
             // The client cancelled: the handler's future is dropped by `answer`.
-            let _ = c.body.send(Inbound::Error(Status::cancelled(
+            c.body.send(Inbound::Error(Status::cancelled(
                 "the client cancelled the call",
             )));
             c.shared.finish();

@@ -424,6 +424,56 @@ mod tests {
         assert!(d.reset && !d.goaway && d.head.is_none() && d.data.is_none());
     }
 
+    /// A hand-built packet with `n` empty-valued headers named `h`.
+    fn with_header_count(n: u16) -> Bytes {
+        let mut b = BytesMut::new();
+        b.put_u32(1);
+        b.put_u8(TRAILERS);
+        let mut t = BytesMut::new();
+        t.put_u16(n);
+        for _ in 0..n {
+            t.put_u16(1);
+            t.put_u8(b'h');
+            t.put_u32(0);
+        }
+        b.put_u32(t.len() as u32);
+        b.put_slice(&t);
+        b.freeze()
+    }
+
+    #[test]
+    fn header_counts_and_sizes_are_bounded_before_allocation() {
+        let lim = Limits::default();
+        // 40000 entries once panicked inside `HeaderMap::with_capacity`.
+        let e = Packet::decode(with_header_count(40000), false, &lim).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("40000 header entries exceed the 512")
+                && e.to_string().contains("max_header_list_size"),
+            "{e}"
+        );
+        assert!(Packet::decode(with_header_count(u16::MAX), true, &lim).is_err());
+        // 500 entries of 33 bytes each pass the count check but not the size.
+        let e = Packet::decode(with_header_count(500), false, &lim).unwrap_err();
+        assert!(e.to_string().contains("exceeds 16384 bytes"), "{e}");
+        assert!(Packet::decode(with_header_count(400), false, &lim).is_ok());
+        // A receiver that raised its limit takes more.
+        let big = Limits {
+            max_header_list_size: 1 << 20,
+        };
+        assert!(Packet::decode(with_header_count(20000), false, &big).is_ok());
+        // One large value alone is bounded too.
+        let mut p = Packet::new(2);
+        let mut h = HeaderMap::new();
+        h.insert(
+            "x-big",
+            HeaderValue::from_str(&"v".repeat(20 << 10)).unwrap(),
+        );
+        p.trailers = Some(h);
+        let e = Packet::decode(p.encode().unwrap(), false, &lim).unwrap_err();
+        assert!(e.to_string().contains("exceeds 16384 bytes"), "{e}");
+    }
+
     #[test]
     fn malformed_packets_are_protocol_errors() {
         let mut p = Packet::new(1);
