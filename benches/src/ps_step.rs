@@ -104,7 +104,7 @@ pub fn kind(t: Transport) -> Option<TransportKind> {
         Transport::IbexShm => Some(TransportKind::Shm),
         Transport::IbexTcp => Some(TransportKind::Tcp),
         Transport::IbexVerbs => Some(TransportKind::Verbs),
-        Transport::Tonic1m | Transport::RawShm | Transport::RawTcp => None,
+        Transport::Tonic1m | Transport::IbexShmBusy | Transport::RawShm | Transport::RawTcp => None,
     }
 }
 

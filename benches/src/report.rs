@@ -207,16 +207,24 @@ pub fn bars(records: &[Record]) -> String {
             .find(|r| r.bench == bench && r.transport == t && pred(r))
     };
     let mut out = String::from("\nperformance bars (this run):\n");
-    let mut bar = |name: &str, got: Option<f64>, need: f64, unit: &str| {
+    // `at_most`: the bar is an upper bound (a cost ratio), else a lower bound (a speed-up).
+    let mut judge = |name: &str, got: Option<f64>, need: f64, unit: &str, at_most: bool| {
         let line = match got {
             Some(g) => format!(
-                "  [{}] {name}: {g:.2}{unit} (bar {need}{unit})\n",
-                if g >= need { "met " } else { "MISS" }
+                "  [{}] {name}: {g:.2}{unit} (bar {} {need}{unit})\n",
+                if (at_most && g <= need) || (!at_most && g >= need) {
+                    "met "
+                } else {
+                    "MISS"
+                },
+                if at_most { "<=" } else { ">=" }
             ),
             None => format!("  [n/a ] {name}: not measured in this run\n"),
         };
         out.push_str(&line);
     };
+    let mut bar =
+        |name: &str, got: Option<f64>, need: f64, unit: &str| judge(name, got, need, unit, false);
     let lat64 = |t: &str| find("latency", t, &|r| r.bytes == 64).map(|r| r.p50_us);
     bar(
         "P2P latency 64 B, tonic p50 / ibex-shm p50",
@@ -288,6 +296,57 @@ pub fn bars(records: &[Record]) -> String {
         cost,
         0.0,
         " µs",
+    );
+    // The call path's bars: each transport against the layer below it and the floor.
+    let floor = |how: &str| {
+        records
+            .iter()
+            .find(|r| r.bench == "floor" && r.payload == how)
+            .map(|r| r.p50_us)
+    };
+    let p99 = |t: &str| find("latency", t, &|r| r.bytes == 64).map(|r| r.p99_us);
+    let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
+    let mut at_most = |name: &str, got: Option<f64>, need: f64| judge(name, got, need, "x", true);
+    at_most(
+        "64 B p50, ibex-shm / raw-shm",
+        ratio(lat64("ibex-shm"), lat64("raw-shm")),
+        1.3,
+    );
+    at_most(
+        "64 B p50, raw-shm / futex floor",
+        ratio(lat64("raw-shm"), floor("futex")),
+        1.3,
+    );
+    at_most(
+        "64 B p50, ibex-tcp / raw-tcp",
+        ratio(lat64("ibex-tcp"), lat64("raw-tcp")),
+        1.3,
+    );
+    at_most(
+        "64 B p50 busy-polling, ibex-shm-busy / spin floor",
+        ratio(lat64("ibex-shm-busy"), floor("spin")),
+        20.0,
+    );
+    at_most(
+        "64 B p99, ibex-shm-busy / ibex-shm (busy p99 stays below default)",
+        ratio(p99("ibex-shm-busy"), p99("ibex-shm")),
+        1.0,
+    );
+    let mut at_least = |name: &str, got: Option<f64>, need: f64| judge(name, got, need, "x", false);
+    at_least(
+        "64 B p50, tonic / ibex-shm",
+        ratio(lat64("tonic"), lat64("ibex-shm")),
+        5.0,
+    );
+    at_least(
+        "64 B p50 busy-polling, tonic / ibex-shm-busy",
+        ratio(lat64("tonic"), lat64("ibex-shm-busy")),
+        20.0,
+    );
+    at_least(
+        "PS throughput uniform small, ibex-shm / raw-shm RPC/s",
+        ratio(ps("ibex-shm"), ps("raw-shm")),
+        0.6,
     );
     out
 }

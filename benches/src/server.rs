@@ -9,7 +9,7 @@ use bytes::Bytes;
 use ibex_proto::bench::v1::bench_server::{Bench, BenchServer};
 use ibex_proto::bench::v1::{Ack, Payload, StreamRequest};
 use ibex_transport::grpc::PeerHandle;
-use ibex_transport::{Config, Connection, RecvBuf};
+use ibex_transport::{Connection, RecvBuf};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::Res;
@@ -107,7 +107,7 @@ async fn tensor(peer: Option<PeerHandle>, p: &Payload) -> Result<Ack, Status> {
 pub fn default_listen(t: Transport) -> String {
     match t {
         Transport::Tonic | Transport::Tonic1m => "127.0.0.1:0".into(),
-        Transport::IbexShm | Transport::RawShm => {
+        Transport::IbexShm | Transport::IbexShmBusy | Transport::RawShm => {
             format!(
                 "shm://{}",
                 std::env::temp_dir()
@@ -167,8 +167,11 @@ pub fn serve(t: Transport, listen: Option<String>, threads: usize) -> Res<()> {
                 );
                 b.add_service(svc).serve_with_incoming(incoming).await?;
             }
-            Transport::IbexShm | Transport::IbexTcp | Transport::IbexVerbs => {
-                let l = ibex_transport::listen(&listen, Config::from_env()?).await?;
+            Transport::IbexShm
+            | Transport::IbexShmBusy
+            | Transport::IbexTcp
+            | Transport::IbexVerbs => {
+                let l = ibex_transport::listen(&listen, t.config()?).await?;
                 announce(&l.local_uri())?;
                 ibex_transport::grpc::Server::builder()
                     .add_service(svc)
@@ -176,7 +179,7 @@ pub fn serve(t: Transport, listen: Option<String>, threads: usize) -> Res<()> {
                     .await?;
             }
             Transport::RawShm | Transport::RawTcp => {
-                let l = ibex_transport::listen(&listen, Config::from_env()?).await?;
+                let l = ibex_transport::listen(&listen, t.config()?).await?;
                 announce(&l.local_uri())?;
                 loop {
                     match l.accept().await {

@@ -27,6 +27,9 @@ pub enum Transport {
     /// The same gRPC service over Ibex shared memory.
     #[value(alias = "shm")]
     IbexShm,
+    /// The same gRPC service over Ibex shared memory with busy-polling on both ends: the one
+    /// setting [`BUSY_SPIN_US`] (`IBEX_SPIN_US`) raised from its default.
+    IbexShmBusy,
     /// The same gRPC service over Ibex tcp.
     #[value(alias = "tcp")]
     IbexTcp,
@@ -46,6 +49,7 @@ impl Transport {
             Transport::Tonic,
             Transport::Tonic1m,
             Transport::IbexShm,
+            Transport::IbexShmBusy,
             Transport::IbexTcp,
         ];
         if cfg!(feature = "verbs")
@@ -63,11 +67,28 @@ impl Transport {
             Transport::Tonic => "tonic",
             Transport::Tonic1m => "tonic-1m",
             Transport::IbexShm => "ibex-shm",
+            Transport::IbexShmBusy => "ibex-shm-busy",
             Transport::IbexTcp => "ibex-tcp",
             Transport::IbexVerbs => "ibex-verbs",
             Transport::RawShm => "raw-shm",
             Transport::RawTcp => "raw-tcp",
         }
+    }
+}
+
+/// The busy-polling budget of [`Transport::IbexShmBusy`], µs: RR-Compound's default spin
+/// before it falls back to epoll.
+pub const BUSY_SPIN_US: u64 = 500;
+
+impl Transport {
+    /// The Ibex configuration this transport runs with: the environment's, and for the busy
+    /// variant a longer spin unless `IBEX_SPIN_US` says otherwise.
+    pub fn config(self) -> Res<Config> {
+        let mut c = Config::from_env()?;
+        if self == Transport::IbexShmBusy && std::env::var_os("IBEX_SPIN_US").is_none() {
+            c.spin = std::time::Duration::from_micros(BUSY_SPIN_US);
+        }
+        Ok(c)
     }
 }
 
@@ -114,17 +135,19 @@ impl Client {
                         .max_encoding_message_size(MAX_MSG),
                 )
             }
-            Transport::IbexShm | Transport::IbexTcp | Transport::IbexVerbs => {
+            Transport::IbexShm
+            | Transport::IbexShmBusy
+            | Transport::IbexTcp
+            | Transport::IbexVerbs => {
                 let ch =
-                    ibex_transport::grpc::Channel::connect_with_config(addr, Config::from_env()?)
-                        .await?;
+                    ibex_transport::grpc::Channel::connect_with_config(addr, t.config()?).await?;
                 let c = BenchClient::new(ch.clone())
                     .max_decoding_message_size(MAX_MSG)
                     .max_encoding_message_size(MAX_MSG);
                 Client::Ibex(c, ch)
             }
             Transport::RawShm | Transport::RawTcp => {
-                let conn = ibex_transport::connect(addr, Config::from_env()?).await?;
+                let conn = ibex_transport::connect(addr, t.config()?).await?;
                 conn.probe_done().await;
                 Client::Raw(Arc::new(conn))
             }
