@@ -58,6 +58,60 @@ use pump::Side;
 use tonic::Status;
 use wire::{Data, INLINE_MAX, Packet};
 
+/// Entry points for the fuzz targets and their seed-corpus test (`transport/fuzz`); not a
+/// stable API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use bytes::{Buf, Bytes};
+
+    use super::demux::{Demux, Got};
+    use super::wire::{Limits, Packet};
+
+    /// Splits a fuzz input into transport messages: each is a u16 (big endian) length and
+    /// that many bytes; a short tail is the last message.
+    pub fn split_messages(mut data: &[u8]) -> Vec<Bytes> {
+        let mut out = Vec::new();
+        while data.len() >= 2 {
+            let len = usize::from(data.get_u16()).min(data.len());
+            out.push(Bytes::copy_from_slice(&data[..len]));
+            data = &data[len..];
+        }
+        out
+    }
+
+    /// Feeds `messages` to one connection's call demultiplexer, as a server
+    /// (`request`) or a client would receive them. Every packet it accepts must re-encode
+    /// to bytes that decode to the same packet. Returns how many packets came out before
+    /// the first framing error (which ends a real connection), or the broken invariant.
+    pub fn feed(messages: &[Bytes], request: bool) -> Result<usize, String> {
+        let limits = Limits::default();
+        let mut demux = Demux::new(request, limits);
+        let mut n = 0;
+        for m in messages {
+            let packets = match demux.push(m.clone()) {
+                Ok(Got::Nothing) => continue,
+                Ok(Got::One(p, _)) => vec![p],
+                Ok(Got::Aborted(p, a)) => vec![p, a],
+                Err(_) => return Ok(n),
+            };
+            for p in packets {
+                let once = p
+                    .encode()
+                    .map_err(|e| format!("an accepted packet does not re-encode: {e}"))?;
+                let again = Packet::decode(once.clone(), request, &limits)
+                    .map_err(|e| format!("a re-encoded packet does not decode: {e}"))?
+                    .encode()
+                    .map_err(|e| format!("a decoded packet does not re-encode: {e}"))?;
+                if once != again {
+                    return Err("re-encoding is not stable".into());
+                }
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}
+
 /// The body of a response on the client side: data frames, then the trailers.
 pub type ResponseBody = IncomingBody;
 
