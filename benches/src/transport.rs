@@ -218,7 +218,7 @@ impl Client {
     /// where it has one (no copy on shm), plain heap memory otherwise.
     pub fn tensor_buffer(&self, len: usize) -> Res<Bytes> {
         let pool = match self {
-            Client::Ibex(_, ch) => ch.connection().pool(),
+            Client::Ibex(_, ch) => ch.connection().and_then(|c| c.pool()),
             Client::Raw(c) => c.pool(),
             Client::Tonic(_) => None,
         };

@@ -745,7 +745,7 @@ mod ibex_verbs {
 /// calls onto transport messages, and the handling of a garbage-sending peer.
 mod ibex_only {
     use super::*;
-    use grpc_common::transports::ibex_config;
+    use grpc_common::transports::{ibex_config, shm_uri};
     use ibex_transport::grpc::Channel;
 
     /// A handler pulls a buffer the client exposed, through the `PeerHandle` in the request
@@ -838,12 +838,12 @@ mod ibex_only {
                 b.rndv_msgs_recv - a.rndv_msgs_recv,
             ]
         };
-        let before = ch.connection().stats();
+        let before = ch.connection().expect("an Ibex channel").stats();
         let p = Payload {
             buffers: vec![pattern(64, 1)],
         };
         assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
-        let after = ch.connection().stats();
+        let after = ch.connection().expect("an Ibex channel").stats();
         assert_eq!(
             delta(&before, &after),
             [1, 1, 0, 0],
@@ -854,7 +854,7 @@ mod ibex_only {
             buffers: vec![pattern(2 * MIB, 2)],
         };
         assert!(c.echo(p.clone()).await.unwrap().into_inner() == p);
-        let after2 = ch.connection().stats();
+        let after2 = ch.connection().expect("an Ibex channel").stats();
         assert_eq!(
             delta(&after, &after2),
             [2, 2, 2, 2],
@@ -866,6 +866,146 @@ mod ibex_only {
             "the pieces add up to the body frame: {body} B"
         );
         srv.shutdown().await.unwrap();
+    }
+
+    /// One channel type and one server call for both worlds: `connect_any`/`serve_any` speak
+    /// stock HTTP/2 for `http://` and Ibex for Ibex addresses, with the same generated
+    /// client; the Ibex-only hooks say clearly that HTTP/2 has none.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connect_any_and_serve_any_speak_http2_and_ibex() {
+        within(async {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            for uri in [format!("http://127.0.0.1:{port}"), shm_uri()] {
+                let (svc, _ev) = BenchImpl::new();
+                let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+                let server = tokio::spawn({
+                    let uri = uri.clone();
+                    async move {
+                        ibex_transport::grpc::Server::builder()
+                            .add_service(svc.server(None, None))
+                            .serve_any(&uri, async {
+                                let _ = rx.await;
+                            })
+                            .await
+                    }
+                });
+                let ch = loop {
+                    match Channel::connect_any(&uri, ibex_config()).await {
+                        Ok(ch) => break ch,
+                        Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    }
+                };
+                let mut c = BenchClient::new(ch.clone());
+                let bufs = vec![pattern(5000, 7)];
+                let r = c
+                    .echo(Payload {
+                        buffers: bufs.clone(),
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert_eq!(r.buffers, bufs, "{uri}");
+                let e = c
+                    .echo(with_mode(Payload { buffers: vec![] }, "fail"))
+                    .await
+                    .unwrap_err();
+                assert_test_error(&e);
+                if uri.starts_with("http://") {
+                    assert!(ch.connection().is_none() && !ch.one_sided());
+                    let e = ch.expose(Bytes::from_static(b"x")).await.unwrap_err();
+                    assert!(e.to_string().contains("HTTP/2"), "{e}");
+                } else {
+                    assert!(ch.connection().is_some());
+                }
+                drop(c);
+                drop(ch);
+                tx.send(()).unwrap();
+                server.await.unwrap().unwrap();
+            }
+        })
+        .await
+    }
+
+    /// A server's per-connection limits answer the peer that breaks them and nobody else:
+    /// a call past `max_concurrent_calls` is refused at once naming the setting, and a
+    /// header list past `max_header_list_size` ends that client's connection (clear error)
+    /// while another client goes on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn per_connection_limits_cost_only_the_offender() {
+        within(async {
+            let (svc, mut ev) = BenchImpl::new();
+            let listener = ibex_transport::listen(&shm_uri(), ibex_config())
+                .await
+                .unwrap();
+            let addr = listener.local_uri();
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(
+                ibex_transport::grpc::Server::builder()
+                    .max_concurrent_calls(1)
+                    .max_header_list_size(1024)
+                    .add_service(svc.server(None, None))
+                    .serve_with_listener(listener, async {
+                        let _ = rx.await;
+                    }),
+            );
+            let ch = Channel::connect_with_config(&addr, ibex_config())
+                .await
+                .unwrap();
+            let mut c = BenchClient::new(ch.clone());
+            // One call parks in the handler; the second is over the limit.
+            let mut parked = c.clone();
+            let first = tokio::spawn(async move {
+                parked
+                    .echo(with_mode(Payload { buffers: vec![] }, "hold"))
+                    .await
+            });
+            loop {
+                if let Event::Started(_) = next_event(&mut ev).await {
+                    break;
+                }
+            }
+            let e = c.echo(Payload { buffers: vec![] }).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+            assert!(e.message().contains("max_concurrent_calls"), "{e:?}");
+            first.abort();
+            let _ = first.await;
+
+            // A header list over 1 KiB: that client's connection ends.
+            let bad = Channel::connect_with_config(&addr, ibex_config())
+                .await
+                .unwrap();
+            let mut bc = BenchClient::new(bad);
+            let mut req = Request::new(Payload { buffers: vec![] });
+            req.metadata_mut()
+                .insert("x-big", "v".repeat(2000).parse().unwrap());
+            let e = bc.echo(req).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+            // The first client still works (its parked call was cancelled above).
+            let mut ok = false;
+            for _ in 0..100 {
+                match c.echo(Payload { buffers: vec![] }).await {
+                    Ok(_) => {
+                        ok = true;
+                        break;
+                    }
+                    // The cancelled call may still be leaving the server.
+                    Err(e) if e.code() == tonic::Code::ResourceExhausted => {
+                        tokio::time::sleep(Duration::from_millis(10)).await
+                    }
+                    Err(e) => panic!("{e:?}"),
+                }
+            }
+            assert!(ok, "the honest client was not answered");
+            drop(c);
+            drop(ch);
+            tx.send(()).unwrap();
+            server.await.unwrap().unwrap();
+        })
+        .await
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -437,7 +437,7 @@ impl Worker {
             .iter()
             .enumerate()
             .filter_map(|(i, c)| match c {
-                Client::Ibex(_, ch) => Some((i, ch.connection().stats())),
+                Client::Ibex(_, ch) => ch.connection().map(|c| (i, c.stats())),
                 Client::Tonic(_) => None,
             })
             .collect();

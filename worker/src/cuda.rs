@@ -557,7 +557,7 @@ impl Worker {
         for gi in order {
             let CopyGroup { ps, parts, bytes } = &groups[gi];
             let pool = match &self.clients[*ps] {
-                Client::Ibex(_, ch) => ch.connection().pool(),
+                Client::Ibex(_, ch) => ch.connection().and_then(|c| c.pool()),
                 Client::Tonic(_) => None,
             };
             let mut bounced = Vec::new();

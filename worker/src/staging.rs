@@ -91,7 +91,11 @@ impl Slot {
                 None,
                 Some("stock gRPC channel: no registered pool".to_string()),
             ),
-            Some(ch) => match ch.connection().alloc(bytes) {
+            Some(ch) => match ch
+                .connection()
+                .ok_or_else(|| ibex_transport::Error::Config("no Ibex connection".into()))
+                .and_then(|c| c.alloc(bytes))
+            {
                 // Pool buffers are 64-byte aligned within a page-aligned region; the check
                 // keeps the f32 view sound should that ever change.
                 Ok(b) if (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>()) => {

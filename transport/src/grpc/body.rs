@@ -113,8 +113,66 @@ pub(crate) trait OnDrop: Send + Sync {
 }
 
 /// An incoming gRPC body: data frames, then (on the client) the trailers. Errors are
-/// [`tonic::Status`] values, so tonic reports them with their real code.
+/// [`tonic::Status`] values, so tonic reports them with their real code. On a channel
+/// connected to an `http://` address it is stock tonic's HTTP/2 body.
 pub struct IncomingBody {
+    kind: Kind,
+}
+
+enum Kind {
+    Ibex(IbexBody),
+    Http(tonic::body::Body),
+}
+
+impl IncomingBody {
+    pub(crate) fn http(b: tonic::body::Body) -> IncomingBody {
+        IncomingBody {
+            kind: Kind::Http(b),
+        }
+    }
+}
+
+impl std::fmt::Debug for IncomingBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.kind {
+            Kind::Ibex(b) => b.fmt(f),
+            Kind::Http(_) => f.write_str("IncomingBody(HTTP/2)"),
+        }
+    }
+}
+
+impl From<IbexBody> for IncomingBody {
+    fn from(b: IbexBody) -> IncomingBody {
+        IncomingBody {
+            kind: Kind::Ibex(b),
+        }
+    }
+}
+
+impl http_body::Body for IncomingBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        match &mut self.get_mut().kind {
+            Kind::Ibex(b) => Pin::new(b).poll_frame(cx),
+            Kind::Http(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Ibex(b) => b.is_end_stream(),
+            Kind::Http(b) => http_body::Body::is_end_stream(b),
+        }
+    }
+}
+
+/// A call half that arrives over an Ibex connection.
+pub(crate) struct IbexBody {
     rx: Arc<Inbox>,
     mux: Arc<Mux>,
     call_id: u32,
@@ -130,7 +188,7 @@ pub struct IncomingBody {
     done: bool,
 }
 
-impl std::fmt::Debug for IncomingBody {
+impl std::fmt::Debug for IbexBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IncomingBody")
             .field("call", &self.call_id)
@@ -139,15 +197,15 @@ impl std::fmt::Debug for IncomingBody {
     }
 }
 
-impl IncomingBody {
+impl IbexBody {
     pub(crate) fn new(
         rx: Arc<Inbox>,
         mux: Arc<Mux>,
         call_id: u32,
         call: Arc<CallShared>,
         lost: Status,
-    ) -> IncomingBody {
-        IncomingBody {
+    ) -> IbexBody {
+        IbexBody {
             rx,
             mux,
             call_id,
@@ -200,7 +258,7 @@ impl IncomingBody {
     }
 }
 
-impl http_body::Body for IncomingBody {
+impl http_body::Body for IbexBody {
     type Data = Bytes;
     type Error = Status;
 

@@ -11,7 +11,7 @@ use http::{HeaderMap, StatusCode};
 use tokio::sync::oneshot;
 use tonic::Status;
 
-use super::body::{Inbound, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
+use super::body::{IbexBody, Inbound, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
 use super::demux::{Demux, Got};
 use super::pump::{Pumped, Side, pump};
 use super::wire::{Head, Limits, Packet};
@@ -34,14 +34,25 @@ type HeadResult = std::result::Result<(StatusCode, HeaderMap), Status>;
 /// the caller's poll, and the caller reads its own response off the connection.
 #[derive(Clone)]
 pub struct Channel {
-    inner: Arc<Inner>,
+    kind: Kind,
+}
+
+#[derive(Clone)]
+enum Kind {
+    Ibex(Arc<Inner>),
+    /// Stock gRPC (HTTP/2 over TCP), for `http://` addresses ([`Channel::connect_any`]).
+    Http(tonic::transport::Channel),
 }
 
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Channel")
-            .field("conn", &self.inner.shared.mux.conn)
-            .finish()
+        match &self.kind {
+            Kind::Ibex(inner) => f
+                .debug_struct("Channel")
+                .field("conn", &inner.shared.mux.conn)
+                .finish(),
+            Kind::Http(_) => f.write_str("Channel(HTTP/2)"),
+        }
     }
 }
 
@@ -258,6 +269,40 @@ impl Channel {
         Ok(Channel::new(crate::conn::connect(uri, config).await?))
     }
 
+    /// Connects to any gRPC server: an Ibex address (`shm://`, `tcp://`, `verbs://`) over
+    /// Ibex, or `http://host:port` over stock HTTP/2 (tonic's own channel), so one program
+    /// and one client type serve both kinds of deployment. Over HTTP/2 there is no
+    /// one-sided access: [`Channel::expose`] fails and [`Channel::connection`] is `None`.
+    pub async fn connect_any(uri: &str, config: Config) -> Result<Channel> {
+        if !uri.starts_with("http://") {
+            return Channel::connect_with_config(uri, config).await;
+        }
+        let bad = |why: String| Error::Address {
+            addr: uri.into(),
+            why,
+        };
+        let ch = tonic::transport::Endpoint::from_shared(uri.to_string())
+            .map_err(|e| bad(format!("not an http:// URI: {e}")))?
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .map_err(|e| Error::Io {
+                context: format!("connecting to the gRPC server at {uri} over HTTP/2"),
+                source: std::io::Error::new(std::io::ErrorKind::ConnectionRefused, e.to_string())
+                    .into(),
+            })?;
+        Ok(Channel {
+            kind: Kind::Http(ch),
+        })
+    }
+
+    fn ibex(&self) -> Option<&Arc<Inner>> {
+        match &self.kind {
+            Kind::Ibex(inner) => Some(inner),
+            Kind::Http(_) => None,
+        }
+    }
+
     /// Runs gRPC calls over an established connection (which nothing else should read).
     /// Must be called within a tokio runtime.
     pub fn new(conn: Connection) -> Channel {
@@ -283,7 +328,7 @@ impl Channel {
             demux: Mutex::new(Demux::new(false, limits)),
         });
         Channel {
-            inner: Arc::new(Inner { shared }),
+            kind: Kind::Ibex(Arc::new(Inner { shared })),
         }
     }
 
@@ -291,17 +336,25 @@ impl Channel {
     /// dropped. Put `descriptor()` in a request; the handler pulls it with
     /// [`PeerHandle::read_remote`](super::PeerHandle::read_remote).
     pub async fn expose(&self, buf: Bytes) -> Result<RemoteBuf> {
-        self.inner.shared.mux.conn.expose(buf).await
+        match self.ibex() {
+            Some(inner) => inner.shared.mux.conn.expose(buf).await,
+            None => Err(Error::Config(
+                "this channel speaks stock HTTP/2 (an http:// address): buffers can be exposed \
+                 for one-sided reads only over an Ibex address (shm://, tcp://, verbs://)"
+                    .into(),
+            )),
+        }
     }
 
     /// True when the provider reads peer memory without the peer's CPU (shm CMA, RDMA).
     pub fn one_sided(&self) -> bool {
-        self.inner.shared.mux.conn.one_sided()
+        self.ibex()
+            .is_some_and(|inner| inner.shared.mux.conn.one_sided())
     }
 
-    /// The underlying connection (stats, pool).
-    pub fn connection(&self) -> &Connection {
-        &self.inner.shared.mux.conn
+    /// The underlying Ibex connection (stats, pool); `None` over HTTP/2.
+    pub fn connection(&self) -> Option<&Connection> {
+        self.ibex().map(|inner| &inner.shared.mux.conn)
     }
 
     async fn call<B>(
@@ -417,11 +470,11 @@ impl Channel {
         let lost =
             Status::unavailable("the Ibex connection to the gRPC server was lost during the call");
         let reader: Arc<dyn ReadSource> = shared.clone();
-        let body = IncomingBody::new(body_rx, shared.mux.clone(), id, call, lost)
+        let body = IbexBody::new(body_rx, shared.mux.clone(), id, call, lost)
             .with_deadline(deadline)
             .with_guard(Box::new(guard))
             .with_reader(reader);
-        let mut resp = http::Response::new(body);
+        let mut resp = http::Response::new(IncomingBody::from(body));
         *resp.status_mut() = status;
         *resp.headers_mut() = headers;
         *resp.version_mut() = http::Version::HTTP_2;
@@ -445,6 +498,24 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        Box::pin(Channel::call(self.inner.clone(), req))
+        match &self.kind {
+            Kind::Ibex(inner) => Box::pin(Channel::call(inner.clone(), req)),
+            Kind::Http(ch) => {
+                let mut ch = ch.clone();
+                let req = req.map(tonic::body::Body::new);
+                Box::pin(async move {
+                    // tonic's channel is a buffer: it must say it is ready before each call.
+                    std::future::poll_fn(|cx| {
+                        tower::Service::<http::Request<tonic::body::Body>>::poll_ready(&mut ch, cx)
+                    })
+                    .await
+                    .map_err(|e| Status::from_error(Box::new(e)))?;
+                    let resp = tower::Service::call(&mut ch, req)
+                        .await
+                        .map_err(|e| Status::from_error(Box::new(e)))?;
+                    Ok(resp.map(IncomingBody::http))
+                })
+            }
+        }
     }
 }

@@ -17,7 +17,7 @@ use tonic::server::NamedService;
 use tonic::service::Routes;
 use tower::Service;
 
-use super::body::{Inbound, InboxTx, IncomingBody, inbox};
+use super::body::{IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::demux::{Demux, Got};
 use super::pump::{Side, pump};
 use super::wire::{Head, Limits, Packet};
@@ -205,6 +205,37 @@ impl Builder {
         };
         let listener = crate::conn::listen(uri, config).await?;
         self.serve_with_listener(listener, signal).await
+    }
+
+    /// Serves on any address: an Ibex one (`shm://`, `tcp://`, `verbs://`) like
+    /// [`Builder::serve_with_shutdown`], or `http://host:port` with stock tonic's HTTP/2
+    /// server and the same services, so one program serves both kinds of deployment.
+    /// Over HTTP/2 requests carry no [`PeerHandle`] and [`Builder::stats`] stays empty.
+    pub async fn serve_any<F: Future<Output = ()>>(self, uri: &str, signal: F) -> Result<()> {
+        let Some(host_port) = uri.strip_prefix("http://") else {
+            return self.serve_with_shutdown(uri, signal).await;
+        };
+        let bad = |why: String| Error::Address {
+            addr: uri.into(),
+            why,
+        };
+        let host_port = host_port.trim_end_matches('/');
+        let addr = tokio::net::lookup_host(host_port)
+            .await
+            .map_err(|e| bad(format!("cannot resolve {host_port:?}: {e}")))?
+            .next()
+            .ok_or_else(|| bad(format!("{host_port:?} resolves to no address")))?;
+        let routes = self.routes.unwrap_or_default();
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .max_concurrent_streams(u32::try_from(self.limits.max_concurrent_calls).ok())
+            .add_routes(routes)
+            .serve_with_shutdown(addr, signal)
+            .await
+            .map_err(|e| Error::Io {
+                context: format!("serving gRPC over HTTP/2 on {addr}"),
+                source: std::sync::Arc::new(std::io::Error::other(e.to_string())),
+            })
     }
 
     /// Serves on a listener made beforehand (e.g. to learn its `local_uri` first).
@@ -457,14 +488,14 @@ impl ConnCtx {
                 );
             }
             let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
-            let body = IncomingBody::new(
+            let body = IbexBody::new(
                 rx,
                 self.st.mux.clone(),
                 id,
                 call.clone(),
                 Status::cancelled("the client's connection is gone"),
             );
-            let mut req = http::Request::new(body);
+            let mut req = http::Request::new(IncomingBody::from(body));
             *req.method_mut() = http::Method::POST;
             *req.uri_mut() = path.parse().map_err(|_| {
                 Error::Protocol(format!("gRPC call framing: bad method path {path:?}"))
