@@ -141,6 +141,14 @@ impl std::fmt::Debug for IncomingBody {
     }
 }
 
+/// An empty body, which tonic's generated `with_interceptor` clients require of a channel's
+/// response body.
+impl Default for IncomingBody {
+    fn default() -> IncomingBody {
+        IncomingBody::http(tonic::body::Body::default())
+    }
+}
+
 impl From<IbexBody> for IncomingBody {
     fn from(b: IbexBody) -> IncomingBody {
         IncomingBody {

@@ -156,18 +156,18 @@ impl Builder {
         self
     }
 
-    /// Adds a generated tonic service (`GreeterServer::new(..)`, ...).
+    /// Adds a generated tonic service (`GreeterServer::new(..)`, ...), or anything tonic's
+    /// router takes: `EchoServer::with_interceptor(svc, check_auth)`, a service wrapped in
+    /// tower layers.
     pub fn add_service<S>(mut self, svc: S) -> Self
     where
-        S: Service<
-                http::Request<tonic::body::Body>,
-                Response = http::Response<tonic::body::Body>,
-                Error = Infallible,
-            > + NamedService
+        S: Service<http::Request<tonic::body::Body>, Error = Infallible>
+            + NamedService
             + Clone
             + Send
             + Sync
             + 'static,
+        S::Response: axum::response::IntoResponse,
         S::Future: Send + 'static,
     {
         self.routes = Some(self.routes.take().unwrap_or_default().add_service(svc));
@@ -423,7 +423,7 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
     }
     // Whatever is still running has lost its client (or the connection broke the protocol).
     for (_, c) in cx.st.lock().drain() {
-        c.body.send(Inbound::Error(Status::cancelled(
+        c.body.send(Inbound::Error(request_cut(
             "the client's connection is gone",
         )));
         c.shared.finish();
@@ -493,7 +493,7 @@ impl ConnCtx {
                 self.st.mux.clone(),
                 id,
                 call.clone(),
-                Status::cancelled("the client's connection is gone"),
+                request_cut("the client's connection is gone"),
             );
             let mut req = http::Request::new(IncomingBody::from(body));
             *req.method_mut() = http::Method::POST;
@@ -534,13 +534,22 @@ impl ConnCtx {
         }
         if p.reset {
             // The client cancelled: the handler's future is dropped by `answer`.
-            c.body.send(Inbound::Error(Status::cancelled(
-                "the client cancelled the call",
-            )));
+            c.body
+                .send(Inbound::Error(request_cut("the client cancelled the call")));
             c.shared.finish();
         }
         Ok(())
     }
+}
+
+/// What a request stream says when its client went away before ending it. Not
+/// `Cancelled`: tonic's decoder turns a `Cancelled` request-body error into a clean end of
+/// the stream, and a handler (or a task it spawned) that commits at the end would commit a
+/// truncated upload. `Unknown` is what stock tonic reports for a broken HTTP/2 body.
+fn request_cut(why: &str) -> Status {
+    Status::unknown(format!(
+        "error reading the request stream: {why} before the stream ended; the data received is incomplete"
+    ))
 }
 
 async fn run_call(

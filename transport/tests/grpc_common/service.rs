@@ -29,6 +29,9 @@ pub enum Event {
     Started(&'static str),
     /// The handler's future was dropped before it finished (method name).
     Cancelled(&'static str),
+    /// A task the handler spawned read the request stream to its end: `Ok(messages)` for a
+    /// clean end, `Err(code)` for an error (`upload` with `x-mode: spawn-read`).
+    StreamEnd(Result<u32, Code>),
 }
 
 /// The receiving end of the handler reports.
@@ -263,7 +266,26 @@ impl Bench for BenchImpl {
 
     async fn upload(&self, req: Request<Streaming<Payload>>) -> Result<Response<Ack>, Status> {
         let guard = self.guard("upload");
-        common_mode(&mode(&req)).await?;
+        let m = mode(&req);
+        if m == "spawn-read" {
+            // An uploader that reads on its own task and commits at a clean end: it must
+            // learn of a client that went away as an error, never as the end of its data.
+            let mut inbound = req.into_inner();
+            let events = self.events.clone();
+            tokio::spawn(async move {
+                let mut n = 0;
+                let end = loop {
+                    match inbound.message().await {
+                        Ok(Some(_)) => n += 1,
+                        Ok(None) => break Ok(n),
+                        Err(e) => break Err(e.code()),
+                    }
+                };
+                let _ = events.send(Event::StreamEnd(end));
+            });
+            return std::future::pending().await;
+        }
+        common_mode(&m).await?;
         let mut inbound = req.into_inner();
         let mut ack = Ack::default();
         while let Some(p) = inbound.message().await? {
