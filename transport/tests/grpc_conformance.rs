@@ -1041,6 +1041,86 @@ mod ibex_only {
         within(interceptors("tcp://127.0.0.1:0".into())).await
     }
 
+    /// The server restarts on the same address: the channel reconnects on a later call (as
+    /// tonic's does), and a lazy channel made before any server exists connects once one is
+    /// up. Every call either fails `Unavailable` or succeeds; none hangs.
+    async fn reconnect(uri: String) {
+        async fn serve(
+            uri: &str,
+        ) -> (
+            tokio::sync::oneshot::Sender<()>,
+            tokio::task::JoinHandle<ibex_transport::Result<()>>,
+        ) {
+            let (svc, _ev) = BenchImpl::new();
+            let listener = ibex_transport::listen(uri, ibex_config()).await.unwrap();
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let h = tokio::spawn(
+                ibex_transport::grpc::Server::builder()
+                    .add_service(svc.server(None, None))
+                    .serve_with_listener(listener, async {
+                        let _ = rx.await;
+                    }),
+            );
+            (tx, h)
+        }
+        /// Calls until one succeeds; earlier failures must be `Unavailable`.
+        async fn until_ok(c: &mut BenchClient<Channel>) -> usize {
+            for attempt in 0..200 {
+                match c
+                    .echo(Payload {
+                        buffers: vec![pattern(10, 1)],
+                    })
+                    .await
+                {
+                    Ok(r) => {
+                        assert_eq!(r.into_inner().buffers, vec![pattern(10, 1)]);
+                        return attempt;
+                    }
+                    Err(e) => {
+                        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            }
+            panic!("no call succeeded after the server came back");
+        }
+        let lazy = Channel::connect_lazy(&uri, ibex_config()).unwrap();
+        let mut lc = BenchClient::new(lazy);
+        let e = lc.echo(Payload::default()).await.unwrap_err();
+        assert_eq!(e.code(), Code::Unavailable, "no server yet: {e:?}");
+        let (stop, h) = serve(&uri).await;
+        until_ok(&mut lc).await;
+        let ch = Channel::connect_with_config(&uri, ibex_config())
+            .await
+            .unwrap();
+        let mut c = BenchClient::new(ch);
+        until_ok(&mut c).await;
+        // Restart: stop the server (graceful), start another on the same address.
+        stop.send(()).unwrap();
+        h.await.unwrap().unwrap();
+        let (stop, h) = serve(&uri).await;
+        until_ok(&mut c).await;
+        until_ok(&mut lc).await;
+        drop((c, lc));
+        stop.send(()).unwrap();
+        h.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reconnect_shm() {
+        within(reconnect(shm_uri())).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reconnect_tcp() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        within(reconnect(format!("tcp://127.0.0.1:{port}"))).await
+    }
+
     /// A server's per-connection limits answer the peer that breaks them and nobody else:
     /// a call past `max_concurrent_calls` is refused at once naming the setting, and a
     /// header list past `max_header_list_size` ends that client's connection (clear error)

@@ -49,16 +49,111 @@ impl std::fmt::Debug for Channel {
         match &self.kind {
             Kind::Ibex(inner) => f
                 .debug_struct("Channel")
-                .field("conn", &inner.shared.mux.conn)
+                .field("conn", &inner.current().map(|s| s.mux.conn.clone()))
                 .finish(),
             Kind::Http(_) => f.write_str("Channel(HTTP/2)"),
         }
     }
 }
 
-/// Lives while a channel clone or a call does.
+/// What all clones of an Ibex channel share: the connection in use, and where to connect
+/// again once it is gone.
 struct Inner {
-    shared: Arc<Shared>,
+    current: Mutex<Option<Arc<Shared>>>,
+    /// `None` for [`Channel::new`] (a connection made elsewhere cannot be made again).
+    target: Option<Target>,
+    limits: Limits,
+    /// One reconnect at a time; the back-off between failed attempts.
+    reconnect: tokio::sync::Mutex<Backoff>,
+}
+
+struct Target {
+    uri: String,
+    config: Config,
+}
+
+#[derive(Default)]
+struct Backoff {
+    failures: u32,
+    /// No attempt before this; calls until then fail at once with the last error.
+    next_try: Option<tokio::time::Instant>,
+    last_error: String,
+}
+
+/// The first retry after a failed reconnect waits this long, doubling up to
+/// [`MAX_BACKOFF`] (tonic's channel backs off similarly).
+const MIN_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Inner {
+    fn current(&self) -> Option<Arc<Shared>> {
+        self.current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The connection for a new call: the current one while it lives, else (lazily, with
+    /// back-off) a new one to the same address.
+    async fn connection(&self) -> std::result::Result<Arc<Shared>, Status> {
+        let cur = self.current();
+        if let Some(s) = &cur
+            && !s.is_gone()
+        {
+            return Ok(s.clone());
+        }
+        let Some(target) = &self.target else {
+            return Err(cur
+                .and_then(|s| s.lock().closed.clone())
+                .unwrap_or_else(|| {
+                    Status::unavailable(
+                        "the Ibex connection to the gRPC server is gone, and this channel was \
+                         made from a connection (Channel::new) so it cannot reconnect; use \
+                         Channel::connect or connect_lazy",
+                    )
+                }));
+        };
+        let mut b = self.reconnect.lock().await;
+        // Another call may have reconnected while this one waited.
+        if let Some(s) = self.current()
+            && !s.is_gone()
+        {
+            return Ok(s);
+        }
+        if let Some(at) = b.next_try
+            && tokio::time::Instant::now() < at
+        {
+            return Err(Status::unavailable(format!(
+                "no connection to the gRPC server at {}: {} (next attempt in {:?})",
+                target.uri,
+                b.last_error,
+                at - tokio::time::Instant::now()
+            )));
+        }
+        match crate::conn::connect(&target.uri, target.config.clone()).await {
+            Ok(conn) => {
+                *b = Backoff::default();
+                let s = Shared::new(conn, self.limits);
+                *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(s.clone());
+                if cur.is_some() {
+                    tracing::info!(uri = %target.uri, "gRPC channel reconnected");
+                }
+                Ok(s)
+            }
+            Err(e) => {
+                b.failures = b.failures.saturating_add(1);
+                let wait = MIN_BACKOFF
+                    .saturating_mul(1 << b.failures.min(10).saturating_sub(1))
+                    .min(MAX_BACKOFF);
+                b.next_try = Some(tokio::time::Instant::now() + wait);
+                b.last_error = e.to_string();
+                Err(Status::unavailable(format!(
+                    "cannot connect to the gRPC server at {}: {e}",
+                    target.uri
+                )))
+            }
+        }
+    }
 }
 
 /// There is no reader task: whoever waits for the server (a caller for its response head, a
@@ -186,6 +281,20 @@ impl Shared {
 }
 
 impl Shared {
+    fn new(conn: Connection, limits: Limits) -> Arc<Shared> {
+        Arc::new(Shared {
+            mux: Arc::new(Mux::new(conn, Side::Client)),
+            calls: Mutex::new(Calls::default()),
+            demux: Mutex::new(Demux::new(false, limits)),
+        })
+    }
+
+    /// No new call can use this connection.
+    fn is_gone(&self) -> bool {
+        let calls = self.lock();
+        calls.closed.is_some() || calls.draining || self.mux.conn.is_closed()
+    }
+
     fn gone(&self, e: Error) -> Status {
         Status::unavailable(format!(
             "the Ibex connection to the gRPC server ({}) is gone: {e}",
@@ -236,7 +345,7 @@ impl ReadSource for Shared {
 /// Held by a call's future and then its response body: dropping it before the call ended
 /// cancels the call on the server.
 struct CallGuard {
-    inner: Arc<Inner>,
+    shared: Arc<Shared>,
     id: u32,
     armed: bool,
 }
@@ -250,7 +359,7 @@ impl OnDrop for CallGuard {
 impl Drop for CallGuard {
     fn drop(&mut self) {
         if self.armed {
-            let shared = &self.inner.shared;
+            let shared = &self.shared;
             let mut calls = shared.lock();
             shared.reset_locked(&mut calls, self.id);
         }
@@ -264,9 +373,45 @@ impl Channel {
         Channel::connect_with_config(uri, Config::from_env()?).await
     }
 
-    /// Connects with an explicit transport configuration.
+    /// Connects with an explicit transport configuration. When the connection is gone
+    /// (the server restarted, a network failure), the calls in flight fail `Unavailable`
+    /// naming the cause and the next call connects again, with back-off, as tonic's
+    /// channel does.
     pub async fn connect_with_config(uri: &str, config: Config) -> Result<Channel> {
-        Ok(Channel::new(crate::conn::connect(uri, config).await?))
+        let conn = crate::conn::connect(uri, config.clone()).await?;
+        let limits = Limits::default();
+        Ok(Channel::from_inner(Inner {
+            current: Mutex::new(Some(Shared::new(conn, limits))),
+            target: Some(Target {
+                uri: uri.into(),
+                config,
+            }),
+            limits,
+            reconnect: Default::default(),
+        }))
+    }
+
+    /// A channel that connects on its first call (and again after the connection is gone),
+    /// as tonic's `Endpoint::connect_lazy`: nothing is checked until then, so a client can
+    /// be made before its server is up.
+    pub fn connect_lazy(uri: &str, config: Config) -> Result<Channel> {
+        config.validate()?;
+        crate::conn::Addr::parse(uri)?;
+        Ok(Channel::from_inner(Inner {
+            current: Mutex::new(None),
+            target: Some(Target {
+                uri: uri.into(),
+                config,
+            }),
+            limits: Limits::default(),
+            reconnect: Default::default(),
+        }))
+    }
+
+    fn from_inner(inner: Inner) -> Channel {
+        Channel {
+            kind: Kind::Ibex(Arc::new(inner)),
+        }
     }
 
     /// Connects to any gRPC server: an Ibex address (`shm://`, `tcp://`, `verbs://`) over
@@ -322,14 +467,12 @@ impl Channel {
     }
 
     fn with_limits(conn: Connection, limits: Limits) -> Channel {
-        let shared = Arc::new(Shared {
-            mux: Arc::new(Mux::new(conn, Side::Client)),
-            calls: Mutex::new(Calls::default()),
-            demux: Mutex::new(Demux::new(false, limits)),
-        });
-        Channel {
-            kind: Kind::Ibex(Arc::new(Inner { shared })),
-        }
+        Channel::from_inner(Inner {
+            current: Mutex::new(Some(Shared::new(conn, limits))),
+            target: None,
+            limits,
+            reconnect: Default::default(),
+        })
     }
 
     /// Exposes `buf` for one-sided reads by the server until the returned [`RemoteBuf`] is
@@ -337,7 +480,12 @@ impl Channel {
     /// [`PeerHandle::read_remote`](super::PeerHandle::read_remote).
     pub async fn expose(&self, buf: Bytes) -> Result<RemoteBuf> {
         match self.ibex() {
-            Some(inner) => inner.shared.mux.conn.expose(buf).await,
+            Some(inner) => {
+                let shared = inner.connection().await.map_err(|s| {
+                    Error::PeerGone(format!("no connection to expose on: {}", s.message()))
+                })?;
+                shared.mux.conn.expose(buf).await
+            }
             None => Err(Error::Config(
                 "this channel speaks stock HTTP/2 (an http:// address): buffers can be exposed \
                  for one-sided reads only over an Ibex address (shm://, tcp://, verbs://)"
@@ -348,13 +496,15 @@ impl Channel {
 
     /// True when the provider reads peer memory without the peer's CPU (shm CMA, RDMA).
     pub fn one_sided(&self) -> bool {
-        self.ibex()
-            .is_some_and(|inner| inner.shared.mux.conn.one_sided())
+        self.connection().is_some_and(|c| c.one_sided())
     }
 
-    /// The underlying Ibex connection (stats, pool); `None` over HTTP/2.
-    pub fn connection(&self) -> Option<&Connection> {
-        self.ibex().map(|inner| &inner.shared.mux.conn)
+    /// The Ibex connection in use (stats, pool); `None` over HTTP/2, or while a lazy or
+    /// reconnecting channel has none.
+    pub fn connection(&self) -> Option<Connection> {
+        self.ibex()
+            .and_then(|inner| inner.current())
+            .map(|s| s.mux.conn.clone())
     }
 
     async fn call<B>(
@@ -372,7 +522,7 @@ impl Channel {
             .map_or("/", |p| p.as_str())
             .to_string();
         let deadline = parse_timeout(&parts.headers).map(|t| tokio::time::Instant::now() + t);
-        let shared = inner.shared.clone();
+        let shared = inner.connection().await?;
         let call = CallShared::new();
         let (head_tx, head_rx) = oneshot::channel();
         let (body_tx, body_rx) = inbox();
@@ -402,7 +552,7 @@ impl Channel {
             id
         };
         let mut guard = CallGuard {
-            inner: inner.clone(),
+            shared: shared.clone(),
             id,
             armed: true,
         };
