@@ -1121,6 +1121,60 @@ mod ibex_only {
         within(reconnect(format!("tcp://127.0.0.1:{port}"))).await
     }
 
+    /// What a handler learns about its caller, as over stock tonic: `remote_addr()` (tcp),
+    /// the peer's pid (shm), the provider, a `user-agent` naming tonic, Ibex and the
+    /// transport; and a `date` on every response.
+    async fn connect_info(uri: String) {
+        let (srv, _ev) = start_at(uri).await;
+        let ch = Channel::connect_with_config(&srv.addr, ibex_config())
+            .await
+            .unwrap();
+        let mut c = BenchClient::new(ch.clone());
+        let r = c
+            .echo(with_mode(Payload::default(), "whoami"))
+            .await
+            .unwrap();
+        let md = r.metadata();
+        let get = |k: &str| md.get(k).map(|v| v.to_str().unwrap().to_string());
+        let provider = get("x-provider").expect("ConnectInfo in the extensions");
+        let ua = get("x-user-agent").expect("a user-agent");
+        assert!(
+            ua.starts_with("tonic/") && ua.contains("ibex/") && ua.contains(&provider),
+            "{ua}"
+        );
+        assert!(
+            get("date").is_some_and(|d| d.ends_with(" GMT")),
+            "{:?}",
+            get("date")
+        );
+        match provider.as_str() {
+            "tcp" => {
+                let a = get("x-remote-addr").expect("remote_addr() over tcp");
+                assert!(a.starts_with("127.0.0.1:"), "{a}");
+            }
+            "shm" => assert_eq!(get("x-peer-pid"), Some(std::process::id().to_string())),
+            other => panic!("provider {other}"),
+        }
+        drop((c, ch));
+        srv.shutdown().await.unwrap();
+    }
+
+    async fn start_at(uri: String) -> (ServerHandle, Events) {
+        let (svc, ev) = BenchImpl::new();
+        let routes = Routes::new(svc.server(None, None));
+        (grpc_common::transports::ibex_serve(uri, routes).await, ev)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connect_info_shm() {
+        within(connect_info(shm_uri())).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connect_info_tcp() {
+        within(connect_info("tcp://127.0.0.1:0".into())).await
+    }
+
     /// A server's per-connection limits answer the peer that breaks them and nobody else:
     /// a call past `max_concurrent_calls` is refused at once naming the setting, and a
     /// header list past `max_header_list_size` ends that client's connection (clear error)

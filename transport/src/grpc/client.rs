@@ -515,14 +515,19 @@ impl Channel {
         B: http_body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
+        let shared = inner.connection().await?;
+        // As tonic's channel does, plus what carries the call.
+        parts
+            .headers
+            .entry(http::header::USER_AGENT)
+            .or_insert_with(|| user_agent(shared.mux.conn.provider()));
         let path = parts
             .uri
             .path_and_query()
             .map_or("/", |p| p.as_str())
             .to_string();
         let deadline = parse_timeout(&parts.headers).map(|t| tokio::time::Instant::now() + t);
-        let shared = inner.connection().await?;
         let call = CallShared::new();
         let (head_tx, head_rx) = oneshot::channel();
         let (body_tx, body_rx) = inbox();
@@ -630,6 +635,25 @@ impl Channel {
         *resp.version_mut() = http::Version::HTTP_2;
         Ok(resp)
     }
+}
+
+/// `tonic/<version> ibex/<version> (<provider>)`, made once per provider.
+fn user_agent(provider: &'static str) -> http::HeaderValue {
+    static AGENTS: std::sync::OnceLock<Mutex<HashMap<&'static str, http::HeaderValue>>> =
+        std::sync::OnceLock::new();
+    let mut m = AGENTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    m.entry(provider)
+        .or_insert_with(|| {
+            http::HeaderValue::from_str(&format!(
+                "tonic/0.14 ibex/{} ({provider})",
+                env!("CARGO_PKG_VERSION")
+            ))
+            .unwrap_or_else(|_| http::HeaderValue::from_static("tonic/0.14 ibex"))
+        })
+        .clone()
 }
 
 impl<B> tower::Service<http::Request<B>> for Channel

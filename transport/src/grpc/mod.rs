@@ -47,7 +47,7 @@ use tokio::sync::Notify;
 
 pub use body::IncomingBody;
 pub use client::Channel;
-pub use server::{Builder, PeerHandle, Server, ServerStats};
+pub use server::{Builder, ConnectInfo, PeerHandle, Server, ServerStats};
 
 pub use crate::conn::RemoteBuf;
 

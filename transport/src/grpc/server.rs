@@ -326,6 +326,13 @@ impl PeerHandle {
         self.conn.read_remote(descriptor, dst).await
     }
 
+    /// Exposes `buf` for one-sided reads by the client until the returned
+    /// [`RemoteBuf`](super::RemoteBuf) is dropped: a reply can carry its descriptor instead
+    /// of the bytes (the client pulls with `Connection::read_remote`).
+    pub async fn expose(&self, buf: Bytes) -> Result<super::RemoteBuf> {
+        self.conn.expose(buf).await
+    }
+
     /// The registered pool, for destination buffers that need no further copy.
     pub fn pool(&self) -> Option<Arc<Pool>> {
         self.conn.pool()
@@ -335,6 +342,55 @@ impl PeerHandle {
     pub fn peer(&self) -> String {
         self.conn.peer()
     }
+}
+
+/// Who a request came from, in every request's extensions (beside tonic's own
+/// `TcpConnectInfo` where the peer has a socket address, so `Request::remote_addr()`
+/// answers as over stock tonic).
+#[derive(Clone, Debug)]
+pub struct ConnectInfo {
+    /// `"shm"`, `"tcp"` or `"verbs"`.
+    pub provider: &'static str,
+    /// The peer as the provider names it (an address, or `pid N` on shm).
+    pub peer: String,
+    /// The peer's socket address (tcp; verbs: its bootstrap connection).
+    pub remote_addr: Option<std::net::SocketAddr>,
+    /// The peer's process id (shm, from the kernel's credentials of its socket).
+    pub peer_pid: Option<u32>,
+}
+
+impl ConnectInfo {
+    fn of(conn: &Connection) -> ConnectInfo {
+        let peer = conn.peer();
+        ConnectInfo {
+            provider: conn.provider(),
+            remote_addr: peer.parse().ok(),
+            peer_pid: peer.strip_prefix("pid ").and_then(|p| p.parse().ok()),
+            peer,
+        }
+    }
+}
+
+/// The `date` header of responses, formatted at most once a second (as hyper does).
+fn date_header() -> http::HeaderValue {
+    thread_local! {
+        static CACHED: std::cell::RefCell<(u64, Option<http::HeaderValue>)> =
+            const { std::cell::RefCell::new((0, None)) };
+    }
+    let now = std::time::SystemTime::now();
+    let sec = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    CACHED.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.0 != sec || c.1.is_none() {
+            let v = http::HeaderValue::from_str(&httpdate::fmt_http_date(now))
+                .unwrap_or_else(|_| http::HeaderValue::from_static(""));
+            *c = (sec, Some(v));
+        }
+        c.1.clone()
+            .unwrap_or_else(|| http::HeaderValue::from_static(""))
+    })
 }
 
 /// One accepted connection's calls.
@@ -358,6 +414,8 @@ impl ConnState {
 struct ConnCtx {
     st: Arc<ConnState>,
     peer: PeerHandle,
+    info: ConnectInfo,
+    tcp_info: Option<tonic::transport::server::TcpConnectInfo>,
     routes: Routes,
     limits: ServeLimits,
     draining: bool,
@@ -374,11 +432,20 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
             calls: Mutex::new(HashMap::new()),
         }),
         peer: PeerHandle { conn: conn.clone() },
+        info: ConnectInfo::of(&conn),
+        tcp_info: None,
         routes,
         limits,
         draining: false,
         running: FuturesUnordered::new(),
     };
+    cx.tcp_info = cx
+        .info
+        .remote_addr
+        .map(|a| tonic::transport::server::TcpConnectInfo {
+            local_addr: None,
+            remote_addr: Some(a),
+        });
     let mut demux = Demux::new(true, limits.wire);
     let peer = conn.peer();
     loop {
@@ -503,6 +570,10 @@ impl ConnCtx {
             *req.version_mut() = http::Version::HTTP_2;
             *req.headers_mut() = headers;
             req.extensions_mut().insert(self.peer.clone());
+            req.extensions_mut().insert(self.info.clone());
+            if let Some(t) = &self.tcp_info {
+                req.extensions_mut().insert(t.clone());
+            }
             self.running.push(Box::pin(run_call(
                 self.st.clone(),
                 id,
@@ -615,7 +686,11 @@ async fn answer(
         }
     };
     if let Some(resp) = resp {
-        let (parts, body) = resp.into_parts();
+        let (mut parts, body) = resp.into_parts();
+        parts
+            .headers
+            .entry(http::header::DATE)
+            .or_insert_with(date_header);
         let mut head = Packet::new(id);
         head.head = Some(Head::Response {
             status: parts.status,

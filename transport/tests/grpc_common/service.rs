@@ -181,6 +181,24 @@ type PayloadStream = Pin<Box<dyn Stream<Item = Result<Payload, Status>> + Send>>
 #[tonic::async_trait]
 impl Bench for BenchImpl {
     async fn echo(&self, req: Request<Payload>) -> Result<Response<Payload>, Status> {
+        if mode(&req) == "whoami" {
+            // Says what the handler can learn about its caller.
+            let mut resp = Response::new(Payload::default());
+            let md = resp.metadata_mut();
+            if let Some(a) = req.remote_addr() {
+                md.insert("x-remote-addr", a.to_string().parse().unwrap());
+            }
+            if let Some(ua) = req.metadata().get("user-agent") {
+                md.insert("x-user-agent", ua.clone());
+            }
+            if let Some(i) = req.extensions().get::<ibex_transport::grpc::ConnectInfo>() {
+                md.insert("x-provider", i.provider.parse().unwrap());
+                if let Some(pid) = i.peer_pid {
+                    md.insert("x-peer-pid", pid.to_string().parse().unwrap());
+                }
+            }
+            return Ok(resp);
+        }
         let guard = self.guard("echo");
         let mode = mode(&req);
         common_mode(&mode).await?;

@@ -166,7 +166,7 @@ pub fn ibex_config() -> ibex_transport::Config {
     }
 }
 
-async fn ibex_serve(uri: String, routes: Routes) -> ServerHandle {
+pub async fn ibex_serve(uri: String, routes: Routes) -> ServerHandle {
     ibex_serve_with(uri, routes, ibex_config()).await
 }
 
