@@ -210,16 +210,13 @@ impl Worker {
     }
 
     /// Contributes gradients to `step`. Returns once every PS has accepted them (sync mode:
-    /// before the step is applied).
+    /// before the step is applied). Each gradient is copied once, into this worker's reused
+    /// registered buffer for its variable (see [`Worker::stage`]), and sent from there;
+    /// writing into a [`crate::Staged`] lease instead saves that copy. Waits while an earlier
+    /// push of the same variable is still in flight.
     pub async fn push(&self, step: u64, grads: &[(&str, &[f32])]) -> Result<(), WorkerError> {
-        let reqs = self.push_requests(step, grads).await?;
-        self.send_push(reqs).await
-    }
-
-    /// Sends one push request per PS; each exposed buffer lives until its call returned.
-    pub(crate) async fn send_push(&self, reqs: Vec<PushReq>) -> Result<(), WorkerError> {
-        try_join_all(reqs.into_iter().map(|r| self.send_one(r, false))).await?;
-        Ok(())
+        let staged = self.stage_slices(grads).await?;
+        self.push_staged(step, staged).await
     }
 
     /// Sends one PS's push (or push-pull, returning its fresh values); the exposed buffers
@@ -241,25 +238,15 @@ impl Worker {
     }
 
     /// Pushes `grads` for `step`, waits until the step is applied, and returns the fresh
-    /// values of the same variables, in the same order: one round trip per PS.
+    /// values of the same variables, in the same order: one round trip per PS. Gradients
+    /// take the same path as in [`Worker::push`].
     pub async fn push_pull(
         &self,
         step: u64,
         grads: &[(&str, &[f32])],
     ) -> Result<Vec<Vec<f32>>, WorkerError> {
-        let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
-        let reqs = self.push_requests(step, grads).await?;
-        self.send_push_pull(&places, reqs).await
-    }
-
-    /// Sends one push-pull request per PS and reassembles the fresh values of `places`.
-    pub(crate) async fn send_push_pull(
-        &self,
-        places: &[Placement],
-        reqs: Vec<PushReq>,
-    ) -> Result<Vec<Vec<f32>>, WorkerError> {
-        let replies = try_join_all(reqs.into_iter().map(|r| self.send_one(r, true))).await?;
-        self.assemble(places, replies.into_iter().flatten())
+        let staged = self.stage_slices(grads).await?;
+        self.push_pull_staged(step, staged).await
     }
 
     /// Rows `ids` of sparse table `table`, concatenated (`ids.len() * dim` values).
@@ -480,59 +467,6 @@ impl Worker {
             )));
         }
         Ok(p)
-    }
-
-    /// One push request per PS (parts of all variables grouped), with the exposed buffers
-    /// that must outlive the call.
-    async fn push_requests(
-        &self,
-        step: u64,
-        grads: &[(&str, &[f32])],
-    ) -> Result<Vec<PushReq>, WorkerError> {
-        let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
-        let mut per_ps: Vec<(Vec<pb::Tensor>, Vec<RemoteBuf>)> = (0..self.clients.len())
-            .map(|_| Default::default())
-            .collect();
-        for (p, (name, g)) in places.iter().zip(grads) {
-            if p.spec.sparse {
-                return Err(WorkerError::Usage(format!(
-                    "{name:?} is a sparse table: use push_sparse"
-                )));
-            }
-            if g.len() != p.spec.numel() {
-                return Err(WorkerError::ShapeMismatch {
-                    name: name.to_string(),
-                    expected: p.spec.numel(),
-                    got: g.len(),
-                });
-            }
-            let row = p.row_len();
-            for part in &p.parts {
-                let slice = &g[part.row_offset * row..(part.row_offset + part.rows) * row];
-                let (t, keep) = self
-                    .tensor(part.ps, &part.name, p.part_shape(part), slice)
-                    .await?;
-                per_ps[part.ps].0.push(t);
-                per_ps[part.ps].1.extend(keep);
-            }
-        }
-        let worker = self.index;
-        Ok(per_ps
-            .into_iter()
-            .enumerate()
-            .filter(|(_, (t, _))| !t.is_empty())
-            .map(|(ps, (grads, keep))| {
-                (
-                    ps,
-                    pb::PushRequest {
-                        step,
-                        worker,
-                        grads,
-                    },
-                    keep,
-                )
-            })
-            .collect())
     }
 
     /// Encodes `values` for PS `ps`: inline, or exposed for a one-sided read when large and

@@ -450,6 +450,20 @@ impl Worker {
             .await
     }
 
+    /// A lease on the buffers of `grads`' variables with each gradient copied in: the one
+    /// copy a caller holding slices pays.
+    pub(crate) async fn stage_slices(
+        &self,
+        grads: &[(&str, &[f32])],
+    ) -> Result<Staged, WorkerError> {
+        let names: Vec<&str> = grads.iter().map(|(n, _)| *n).collect();
+        let mut staged = self.stage(&names).await?;
+        for (name, g) in grads {
+            staged.write(name, g)?;
+        }
+        Ok(staged)
+    }
+
     /// The cached buffers of `names`, allocating those not yet cached.
     pub(crate) fn staging_bufs(&self, names: &[&str]) -> Result<Vec<Arc<VarBufs>>, WorkerError> {
         let places = self.lookup(names.iter().copied())?;
