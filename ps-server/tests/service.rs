@@ -772,3 +772,63 @@ async fn hostile_definitions_get_named_limits() {
     );
     assert_eq!(k, tonic::Code::AlreadyExists, "{m}");
 }
+
+/// Payload copies per pushed byte over shm, from the connection counters: a worker writing
+/// into its staged buffers copies nothing, and the PS reads each byte once, through its
+/// mapping of the worker's pool, into the buffer the optimizer consumes. Nothing else on
+/// the receive side copies more than the small inline tensors and the call headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_payload_copy_per_pushed_byte_over_shm() {
+    let port = common::free_port();
+    let c = Cluster::start(1, 1, Mode::Sync, TransportKind::Shm, move |cfg| {
+        cfg.metrics = Some(format!("127.0.0.1:{port}"))
+    })
+    .await;
+    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    // "big" is split into two parts (1.25 MiB > 1 MiB); all parts but "small" go remote.
+    let shapes: [(&str, &[usize]); 3] =
+        [("big", &[640, 512]), ("mid", &[256, 512]), ("small", &[10])];
+    let vars: Vec<VarSpec> = shapes
+        .iter()
+        .map(|(n, s)| var(n, s, Init::Zeros, Optimizer::Sgd { lr: 0.5 }))
+        .collect();
+    w.create_variables(&vars).await.unwrap();
+    let names: Vec<&str> = shapes.iter().map(|(n, _)| *n).collect();
+    const STEPS: u64 = 4;
+    for step in 0..STEPS {
+        let mut staged = w.stage(&names).await.unwrap();
+        for n in &names {
+            for p in staged.parts_mut(n).unwrap() {
+                p.values.fill(step as f32);
+            }
+        }
+        w.push_staged(step, staged).await.unwrap();
+        let v = w.pull(&names, step + 1).await.unwrap();
+        let expect = -0.5 * (0..=step).map(|s| s as f32).sum::<f32>();
+        assert!(
+            v.iter().all(|x| x.iter().all(|&y| y == expect)),
+            "step {step}"
+        );
+    }
+    let remote_bytes = ((640 + 256) * 512 * 4) as f64 * STEPS as f64;
+    let pushed = remote_bytes + (10 * 4) as f64 * STEPS as f64;
+    let body = scrape(port).await;
+    let read = sample(&body, "ibex_transport_remote_read_bytes_total{shard=\"0\"}");
+    let copied = sample(&body, "ibex_transport_bytes_copied_total{shard=\"0\"}");
+    assert_eq!(
+        read, remote_bytes,
+        "every remote byte read exactly once\n{body}"
+    );
+    let per_byte = (read + copied) / pushed;
+    assert!(
+        (1.0..1.01).contains(&per_byte),
+        "{per_byte:.4} copies per pushed byte on the PS (read {read}, copied {copied}, pushed {pushed})\n{body}"
+    );
+    // The worker side: every remote part was exposed from its registered pool (no copy,
+    // no registration), and nothing else of the pushes was copied there.
+    let p = w.comm_profile();
+    let from_pool: u64 = p.transport.iter().map(|(_, s)| s.exposed_from_pool).sum();
+    assert_eq!(from_pool, 3 * STEPS, "{p}");
+    drop(w);
+    assert!(c.stop().await.iter().all(|r| r.is_ok()));
+}
