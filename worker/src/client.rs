@@ -177,6 +177,22 @@ impl Worker {
     /// Values of `names` after `step` steps have been applied (sync mode waits for them;
     /// async mode returns the current values).
     pub async fn pull(&self, names: &[&str], step: u64) -> Result<Vec<Vec<f32>>, WorkerError> {
+        let mut out = vec![Vec::new(); names.len()];
+        self.pull_into(names, step, &mut out).await?;
+        Ok(out)
+    }
+
+    /// As [`Worker::pull`], into the caller's vectors (`out[i]` for `names[i]`), which are
+    /// resized to each variable's element count and overwritten: a training loop that
+    /// passes the same vectors every step decodes into the same memory, with no
+    /// allocation.
+    pub async fn pull_into(
+        &self,
+        names: &[&str],
+        step: u64,
+        out: &mut [Vec<f32>],
+    ) -> Result<(), WorkerError> {
+        check_out(names.len(), out)?;
         let places = self.lookup(names.iter().copied())?;
         let mut per_ps: Vec<Vec<String>> = vec![Vec::new(); self.clients.len()];
         for p in &places {
@@ -206,7 +222,7 @@ impl Worker {
                 }),
         )
         .await?;
-        self.assemble(&places, replies.into_iter().flatten())
+        self.assemble_into(&places, replies.into_iter().flatten(), out)
     }
 
     /// Contributes gradients to `step`. Returns once every PS has accepted them (sync mode:
@@ -245,8 +261,22 @@ impl Worker {
         step: u64,
         grads: &[(&str, &[f32])],
     ) -> Result<Vec<Vec<f32>>, WorkerError> {
+        let mut out = vec![Vec::new(); grads.len()];
+        self.push_pull_into(step, grads, &mut out).await?;
+        Ok(out)
+    }
+
+    /// As [`Worker::push_pull`], with the fresh values written into the caller's vectors
+    /// as [`Worker::pull_into`] does.
+    pub async fn push_pull_into(
+        &self,
+        step: u64,
+        grads: &[(&str, &[f32])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), WorkerError> {
+        check_out(grads.len(), out)?;
         let staged = self.stage_slices(grads).await?;
-        self.push_pull_staged(step, staged).await
+        self.push_staged_into(step, staged, Some(out)).await
     }
 
     /// Rows `ids` of sparse table `table`, concatenated (`ids.len() * dim` values).
@@ -523,6 +553,13 @@ impl Worker {
     }
 
     fn decode(&self, ps: usize, t: &pb::Tensor) -> Result<Vec<f32>, WorkerError> {
+        Ok(ibex_proto::tensor::f32_from_le_bytes(
+            self.f32_bytes(ps, t)?,
+        ))
+    }
+
+    /// The inline f32 bytes of a reply tensor, counted in the profile.
+    fn f32_bytes<'t>(&self, ps: usize, t: &'t pb::Tensor) -> Result<&'t [u8], WorkerError> {
         let Some(pb::tensor::Data::Inline(b)) = &t.data else {
             return Err(malformed(
                 ps,
@@ -538,49 +575,52 @@ impl Worker {
         if let Ok(mut p) = self.profile.lock() {
             p.record_received(b.len() as u64);
         }
-        Ok(ibex_proto::tensor::f32_from_le_bytes(b))
+        Ok(b)
     }
 
-    /// Reassembles whole variables (in `places` order) from the parts in `values`.
-    pub(crate) fn assemble(
+    /// Writes whole variables (in `places` order) into `out` from the parts in `values`:
+    /// each vector is resized to its variable and overwritten, one copy per value.
+    pub(crate) fn assemble_into(
         &self,
         places: &[Placement],
         values: impl Iterator<Item = pb::Tensor>,
-    ) -> Result<Vec<Vec<f32>>, WorkerError> {
+        out: &mut [Vec<f32>],
+    ) -> Result<(), WorkerError> {
         let mut by_name: HashMap<String, pb::Tensor> =
             values.map(|t| (t.name.clone(), t)).collect();
-        places
-            .iter()
-            .map(|p| {
-                let row = p.row_len();
-                let mut out =
-                    Vec::with_capacity(if p.parts.len() > 1 { p.spec.numel() } else { 0 });
-                for part in &p.parts {
-                    let t = by_name.remove(&part.name).ok_or_else(|| {
-                        malformed(part.ps, &format!("reply lacks {:?}", part.name))
-                    })?;
-                    let v = self.decode(part.ps, &t)?;
-                    if v.len() != part.rows * row {
-                        return Err(malformed(
-                            part.ps,
-                            &format!(
-                                "{:?} has {} values, expected {}",
-                                part.name,
-                                v.len(),
-                                part.rows * row
-                            ),
-                        ));
-                    }
-                    if p.parts.len() == 1 {
-                        // The usual case: the decoded values are the variable, no second copy.
-                        return Ok(v);
-                    }
-                    out.extend_from_slice(&v);
+        for (p, o) in places.iter().zip(out.iter_mut()) {
+            let row = p.row_len();
+            o.resize(p.spec.numel(), 0.0);
+            let mut at = 0;
+            for part in &p.parts {
+                let t = by_name
+                    .remove(&part.name)
+                    .ok_or_else(|| malformed(part.ps, &format!("reply lacks {:?}", part.name)))?;
+                let b = self.f32_bytes(part.ps, &t)?;
+                let n = part.rows * row;
+                if b.len() != n * 4 || at + n > o.len() {
+                    return Err(malformed(
+                        part.ps,
+                        &format!("{:?} has {} values, expected {n}", part.name, b.len() / 4),
+                    ));
                 }
-                Ok(out)
-            })
-            .collect()
+                ibex_proto::tensor::f32_from_le_into(&mut o[at..at + n], b);
+                at += n;
+            }
+        }
+        Ok(())
     }
+}
+
+/// `out` must hold one vector per name.
+fn check_out(names: usize, out: &[Vec<f32>]) -> Result<(), WorkerError> {
+    if out.len() != names {
+        return Err(WorkerError::Usage(format!(
+            "{names} variables asked for but {} output vectors given: pass one per name",
+            out.len()
+        )));
+    }
+    Ok(())
 }
 
 fn malformed(ps: usize, what: &str) -> WorkerError {

@@ -434,9 +434,7 @@ impl Worker {
     /// [`Worker::push`] from the registered buffers of `staged`: no copy on the worker for
     /// descriptor-path parts, only the encoder's for inline ones.
     pub async fn push_staged(&self, step: u64, staged: Staged) -> Result<(), WorkerError> {
-        self.push_staged_when(step, staged, false, |_| async { Ok(()) })
-            .await
-            .map(drop)
+        self.push_staged_into(step, staged, None).await
     }
 
     /// [`Worker::push_pull`] from the registered buffers of `staged`; returns the fresh
@@ -446,7 +444,37 @@ impl Worker {
         step: u64,
         staged: Staged,
     ) -> Result<Vec<Vec<f32>>, WorkerError> {
-        self.push_staged_when(step, staged, true, |_| async { Ok(()) })
+        let mut out = vec![Vec::new(); staged.vars.len()];
+        self.push_staged_into(step, staged, Some(&mut out)).await?;
+        Ok(out)
+    }
+
+    /// [`Worker::push_pull_staged`] with the fresh values written into the caller's vectors
+    /// (one per staged variable, in staging order), as [`Worker::pull_into`] does.
+    pub async fn push_pull_staged_into(
+        &self,
+        step: u64,
+        staged: Staged,
+        out: &mut [Vec<f32>],
+    ) -> Result<(), WorkerError> {
+        if out.len() != staged.vars.len() {
+            return Err(WorkerError::Usage(format!(
+                "{} variables staged but {} output vectors given: pass one per variable",
+                staged.vars.len(),
+                out.len()
+            )));
+        }
+        self.push_staged_into(step, staged, Some(out)).await
+    }
+
+    /// A staged push; with `out`, a push-pull whose fresh values land there.
+    pub(crate) async fn push_staged_into(
+        &self,
+        step: u64,
+        staged: Staged,
+        out: Option<&mut [Vec<f32>]>,
+    ) -> Result<(), WorkerError> {
+        self.push_staged_when(step, staged, out, |_| async { Ok(()) })
             .await
     }
 
@@ -506,15 +534,15 @@ impl Worker {
 
     /// Sends `staged` with one request per PS, each as soon as `ready(ps)` resolves (the
     /// CUDA path resolves it when that PS's device-to-host copies are done, so the copies
-    /// for the next PS overlap this send). With `pull`, returns the fresh values in staging
-    /// order; otherwise an empty vector.
+    /// for the next PS overlap this send). With `out`, a push-pull: the fresh values are
+    /// written there (one vector per staged variable, in staging order).
     pub(crate) async fn push_staged_when<F, Fut>(
         &self,
         step: u64,
         staged: Staged,
-        pull: bool,
+        out: Option<&mut [Vec<f32>]>,
         ready: F,
-    ) -> Result<Vec<Vec<f32>>, WorkerError>
+    ) -> Result<(), WorkerError>
     where
         F: Fn(usize) -> Fut,
         Fut: std::future::Future<Output = Result<(), WorkerError>>,
@@ -522,6 +550,7 @@ impl Worker {
         let (places, groups) = staged.into_groups();
         let worker = self.index;
         let ready = &ready;
+        let pull = out.is_some();
         let replies = try_join_all(groups.into_iter().map(|mut g| async move {
             ready(g.ps).await?;
             let mut grads = Vec::with_capacity(g.parts.len());
@@ -555,10 +584,9 @@ impl Worker {
             .await
         }))
         .await?;
-        if pull {
-            self.assemble(&places, replies.into_iter().flatten())
-        } else {
-            Ok(Vec::new())
+        match out {
+            Some(out) => self.assemble_into(&places, replies.into_iter().flatten(), out),
+            None => Ok(()),
         }
     }
 }

@@ -223,6 +223,16 @@ async fn misuse_gets_typed_errors() {
         .await
         .unwrap();
 
+    // Output vectors: one per name, reused (resized to the variable) across calls.
+    let mut out = vec![Vec::new()];
+    let e = w.pull_into(&["v", "big"], 0, &mut out).await.unwrap_err();
+    assert!(matches!(e, WorkerError::Usage(_)), "{e}");
+    assert!(e.to_string().contains("one per name"), "{e}");
+    let mut out = vec![vec![7.0; 100], Vec::new()];
+    w.pull_into(&["v", "big"], 0, &mut out).await.unwrap();
+    assert_eq!(out[0], vec![0.5; 5]);
+    assert_eq!(out[1].len(), BIG[0] * BIG[1]);
+
     let mut s = w.stage(&["v", "big"]).await.unwrap();
     match s.write("v", &[1.0; 3]) {
         Err(WorkerError::ShapeMismatch {
