@@ -28,6 +28,42 @@ pub(crate) const REMOTE_MIN_BYTES: usize = 256 << 10;
 /// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
 const MAX_MESSAGE: usize = 1 << 30;
 
+/// Tensor bytes one request body carries at most (a larger tensor travels alone). A pull
+/// or push of a whole model goes as several concurrent requests per PS: each side's
+/// encoding, transfer and decoding overlap, and the codec's body buffers stay below
+/// glibc's 32 MiB mmap ceiling, so freed ones are reused instead of being mapped fresh
+/// (a page fault per 4 KiB) every step.
+pub(crate) const BATCH_BYTES: usize = 4 << 20;
+
+/// Items grouped into batches of about [`BATCH_BYTES`], in order.
+pub(crate) struct Batches<T> {
+    pub(crate) done: Vec<Vec<T>>,
+    bytes: usize,
+}
+
+impl<T> Default for Batches<T> {
+    fn default() -> Self {
+        Batches {
+            done: Vec::new(),
+            bytes: 0,
+        }
+    }
+}
+
+impl<T> Batches<T> {
+    /// Adds `item` of `bytes` body bytes, starting a new batch when it would overflow.
+    pub(crate) fn add(&mut self, item: T, bytes: usize) {
+        match self.done.last_mut() {
+            Some(b) if self.bytes + bytes <= BATCH_BYTES => b.push(item),
+            _ => {
+                self.done.push(vec![item]);
+                self.bytes = 0;
+            }
+        }
+        self.bytes += bytes;
+    }
+}
+
 /// The generated client is generic over the channel; one worker may use either kind.
 #[derive(Clone)]
 pub(crate) enum Client {
@@ -194,10 +230,13 @@ impl Worker {
     ) -> Result<(), WorkerError> {
         check_out(names.len(), out)?;
         let places = self.lookup(names.iter().copied())?;
-        let mut per_ps: Vec<Vec<String>> = vec![Vec::new(); self.clients.len()];
+        let mut per_ps: Vec<Batches<String>> = (0..self.clients.len())
+            .map(|_| Batches::default())
+            .collect();
         for p in &places {
+            let row = p.row_len();
             for part in &p.parts {
-                per_ps[part.ps].push(part.name.clone());
+                per_ps[part.ps].add(part.name.clone(), part.rows * row * 4);
             }
         }
         let worker = self.index;
@@ -205,7 +244,7 @@ impl Worker {
             per_ps
                 .into_iter()
                 .enumerate()
-                .filter(|(_, n)| !n.is_empty())
+                .flat_map(|(ps, b)| b.done.into_iter().map(move |names| (ps, names)))
                 .map(|(ps, names)| async move {
                     self.count("Pull");
                     let r = rpc!(

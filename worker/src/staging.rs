@@ -27,12 +27,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use ibex_transport::RemoteBuf;
 use ibex_transport::pool::PoolBufMut;
 use tokio::sync::Notify;
 
 use futures_util::future::try_join_all;
 
-use crate::client::{Client, Worker};
+use crate::client::{Batches, Client, Worker};
 use crate::error::WorkerError;
 use crate::pb;
 use crate::placement::Placement;
@@ -553,8 +554,8 @@ impl Worker {
         let pull = out.is_some();
         let replies = try_join_all(groups.into_iter().map(|mut g| async move {
             ready(g.ps).await?;
-            let mut grads = Vec::with_capacity(g.parts.len());
-            let mut keep = Vec::new();
+            // Inline tensors fill request bodies; descriptors take next to no room.
+            let mut batches: Batches<(pb::Tensor, Option<RemoteBuf>)> = Batches::default();
             while let Some((name, shape, slot)) = g.parts.pop() {
                 #[cfg(target_endian = "big")]
                 // SAFETY: the group still holds this slot's lease.
@@ -563,25 +564,30 @@ impl Worker {
                         *x = f32::from_bits(x.to_bits().to_le());
                     }
                 }
+                let bytes = slot.len() * 4;
                 let (t, k) = self
                     .tensor_from_bytes(g.ps, &name, shape, slot.into_view())
                     .await?;
-                grads.push(t);
-                keep.extend(k);
+                let body = if k.is_some() { 0 } else { bytes };
+                batches.add((t, k), body);
             }
-            self.send_one(
-                (
-                    g.ps,
-                    pb::PushRequest {
-                        step,
-                        worker,
-                        grads,
-                    },
-                    keep,
-                ),
-                pull,
-            )
-            .await
+            let replies = try_join_all(batches.done.into_iter().map(|b| {
+                let (grads, keep): (Vec<_>, Vec<_>) = b.into_iter().unzip();
+                self.send_one(
+                    (
+                        g.ps,
+                        pb::PushRequest {
+                            step,
+                            worker,
+                            grads,
+                        },
+                        keep.into_iter().flatten().collect(),
+                    ),
+                    pull,
+                )
+            }))
+            .await?;
+            Ok::<_, WorkerError>(replies.into_iter().flatten().collect::<Vec<_>>())
         }))
         .await?;
         match out {
