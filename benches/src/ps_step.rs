@@ -152,6 +152,9 @@ fn cluster(ps: &[String], workers: usize, kind: TransportKind) -> Res<ClusterSpe
 
 /// One worker process: create the variables, then timed steps; prints a [`WorkerResult`].
 pub fn worker(a: PsWorkerArgs) -> Res<()> {
+    // As a training process would at start-up (docs/ps.md): the step's message buffers are
+    // reused instead of being mapped and faulted in again every step.
+    ibex_transport::conn::keep_freed_memory();
     let spec = cluster(&a.ps, a.workers, kind_or_err(a.transport)?)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -208,9 +208,7 @@ impl F32s {
             F32s::Buf(b) => Ok(b),
             F32s::Le(bytes) => {
                 let mut b = pool.take(bytes.len() / 4)?;
-                for (d, c) in b.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
+                ibex_proto::tensor::f32_from_le_into(&mut b, &bytes);
                 Ok(b)
             }
         }
