@@ -1021,27 +1021,20 @@ impl Ready {
     fn apply(self, st: &mut VarState, scale: f32, bufs: &Arc<BufPool>) -> Result<(), Status> {
         match self {
             Ready::Dense(g) => {
-                let mut g = match g {
-                    // Scaling needs a writable buffer; otherwise apply straight from the
-                    // bytes when they can be seen as f32.
-                    F32s::Le(b) if scale == 1.0 => F32s::Le(b),
-                    g => F32s::Buf(g.into_buf(bufs).map_err(|e| {
-                        Status::resource_exhausted(format!("gradient buffer: {e}"))
-                    })?),
-                };
-                if let F32s::Buf(b) = &mut g
-                    && scale != 1.0
+                // Unscaled values that can be seen as f32 (a pooled buffer, aligned body
+                // bytes) are applied where they lie; scaling needs a writable buffer.
+                if scale == 1.0
+                    && let Some(v) = g.as_f32()
                 {
-                    b.iter_mut().for_each(|x| *x *= scale);
-                }
-                match g.as_f32() {
-                    Some(v) => st.var.apply_dense(v),
-                    None => {
-                        let b = g.into_buf(bufs).map_err(|e| {
-                            Status::resource_exhausted(format!("gradient buffer: {e}"))
-                        })?;
-                        st.var.apply_dense(&b);
+                    st.var.apply_dense(v);
+                } else {
+                    let mut b = g
+                        .into_buf(bufs)
+                        .map_err(|e| Status::resource_exhausted(format!("gradient buffer: {e}")))?;
+                    if scale != 1.0 {
+                        b.iter_mut().for_each(|x| *x *= scale);
                     }
+                    st.var.apply_dense(&b);
                 }
             }
             Ready::Rows(mut rows) => {
