@@ -1130,3 +1130,81 @@ fn add_rows(rows: &mut BTreeMap<u64, Vec<f32>>, ids: &[u64], values: &F32s) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard() -> Arc<Shard> {
+        let s = Shard::new(ShardConfig {
+            shard: 0,
+            num_workers: 1,
+            mode: Mode::Sync,
+            sync_timeout: Duration::from_secs(5),
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            limits: Limits::default(),
+        });
+        s.create(vec![pb::VariableDef {
+            name: "w".into(),
+            dtype: pb::Dtype::F32 as i32,
+            shape: vec![4],
+            init: Some(pb::Initializer {
+                kind: Some(pb::initializer::Kind::Constant(1.0)),
+            }),
+            optimizer: Some(pb::Optimizer {
+                kind: Some(pb::optimizer::Kind::Sgd(pb::Sgd { lr: 0.5 })),
+            }),
+            ..Default::default()
+        }])
+        .unwrap();
+        Arc::new(s)
+    }
+
+    /// A read that waits for a variable's lock (held here as an optimizer update would
+    /// hold it) must leave the runtime's only thread free for other tasks. Were the wait
+    /// on that thread, the test would deadlock: a watchdog turns that into a failure.
+    #[tokio::test(flavor = "current_thread")]
+    // Holding the variable's lock across awaits is the point: it stands for an update.
+    #[allow(clippy::await_holding_lock)]
+    async fn a_read_waiting_on_a_variable_leaves_the_runtime_free() {
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watch = done.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(30));
+            if !watch.load(std::sync::atomic::Ordering::Relaxed) {
+                eprintln!("a read blocked the runtime thread on a variable's lock");
+                std::process::abort();
+            }
+        });
+        let s = shard();
+        let cell = s.cell("w").unwrap();
+        let held = cell.lock().unwrap();
+        let read = tokio::spawn({
+            let s = s.clone();
+            async move { s.read(vec!["w".into()]).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(tokio::spawn(async { 7 }).await.unwrap(), 7);
+        assert!(!read.is_finished(), "the read waits for the lock");
+        drop(held);
+        let (step, vals) = read.await.unwrap().unwrap();
+        assert_eq!(step, 0);
+        assert_eq!(&vals[0].2[..], &[1.0f32.to_le_bytes(); 4].concat()[..]);
+        // A push applies and the read sees it, through the same locks.
+        s.push(
+            0,
+            0,
+            vec![Grad::Dense {
+                name: "w".into(),
+                values: vec![2.0; 4].into(),
+            }],
+        )
+        .await
+        .unwrap();
+        let (step, vals) = s.read(vec!["w".into()]).await.unwrap();
+        assert_eq!(step, 1);
+        assert_eq!(&vals[0].2[..], &[0.0f32.to_le_bytes(); 4].concat()[..]);
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
