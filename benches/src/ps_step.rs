@@ -6,10 +6,11 @@
 //! `ps-worker`), each an [`ibex_worker::Worker`]. A step is what a worker of TensorFlow's
 //! parameter-server training does in one iteration (tf_cnn_benchmarks
 //! `--variable_update=parameter_server`, `SyncReplicasOptimizer`): read every variable at
-//! the start of the step (`Worker::pull(names, k)`, which waits until step k-1 has been
-//! applied by every shard), then send every gradient (`Worker::push(k, ..)`). `--fused`
-//! uses Ibex's `push_pull` instead (one round trip per PS), which TensorFlow has no
-//! equivalent of.
+//! the start of the step (`Worker::pull_into(names, k, ..)`, which waits until step k-1
+//! has been applied by every shard, into the same vectors every step, as a framework keeps
+//! its variables), then send every gradient from the framework's slices
+//! (`Worker::push(k, ..)`). `--fused` uses Ibex's `push_pull_into` instead (one round trip
+//! per PS), which TensorFlow has no equivalent of.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -151,6 +152,9 @@ fn cluster(ps: &[String], workers: usize, kind: TransportKind) -> Res<ClusterSpe
 
 /// One worker process: create the variables, then timed steps; prints a [`WorkerResult`].
 pub fn worker(a: PsWorkerArgs) -> Res<()> {
+    // As a training process would at start-up (docs/ps.md): the step's message buffers are
+    // reused instead of being mapped and faulted in again every step.
+    ibex_transport::conn::keep_freed_memory();
     let spec = cluster(&a.ps, a.workers, kind_or_err(a.transport)?)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -167,6 +171,9 @@ pub fn worker(a: PsWorkerArgs) -> Res<()> {
             .copied()
             .zip(grads.iter().map(Vec::as_slice))
             .collect();
+        // The model's variables, as a framework keeps them: pulled into the same memory
+        // every step.
+        let mut values: Vec<Vec<f32>> = vec![Vec::new(); names.len()];
         // A PS given with --connect may have served an earlier run: continue from its step.
         let mut step = w.current_step().await?;
         let mut steps_ns = Vec::with_capacity(a.steps);
@@ -177,9 +184,9 @@ pub fn worker(a: PsWorkerArgs) -> Res<()> {
                 first = t;
             }
             if a.fused {
-                w.push_pull(step, &pairs).await?;
+                w.push_pull_into(step, &pairs, &mut values).await?;
             } else {
-                w.pull(&names, step).await?;
+                w.pull_into(&names, step, &mut values).await?;
                 w.push(step, &pairs).await?;
             }
             step += 1;

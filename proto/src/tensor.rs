@@ -39,6 +39,20 @@ pub fn f32_from_le_bytes(b: &[u8]) -> Vec<f32> {
     }
 }
 
+/// Overwrites `dst` with the f32 values of little-endian bytes `b` (`b.len() == 4 *
+/// dst.len()`, checked by the caller): the decode into a buffer the caller reuses, one
+/// memcpy on little-endian machines.
+pub fn f32_from_le_into(dst: &mut [f32], b: &[u8]) {
+    #[cfg(target_endian = "little")]
+    {
+        bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(b)
+    }
+    #[cfg(target_endian = "big")]
+    for (d, c) in dst.iter_mut().zip(b.chunks_exact(4)) {
+        *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -53,6 +67,9 @@ mod tests {
             let mut shifted = vec![0u8; shift];
             shifted.extend_from_slice(&b);
             assert_eq!(f32_from_le_bytes(&shifted[shift..]), v, "offset {shift}");
+            let mut into = vec![0f32; v.len()];
+            f32_from_le_into(&mut into, &shifted[shift..]);
+            assert_eq!(into, v, "into, offset {shift}");
         }
         assert_eq!(
             f32_from_le_bytes(&b[..7]),

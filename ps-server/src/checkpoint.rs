@@ -13,7 +13,7 @@ use ibex_proto::ps::v1 as pb;
 use prost::Message;
 use safetensors::{Dtype as StDtype, SafeTensors, View};
 
-use crate::shard::Var;
+use crate::shard::{Limits, Var};
 
 /// Checkpoints kept per shard.
 pub const KEEP: usize = 2;
@@ -81,19 +81,15 @@ fn unhex(s: &str) -> Result<Vec<u8>, String> {
 }
 
 /// Writes the checkpoint of `step` and prunes old ones; returns its path.
-pub(crate) fn save(
-    dir: &Path,
-    shard: u32,
-    step: u64,
-    vars: &BTreeMap<String, Var>,
-) -> Result<PathBuf, String> {
+pub(crate) fn save(dir: &Path, shard: u32, step: u64, vars: &[&Var]) -> Result<PathBuf, String> {
     let sdir = shard_dir(dir, shard);
     std::fs::create_dir_all(&sdir).map_err(|e| format!("{}: {e}", sdir.display()))?;
     let mut tensors: Vec<(String, Raw)> = Vec::new();
     let mut meta = HashMap::new();
     meta.insert("step".to_string(), step.to_string());
     meta.insert("shard".to_string(), shard.to_string());
-    for (name, v) in vars {
+    for v in vars {
+        let name = &v.def.name;
         meta.insert(format!("var:{name}"), hex(&v.def.encode_to_vec()));
         let (dtype, data) = match pb::Dtype::try_from(v.def.dtype) {
             Ok(pb::Dtype::F16) => (
@@ -161,6 +157,7 @@ pub(crate) fn load(
     dir: &Path,
     shard: u32,
     step: u64,
+    limits: &Limits,
 ) -> Result<(u64, BTreeMap<String, Var>), String> {
     let path = file(dir, shard, step);
     let ctx = |e: String| format!("{}: {e}", path.display());
@@ -179,7 +176,7 @@ pub(crate) fn load(
         };
         let def = pb::VariableDef::decode(unhex(val).map_err(&ctx)?.as_slice())
             .map_err(|e| ctx(e.to_string()))?;
-        let mut v = Var::new(def).map_err(|s| ctx(s.message().to_string()))?;
+        let mut v = Var::new(def, limits).map_err(|s| ctx(s.message().to_string()))?;
         let t = st.tensor(name).map_err(|e| ctx(format!("{name}: {e}")))?;
         let data: Vec<f32> = match t.dtype() {
             StDtype::F16 => t

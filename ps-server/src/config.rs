@@ -1,6 +1,7 @@
 //! `ibex-ps` configuration: command-line flags over an optional TOML file (same keys, with
 //! underscores: `listen`, `shard`, `num_workers`, `mode`, `checkpoint_dir`,
-//! `checkpoint_every`, `restore`, `metrics`, `sync_timeout_secs`).
+//! `checkpoint_every`, `restore`, `metrics`, `sync_timeout_secs`, `max_variables`,
+//! `max_elements`, `max_bytes`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::PsError;
-use crate::shard::{Mode, ShardConfig};
+use crate::shard::{Limits, Mode, ShardConfig};
 
 /// Everything one PS shard needs.
 #[derive(Debug, Clone)]
@@ -31,6 +32,8 @@ pub struct PsConfig {
     pub metrics: Option<String>,
     /// How long a sync push or pull waits for the other workers.
     pub sync_timeout: Duration,
+    /// What workers may make this shard hold.
+    pub limits: Limits,
 }
 
 impl PsConfig {
@@ -46,6 +49,7 @@ impl PsConfig {
             restore: false,
             metrics: None,
             sync_timeout: Duration::from_secs(30),
+            limits: Limits::default(),
         }
     }
 
@@ -72,7 +76,20 @@ impl PsConfig {
         if num_workers == 0 {
             return Err(PsError::Config("--num-workers must be at least 1".into()));
         }
+        let d = Limits::default();
+        let limits = Limits {
+            max_variables: a
+                .max_variables
+                .or(file.max_variables)
+                .unwrap_or(d.max_variables),
+            max_elements: a
+                .max_elements
+                .or(file.max_elements)
+                .unwrap_or(d.max_elements),
+            max_bytes: a.max_bytes.or(file.max_bytes).unwrap_or(d.max_bytes),
+        };
         Ok(PsConfig {
+            limits,
             listen,
             shard: a.shard.or(file.shard).unwrap_or(0),
             num_workers,
@@ -95,6 +112,7 @@ impl PsConfig {
             sync_timeout: self.sync_timeout,
             checkpoint_dir: self.checkpoint_dir.clone(),
             checkpoint_every: self.checkpoint_every,
+            limits: self.limits,
         }
     }
 }
@@ -133,6 +151,15 @@ struct Args {
     /// Seconds a sync push or pull waits for missing workers before DEADLINE_EXCEEDED.
     #[arg(long)]
     sync_timeout_secs: Option<u64>,
+    /// Most variables (or partitions) this shard holds.
+    #[arg(long)]
+    max_variables: Option<u64>,
+    /// Most f32 elements over all variables of this shard.
+    #[arg(long)]
+    max_elements: Option<u64>,
+    /// Most bytes of values and optimizer slots over all variables of this shard.
+    #[arg(long)]
+    max_bytes: Option<u64>,
 }
 
 #[derive(Debug, Default, serde::Deserialize)]
@@ -147,6 +174,9 @@ struct FileConfig {
     restore: Option<bool>,
     metrics: Option<String>,
     sync_timeout_secs: Option<u64>,
+    max_variables: Option<u64>,
+    max_elements: Option<u64>,
+    max_bytes: Option<u64>,
 }
 
 #[cfg(test)]
@@ -173,6 +203,34 @@ mod tests {
         assert_eq!(c.checkpoint_every, 5);
         assert!(c.restore);
         assert_eq!(c.sync_timeout, Duration::from_secs(30));
+        assert_eq!(c.limits, Limits::default());
+    }
+
+    #[test]
+    fn limits_come_from_flags_or_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("ps.toml");
+        std::fs::write(
+            &f,
+            "listen = \"tcp://127.0.0.1:7000\"\nmax_variables = 7\nmax_bytes = 4096\n",
+        )
+        .unwrap();
+        let args = [
+            "ibex-ps",
+            "--config",
+            f.to_str().unwrap(),
+            "--max-elements",
+            "99",
+        ];
+        let c = PsConfig::from_args(args.iter().map(|s| s.to_string())).unwrap();
+        assert_eq!(
+            c.limits,
+            Limits {
+                max_variables: 7,
+                max_elements: 99,
+                max_bytes: 4096
+            }
+        );
     }
 
     #[test]

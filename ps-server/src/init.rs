@@ -29,33 +29,48 @@ pub fn values(
     let kind = init
         .and_then(|i| i.kind.as_ref())
         .ok_or("no initializer given: set zeros, constant, normal or glorot_uniform")?;
+    let whole = full_shape
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| format!("full shape {full_shape:?} overflows"))?;
+    if (numel as u64)
+        .checked_add(first)
+        .is_none_or(|end| end > whole)
+    {
+        return Err(format!(
+            "elements {first}..+{numel} lie outside the full shape {full_shape:?}"
+        ));
+    }
+    let mut out = Vec::new();
+    out.try_reserve_exact(numel)
+        .map_err(|e| format!("cannot allocate {numel} elements: {e}"))?;
     let idx = (0..numel as u64).map(|i| first + i);
-    Ok(match *kind {
-        Kind::Zeros(_) => vec![0.0; numel],
-        Kind::Constant(c) => vec![c; numel],
+    match *kind {
+        Kind::Zeros(_) => out.resize(numel, 0.0),
+        Kind::Constant(c) => out.resize(numel, c),
         Kind::Normal(pb::NormalInit { std, seed }) => {
             if !std.is_finite() || std < 0.0 {
                 return Err(format!("normal std {std} must be finite and >= 0"));
             }
-            idx.map(|i| {
+            out.extend(idx.map(|i| {
                 let (u1, u2) = (uniform(seed, i, 0), uniform(seed, i, 1));
                 ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * f64::from(std))
                     as f32
-            })
-            .collect()
+            }))
         }
         Kind::GlorotUniform(pb::GlorotUniformInit { seed }) => {
             let fan_in = full_shape.first().copied().unwrap_or(1) as f64;
+            // In f64: a product of wire values must not overflow.
             let fan_out = if full_shape.len() > 1 {
-                full_shape[1..].iter().product::<u64>() as f64
+                full_shape[1..].iter().map(|&d| d as f64).product::<f64>()
             } else {
                 fan_in
             };
             let limit = (6.0 / (fan_in + fan_out).max(1.0)).sqrt();
-            idx.map(|i| ((uniform(seed, i, 0) * 2.0 - 1.0) * limit) as f32)
-                .collect()
+            out.extend(idx.map(|i| ((uniform(seed, i, 0) * 2.0 - 1.0) * limit) as f32))
         }
-    })
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -77,6 +92,17 @@ mod tests {
         assert_eq!(&whole[12..], &tail[..]);
         let mean = whole.iter().sum::<f32>() / 30.0;
         assert!(mean.abs() < 0.5, "mean {mean}");
+    }
+
+    #[test]
+    fn ranges_outside_the_full_shape_are_refused() {
+        let i = init(pb::initializer::Kind::Zeros(pb::Zeros {}));
+        let e = values(Some(&i), &[10, 3], 28, 3).unwrap_err();
+        assert!(e.contains("outside the full shape"), "{e}");
+        let e = values(Some(&i), &[10, 3], u64::MAX, 3).unwrap_err();
+        assert!(e.contains("outside the full shape"), "{e}");
+        let e = values(Some(&i), &[u64::MAX, 3], 0, 3).unwrap_err();
+        assert!(e.contains("overflows"), "{e}");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! See `docs/ps.md`.
 #![warn(missing_docs)]
 
+mod bufs;
 mod checkpoint;
 mod config;
 mod init;
@@ -17,12 +18,13 @@ use std::sync::Arc;
 
 use ibex_proto::ps::v1::parameter_server_server::ParameterServerServer;
 
+pub use bufs::{Buf, F32s};
 pub use checkpoint::KEEP as CHECKPOINTS_KEPT;
 pub use config::PsConfig;
 pub use metrics::Metrics;
 pub use optim::Optimizer;
 pub use service::PsService;
-pub use shard::{Grad, Mode, Shard, ShardConfig, Values};
+pub use shard::{Grad, Limits, Mode, Shard, ShardConfig, Values};
 
 /// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
 const MAX_MESSAGE: usize = 1 << 30;
@@ -66,7 +68,7 @@ pub async fn run(
         match shard.checkpoints().last() {
             Some(&step) => {
                 shard
-                    .restore(step)
+                    .restore_blocking(step)
                     .map_err(|s| PsError::Checkpoint(s.message().to_string()))?;
                 eprintln!("ibex-ps shard {id}: restored step {step}");
             }
@@ -141,6 +143,7 @@ pub async fn run(
     if config.checkpoint_dir.is_some() {
         let (step, path) = shard
             .save()
+            .await
             .map_err(|s| PsError::Checkpoint(s.message().to_string()))?;
         eprintln!(
             "ibex-ps shard {id}: shut down at step {step}, checkpoint {}",

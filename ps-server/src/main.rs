@@ -3,8 +3,20 @@
 
 use tokio::signal::unix::{SignalKind, signal};
 
-#[tokio::main]
-async fn main() {
+fn main() {
+    // Before the runtime's threads exist: every step reuses the same message buffers.
+    ibex_transport::conn::keep_freed_memory();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("ibex-ps: starting the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    rt.block_on(serve());
+}
+
+async fn serve() {
     let config = match ibex_ps::PsConfig::from_args(std::env::args()) {
         Ok(c) => c,
         Err(e) => {

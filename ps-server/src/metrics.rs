@@ -80,11 +80,7 @@ impl Metrics {
             o,
             "# HELP ibex_ps_variables Variables held.\n# TYPE ibex_ps_variables gauge"
         );
-        let _ = writeln!(
-            o,
-            "ibex_ps_variables{{shard=\"{s}\"}} {}",
-            shard.defs().len()
-        );
+        let _ = writeln!(o, "ibex_ps_variables{{shard=\"{s}\"}} {}", shard.num_vars());
         for (name, v) in [
             ("ibex_ps_bytes_pushed_total", &self.bytes_pushed),
             ("ibex_ps_bytes_pulled_total", &self.bytes_pulled),

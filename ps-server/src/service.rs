@@ -5,13 +5,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use bytes::Bytes;
+use futures_util::future::try_join_all;
 use ibex_proto::ps::v1 as pb;
 use ibex_proto::ps::v1::parameter_server_server::ParameterServer;
 use ibex_transport::RecvBuf;
 use ibex_transport::grpc::PeerHandle;
 use tonic::{Request, Response, Status};
 
+use crate::bufs::{Buf, F32s};
 use crate::metrics::Metrics;
 use crate::shard::{self, Grad, Shard, Values};
 
@@ -42,15 +43,16 @@ impl PsService {
         r.map(Response::new)
     }
 
-    /// The f32 values of `t`, read from the worker's memory when it sent a descriptor.
-    /// `expected` is the element count the variable takes: checked before anything is read
-    /// or allocated, so a bogus shape or length costs nothing.
+    /// The f32 values of `t`: the request body's bytes as they are (inline), or read from
+    /// the worker's memory straight into a pooled, f32-aligned buffer that the optimizer
+    /// consumes in place (remote). `expected` is the element count the variable takes:
+    /// checked before anything is read or allocated, so a bogus shape or length costs nothing.
     async fn values(
         &self,
         peer: Option<&PeerHandle>,
         t: &pb::Tensor,
         expected: u64,
-    ) -> Result<Vec<f32>, Status> {
+    ) -> Result<F32s, Status> {
         if t.dtype != pb::Dtype::F32 as i32 {
             return Err(Status::invalid_argument(format!(
                 "tensor {:?} has dtype {}; gradients travel as F32 whatever the variable's storage dtype",
@@ -65,8 +67,19 @@ impl PsService {
                     t.name, t.shape
                 ))
             })?;
-        let bytes: Bytes = match &t.data {
-            Some(pb::tensor::Data::Inline(b)) => b.clone(),
+        let want = numel.checked_mul(4);
+        let values = match &t.data {
+            Some(pb::tensor::Data::Inline(b)) => {
+                if Some(b.len() as u64) != want {
+                    return Err(Status::invalid_argument(format!(
+                        "tensor {:?}: {} B of data do not match shape {:?} in f32 ({numel} elements)",
+                        t.name,
+                        b.len(),
+                        t.shape,
+                    )));
+                }
+                F32s::Le(b.clone())
+            }
             Some(pb::tensor::Data::Remote(r)) => {
                 let peer = peer.ok_or_else(|| {
                     Status::invalid_argument(format!(
@@ -74,25 +87,17 @@ impl PsService {
                         t.name
                     ))
                 })?;
-                if r.len != numel * 4 {
+                if Some(r.len) != want {
                     return Err(Status::invalid_argument(format!(
                         "tensor {:?}: remote buffer of {} B does not hold shape {:?} in f32",
                         t.name, r.len, t.shape
                     )));
                 }
-                let buf = peer
-                    .read_remote(r.descriptor.clone(), RecvBuf::heap(r.len as usize))
-                    .await
-                    .map_err(|e| {
-                        Status::invalid_argument(format!(
-                            "reading tensor {:?} from the worker: {e}",
-                            t.name
-                        ))
-                    })?;
+                let buf = self.read_into_pool(peer, t, r, numel as usize).await?;
                 self.metrics
                     .bytes_remote
                     .fetch_add(r.len, Ordering::Relaxed);
-                buf.into_bytes()
+                F32s::Buf(buf)
             }
             None => {
                 return Err(Status::invalid_argument(format!(
@@ -101,55 +106,78 @@ impl PsService {
                 )));
             }
         };
-        if bytes.len() as u64 != numel * 4 {
-            return Err(Status::invalid_argument(format!(
-                "tensor {:?}: {} B of data do not match shape {:?} in f32 ({} B)",
-                t.name,
-                bytes.len(),
-                t.shape,
-                numel * 4
-            )));
-        }
         self.metrics
             .bytes_pushed
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        Ok(ibex_proto::tensor::f32_from_le_bytes(&bytes))
+            .fetch_add(numel * 4, Ordering::Relaxed);
+        Ok(values)
     }
 
-    /// Decodes dense gradients, checking each tensor's declared shape against its variable.
+    /// One-sided read of `r` into a buffer from the shard's pool.
+    async fn read_into_pool(
+        &self,
+        peer: &PeerHandle,
+        t: &pb::Tensor,
+        r: &pb::RemoteRef,
+        numel: usize,
+    ) -> Result<Buf, Status> {
+        let mut buf = self.shard.bufs.take(numel).map_err(|e| {
+            Status::resource_exhausted(format!("a receive buffer for tensor {:?}: {e}", t.name))
+        })?;
+        let ptr = buf.as_mut_ptr().cast::<u8>();
+        // SAFETY: the buffer is `numel` f32 = `numel * 4` bytes at `ptr`, owned by the box
+        // handed to the RecvBuf, which keeps it alive and in place (a Vec's heap memory does
+        // not move when its owner does) and unaliased until the RecvBuf gives it back.
+        let dst = unsafe { RecvBuf::from_raw(ptr, numel * 4, Box::new(buf)) };
+        let read = peer
+            .read_remote(r.descriptor.clone(), dst)
+            .await
+            .map_err(|e| {
+                Status::invalid_argument(format!(
+                    "reading tensor {:?} from the worker: {e}",
+                    t.name
+                ))
+            })?;
+        let mut buf = read
+            .into_owner()
+            .downcast::<Buf>()
+            .map_err(|_| Status::internal("the transport returned a different receive buffer"))?;
+        #[cfg(target_endian = "big")]
+        for x in buf.iter_mut() {
+            *x = f32::from_bits(u32::from_le(x.to_bits()));
+        }
+        Ok(std::mem::take(&mut *buf))
+    }
+
+    /// Checks dense gradients against their variables, then reads all of them at once (the
+    /// remote ones are one-sided reads that overlap on the link).
     async fn grads(
         &self,
         peer: Option<&PeerHandle>,
         tensors: &[pb::Tensor],
     ) -> Result<Vec<Grad>, Status> {
-        let defs = self.shard.defs();
-        let mut out = Vec::with_capacity(tensors.len());
+        let mut expected = Vec::with_capacity(tensors.len());
         for t in tensors {
-            let d = defs.iter().find(|d| d.name == t.name).ok_or_else(|| {
-                Status::not_found(format!(
-                    "unknown variable {:?} on shard {}: create it with CreateVariables first",
-                    t.name, self.shard.cfg.shard
-                ))
-            })?;
-            if d.shape != t.shape {
+            let (shape, _) = self.shard.shape_of(&t.name)?;
+            if shape != t.shape {
                 return Err(Status::invalid_argument(format!(
                     "gradient for {:?} has shape {:?}, the variable has shape {:?}",
-                    t.name, t.shape, d.shape
+                    t.name, t.shape, shape
                 )));
             }
-            let n = shard::numel(&d.shape).unwrap_or(0);
-            out.push(Grad::Dense {
+            expected.push(shard::numel(&shape).unwrap_or(0));
+        }
+        try_join_all(tensors.iter().zip(expected).map(|(t, n)| async move {
+            Ok::<_, Status>(Grad::Dense {
                 name: t.name.clone(),
                 values: self.values(peer, t, n).await?,
-            });
-        }
-        Ok(out)
+            })
+        }))
+        .await
     }
 
     fn tensors(&self, vals: Vec<Values>) -> Vec<pb::Tensor> {
         vals.into_iter()
-            .map(|(name, shape, v)| {
-                let b = f32_bytes(&v);
+            .map(|(name, shape, b)| {
                 self.metrics
                     .bytes_pulled
                     .fetch_add(b.len() as u64, Ordering::Relaxed);
@@ -173,10 +201,6 @@ impl PsService {
     }
 }
 
-fn f32_bytes(v: &[f32]) -> Bytes {
-    ibex_proto::tensor::f32_to_le_bytes(v)
-}
-
 #[tonic::async_trait]
 impl ParameterServer for PsService {
     async fn create_variables(
@@ -197,7 +221,7 @@ impl ParameterServer for PsService {
         self.timed("Pull", async {
             let r = req.into_inner();
             self.shard.wait_for(r.step).await?;
-            let (step, vals) = self.shard.read(&r.names)?;
+            let (step, vals) = self.shard.read(r.names).await?;
             Ok(pb::PullResponse {
                 step,
                 values: self.tensors(vals),
@@ -226,7 +250,7 @@ impl ParameterServer for PsService {
             let (_, names) = self.do_push(req).await?;
             // Sync: the values after step `step`; async: the values right after this push.
             self.shard.wait_for(step + 1).await?;
-            let (now, vals) = self.shard.read(&names)?;
+            let (now, vals) = self.shard.read(names).await?;
             Ok(pb::PullResponse {
                 step: now,
                 values: self.tensors(vals),
@@ -241,9 +265,14 @@ impl ParameterServer for PsService {
     ) -> Result<Response<pb::LookupRowsResponse>, Status> {
         self.timed("LookupRows", async {
             let r = req.into_inner();
-            let (dim, v) = self.shard.lookup(&r.table, &r.ids)?;
+            let n = r.ids.len();
+            let (dim, v) = self.shard.lookup(r.table.clone(), r.ids).await?;
             let rows = self
-                .tensors(vec![(r.table, vec![r.ids.len(), dim], v)])
+                .tensors(vec![(
+                    r.table,
+                    vec![n, dim],
+                    ibex_proto::tensor::f32_to_le_bytes(&v),
+                )])
                 .pop();
             Ok(pb::LookupRowsResponse { rows })
         })
@@ -260,10 +289,13 @@ impl ParameterServer for PsService {
             let t = r
                 .grads
                 .ok_or_else(|| Status::invalid_argument("PushSparse without grads"))?;
-            let (dim, _) = self.shard.lookup(&r.table, &[])?;
-            let values = self
-                .values(peer.as_ref(), &t, (r.ids.len() * dim) as u64)
-                .await?;
+            let dim = self.shard.table_dim(&r.table)?;
+            let want = (r.ids.len() as u64)
+                .checked_mul(dim as u64)
+                .ok_or_else(|| {
+                    Status::invalid_argument(format!("{} ids x dim {dim} overflows", r.ids.len()))
+                })?;
+            let values = self.values(peer.as_ref(), &t, want).await?;
             let grad = Grad::Sparse {
                 name: r.table,
                 ids: r.ids,
@@ -280,7 +312,7 @@ impl ParameterServer for PsService {
         _req: Request<pb::SaveRequest>,
     ) -> Result<Response<pb::SaveResponse>, Status> {
         self.timed("Save", async {
-            let (step, path) = self.shard.save()?;
+            let (step, path) = self.shard.save().await?;
             Ok(pb::SaveResponse {
                 step,
                 path: path.display().to_string(),
@@ -294,7 +326,7 @@ impl ParameterServer for PsService {
         req: Request<pb::RestoreRequest>,
     ) -> Result<Response<pb::RestoreResponse>, Status> {
         self.timed("Restore", async {
-            let step = self.shard.restore(req.into_inner().step)?;
+            let step = self.shard.restore(req.into_inner().step).await?;
             Ok(pb::RestoreResponse { step })
         })
         .await

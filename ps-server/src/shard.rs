@@ -9,20 +9,25 @@
 //!
 //! Async mode: each push is applied at once (gradients not averaged) and counts as a step.
 //!
-//! All state sits behind one mutex; a push takes it on a blocking section (`block_in_place`)
-//! and the optimizer math of a step runs in parallel across variables (rayon), each
-//! variable on one thread.
+//! Locking: each variable has its own mutex, so pushes of different variables (the layers
+//! of one step, the shards of a split variable) accumulate and apply at the same time. A
+//! variable is applied as soon as its last worker's gradient arrives; the step advances
+//! when every variable has been. Lock order: variables (by name), then the step state, then
+//! the variable table. All of it runs on blocking threads (`spawn_blocking`), never on a
+//! runtime thread, since a lock can be held for a variable's whole optimizer update.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
+use bytes::Bytes;
 use ibex_proto::ps::v1 as pb;
 use rayon::prelude::*;
 use tokio::sync::watch;
 use tonic::Status;
 
+use crate::bufs::{Buf, BufPool, F32s};
 use crate::checkpoint;
 use crate::init;
 use crate::optim::{self, Optimizer};
@@ -72,8 +77,27 @@ pub(crate) struct Var {
     pub t: Vec<u64>,
 }
 
-impl Var {
-    pub fn new(def: pb::VariableDef) -> Result<Var, Status> {
+/// What a definition would cost, checked before any of it is allocated.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Footprint {
+    pub elements: u64,
+    pub bytes: u64,
+}
+
+/// A checked definition: every size derived from the wire, computed without overflow.
+struct Plan {
+    optim: Optimizer,
+    shape: Vec<usize>,
+    full: Vec<u64>,
+    numel: usize,
+    /// Index of the first element in the whole variable (for the initializer).
+    first: u64,
+    t_len: usize,
+    cost: Footprint,
+}
+
+impl Plan {
+    fn new(def: &pb::VariableDef, limits: &Limits) -> Result<Plan, Status> {
         let bad = |m: String| Status::invalid_argument(format!("variable {:?}: {m}", def.name));
         if def.name.is_empty() {
             return Err(Status::invalid_argument(
@@ -82,51 +106,126 @@ impl Var {
         }
         dtype(def.dtype).map_err(bad)?;
         let optim = Optimizer::from_pb(def.optimizer.as_ref()).map_err(bad)?;
-        let shape: Vec<usize> = def.shape.iter().map(|&d| d as usize).collect();
-        if def.sparse && shape.len() != 2 {
+        if def.sparse && def.shape.len() != 2 {
             return Err(bad(format!(
-                "a sparse table must be 2-D [rows, dim], got shape {shape:?}"
+                "a sparse table must be 2-D [rows, dim], got shape {:?}",
+                def.shape
             )));
         }
-        let too_large = || {
+        let numel = numel(&def.shape).ok_or_else(|| {
             bad(format!(
-                "shape {shape:?} is too large for one shard; partition it"
+                "shape {:?} is too large: its element count overflows; partition it",
+                def.shape
             ))
-        };
-        let numel = numel(&def.shape)
-            .filter(|&n| n <= MAX_ELEMENTS)
-            .ok_or_else(too_large)? as usize;
+        })?;
+        limits.check_elements(&def.name, numel, 0)?;
+        // Rows of a sparse table each carry an update count, even when the rows are empty.
+        let rows = def.shape.first().copied().unwrap_or(1);
+        let t_len = if def.sparse { rows } else { 1 };
+        limits.check_elements(&def.name, t_len, 0)?;
         let full = if def.full_shape.is_empty() {
             def.shape.clone()
         } else {
             def.full_shape.clone()
         };
-        let row_len =
-            numel_of_rows(&full).ok_or_else(|| bad(format!("full shape {full:?} overflows")))?;
-        if full.first().is_some_and(|&r| {
-            def.row_offset
-                .saturating_add(def.shape.first().copied().unwrap_or(1))
-                > r
-        }) {
+        if full.len() != def.shape.len() || full.get(1..) != def.shape.get(1..) {
             return Err(bad(format!(
-                "rows {}..+{:?} lie outside the full shape {full:?}",
-                def.row_offset,
-                def.shape.first()
+                "partition shape {:?} does not match the full shape {full:?} past dim 0: a partition holds whole rows of the full variable",
+                def.shape
             )));
         }
-        let mut data =
-            init::values(def.init.as_ref(), &full, def.row_offset * row_len, numel).map_err(bad)?;
-        round_to(def.dtype, &mut data);
-        let slots = vec![vec![0.0; numel]; optim.num_slots()];
-        let t = vec![0; if def.sparse { shape[0] } else { 1 }];
-        Ok(Var {
-            def,
+        let full_rows = full.first().copied().unwrap_or(1);
+        if def
+            .row_offset
+            .checked_add(rows)
+            .is_none_or(|end| end > full_rows)
+        {
+            return Err(bad(format!(
+                "rows {}..+{rows} lie outside the full shape {full:?}",
+                def.row_offset
+            )));
+        }
+        // The full shape's element count bounds the initializer's indices; the rows check
+        // above makes `row_offset * row_len + numel` at most this, so nothing below overflows.
+        numel_of_rows(&full)
+            .and_then(|row_len| full_rows.checked_mul(row_len).map(|_| row_len))
+            .ok_or_else(|| bad(format!("full shape {full:?} overflows")))?;
+        let row_len = numel_of_rows(&full).unwrap_or(0);
+        let first = def.row_offset * row_len;
+        let slots = optim.num_slots() as u64;
+        let bytes = numel
+            .checked_mul(4 * (1 + slots))
+            .and_then(|b| b.checked_add(t_len.checked_mul(8)?))
+            .ok_or_else(|| bad(format!("shape {:?} overflows in bytes", def.shape)))?;
+        let cost = Footprint {
+            elements: numel,
+            bytes,
+        };
+        limits.check(&def.name, cost, Footprint::default())?;
+        let too_big = |n: u64| {
+            bad(format!(
+                "{n} elements do not fit this machine's address space"
+            ))
+        };
+        Ok(Plan {
             optim,
-            shape,
+            shape: def
+                .shape
+                .iter()
+                .map(|&d| usize::try_from(d).map_err(|_| too_big(d)))
+                .collect::<Result<_, _>>()?,
+            full,
+            numel: usize::try_from(numel).map_err(|_| too_big(numel))?,
+            first,
+            t_len: usize::try_from(t_len).map_err(|_| too_big(t_len))?,
+            cost,
+        })
+    }
+}
+
+/// `n` zeros, or RESOURCE_EXHAUSTED when the memory cannot be had (never an abort).
+fn zeros<T: Clone + Default>(what: &str, n: usize) -> Result<Vec<T>, Status> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| {
+        Status::resource_exhausted(format!(
+            "{what}: cannot allocate {n} elements ({e}); lower the model size or add PS shards"
+        ))
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
+impl Var {
+    /// Builds a variable, checking every size against `limits` before allocating.
+    pub fn new(def: pb::VariableDef, limits: &Limits) -> Result<Var, Status> {
+        let plan = Plan::new(&def, limits)?;
+        Var::build(def, plan)
+    }
+
+    fn build(def: pb::VariableDef, plan: Plan) -> Result<Var, Status> {
+        let what = format!("variable {:?}", def.name);
+        let mut data = init::values(def.init.as_ref(), &plan.full, plan.first, plan.numel)
+            .map_err(|m| Status::invalid_argument(format!("{what}: {m}")))?;
+        round_to(def.dtype, &mut data);
+        let slots = (0..plan.optim.num_slots())
+            .map(|_| zeros(&what, plan.numel))
+            .collect::<Result<_, _>>()?;
+        Ok(Var {
+            optim: plan.optim,
+            shape: plan.shape,
             data,
             slots,
-            t,
+            t: zeros(&what, plan.t_len)?,
+            def,
         })
+    }
+
+    fn footprint(&self) -> Footprint {
+        let n = self.data.len() as u64;
+        Footprint {
+            elements: n,
+            bytes: n * 4 * (1 + self.slots.len() as u64) + self.t.len() as u64 * 8,
+        }
     }
 
     fn row_len(&self) -> usize {
@@ -166,8 +265,80 @@ impl Var {
     }
 }
 
-/// Elements one variable may hold on a shard (16 GiB of f32); larger ones must be partitioned.
-const MAX_ELEMENTS: u64 = 1 << 32;
+/// What workers may make one shard hold (`--max-variables`, `--max-elements`,
+/// `--max-bytes`). Every size in a `CreateVariables` request is checked against them before
+/// anything is allocated; a breach is RESOURCE_EXHAUSTED naming the limit and its setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Variables (or partitions) on the shard.
+    pub max_variables: u64,
+    /// f32 elements over all variables.
+    pub max_elements: u64,
+    /// Bytes of values, optimizer slots and update counts over all variables.
+    pub max_bytes: u64,
+}
+
+impl Default for Limits {
+    /// 65536 variables, 2^32 elements (16 GiB of f32), 32 GiB: room for the largest models
+    /// the benchmarks use (VGG-16 with Adam is 1.7 GB) many times over, while a hostile
+    /// definition is refused before it can take the machine's memory.
+    fn default() -> Limits {
+        Limits {
+            max_variables: 1 << 16,
+            max_elements: 1 << 32,
+            max_bytes: 32 << 30,
+        }
+    }
+}
+
+impl Limits {
+    fn breach(what: String, want: u64, limit: u64, flag: &str) -> Status {
+        let key = flag.trim_start_matches("--").replace('-', "_");
+        Status::resource_exhausted(format!(
+            "{what} would be {want}, over this shard's limit of {limit} ({flag}, `{key}` in the config file): raise it or spread the model over more PS shards"
+        ))
+    }
+
+    fn check_elements(&self, name: &str, n: u64, held: u64) -> Result<(), Status> {
+        let want = held.saturating_add(n);
+        if want > self.max_elements {
+            return Err(Limits::breach(
+                format!("elements on the shard with variable {name:?}"),
+                want,
+                self.max_elements,
+                "--max-elements",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks holding `add` on top of `held`.
+    fn check(&self, name: &str, add: Footprint, held: Footprint) -> Result<(), Status> {
+        self.check_elements(name, add.elements, held.elements)?;
+        let want = held.bytes.saturating_add(add.bytes);
+        if want > self.max_bytes {
+            return Err(Limits::breach(
+                format!("bytes on the shard with variable {name:?}"),
+                want,
+                self.max_bytes,
+                "--max-bytes",
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_count(&self, want: u64) -> Result<(), Status> {
+        if want > self.max_variables {
+            return Err(Limits::breach(
+                "variables on the shard".to_string(),
+                want,
+                self.max_variables,
+                "--max-variables",
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// Element count of `shape`, `None` on overflow (shapes come from the network).
 pub(crate) fn numel(shape: &[u64]) -> Option<u64> {
@@ -201,15 +372,16 @@ fn round_to(d: i32, v: &mut [f32]) {
     }
 }
 
-/// A decoded gradient for one variable (checked against the variable by [`Shard::push`]).
-#[derive(Debug, Clone)]
+/// A gradient for one variable as it arrived (checked against the variable by
+/// [`Shard::push`]).
+#[derive(Debug)]
 pub enum Grad {
     /// A whole dense gradient.
     Dense {
         /// Variable name on this shard.
         name: String,
         /// One value per element.
-        values: Vec<f32>,
+        values: F32s,
     },
     /// Row gradients of a sparse table.
     Sparse {
@@ -218,7 +390,7 @@ pub enum Grad {
         /// Row ids (duplicates are summed).
         ids: Vec<u64>,
         /// `ids.len() * dim` values.
-        values: Vec<f32>,
+        values: F32s,
     },
 }
 
@@ -233,19 +405,64 @@ impl Grad {
 /// What the current sync step has collected for one variable.
 #[derive(Default)]
 struct Pending {
-    sum: Vec<f32>,
+    /// The sum of the dense gradients so far: the first one's buffer, others added into it.
+    sum: Option<Buf>,
     rows: BTreeMap<u64, Vec<f32>>,
     workers: BTreeSet<u32>,
 }
 
-pub(crate) struct Inner {
-    pub step: u64,
-    pub vars: BTreeMap<String, Var>,
-    pending: BTreeMap<String, Pending>,
+/// One variable's mutable state, behind its own lock.
+struct VarState {
+    var: Var,
+    /// Sync steps applied to this variable: the shard's step, or one more while the other
+    /// variables of that step are still collecting.
+    applied: u64,
+    pending: Pending,
 }
 
-/// One variable's name, shape and f32 values, as read.
-pub type Values = (String, Vec<usize>, Vec<f32>);
+/// A variable's table entry: what never changes outside the lock, the rest inside.
+struct Cell {
+    def: pb::VariableDef,
+    shape: Vec<usize>,
+    numel: usize,
+    state: Mutex<VarState>,
+}
+
+impl Cell {
+    fn new(var: Var, applied: u64) -> Arc<Cell> {
+        Arc::new(Cell {
+            def: var.def.clone(),
+            shape: var.shape.clone(),
+            numel: var.data.len(),
+            state: Mutex::new(VarState {
+                var,
+                applied,
+                pending: Pending::default(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, VarState>, Status> {
+        self.state.lock().map_err(|_| poisoned())
+    }
+
+    fn row_len(&self) -> usize {
+        self.shape.iter().skip(1).product()
+    }
+}
+
+/// The step counter and what completes it.
+struct Steps {
+    step: u64,
+    /// Variables applied for the current sync step.
+    done: usize,
+    /// Bumped by `restore`: a push that began before it must not count into the new state.
+    epoch: u64,
+    held: Footprint,
+}
+
+/// One variable's name, shape and values (little-endian f32 bytes), as read.
+pub type Values = (String, Vec<usize>, Bytes);
 
 /// Shard-wide settings.
 #[derive(Debug, Clone)]
@@ -262,13 +479,21 @@ pub struct ShardConfig {
     pub checkpoint_dir: Option<PathBuf>,
     /// Write a checkpoint after every K-th applied step (0: only on request and shutdown).
     pub checkpoint_every: u64,
+    /// What workers may make this shard hold.
+    pub limits: Limits,
 }
+
+/// Idle gradient and value buffers kept for the next step: a few steps' worth of a large
+/// model's tensors; above it buffers go back to the allocator.
+const IDLE_BUFFER_BYTES: usize = 2 << 30;
 
 /// The shard's state and its step notifications.
 pub struct Shard {
     pub(crate) cfg: ShardConfig,
-    inner: Mutex<Inner>,
+    vars: RwLock<BTreeMap<String, Arc<Cell>>>,
+    steps: Mutex<Steps>,
     step_tx: watch::Sender<u64>,
+    pub(crate) bufs: Arc<BufPool>,
 }
 
 fn poisoned() -> Status {
@@ -277,27 +502,47 @@ fn poisoned() -> Status {
     )
 }
 
+/// Runs `f` on tokio's blocking threads: it may wait on a variable's lock for a whole
+/// optimizer update, which must not stall a runtime thread.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Status> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("shard task failed: {e}")))?
+}
+
 impl Shard {
     /// An empty shard at step 0.
     pub fn new(cfg: ShardConfig) -> Shard {
         let (step_tx, _) = watch::channel(0);
         Shard {
             cfg,
-            inner: Mutex::new(Inner {
+            vars: RwLock::new(BTreeMap::new()),
+            steps: Mutex::new(Steps {
                 step: 0,
-                vars: BTreeMap::new(),
-                pending: BTreeMap::new(),
+                done: 0,
+                epoch: 0,
+                held: Footprint::default(),
             }),
             step_tx,
+            bufs: BufPool::new(IDLE_BUFFER_BYTES),
         }
     }
 
-    pub(crate) fn with<T>(
-        &self,
-        f: impl FnOnce(&mut Inner) -> Result<T, Status>,
-    ) -> Result<T, Status> {
-        let mut g = self.inner.lock().map_err(|_| poisoned())?;
-        f(&mut g)
+    fn steps(&self) -> Result<MutexGuard<'_, Steps>, Status> {
+        self.steps.lock().map_err(|_| poisoned())
+    }
+
+    fn table(&self) -> Result<std::sync::RwLockReadGuard<'_, BTreeMap<String, Arc<Cell>>>, Status> {
+        self.vars.read().map_err(|_| poisoned())
+    }
+
+    fn cell(&self, name: &str) -> Result<Arc<Cell>, Status> {
+        self.table()?
+            .get(name)
+            .cloned()
+            .ok_or_else(|| unknown(name, self.cfg.shard))
     }
 
     /// Steps applied so far.
@@ -305,32 +550,80 @@ impl Shard {
         *self.step_tx.borrow()
     }
 
-    /// Creates variables; returns how many were new.
+    /// Shape and whether it is a sparse table, for checking a tensor before it is read.
+    pub fn shape_of(&self, name: &str) -> Result<(Vec<u64>, bool), Status> {
+        let c = self.cell(name)?;
+        Ok((c.def.shape.clone(), c.def.sparse))
+    }
+
+    /// Creates variables; returns how many were new. Sizes are checked against the limits
+    /// before any memory is allocated.
     pub fn create(&self, defs: Vec<pb::VariableDef>) -> Result<u32, Status> {
-        let vars = defs
-            .into_iter()
-            .map(Var::new)
-            .collect::<Result<Vec<_>, _>>()?;
-        self.with(|st| {
-            for v in &vars {
-                if let Some(old) = st.vars.get(&v.def.name)
-                    && old.def != v.def
+        let limits = &self.cfg.limits;
+        limits.check_count(defs.len() as u64)?;
+        // Held for the whole creation: the totals checked are the totals committed.
+        let mut steps = self.steps()?;
+        let mut fresh: Vec<(pb::VariableDef, Plan)> = Vec::new();
+        let mut reserved = Footprint::default();
+        {
+            let table = self.table()?;
+            for d in defs {
+                let same = |old: &pb::VariableDef| {
+                    if *old == d {
+                        Ok(true)
+                    } else if old.name == d.name {
+                        Err(Status::already_exists(format!(
+                            "variable {:?} exists with a different definition (dtype, shape, initializer or optimizer)",
+                            d.name
+                        )))
+                    } else {
+                        Ok(false)
+                    }
+                };
+                if let Some(old) = table.get(&d.name)
+                    && same(&old.def)?
                 {
-                    return Err(Status::already_exists(format!(
-                        "variable {:?} exists with a different definition (dtype, shape, initializer or optimizer)",
-                        v.def.name
-                    )));
+                    continue;
+                }
+                let mut dup = false;
+                for (f, _) in &fresh {
+                    dup |= same(f)?;
+                }
+                if dup {
+                    continue;
+                }
+                let plan = Plan::new(&d, limits)?;
+                let with = Footprint {
+                    elements: steps.held.elements + reserved.elements,
+                    bytes: steps.held.bytes + reserved.bytes,
+                };
+                limits.check(&d.name, plan.cost, with)?;
+                limits.check_count(table.len() as u64 + fresh.len() as u64 + 1)?;
+                reserved.elements += plan.cost.elements;
+                reserved.bytes += plan.cost.bytes;
+                fresh.push((d, plan));
+            }
+        }
+        steps.held.elements += reserved.elements;
+        steps.held.bytes += reserved.bytes;
+        let mut built = Vec::with_capacity(fresh.len());
+        for (d, plan) in fresh {
+            match Var::build(d, plan) {
+                Ok(v) => built.push(v),
+                Err(e) => {
+                    // Nothing was inserted: give back all of this request's reservation.
+                    steps.held.elements -= reserved.elements;
+                    steps.held.bytes -= reserved.bytes;
+                    return Err(e);
                 }
             }
-            let mut created = 0;
-            for v in vars {
-                if !st.vars.contains_key(&v.def.name) {
-                    st.vars.insert(v.def.name.clone(), v);
-                    created += 1;
-                }
-            }
-            Ok(created)
-        })
+        }
+        let mut table = self.vars.write().map_err(|_| poisoned())?;
+        let created = built.len() as u32;
+        for v in built {
+            table.insert(v.def.name.clone(), Cell::new(v, steps.step));
+        }
+        Ok(created)
     }
 
     fn check_worker(&self, worker: u32) -> Result<(), Status> {
@@ -357,218 +650,300 @@ impl Shard {
     }
 
     fn timeout_status(&self, wanted: u64) -> Status {
-        let detail = self
-            .with(|st| {
-                let mut missing = BTreeSet::new();
-                for name in st.vars.keys() {
-                    let pushed = st.pending.get(name).map(|p| &p.workers);
-                    for w in 0..self.cfg.num_workers {
-                        if !pushed.is_some_and(|p| p.contains(&w)) {
-                            missing.insert(w);
-                        }
-                    }
+        let step = self.step();
+        let cells: Vec<Arc<Cell>> = match self.table() {
+            Ok(t) => t.values().cloned().collect(),
+            Err(e) => return e,
+        };
+        let mut missing = BTreeSet::new();
+        for c in cells {
+            // A variable being updated right now has all its gradients: skip it rather
+            // than wait for its lock on a runtime thread.
+            let Ok(st) = c.state.try_lock() else { continue };
+            if st.applied > step {
+                continue;
+            }
+            for w in 0..self.cfg.num_workers {
+                if !st.pending.workers.contains(&w) {
+                    missing.insert(w);
                 }
-                Ok(format!(
-                    "step {} has not been applied after {:?}: workers {:?} have not pushed all variables of shard {} for it",
-                    st.step, self.cfg.sync_timeout, missing.into_iter().collect::<Vec<_>>(), self.cfg.shard
-                ))
-            })
-            .unwrap_or_else(|e| e.message().to_string());
-        Status::deadline_exceeded(format!("waiting for step {wanted}: {detail}"))
+            }
+        }
+        Status::deadline_exceeded(format!(
+            "waiting for step {wanted}: step {step} has not been applied after {:?}: workers {:?} have not pushed all variables of shard {} for it",
+            self.cfg.sync_timeout,
+            missing.into_iter().collect::<Vec<_>>(),
+            self.cfg.shard
+        ))
     }
 
     /// Takes gradients for `step` from `worker`; returns the shard's step afterwards.
-    pub async fn push(&self, step: u64, worker: u32, grads: Vec<Grad>) -> Result<u64, Status> {
+    pub async fn push(
+        self: &Arc<Self>,
+        step: u64,
+        worker: u32,
+        grads: Vec<Grad>,
+    ) -> Result<u64, Status> {
         self.check_worker(worker)?;
         self.wait_for(step).await?;
-        blocking(|| self.push_locked(step, worker, grads))
+        let me = self.clone();
+        let now = blocking(move || me.push_blocking(step, worker, grads)).await?;
+        Ok(now)
     }
 
-    fn push_locked(&self, step: u64, worker: u32, grads: Vec<Grad>) -> Result<u64, Status> {
-        let r = self.with(|st| {
-            self.validate(st, step, worker, &grads)?;
-            match self.cfg.mode {
-                Mode::Async => {
-                    let mut one = BTreeMap::new();
-                    for g in grads {
-                        one.insert(g.name().to_string(), to_pending(g, st));
-                    }
-                    apply(st, one, 1.0);
-                    st.step += 1;
+    fn push_blocking(&self, step: u64, worker: u32, mut grads: Vec<Grad>) -> Result<u64, Status> {
+        if grads.is_empty() {
+            return Err(Status::invalid_argument(
+                "a push without gradients: send at least one tensor",
+            ));
+        }
+        // Locks are taken in name order, so two pushes never wait on each other in a cycle.
+        grads.sort_by(|a, b| a.name().cmp(b.name()));
+        if let Some(w) = grads.windows(2).find(|w| w[0].name() == w[1].name()) {
+            return Err(Status::invalid_argument(format!(
+                "variable {:?} appears twice in one push",
+                w[0].name()
+            )));
+        }
+        let (epoch, now) = {
+            let s = self.steps()?;
+            (s.epoch, s.step)
+        };
+        let cells = {
+            let table = self.table()?;
+            grads
+                .iter()
+                .map(|g| {
+                    table
+                        .get(g.name())
+                        .cloned()
+                        .ok_or_else(|| unknown(g.name(), self.cfg.shard))
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        for (g, c) in grads.iter().zip(&cells) {
+            check_grad(g, c)?;
+        }
+        let sync = self.cfg.mode == Mode::Sync;
+        if sync && step > now {
+            return Err(Status::failed_precondition(format!(
+                "step {step} is ahead of shard {} (at step {now}): it was restored from a checkpoint; call recover() and resume from its step",
+                self.cfg.shard
+            )));
+        }
+        let mut guards = cells
+            .iter()
+            .map(|c| c.lock())
+            .collect::<Result<Vec<_>, _>>()?;
+        if sync {
+            for (g, st) in grads.iter().zip(&guards) {
+                if st.applied > step {
+                    return Err(Status::failed_precondition(format!(
+                        "stale step: step {step} was already applied on shard {} (now at step {}); pull fresh values and push step {}",
+                        self.cfg.shard,
+                        self.step(),
+                        st.applied
+                    )));
                 }
-                Mode::Sync => {
-                    for g in grads {
-                        let name = g.name().to_string();
-                        let p = st.pending.entry(name).or_default();
-                        p.workers.insert(worker);
-                        match g {
-                            Grad::Dense { values, .. } => {
-                                if p.sum.is_empty() {
-                                    p.sum = values;
-                                } else {
-                                    p.sum.iter_mut().zip(&values).for_each(|(s, v)| *s += v);
-                                }
-                            }
-                            Grad::Sparse { ids, values, .. } => {
-                                add_rows(&mut p.rows, &ids, &values)
-                            }
-                        }
-                    }
-                    let n = self.cfg.num_workers as usize;
-                    let complete = st
-                        .vars
-                        .keys()
-                        .all(|k| st.pending.get(k).is_some_and(|p| p.workers.len() == n));
-                    if !complete {
-                        return Ok(None);
-                    }
-                    let pending = std::mem::take(&mut st.pending);
-                    apply(st, pending, 1.0 / n as f32);
-                    st.step += 1;
+                if st.pending.workers.contains(&worker) {
+                    return Err(Status::failed_precondition(format!(
+                        "worker {worker} already pushed {:?} for step {step}; a step takes one gradient per worker",
+                        g.name()
+                    )));
                 }
             }
-            Ok(Some(st.step))
-        })?;
-        let Some(now) = r else { return Ok(self.step()) };
+        }
+        let n = self.cfg.num_workers as usize;
+        // Each variable whose gradients are all in, with the gradient to apply.
+        let mut ready: Vec<(&mut VarState, Ready)> = Vec::new();
+        for (g, st) in grads.into_iter().zip(guards.iter_mut()) {
+            let st: &mut VarState = st;
+            if !sync {
+                let r = match g {
+                    Grad::Dense { values, .. } => Ready::Dense(values),
+                    Grad::Sparse { ids, values, .. } => {
+                        let mut rows = BTreeMap::new();
+                        add_rows(&mut rows, &ids, &values);
+                        Ready::Rows(rows)
+                    }
+                };
+                ready.push((st, r));
+                continue;
+            }
+            let p = &mut st.pending;
+            p.workers.insert(worker);
+            match g {
+                Grad::Dense { values, .. } => match &mut p.sum {
+                    Some(sum) => values.add_to(sum),
+                    None => {
+                        p.sum = Some(values.into_buf(&self.bufs).map_err(|e| {
+                            Status::resource_exhausted(format!("gradient buffer: {e}"))
+                        })?)
+                    }
+                },
+                Grad::Sparse { ids, values, .. } => add_rows(&mut p.rows, &ids, &values),
+            }
+            if p.workers.len() == n {
+                let p = std::mem::take(&mut st.pending);
+                let r = match p.sum {
+                    Some(sum) => Ready::Dense(F32s::Buf(sum)),
+                    None => Ready::Rows(p.rows),
+                };
+                ready.push((st, r));
+            }
+        }
+        let scale = if sync { 1.0 / n as f32 } else { 1.0 };
+        let applied = ready.len();
+        ready
+            .into_par_iter()
+            .try_for_each(|(st, r)| r.apply(st, scale, &self.bufs))?;
+        let completed = {
+            let mut s = self.steps()?;
+            if s.epoch != epoch {
+                return Err(Status::aborted(format!(
+                    "shard {} was restored from a checkpoint while this push ran: call recover() and resume from its step",
+                    self.cfg.shard
+                )));
+            }
+            if sync {
+                s.done += applied;
+                let all = self.table()?.len();
+                if applied > 0 && s.done >= all {
+                    s.done = 0;
+                    s.step += 1;
+                    Some(s.step)
+                } else {
+                    None
+                }
+            } else {
+                s.step += 1;
+                Some(s.step)
+            }
+        };
+        drop(guards);
+        let Some(now) = completed else {
+            return Ok(self.step());
+        };
         if self.cfg.checkpoint_every > 0
             && now % self.cfg.checkpoint_every == 0
             && self.cfg.checkpoint_dir.is_some()
         {
             // Written before anyone can see the step, so a checkpoint never misses a step a
             // worker has already observed as applied.
-            self.save()?;
+            self.save_blocking()?;
         }
         self.step_tx.send_replace(now);
         Ok(now)
     }
 
-    fn validate(&self, st: &Inner, step: u64, worker: u32, grads: &[Grad]) -> Result<(), Status> {
-        if self.cfg.mode == Mode::Sync && step < st.step {
-            return Err(Status::failed_precondition(format!(
-                "stale step: step {step} was already applied on shard {} (now at step {}); pull fresh values and push step {}",
-                self.cfg.shard, st.step, st.step
-            )));
-        }
-        if self.cfg.mode == Mode::Sync && step > st.step {
-            return Err(Status::failed_precondition(format!(
-                "step {step} is ahead of shard {} (at step {}): it was restored from a checkpoint; call recover() and resume from its step",
-                self.cfg.shard, st.step
-            )));
-        }
-        if grads.is_empty() {
-            return Err(Status::invalid_argument(
-                "a push without gradients: send at least one tensor",
-            ));
-        }
-        let mut seen = BTreeSet::new();
-        for g in grads {
-            let name = g.name();
-            if !seen.insert(name) {
-                return Err(Status::invalid_argument(format!(
-                    "variable {name:?} appears twice in one push"
-                )));
-            }
-            let v = st
-                .vars
-                .get(name)
-                .ok_or_else(|| unknown(name, self.cfg.shard))?;
-            match g {
-                Grad::Dense { values, .. } => {
-                    if v.def.sparse {
-                        return Err(Status::invalid_argument(format!(
-                            "{name:?} is a sparse table: use PushSparse"
-                        )));
-                    }
-                    if values.len() != v.data.len() {
-                        return Err(Status::invalid_argument(format!(
-                            "gradient for {name:?} has {} elements, the variable has shape {:?} ({} elements)",
-                            values.len(),
-                            v.shape,
-                            v.data.len()
-                        )));
-                    }
-                }
-                Grad::Sparse { ids, values, .. } => {
-                    if !v.def.sparse {
-                        return Err(Status::invalid_argument(format!(
-                            "{name:?} is a dense variable, not a sparse table"
-                        )));
-                    }
-                    check_ids(name, v, ids)?;
-                    if values.len() != ids.len() * v.row_len() {
-                        return Err(Status::invalid_argument(format!(
-                            "sparse gradient for {name:?} has {} values, expected {} ids x dim {}",
-                            values.len(),
-                            ids.len(),
-                            v.row_len()
-                        )));
-                    }
-                }
-            }
-            if self.cfg.mode == Mode::Sync
-                && st
-                    .pending
-                    .get(name)
-                    .is_some_and(|p| p.workers.contains(&worker))
-            {
-                return Err(Status::failed_precondition(format!(
-                    "worker {worker} already pushed {name:?} for step {step}; a step takes one gradient per worker"
-                )));
-            }
-        }
-        Ok(())
+    /// Current values of `names` and the step they reflect.
+    pub async fn read(self: &Arc<Self>, names: Vec<String>) -> Result<(u64, Vec<Values>), Status> {
+        let me = self.clone();
+        blocking(move || me.read_blocking(names)).await
     }
 
-    /// Current values of `names` and the step they reflect.
-    pub fn read(&self, names: &[String]) -> Result<(u64, Vec<Values>), Status> {
-        self.with(|st| {
-            let vals = names
+    fn read_blocking(&self, names: Vec<String>) -> Result<(u64, Vec<Values>), Status> {
+        let step = self.step();
+        let cells = {
+            let table = self.table()?;
+            names
                 .iter()
                 .map(|n| {
-                    let v = st.vars.get(n).ok_or_else(|| unknown(n, self.cfg.shard))?;
-                    Ok((n.clone(), v.shape.clone(), v.data.clone()))
+                    table
+                        .get(n)
+                        .cloned()
+                        .ok_or_else(|| unknown(n, self.cfg.shard))
                 })
-                .collect::<Result<Vec<_>, Status>>()?;
-            Ok((st.step, vals))
-        })
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        let vals = names
+            .into_iter()
+            .zip(cells)
+            .map(|(n, c)| {
+                let mut out = self
+                    .bufs
+                    .take(c.numel)
+                    .map_err(|e| Status::resource_exhausted(format!("reading {n:?}: {e}")))?;
+                out.copy_from_slice(&c.lock()?.var.data);
+                Ok((n, c.shape.clone(), out.into_le_bytes()))
+            })
+            .collect::<Result<Vec<_>, Status>>()?;
+        Ok((step, vals))
     }
 
     /// Rows `ids` of table `table`.
-    pub fn lookup(&self, table: &str, ids: &[u64]) -> Result<(usize, Vec<f32>), Status> {
-        self.with(|st| {
-            let v = st.vars.get(table).ok_or_else(|| {
-                Status::not_found(format!(
-                    "no sparse table {table:?} on shard {}: create it first",
-                    self.cfg.shard
-                ))
+    pub async fn lookup(
+        self: &Arc<Self>,
+        table: String,
+        ids: Vec<u64>,
+    ) -> Result<(usize, Vec<f32>), Status> {
+        let me = self.clone();
+        blocking(move || me.lookup_blocking(&table, &ids)).await
+    }
+
+    fn lookup_blocking(&self, table: &str, ids: &[u64]) -> Result<(usize, Vec<f32>), Status> {
+        let c = self.table_cell(table)?;
+        check_ids(table, &c, ids)?;
+        let d = c.row_len();
+        let mut out = Vec::new();
+        out.try_reserve_exact(ids.len().saturating_mul(d))
+            .map_err(|e| {
+                Status::resource_exhausted(format!("{} rows of {table:?}: {e}", ids.len()))
             })?;
-            if !v.def.sparse {
-                return Err(Status::invalid_argument(format!(
-                    "{table:?} is a dense variable, not a sparse table"
-                )));
-            }
-            check_ids(table, v, ids)?;
-            let d = v.row_len();
-            let mut out = Vec::with_capacity(ids.len() * d);
-            for &i in ids {
-                out.extend_from_slice(&v.data[i as usize * d..(i as usize + 1) * d]);
-            }
-            Ok((d, out))
-        })
+        let st = c.lock()?;
+        for &i in ids {
+            out.extend_from_slice(&st.var.data[i as usize * d..(i as usize + 1) * d]);
+        }
+        Ok((d, out))
+    }
+
+    /// The entry of sparse table `table`, or the status that says why there is none.
+    fn table_cell(&self, table: &str) -> Result<Arc<Cell>, Status> {
+        let c = self.table()?.get(table).cloned().ok_or_else(|| {
+            Status::not_found(format!(
+                "no sparse table {table:?} on shard {}: create it first",
+                self.cfg.shard
+            ))
+        })?;
+        if !c.def.sparse {
+            return Err(Status::invalid_argument(format!(
+                "{table:?} is a dense variable, not a sparse table"
+            )));
+        }
+        Ok(c)
+    }
+
+    /// Row length of sparse table `table`.
+    pub fn table_dim(&self, table: &str) -> Result<usize, Status> {
+        Ok(self.table_cell(table)?.row_len())
     }
 
     /// Writes a checkpoint of the current state; returns its step and path.
-    pub fn save(&self) -> Result<(u64, PathBuf), Status> {
+    pub async fn save(self: &Arc<Self>) -> Result<(u64, PathBuf), Status> {
+        let me = self.clone();
+        blocking(move || me.save_blocking()).await
+    }
+
+    /// As [`Shard::save`], on the calling thread (start-up, shutdown, the push that
+    /// completes a step).
+    pub fn save_blocking(&self) -> Result<(u64, PathBuf), Status> {
         let Some(dir) = &self.cfg.checkpoint_dir else {
             return Err(Status::failed_precondition(
                 "this PS has no --checkpoint-dir",
             ));
         };
-        self.with(|st| {
-            checkpoint::save(dir, self.cfg.shard, st.step, &st.vars)
-                .map(|p| (st.step, p))
-                .map_err(|e| Status::internal(format!("writing checkpoint: {e}")))
-        })
+        let cells: Vec<Arc<Cell>> = self.table()?.values().cloned().collect();
+        // Every variable's lock (in name order, as pushes take them), so no update is half
+        // in the file; then the step they reflect.
+        let guards = cells
+            .iter()
+            .map(|c| c.lock())
+            .collect::<Result<Vec<_>, _>>()?;
+        let step = self.steps()?.step;
+        let vars: Vec<&Var> = guards.iter().map(|g| &g.var).collect();
+        checkpoint::save(dir, self.cfg.shard, step, &vars)
+            .map(|p| (step, p))
+            .map_err(|e| Status::internal(format!("writing checkpoint: {e}")))
     }
 
     /// Steps of the checkpoints on disk, oldest first.
@@ -580,7 +955,13 @@ impl Shard {
     }
 
     /// Replaces the state with the checkpoint of `step`.
-    pub fn restore(&self, step: u64) -> Result<u64, Status> {
+    pub async fn restore(self: &Arc<Self>, step: u64) -> Result<u64, Status> {
+        let me = self.clone();
+        blocking(move || me.restore_blocking(step)).await
+    }
+
+    /// As [`Shard::restore`], on the calling thread (start-up).
+    pub fn restore_blocking(&self, step: u64) -> Result<u64, Status> {
         let Some(dir) = &self.cfg.checkpoint_dir else {
             return Err(Status::failed_precondition(
                 "this PS has no --checkpoint-dir",
@@ -593,34 +974,118 @@ impl Shard {
                 self.checkpoints()
             )));
         }
-        let (s, vars) = checkpoint::load(dir, self.cfg.shard, step)
+        let (s, vars) = checkpoint::load(dir, self.cfg.shard, step, &self.cfg.limits)
             .map_err(|e| Status::internal(format!("reading checkpoint: {e}")))?;
-        self.with(|st| {
-            st.step = s;
-            st.vars = vars;
-            st.pending.clear();
-            Ok(())
-        })?;
+        let mut held = Footprint::default();
+        for v in vars.values() {
+            let f = v.footprint();
+            held.elements += f.elements;
+            held.bytes += f.bytes;
+        }
+        {
+            let mut steps = self.steps()?;
+            let mut table = self.vars.write().map_err(|_| poisoned())?;
+            *table = vars
+                .into_iter()
+                .map(|(name, v)| (name, Cell::new(v, s)))
+                .collect();
+            steps.step = s;
+            steps.done = 0;
+            steps.epoch += 1;
+            steps.held = held;
+        }
         self.step_tx.send_replace(s);
         Ok(s)
     }
 
     /// Variable definitions held.
     pub fn defs(&self) -> Vec<pb::VariableDef> {
-        self.with(|st| Ok(st.vars.values().map(|v| v.def.clone()).collect()))
+        self.table()
+            .map(|t| t.values().map(|c| c.def.clone()).collect())
             .unwrap_or_default()
+    }
+
+    /// Number of variables held.
+    pub fn num_vars(&self) -> usize {
+        self.table().map(|t| t.len()).unwrap_or(0)
     }
 }
 
-/// Runs the optimizer math and checkpoint I/O of a push without stalling the other tasks of
-/// a multi-threaded runtime (a current-thread runtime, as in some tests, just runs it).
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
+/// A variable's gradient, complete for this step.
+enum Ready {
+    Dense(F32s),
+    Rows(BTreeMap<u64, Vec<f32>>),
+}
+
+impl Ready {
+    fn apply(self, st: &mut VarState, scale: f32, bufs: &Arc<BufPool>) -> Result<(), Status> {
+        match self {
+            Ready::Dense(g) => {
+                // Unscaled values that can be seen as f32 (a pooled buffer, aligned body
+                // bytes) are applied where they lie; scaling needs a writable buffer.
+                if scale == 1.0
+                    && let Some(v) = g.as_f32()
+                {
+                    st.var.apply_dense(v);
+                } else {
+                    let mut b = g
+                        .into_buf(bufs)
+                        .map_err(|e| Status::resource_exhausted(format!("gradient buffer: {e}")))?;
+                    if scale != 1.0 {
+                        b.iter_mut().for_each(|x| *x *= scale);
+                    }
+                    st.var.apply_dense(&b);
+                }
+            }
+            Ready::Rows(mut rows) => {
+                if scale != 1.0 {
+                    rows.values_mut()
+                        .for_each(|r| r.iter_mut().for_each(|x| *x *= scale));
+                }
+                st.var.apply_rows(&rows);
+            }
         }
-        _ => f(),
+        st.applied += 1;
+        Ok(())
     }
+}
+
+/// Checks a gradient against its variable before anything is locked or accumulated.
+fn check_grad(g: &Grad, c: &Cell) -> Result<(), Status> {
+    match g {
+        Grad::Dense { name, values } => {
+            if c.def.sparse {
+                return Err(Status::invalid_argument(format!(
+                    "{name:?} is a sparse table: use PushSparse"
+                )));
+            }
+            if values.len() != c.numel {
+                return Err(Status::invalid_argument(format!(
+                    "gradient for {name:?} has {} elements, the variable has shape {:?} ({} elements)",
+                    values.len(),
+                    c.shape,
+                    c.numel
+                )));
+            }
+        }
+        Grad::Sparse { name, ids, values } => {
+            if !c.def.sparse {
+                return Err(Status::invalid_argument(format!(
+                    "{name:?} is a dense variable, not a sparse table"
+                )));
+            }
+            check_ids(name, c, ids)?;
+            if Some(values.len()) != ids.len().checked_mul(c.row_len()) {
+                return Err(Status::invalid_argument(format!(
+                    "sparse gradient for {name:?} has {} values, expected {} ids x dim {}",
+                    values.len(),
+                    ids.len(),
+                    c.row_len()
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn unknown(name: &str, shard: u32) -> Status {
@@ -629,8 +1094,8 @@ fn unknown(name: &str, shard: u32) -> Status {
     ))
 }
 
-fn check_ids(name: &str, v: &Var, ids: &[u64]) -> Result<(), Status> {
-    let rows = v.shape[0] as u64;
+fn check_ids(name: &str, c: &Cell, ids: &[u64]) -> Result<(), Status> {
+    let rows = c.shape[0] as u64;
     if let Some(bad) = ids.iter().find(|&&i| i >= rows) {
         return Err(Status::out_of_range(format!(
             "id {bad} is out of range for table {name:?} with {rows} rows"
@@ -639,10 +1104,21 @@ fn check_ids(name: &str, v: &Var, ids: &[u64]) -> Result<(), Status> {
     Ok(())
 }
 
-fn add_rows(rows: &mut BTreeMap<u64, Vec<f32>>, ids: &[u64], values: &[f32]) {
+fn add_rows(rows: &mut BTreeMap<u64, Vec<f32>>, ids: &[u64], values: &F32s) {
     if ids.is_empty() {
         return;
     }
+    let owned;
+    let values: &[f32] = match values.as_f32() {
+        Some(v) => v,
+        None => {
+            owned = match values {
+                F32s::Le(b) => ibex_proto::tensor::f32_from_le_bytes(b),
+                F32s::Buf(b) => b.to_vec(),
+            };
+            &owned
+        }
+    };
     let d = values.len() / ids.len();
     for (k, &id) in ids.iter().enumerate() {
         let g = &values[k * d..(k + 1) * d];
@@ -655,33 +1131,80 @@ fn add_rows(rows: &mut BTreeMap<u64, Vec<f32>>, ids: &[u64], values: &[f32]) {
     }
 }
 
-fn to_pending(g: Grad, _st: &Inner) -> Pending {
-    let mut p = Pending::default();
-    match g {
-        Grad::Dense { values, .. } => p.sum = values,
-        Grad::Sparse { ids, values, .. } => add_rows(&mut p.rows, &ids, &values),
-    }
-    p
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// Applies `scale * gradient` to each variable in `pending`, variables in parallel.
-fn apply(st: &mut Inner, mut pending: BTreeMap<String, Pending>, scale: f32) {
-    let mut work: Vec<(&mut Var, Pending)> = st
-        .vars
-        .iter_mut()
-        .filter_map(|(k, v)| pending.remove(k).map(|p| (v, p)))
-        .collect();
-    work.par_iter_mut().for_each(|(v, p)| {
-        if scale != 1.0 {
-            p.sum.iter_mut().for_each(|x| *x *= scale);
-            p.rows
-                .values_mut()
-                .for_each(|r| r.iter_mut().for_each(|x| *x *= scale));
-        }
-        if v.def.sparse {
-            v.apply_rows(&p.rows);
-        } else {
-            v.apply_dense(&p.sum);
-        }
-    });
+    fn shard() -> Arc<Shard> {
+        let s = Shard::new(ShardConfig {
+            shard: 0,
+            num_workers: 1,
+            mode: Mode::Sync,
+            sync_timeout: Duration::from_secs(5),
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            limits: Limits::default(),
+        });
+        s.create(vec![pb::VariableDef {
+            name: "w".into(),
+            dtype: pb::Dtype::F32 as i32,
+            shape: vec![4],
+            init: Some(pb::Initializer {
+                kind: Some(pb::initializer::Kind::Constant(1.0)),
+            }),
+            optimizer: Some(pb::Optimizer {
+                kind: Some(pb::optimizer::Kind::Sgd(pb::Sgd { lr: 0.5 })),
+            }),
+            ..Default::default()
+        }])
+        .unwrap();
+        Arc::new(s)
+    }
+
+    /// A read that waits for a variable's lock (held here as an optimizer update would
+    /// hold it) must leave the runtime's only thread free for other tasks. Were the wait
+    /// on that thread, the test would deadlock: a watchdog turns that into a failure.
+    #[tokio::test(flavor = "current_thread")]
+    // Holding the variable's lock across awaits is the point: it stands for an update.
+    #[allow(clippy::await_holding_lock)]
+    async fn a_read_waiting_on_a_variable_leaves_the_runtime_free() {
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watch = done.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(30));
+            if !watch.load(std::sync::atomic::Ordering::Relaxed) {
+                eprintln!("a read blocked the runtime thread on a variable's lock");
+                std::process::abort();
+            }
+        });
+        let s = shard();
+        let cell = s.cell("w").unwrap();
+        let held = cell.lock().unwrap();
+        let read = tokio::spawn({
+            let s = s.clone();
+            async move { s.read(vec!["w".into()]).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(tokio::spawn(async { 7 }).await.unwrap(), 7);
+        assert!(!read.is_finished(), "the read waits for the lock");
+        drop(held);
+        let (step, vals) = read.await.unwrap().unwrap();
+        assert_eq!(step, 0);
+        assert_eq!(&vals[0].2[..], &[1.0f32.to_le_bytes(); 4].concat()[..]);
+        // A push applies and the read sees it, through the same locks.
+        s.push(
+            0,
+            0,
+            vec![Grad::Dense {
+                name: "w".into(),
+                values: vec![2.0; 4].into(),
+            }],
+        )
+        .await
+        .unwrap();
+        let (step, vals) = s.read(vec!["w".into()]).await.unwrap();
+        assert_eq!(step, 1);
+        assert_eq!(&vals[0].2[..], &[0.0f32.to_le_bytes(); 4].concat()[..]);
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }

@@ -627,3 +627,208 @@ async fn checkpoint_save_restore_and_metrics() {
             .exists()
     );
 }
+
+/// A definition as a hostile or buggy client might send it: every size from the wire is
+/// checked (without overflow) before anything is allocated, and each breach names the
+/// problem, or the limit and the setting that raises it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_definitions_get_named_limits() {
+    let c = Cluster::start(1, 1, Mode::Sync, TransportKind::Tcp, |cfg| {
+        cfg.limits = ibex_ps::Limits {
+            max_variables: 3,
+            max_elements: 100,
+            max_bytes: 1000,
+        }
+    })
+    .await;
+    // Connecting retries while the shard starts; the raw client does not.
+    let _w = Worker::connect(&c.spec, 0).await.unwrap();
+    let mut raw = raw(&c.spec, 0).await;
+    let def = |name: &str, shape: &[u64]| pb::VariableDef {
+        name: name.into(),
+        dtype: pb::Dtype::F32 as i32,
+        shape: shape.to_vec(),
+        init: Some(pb::Initializer {
+            kind: Some(pb::initializer::Kind::Zeros(pb::Zeros {})),
+        }),
+        optimizer: Some(pb::Optimizer {
+            kind: Some(pb::optimizer::Kind::Sgd(pb::Sgd { lr: 0.1 })),
+        }),
+        ..Default::default()
+    };
+    let mut create = async |vars: Vec<pb::VariableDef>| {
+        code(
+            raw.create_variables(pb::CreateVariablesRequest { vars })
+                .await,
+        )
+    };
+
+    // Partitions that do not fit their full shape.
+    let (k, m) = create(vec![pb::VariableDef {
+        full_shape: vec![4, 5],
+        ..def("rowlen", &[2, 3])
+    }])
+    .await;
+    assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
+    assert!(m.contains("past dim 0") && m.contains("rowlen"), "{m}");
+    let (k, m) = create(vec![pb::VariableDef {
+        full_shape: vec![4, 3, 1],
+        ..def("rank", &[2, 3])
+    }])
+    .await;
+    assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
+    assert!(m.contains("past dim 0"), "{m}");
+    let (k, m) = create(vec![pb::VariableDef {
+        full_shape: vec![4, 3],
+        row_offset: u64::MAX,
+        ..def("offset", &[2, 3])
+    }])
+    .await;
+    assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
+    assert!(m.contains("outside the full shape"), "{m}");
+    // row_offset * row_len would overflow: the full shape itself is refused.
+    let (k, m) = create(vec![pb::VariableDef {
+        full_shape: vec![u64::MAX / 2, 4],
+        row_offset: u64::MAX / 4,
+        ..def("overflow", &[1, 4])
+    }])
+    .await;
+    assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
+    assert!(m.contains("overflows"), "{m}");
+
+    // Limits, each named with its flag and config key.
+    let (k, m) = create(vec![
+        def("a", &[1]),
+        def("b", &[1]),
+        def("c", &[1]),
+        def("d", &[1]),
+    ])
+    .await;
+    assert_eq!(k, tonic::Code::ResourceExhausted, "{m}");
+    assert!(
+        m.contains("--max-variables") && m.contains("max_variables"),
+        "{m}"
+    );
+    let (k, m) = create(vec![def("many", &[101])]).await;
+    assert_eq!(k, tonic::Code::ResourceExhausted, "{m}");
+    assert!(
+        m.contains("--max-elements") && m.contains("limit of 100"),
+        "{m}"
+    );
+    let adam = pb::VariableDef {
+        optimizer: Some(pb::Optimizer {
+            kind: Some(pb::optimizer::Kind::Adam(pb::Adam {
+                lr: 0.1,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            })),
+        }),
+        ..def("adam", &[90])
+    };
+    let (k, m) = create(vec![adam]).await;
+    assert_eq!(k, tonic::Code::ResourceExhausted, "{m}");
+    assert!(m.contains("--max-bytes") && m.contains("max_bytes"), "{m}");
+    // A sparse table of empty rows still costs an update count per row.
+    let (k, m) = create(vec![pb::VariableDef {
+        sparse: true,
+        ..def("rows", &[u64::MAX / 2, 0])
+    }])
+    .await;
+    assert_eq!(k, tonic::Code::ResourceExhausted, "{m}");
+    assert!(m.contains("--max-elements"), "{m}");
+
+    // The totals count across requests; a refused request leaves nothing behind.
+    let (k, m) = create(vec![def("first", &[60]), def("again", &[60])]).await;
+    assert_eq!(k, tonic::Code::ResourceExhausted, "{m}");
+    raw.create_variables(pb::CreateVariablesRequest {
+        vars: vec![def("first", &[60])],
+    })
+    .await
+    .unwrap();
+    let (k, m) = code(
+        raw.create_variables(pb::CreateVariablesRequest {
+            vars: vec![def("second", &[60])],
+        })
+        .await,
+    );
+    assert_eq!(k, tonic::Code::ResourceExhausted, "{m}");
+    assert!(m.contains("would be 120"), "{m}");
+    let stats = raw.stats(pb::StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!(
+        stats
+            .vars
+            .iter()
+            .map(|v| v.name.as_str())
+            .collect::<Vec<_>>(),
+        ["first"]
+    );
+    // The same name twice with different definitions in one request.
+    let (k, m) = code(
+        raw.create_variables(pb::CreateVariablesRequest {
+            vars: vec![def("twin", &[2]), def("twin", &[3])],
+        })
+        .await,
+    );
+    assert_eq!(k, tonic::Code::AlreadyExists, "{m}");
+}
+
+/// Payload copies per pushed byte over shm, from the connection counters: a worker writing
+/// into its staged buffers copies nothing, and the PS reads each byte once, through its
+/// mapping of the worker's pool, into the buffer the optimizer consumes. Nothing else on
+/// the receive side copies more than the small inline tensors and the call headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_payload_copy_per_pushed_byte_over_shm() {
+    let port = common::free_port();
+    let c = Cluster::start(1, 1, Mode::Sync, TransportKind::Shm, move |cfg| {
+        cfg.metrics = Some(format!("127.0.0.1:{port}"))
+    })
+    .await;
+    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    // "big" is split into two parts (1.25 MiB > 1 MiB); all parts but "small" go remote.
+    let shapes: [(&str, &[usize]); 3] =
+        [("big", &[640, 512]), ("mid", &[256, 512]), ("small", &[10])];
+    let vars: Vec<VarSpec> = shapes
+        .iter()
+        .map(|(n, s)| var(n, s, Init::Zeros, Optimizer::Sgd { lr: 0.5 }))
+        .collect();
+    w.create_variables(&vars).await.unwrap();
+    let names: Vec<&str> = shapes.iter().map(|(n, _)| *n).collect();
+    const STEPS: u64 = 4;
+    for step in 0..STEPS {
+        let mut staged = w.stage(&names).await.unwrap();
+        for n in &names {
+            for p in staged.parts_mut(n).unwrap() {
+                p.values.fill(step as f32);
+            }
+        }
+        w.push_staged(step, staged).await.unwrap();
+        let v = w.pull(&names, step + 1).await.unwrap();
+        let expect = -0.5 * (0..=step).map(|s| s as f32).sum::<f32>();
+        assert!(
+            v.iter().all(|x| x.iter().all(|&y| y == expect)),
+            "step {step}"
+        );
+    }
+    let remote_bytes = ((640 + 256) * 512 * 4) as f64 * STEPS as f64;
+    let pushed = remote_bytes + (10 * 4) as f64 * STEPS as f64;
+    let body = scrape(port).await;
+    let read = sample(&body, "ibex_transport_remote_read_bytes_total{shard=\"0\"}");
+    let copied = sample(&body, "ibex_transport_bytes_copied_total{shard=\"0\"}");
+    assert_eq!(
+        read, remote_bytes,
+        "every remote byte read exactly once\n{body}"
+    );
+    let per_byte = (read + copied) / pushed;
+    assert!(
+        (1.0..1.01).contains(&per_byte),
+        "{per_byte:.4} copies per pushed byte on the PS (read {read}, copied {copied}, pushed {pushed})\n{body}"
+    );
+    // The worker side: every remote part was exposed from its registered pool (no copy,
+    // no registration), and nothing else of the pushes was copied there.
+    let p = w.comm_profile();
+    let from_pool: u64 = p.transport.iter().map(|(_, s)| s.exposed_from_pool).sum();
+    assert_eq!(from_pool, 3 * STEPS, "{p}");
+    drop(w);
+    assert!(c.stop().await.iter().all(|r| r.is_ok()));
+}

@@ -28,6 +28,42 @@ pub(crate) const REMOTE_MIN_BYTES: usize = 256 << 10;
 /// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
 const MAX_MESSAGE: usize = 1 << 30;
 
+/// Tensor bytes one request body carries at most (a larger tensor travels alone). A pull
+/// or push of a whole model goes as several concurrent requests per PS: each side's
+/// encoding, transfer and decoding overlap, and the codec's body buffers stay below
+/// glibc's 32 MiB mmap ceiling, so freed ones are reused instead of being mapped fresh
+/// (a page fault per 4 KiB) every step.
+pub(crate) const BATCH_BYTES: usize = 4 << 20;
+
+/// Items grouped into batches of about [`BATCH_BYTES`], in order.
+pub(crate) struct Batches<T> {
+    pub(crate) done: Vec<Vec<T>>,
+    bytes: usize,
+}
+
+impl<T> Default for Batches<T> {
+    fn default() -> Self {
+        Batches {
+            done: Vec::new(),
+            bytes: 0,
+        }
+    }
+}
+
+impl<T> Batches<T> {
+    /// Adds `item` of `bytes` body bytes, starting a new batch when it would overflow.
+    pub(crate) fn add(&mut self, item: T, bytes: usize) {
+        match self.done.last_mut() {
+            Some(b) if self.bytes + bytes <= BATCH_BYTES => b.push(item),
+            _ => {
+                self.done.push(vec![item]);
+                self.bytes = 0;
+            }
+        }
+        self.bytes += bytes;
+    }
+}
+
 /// The generated client is generic over the channel; one worker may use either kind.
 #[derive(Clone)]
 pub(crate) enum Client {
@@ -177,11 +213,30 @@ impl Worker {
     /// Values of `names` after `step` steps have been applied (sync mode waits for them;
     /// async mode returns the current values).
     pub async fn pull(&self, names: &[&str], step: u64) -> Result<Vec<Vec<f32>>, WorkerError> {
+        let mut out = vec![Vec::new(); names.len()];
+        self.pull_into(names, step, &mut out).await?;
+        Ok(out)
+    }
+
+    /// As [`Worker::pull`], into the caller's vectors (`out[i]` for `names[i]`), which are
+    /// resized to each variable's element count and overwritten: a training loop that
+    /// passes the same vectors every step decodes into the same memory, with no
+    /// allocation.
+    pub async fn pull_into(
+        &self,
+        names: &[&str],
+        step: u64,
+        out: &mut [Vec<f32>],
+    ) -> Result<(), WorkerError> {
+        check_out(names.len(), out)?;
         let places = self.lookup(names.iter().copied())?;
-        let mut per_ps: Vec<Vec<String>> = vec![Vec::new(); self.clients.len()];
+        let mut per_ps: Vec<Batches<String>> = (0..self.clients.len())
+            .map(|_| Batches::default())
+            .collect();
         for p in &places {
+            let row = p.row_len();
             for part in &p.parts {
-                per_ps[part.ps].push(part.name.clone());
+                per_ps[part.ps].add(part.name.clone(), part.rows * row * 4);
             }
         }
         let worker = self.index;
@@ -189,7 +244,7 @@ impl Worker {
             per_ps
                 .into_iter()
                 .enumerate()
-                .filter(|(_, n)| !n.is_empty())
+                .flat_map(|(ps, b)| b.done.into_iter().map(move |names| (ps, names)))
                 .map(|(ps, names)| async move {
                     self.count("Pull");
                     let r = rpc!(
@@ -206,20 +261,17 @@ impl Worker {
                 }),
         )
         .await?;
-        self.assemble(&places, replies.into_iter().flatten())
+        self.assemble_into(&places, replies.into_iter().flatten(), out)
     }
 
     /// Contributes gradients to `step`. Returns once every PS has accepted them (sync mode:
-    /// before the step is applied).
+    /// before the step is applied). Each gradient is copied once, into this worker's reused
+    /// registered buffer for its variable (see [`Worker::stage`]), and sent from there;
+    /// writing into a [`crate::Staged`] lease instead saves that copy. Waits while an earlier
+    /// push of the same variable is still in flight.
     pub async fn push(&self, step: u64, grads: &[(&str, &[f32])]) -> Result<(), WorkerError> {
-        let reqs = self.push_requests(step, grads).await?;
-        self.send_push(reqs).await
-    }
-
-    /// Sends one push request per PS; each exposed buffer lives until its call returned.
-    pub(crate) async fn send_push(&self, reqs: Vec<PushReq>) -> Result<(), WorkerError> {
-        try_join_all(reqs.into_iter().map(|r| self.send_one(r, false))).await?;
-        Ok(())
+        let staged = self.stage_slices(grads).await?;
+        self.push_staged(step, staged).await
     }
 
     /// Sends one PS's push (or push-pull, returning its fresh values); the exposed buffers
@@ -241,25 +293,29 @@ impl Worker {
     }
 
     /// Pushes `grads` for `step`, waits until the step is applied, and returns the fresh
-    /// values of the same variables, in the same order: one round trip per PS.
+    /// values of the same variables, in the same order: one round trip per PS. Gradients
+    /// take the same path as in [`Worker::push`].
     pub async fn push_pull(
         &self,
         step: u64,
         grads: &[(&str, &[f32])],
     ) -> Result<Vec<Vec<f32>>, WorkerError> {
-        let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
-        let reqs = self.push_requests(step, grads).await?;
-        self.send_push_pull(&places, reqs).await
+        let mut out = vec![Vec::new(); grads.len()];
+        self.push_pull_into(step, grads, &mut out).await?;
+        Ok(out)
     }
 
-    /// Sends one push-pull request per PS and reassembles the fresh values of `places`.
-    pub(crate) async fn send_push_pull(
+    /// As [`Worker::push_pull`], with the fresh values written into the caller's vectors
+    /// as [`Worker::pull_into`] does.
+    pub async fn push_pull_into(
         &self,
-        places: &[Placement],
-        reqs: Vec<PushReq>,
-    ) -> Result<Vec<Vec<f32>>, WorkerError> {
-        let replies = try_join_all(reqs.into_iter().map(|r| self.send_one(r, true))).await?;
-        self.assemble(places, replies.into_iter().flatten())
+        step: u64,
+        grads: &[(&str, &[f32])],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), WorkerError> {
+        check_out(grads.len(), out)?;
+        let staged = self.stage_slices(grads).await?;
+        self.push_staged_into(step, staged, Some(out)).await
     }
 
     /// Rows `ids` of sparse table `table`, concatenated (`ids.len() * dim` values).
@@ -482,59 +538,6 @@ impl Worker {
         Ok(p)
     }
 
-    /// One push request per PS (parts of all variables grouped), with the exposed buffers
-    /// that must outlive the call.
-    async fn push_requests(
-        &self,
-        step: u64,
-        grads: &[(&str, &[f32])],
-    ) -> Result<Vec<PushReq>, WorkerError> {
-        let places = self.lookup(grads.iter().map(|(n, _)| *n))?;
-        let mut per_ps: Vec<(Vec<pb::Tensor>, Vec<RemoteBuf>)> = (0..self.clients.len())
-            .map(|_| Default::default())
-            .collect();
-        for (p, (name, g)) in places.iter().zip(grads) {
-            if p.spec.sparse {
-                return Err(WorkerError::Usage(format!(
-                    "{name:?} is a sparse table: use push_sparse"
-                )));
-            }
-            if g.len() != p.spec.numel() {
-                return Err(WorkerError::ShapeMismatch {
-                    name: name.to_string(),
-                    expected: p.spec.numel(),
-                    got: g.len(),
-                });
-            }
-            let row = p.row_len();
-            for part in &p.parts {
-                let slice = &g[part.row_offset * row..(part.row_offset + part.rows) * row];
-                let (t, keep) = self
-                    .tensor(part.ps, &part.name, p.part_shape(part), slice)
-                    .await?;
-                per_ps[part.ps].0.push(t);
-                per_ps[part.ps].1.extend(keep);
-            }
-        }
-        let worker = self.index;
-        Ok(per_ps
-            .into_iter()
-            .enumerate()
-            .filter(|(_, (t, _))| !t.is_empty())
-            .map(|(ps, (grads, keep))| {
-                (
-                    ps,
-                    pb::PushRequest {
-                        step,
-                        worker,
-                        grads,
-                    },
-                    keep,
-                )
-            })
-            .collect())
-    }
-
     /// Encodes `values` for PS `ps`: inline, or exposed for a one-sided read when large and
     /// the channel reads one-sided.
     async fn tensor(
@@ -589,6 +592,13 @@ impl Worker {
     }
 
     fn decode(&self, ps: usize, t: &pb::Tensor) -> Result<Vec<f32>, WorkerError> {
+        Ok(ibex_proto::tensor::f32_from_le_bytes(
+            self.f32_bytes(ps, t)?,
+        ))
+    }
+
+    /// The inline f32 bytes of a reply tensor, counted in the profile.
+    fn f32_bytes<'t>(&self, ps: usize, t: &'t pb::Tensor) -> Result<&'t [u8], WorkerError> {
         let Some(pb::tensor::Data::Inline(b)) = &t.data else {
             return Err(malformed(
                 ps,
@@ -604,49 +614,52 @@ impl Worker {
         if let Ok(mut p) = self.profile.lock() {
             p.record_received(b.len() as u64);
         }
-        Ok(ibex_proto::tensor::f32_from_le_bytes(b))
+        Ok(b)
     }
 
-    /// Reassembles whole variables (in `places` order) from the parts in `values`.
-    pub(crate) fn assemble(
+    /// Writes whole variables (in `places` order) into `out` from the parts in `values`:
+    /// each vector is resized to its variable and overwritten, one copy per value.
+    pub(crate) fn assemble_into(
         &self,
         places: &[Placement],
         values: impl Iterator<Item = pb::Tensor>,
-    ) -> Result<Vec<Vec<f32>>, WorkerError> {
+        out: &mut [Vec<f32>],
+    ) -> Result<(), WorkerError> {
         let mut by_name: HashMap<String, pb::Tensor> =
             values.map(|t| (t.name.clone(), t)).collect();
-        places
-            .iter()
-            .map(|p| {
-                let row = p.row_len();
-                let mut out =
-                    Vec::with_capacity(if p.parts.len() > 1 { p.spec.numel() } else { 0 });
-                for part in &p.parts {
-                    let t = by_name.remove(&part.name).ok_or_else(|| {
-                        malformed(part.ps, &format!("reply lacks {:?}", part.name))
-                    })?;
-                    let v = self.decode(part.ps, &t)?;
-                    if v.len() != part.rows * row {
-                        return Err(malformed(
-                            part.ps,
-                            &format!(
-                                "{:?} has {} values, expected {}",
-                                part.name,
-                                v.len(),
-                                part.rows * row
-                            ),
-                        ));
-                    }
-                    if p.parts.len() == 1 {
-                        // The usual case: the decoded values are the variable, no second copy.
-                        return Ok(v);
-                    }
-                    out.extend_from_slice(&v);
+        for (p, o) in places.iter().zip(out.iter_mut()) {
+            let row = p.row_len();
+            o.resize(p.spec.numel(), 0.0);
+            let mut at = 0;
+            for part in &p.parts {
+                let t = by_name
+                    .remove(&part.name)
+                    .ok_or_else(|| malformed(part.ps, &format!("reply lacks {:?}", part.name)))?;
+                let b = self.f32_bytes(part.ps, &t)?;
+                let n = part.rows * row;
+                if b.len() != n * 4 || at + n > o.len() {
+                    return Err(malformed(
+                        part.ps,
+                        &format!("{:?} has {} values, expected {n}", part.name, b.len() / 4),
+                    ));
                 }
-                Ok(out)
-            })
-            .collect()
+                ibex_proto::tensor::f32_from_le_into(&mut o[at..at + n], b);
+                at += n;
+            }
+        }
+        Ok(())
     }
+}
+
+/// `out` must hold one vector per name.
+fn check_out(names: usize, out: &[Vec<f32>]) -> Result<(), WorkerError> {
+    if out.len() != names {
+        return Err(WorkerError::Usage(format!(
+            "{names} variables asked for but {} output vectors given: pass one per name",
+            out.len()
+        )));
+    }
+    Ok(())
 }
 
 fn malformed(ps: usize, what: &str) -> WorkerError {

@@ -605,7 +605,9 @@ impl Worker {
         enqueued.disarm();
         let events = &events;
         let stream = &gpu.stream;
-        self.push_staged_when(step, staged, pull, |ps| async move {
+        let mut fresh = vec![Vec::new(); if pull { names.len() } else { 0 }];
+        let out = pull.then_some(&mut fresh[..]);
+        self.push_staged_when(step, staged, out, |ps| async move {
             let Some((ev, bounced)) = events.get(&ps) else {
                 return Ok(());
             };
@@ -626,7 +628,8 @@ impl Worker {
             waiting.disarm();
             Ok(())
         })
-        .await
+        .await?;
+        Ok(fresh)
     }
 }
 

@@ -27,12 +27,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use ibex_transport::RemoteBuf;
 use ibex_transport::pool::PoolBufMut;
 use tokio::sync::Notify;
 
 use futures_util::future::try_join_all;
 
-use crate::client::{Client, Worker};
+use crate::client::{Batches, Client, Worker};
 use crate::error::WorkerError;
 use crate::pb;
 use crate::placement::Placement;
@@ -438,9 +439,7 @@ impl Worker {
     /// [`Worker::push`] from the registered buffers of `staged`: no copy on the worker for
     /// descriptor-path parts, only the encoder's for inline ones.
     pub async fn push_staged(&self, step: u64, staged: Staged) -> Result<(), WorkerError> {
-        self.push_staged_when(step, staged, false, |_| async { Ok(()) })
-            .await
-            .map(drop)
+        self.push_staged_into(step, staged, None).await
     }
 
     /// [`Worker::push_pull`] from the registered buffers of `staged`; returns the fresh
@@ -450,8 +449,52 @@ impl Worker {
         step: u64,
         staged: Staged,
     ) -> Result<Vec<Vec<f32>>, WorkerError> {
-        self.push_staged_when(step, staged, true, |_| async { Ok(()) })
+        let mut out = vec![Vec::new(); staged.vars.len()];
+        self.push_staged_into(step, staged, Some(&mut out)).await?;
+        Ok(out)
+    }
+
+    /// [`Worker::push_pull_staged`] with the fresh values written into the caller's vectors
+    /// (one per staged variable, in staging order), as [`Worker::pull_into`] does.
+    pub async fn push_pull_staged_into(
+        &self,
+        step: u64,
+        staged: Staged,
+        out: &mut [Vec<f32>],
+    ) -> Result<(), WorkerError> {
+        if out.len() != staged.vars.len() {
+            return Err(WorkerError::Usage(format!(
+                "{} variables staged but {} output vectors given: pass one per variable",
+                staged.vars.len(),
+                out.len()
+            )));
+        }
+        self.push_staged_into(step, staged, Some(out)).await
+    }
+
+    /// A staged push; with `out`, a push-pull whose fresh values land there.
+    pub(crate) async fn push_staged_into(
+        &self,
+        step: u64,
+        staged: Staged,
+        out: Option<&mut [Vec<f32>]>,
+    ) -> Result<(), WorkerError> {
+        self.push_staged_when(step, staged, out, |_| async { Ok(()) })
             .await
+    }
+
+    /// A lease on the buffers of `grads`' variables with each gradient copied in: the one
+    /// copy a caller holding slices pays.
+    pub(crate) async fn stage_slices(
+        &self,
+        grads: &[(&str, &[f32])],
+    ) -> Result<Staged, WorkerError> {
+        let names: Vec<&str> = grads.iter().map(|(n, _)| *n).collect();
+        let mut staged = self.stage(&names).await?;
+        for (name, g) in grads {
+            staged.write(name, g)?;
+        }
+        Ok(staged)
     }
 
     /// The cached buffers of `names`, allocating those not yet cached.
@@ -496,15 +539,15 @@ impl Worker {
 
     /// Sends `staged` with one request per PS, each as soon as `ready(ps)` resolves (the
     /// CUDA path resolves it when that PS's device-to-host copies are done, so the copies
-    /// for the next PS overlap this send). With `pull`, returns the fresh values in staging
-    /// order; otherwise an empty vector.
+    /// for the next PS overlap this send). With `out`, a push-pull: the fresh values are
+    /// written there (one vector per staged variable, in staging order).
     pub(crate) async fn push_staged_when<F, Fut>(
         &self,
         step: u64,
         staged: Staged,
-        pull: bool,
+        out: Option<&mut [Vec<f32>]>,
         ready: F,
-    ) -> Result<Vec<Vec<f32>>, WorkerError>
+    ) -> Result<(), WorkerError>
     where
         F: Fn(usize) -> Fut,
         Fut: std::future::Future<Output = Result<(), WorkerError>>,
@@ -512,10 +555,11 @@ impl Worker {
         let (places, groups) = staged.into_groups();
         let worker = self.index;
         let ready = &ready;
+        let pull = out.is_some();
         let replies = try_join_all(groups.into_iter().map(|mut g| async move {
             ready(g.ps).await?;
-            let mut grads = Vec::with_capacity(g.parts.len());
-            let mut keep = Vec::new();
+            // Inline tensors fill request bodies; descriptors take next to no room.
+            let mut batches: Batches<(pb::Tensor, Option<RemoteBuf>)> = Batches::default();
             while let Some((name, shape, slot)) = g.parts.pop() {
                 #[cfg(target_endian = "big")]
                 // SAFETY: the group still holds this slot's lease.
@@ -524,31 +568,35 @@ impl Worker {
                         *x = f32::from_bits(x.to_bits().to_le());
                     }
                 }
+                let bytes = slot.len() * 4;
                 let (t, k) = self
                     .tensor_from_bytes(g.ps, &name, shape, slot.into_view())
                     .await?;
-                grads.push(t);
-                keep.extend(k);
+                let body = if k.is_some() { 0 } else { bytes };
+                batches.add((t, k), body);
             }
-            self.send_one(
-                (
-                    g.ps,
-                    pb::PushRequest {
-                        step,
-                        worker,
-                        grads,
-                    },
-                    keep,
-                ),
-                pull,
-            )
-            .await
+            let replies = try_join_all(batches.done.into_iter().map(|b| {
+                let (grads, keep): (Vec<_>, Vec<_>) = b.into_iter().unzip();
+                self.send_one(
+                    (
+                        g.ps,
+                        pb::PushRequest {
+                            step,
+                            worker,
+                            grads,
+                        },
+                        keep.into_iter().flatten().collect(),
+                    ),
+                    pull,
+                )
+            }))
+            .await?;
+            Ok::<_, WorkerError>(replies.into_iter().flatten().collect::<Vec<_>>())
         }))
         .await?;
-        if pull {
-            self.assemble(&places, replies.into_iter().flatten())
-        } else {
-            Ok(Vec::new())
+        match out {
+            Some(out) => self.assemble_into(&places, replies.into_iter().flatten(), out),
+            None => Ok(()),
         }
     }
 }

@@ -130,11 +130,11 @@ async fn staged_pushes_over_shm_send_pool_descriptors() {
     // Remote: the two slice pushes' big parts, the two staged pushes' big parts, two parts each.
     assert_eq!(p.sent_remote.bytes, 4 * (BIG[0] * BIG[1] * 4) as u64, "{p}");
     // The shm provider names a buffer inside the pool by its offset there: the PS reads it
-    // through its mapping of the pool (no CMA read), and the worker copied nothing. The
-    // connections count such exposures: the staged big parts (two per step), and not the
-    // slice pushes' heap copies.
+    // through its mapping of the pool (no CMA read), and the worker copied nothing past the
+    // slice pushes' one copy into the same registered buffers. The connections count such
+    // exposures: every big part, the slice pushes' as well as the staged ones.
     let from_pool: u64 = p.transport.iter().map(|(_, s)| s.exposed_from_pool).sum();
-    assert_eq!(from_pool, 2 * 2, "{p}");
+    assert_eq!(from_pool, 4 * 2, "{p}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,6 +222,16 @@ async fn misuse_gets_typed_errors() {
     w.create_variables(&[var("big", &BIG), var("v", &[5]), table])
         .await
         .unwrap();
+
+    // Output vectors: one per name, reused (resized to the variable) across calls.
+    let mut out = vec![Vec::new()];
+    let e = w.pull_into(&["v", "big"], 0, &mut out).await.unwrap_err();
+    assert!(matches!(e, WorkerError::Usage(_)), "{e}");
+    assert!(e.to_string().contains("one per name"), "{e}");
+    let mut out = vec![vec![7.0; 100], Vec::new()];
+    w.pull_into(&["v", "big"], 0, &mut out).await.unwrap();
+    assert_eq!(out[0], vec![0.5; 5]);
+    assert_eq!(out[1].len(), BIG[0] * BIG[1]);
 
     let mut s = w.stage(&["v", "big"]).await.unwrap();
     match s.write("v", &[1.0; 3]) {

@@ -7,6 +7,7 @@
 
 mod addr;
 mod driver;
+mod malloc;
 mod stats;
 
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 pub use addr::{Addr, auto_shm_path, is_local_host};
+pub use malloc::keep_freed_memory;
 pub use stats::ConnStats;
 
 use crate::config::Config;
