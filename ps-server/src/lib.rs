@@ -118,24 +118,12 @@ pub async fn run(
         uri: uri.clone(),
         message,
     };
-    let served = if let Some(hostport) = uri.strip_prefix("http://") {
-        let addr = tokio::net::lookup_host(hostport.trim_end_matches('/'))
-            .await
-            .map_err(|e| serve_err(e.to_string()))?
-            .next()
-            .ok_or_else(|| serve_err("the host resolves to no address".into()))?;
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_shutdown(addr, shutdown)
-            .await
-            .map_err(|e| serve_err(e.to_string()))
-    } else {
-        server
-            .add_service(svc)
-            .serve_with_shutdown(&uri, shutdown)
-            .await
-            .map_err(|e| serve_err(e.to_string()))
-    };
+    // An Ibex address, or http:// for stock gRPC: one server type serves both.
+    let served = server
+        .add_service(svc)
+        .serve_any(&uri, shutdown)
+        .await
+        .map_err(|e| serve_err(e.to_string()));
     if let Some(t) = metrics_task {
         t.abort();
     }

@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_util::future::try_join_all;
 use ibex_proto::ps::v1::parameter_server_client::ParameterServerClient;
-use ibex_transport::RemoteBuf;
+use ibex_transport::grpc::Channel;
+use ibex_transport::{Config, RemoteBuf};
 
 use crate::error::WorkerError;
 use crate::pb;
 use crate::placement::{Part, Placement, place};
 use crate::profile::{CommProfile, Path};
-use crate::spec::{ClusterSpec, TransportKind};
+use crate::spec::ClusterSpec;
 use crate::types::VarSpec;
 
 /// How long `connect` keeps retrying a PS that is not up yet.
@@ -64,24 +65,19 @@ impl<T> Batches<T> {
     }
 }
 
-/// The generated client is generic over the channel; one worker may use either kind.
+/// One PS: the generated client and its channel (Ibex, or stock HTTP/2 for `grpc`
+/// clusters: `Channel::connect_any` gives one type for both).
 #[derive(Clone)]
-pub(crate) enum Client {
-    Ibex(
-        ParameterServerClient<ibex_transport::grpc::Channel>,
-        ibex_transport::grpc::Channel,
-    ),
-    Tonic(ParameterServerClient<tonic::transport::Channel>),
+pub(crate) struct Client {
+    pub(crate) rpc: ParameterServerClient<Channel>,
+    pub(crate) ch: Channel,
 }
 
-/// Calls `$method` on whichever client `$c` holds.
-macro_rules! rpc {
-    ($c:expr, $method:ident, $req:expr) => {
-        match $c.clone() {
-            Client::Ibex(mut c, _) => c.$method($req).await,
-            Client::Tonic(mut c) => c.$method($req).await,
-        }
-    };
+impl Client {
+    /// The channel where it is an Ibex one (registered memory, one-sided reads).
+    pub(crate) fn ibex(&self) -> Option<&Channel> {
+        self.ch.is_ibex().then_some(&self.ch)
+    }
 }
 
 /// A training task's handle on the parameter servers.
@@ -118,10 +114,8 @@ impl Worker {
         }
         let index = u32::try_from(worker_index)
             .map_err(|_| WorkerError::Usage("worker index too large".into()))?;
-        let clients = try_join_all(
-            (0..spec.ps.len()).map(|i| connect_one(i, spec.ps_uri(i), spec.transport)),
-        )
-        .await?;
+        let clients =
+            try_join_all((0..spec.ps.len()).map(|i| connect_one(i, spec.ps_uri(i)))).await?;
         let load = vec![0; clients.len()];
         Ok(Worker {
             index,
@@ -198,12 +192,12 @@ impl Worker {
                 .filter(|(_, v)| !v.is_empty())
                 .map(|(ps, vars)| async move {
                     self.count("CreateVariables");
-                    rpc!(
-                        self.clients[ps],
-                        create_variables,
-                        pb::CreateVariablesRequest { vars }
-                    )
-                    .map_err(|s| WorkerError::from_status(ps, s))
+                    self.clients[ps]
+                        .rpc
+                        .clone()
+                        .create_variables(pb::CreateVariablesRequest { vars })
+                        .await
+                        .map_err(|s| WorkerError::from_status(ps, s))
                 }),
         )
         .await?;
@@ -247,16 +241,16 @@ impl Worker {
                 .flat_map(|(ps, b)| b.done.into_iter().map(move |names| (ps, names)))
                 .map(|(ps, names)| async move {
                     self.count("Pull");
-                    let r = rpc!(
-                        self.clients[ps],
-                        pull,
-                        pb::PullRequest {
+                    let r = self.clients[ps]
+                        .rpc
+                        .clone()
+                        .pull(pb::PullRequest {
                             names,
                             step,
-                            worker
-                        }
-                    )
-                    .map_err(|s| WorkerError::from_status(ps, s))?;
+                            worker,
+                        })
+                        .await
+                        .map_err(|s| WorkerError::from_status(ps, s))?;
                     Ok::<_, WorkerError>(r.into_inner().values)
                 }),
         )
@@ -283,10 +277,20 @@ impl Worker {
     ) -> Result<Vec<pb::Tensor>, WorkerError> {
         let values = if pull {
             self.count("PushPull");
-            rpc!(self.clients[ps], push_pull, req).map(|r| r.into_inner().values)
+            self.clients[ps]
+                .rpc
+                .clone()
+                .push_pull(req)
+                .await
+                .map(|r| r.into_inner().values)
         } else {
             self.count("Push");
-            rpc!(self.clients[ps], push, req).map(|_| Vec::new())
+            self.clients[ps]
+                .rpc
+                .clone()
+                .push(req)
+                .await
+                .map(|_| Vec::new())
         };
         drop(keep);
         values.map_err(|s| WorkerError::from_status(ps, s))
@@ -336,7 +340,11 @@ impl Worker {
                             table: part.name.clone(),
                             ids: local.clone(),
                         };
-                        let r = rpc!(self.clients[part.ps], lookup_rows, req)
+                        let r = self.clients[part.ps]
+                            .rpc
+                            .clone()
+                            .lookup_rows(req)
+                            .await
                             .map_err(|s| WorkerError::from_status(part.ps, s))?;
                         let t = r
                             .into_inner()
@@ -406,7 +414,11 @@ impl Worker {
                             ids: local,
                             grads: Some(t.0),
                         };
-                        let r = rpc!(self.clients[part.ps], push_sparse, req)
+                        let r = self.clients[part.ps]
+                            .rpc
+                            .clone()
+                            .push_sparse(req)
+                            .await
                             .map_err(|s| WorkerError::from_status(part.ps, s));
                         drop(t.1);
                         r
@@ -456,7 +468,11 @@ impl Worker {
         };
         try_join_all((0..self.clients.len()).map(|ps| async move {
             self.count("Restore");
-            rpc!(self.clients[ps], restore, pb::RestoreRequest { step })
+            self.clients[ps]
+                .rpc
+                .clone()
+                .restore(pb::RestoreRequest { step })
+                .await
                 .map_err(|s| WorkerError::from_status(ps, s))
         }))
         .await?;
@@ -467,7 +483,11 @@ impl Worker {
     pub async fn stats(&self) -> Result<Vec<pb::StatsResponse>, WorkerError> {
         try_join_all((0..self.clients.len()).map(|ps| async move {
             self.count("Stats");
-            let r = rpc!(self.clients[ps], stats, pb::StatsRequest {})
+            let r = self.clients[ps]
+                .rpc
+                .clone()
+                .stats(pb::StatsRequest {})
+                .await
                 .map_err(|s| WorkerError::from_status(ps, s))?;
             Ok::<_, WorkerError>(r.into_inner())
         }))
@@ -478,7 +498,11 @@ impl Worker {
     pub async fn save(&self) -> Result<Vec<u64>, WorkerError> {
         try_join_all((0..self.clients.len()).map(|ps| async move {
             self.count("Save");
-            let r = rpc!(self.clients[ps], save, pb::SaveRequest {})
+            let r = self.clients[ps]
+                .rpc
+                .clone()
+                .save(pb::SaveRequest {})
+                .await
                 .map_err(|s| WorkerError::from_status(ps, s))?;
             Ok::<_, WorkerError>(r.into_inner().step)
         }))
@@ -493,8 +517,7 @@ impl Worker {
             .iter()
             .enumerate()
             .filter_map(|(i, c)| match c {
-                Client::Ibex(_, ch) => ch.connection().map(|c| (i, c.stats())),
-                Client::Tonic(_) => None,
+                c => c.ch.connection().map(|conn| (i, conn.stats())),
             })
             .collect();
         p
@@ -568,8 +591,8 @@ impl Worker {
         };
         let mut keep = None;
         match &self.clients[ps] {
-            Client::Ibex(_, ch) if len >= REMOTE_MIN_BYTES && ch.one_sided() => {
-                let remote = ch.expose(bytes).await?;
+            c if len >= REMOTE_MIN_BYTES && c.ch.one_sided() => {
+                let remote = c.ch.expose(bytes).await?;
                 t.data = Some(pb::tensor::Data::Remote(pb::RemoteRef {
                     descriptor: remote.descriptor(),
                     len: len as u64,
@@ -705,36 +728,19 @@ pub(crate) fn f32_to_bytes(v: &[f32]) -> Bytes {
     ibex_proto::tensor::f32_to_le_bytes(v)
 }
 
-async fn connect_one(ps: usize, uri: String, kind: TransportKind) -> Result<Client, WorkerError> {
+/// Connects to PS `ps` at `uri`: an Ibex address, or `http://` for a `grpc` cluster.
+async fn connect_one(ps: usize, uri: String) -> Result<Client, WorkerError> {
     let deadline = Instant::now() + CONNECT_RETRY;
+    let config = Config::from_env().map_err(|e| WorkerError::Usage(e.to_string()))?;
     loop {
-        let attempt: Result<Client, Box<dyn std::error::Error + Send + Sync>> = match kind {
-            TransportKind::Grpc => match tonic::transport::Channel::from_shared(uri.clone()) {
-                Ok(ep) => ep
-                    .connect()
-                    .await
-                    .map(|ch| {
-                        Client::Tonic(
-                            ParameterServerClient::new(ch)
-                                .max_decoding_message_size(MAX_MESSAGE)
-                                .max_encoding_message_size(MAX_MESSAGE),
-                        )
-                    })
-                    .map_err(Into::into),
-                Err(e) => return Err(WorkerError::Usage(format!("bad PS {ps} URI {uri:?}: {e}"))),
-            },
-            _ => ibex_transport::grpc::Channel::connect(&uri)
-                .await
-                .map(|ch| {
-                    Client::Ibex(
-                        ParameterServerClient::new(ch.clone())
-                            .max_decoding_message_size(MAX_MESSAGE)
-                            .max_encoding_message_size(MAX_MESSAGE),
-                        ch,
-                    )
-                })
-                .map_err(Into::into),
-        };
+        let attempt = Channel::connect_any(&uri, config.clone())
+            .await
+            .map(|ch| Client {
+                rpc: ParameterServerClient::new(ch.clone())
+                    .max_decoding_message_size(MAX_MESSAGE)
+                    .max_encoding_message_size(MAX_MESSAGE),
+                ch,
+            });
         match attempt {
             Ok(c) => return Ok(c),
             Err(e) if Instant::now() >= deadline => {

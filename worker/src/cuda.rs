@@ -25,7 +25,7 @@ use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError, PinnedHostSlice};
 use ibex_transport::Pool;
 
-use crate::client::{Client, Worker};
+use crate::client::Worker;
 use crate::error::WorkerError;
 use crate::staging::Slot;
 
@@ -556,10 +556,7 @@ impl Worker {
             .map_err(|e| driver_err("cuCtxSetCurrent", e, 0))?;
         for gi in order {
             let CopyGroup { ps, parts, bytes } = &groups[gi];
-            let pool = match &self.clients[*ps] {
-                Client::Ibex(_, ch) => ch.connection().and_then(|c| c.pool()),
-                Client::Tonic(_) => None,
-            };
+            let pool = self.clients[*ps].ch.connection().and_then(|c| c.pool());
             let mut bounced = Vec::new();
             for &(vi, pi) in parts {
                 let v = &staged.vars()[vi];

@@ -33,7 +33,7 @@ use tokio::sync::Notify;
 
 use futures_util::future::try_join_all;
 
-use crate::client::{Batches, Client, Worker};
+use crate::client::{Batches, Worker};
 use crate::error::WorkerError;
 use crate::pb;
 use crate::placement::Placement;
@@ -520,10 +520,7 @@ impl Worker {
                     .parts
                     .iter()
                     .map(|part| {
-                        let ch = match &self.clients[part.ps] {
-                            Client::Ibex(_, ch) => Some(ch),
-                            Client::Tonic(_) => None,
-                        };
+                        let ch = self.clients[part.ps].ibex();
                         Arc::new(Slot::new(ch, part.rows * row))
                     })
                     .collect();

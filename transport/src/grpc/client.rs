@@ -441,6 +441,12 @@ impl Channel {
         })
     }
 
+    /// True for a channel over an Ibex connection (registered memory, one-sided reads);
+    /// false for stock HTTP/2 ([`Channel::connect_any`] with an `http://` address).
+    pub fn is_ibex(&self) -> bool {
+        self.ibex().is_some()
+    }
+
     fn ibex(&self) -> Option<&Arc<Inner>> {
         match &self.kind {
             Kind::Ibex(inner) => Some(inner),
