@@ -29,3 +29,4 @@ mod setup;
 
 pub use link::ShmLink;
 pub use setup::{SETUP_TIMEOUT, ShmListener, connect, listen};
+pub(crate) use setup::{SocketFile, accept_setup};

@@ -148,11 +148,7 @@ impl ShmListener {
     /// another process's [`listen`] on the same path) is skipped, not reported.
     pub async fn accept(&self) -> Result<ShmLink> {
         loop {
-            let (stream, _) = self
-                .listener
-                .accept()
-                .await
-                .map_err(|e| Error::io(format!("accepting on {}", self.path.display()), e))?;
+            let stream = self.accept_stream().await?;
             match establish(stream, &self.config, &self.path).await? {
                 Some(link) => return Ok(link),
                 None => {
@@ -162,14 +158,47 @@ impl ShmListener {
         }
     }
 
+    /// The next accepted stream, before any set-up (cancel-safe).
+    pub(crate) async fn accept_stream(&self) -> Result<UnixStream> {
+        let (stream, _) = self
+            .listener
+            .accept()
+            .await
+            .map_err(|e| Error::io(format!("accepting on {}", self.path.display()), e))?;
+        Ok(stream)
+    }
+
     /// The socket path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// What removes this listener's socket file, for an owner that must remove it at once
+    /// even while the listener itself lives on in a task that is still being torn down.
+    pub(crate) fn socket_file(&self) -> SocketFile {
+        SocketFile {
+            path: self.path.clone(),
+            id: self.id,
+        }
     }
 }
 
 impl Drop for ShmListener {
     fn drop(&mut self) {
+        self.socket_file().remove();
+    }
+}
+
+/// A socket file this process created, named by path and (device, inode).
+#[derive(Debug)]
+pub(crate) struct SocketFile {
+    path: PathBuf,
+    id: Option<(u64, u64)>,
+}
+
+impl SocketFile {
+    /// Removes the file if it is still ours: a listener that replaced it since keeps its own.
+    pub(crate) fn remove(&self) {
         if self.id.is_some() && file_id(&self.path) == self.id {
             let _ = std::fs::remove_file(&self.path);
         }
@@ -196,6 +225,12 @@ pub async fn connect(path: &Path, config: &Config) -> Result<ShmLink> {
             path.display()
         ))
     })
+}
+
+/// Sets up an accepted stream with no deadline of its own (the caller bounds it).
+/// `Ok(None)`: the peer hung up before sending a single byte.
+pub(crate) async fn accept_setup(stream: UnixStream, config: &Config) -> Result<Option<ShmLink>> {
+    handshake(stream, config).await
 }
 
 /// `Ok(None)`: the peer hung up before sending a single byte.

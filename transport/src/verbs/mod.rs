@@ -198,13 +198,35 @@ impl VerbsListener {
 
     /// Waits for the next peer and sets up its link.
     pub async fn accept(&self) -> Result<VerbsLink> {
+        let (tcp, peer) = self.accept_stream().await?;
+        establish(tcp, &self.config, &self.opts, peer).await
+    }
+
+    /// The next accepted bootstrap stream and its peer's address, before any set-up
+    /// (cancel-safe).
+    pub(crate) async fn accept_stream(&self) -> Result<(TcpStream, String)> {
         let (tcp, peer) = self
             .tcp
             .accept()
             .await
             .map_err(|e| Error::io("accepting a verbs bootstrap connection", e))?;
-        establish(tcp, &self.config, &self.opts, peer.to_string()).await
+        Ok((tcp, peer.to_string()))
     }
+
+    /// The device options accepted peers are set up with.
+    pub(crate) fn options(&self) -> &VerbsOptions {
+        &self.opts
+    }
+}
+
+/// Sets up an accepted bootstrap stream (the listener side of [`VerbsListener::accept`]).
+pub(crate) async fn accept_setup(
+    tcp: TcpStream,
+    config: &Config,
+    opts: &VerbsOptions,
+    peer: String,
+) -> Result<VerbsLink> {
+    establish(tcp, config, opts, peer).await
 }
 
 fn psn() -> u32 {
