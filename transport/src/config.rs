@@ -36,6 +36,12 @@ pub struct Config {
     pub max_reads_in_flight: usize,
     /// Largest message this side accepts.
     pub max_message_size: u64,
+    /// Bytes of rendezvous receives one connection may hold at once: announced by the peer,
+    /// given memory by this side, and not yet taken by the application. An announcement
+    /// past it waits (its credit with it) until earlier ones are taken; one message alone
+    /// is always let through, so the bound is the larger of this and `max_message_size`
+    /// (`IBEX_RNDV_RECV_BUDGET`; default 256 MiB).
+    pub rndv_recv_budget: usize,
     /// Size of the registered pool (shm: shared segment; verbs: registered slab) per direction.
     pub pool_size: usize,
     /// Optional shared secret that the peer must present at setup (`IBEX_AUTH_TOKEN`).
@@ -79,6 +85,7 @@ impl Default for Config {
             probe_fragments: true,
             max_reads_in_flight: 8,
             max_message_size: 1 << 30,
+            rndv_recv_budget: 256 << 20,
             pool_size: 256 << 20,
             auth_token: None,
             rdma_device: None,
@@ -92,7 +99,7 @@ impl Default for Config {
 impl Config {
     /// The default configuration with environment overrides applied
     /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_AUTH_TOKEN`,
-    /// `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`).
+    /// `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`, `IBEX_RNDV_RECV_BUDGET`).
     pub fn from_env() -> Result<Self> {
         Config::default().with_env()
     }
@@ -106,6 +113,9 @@ impl Config {
         if let Some(v) = env_usize("IBEX_FRAGMENT_SIZE")? {
             self.fragment_size = Some(v);
             self.env_overrides.fragment_size = true;
+        }
+        if let Some(v) = env_usize("IBEX_RNDV_RECV_BUDGET")? {
+            self.rndv_recv_budget = v;
         }
         if let Some(t) = env_millis("IBEX_PROBE_TIMEOUT_MS", 2000)? {
             self.probe_timeout = t;
@@ -150,6 +160,12 @@ impl Config {
                     "{name} {f} must be within 4 KiB..=64 MiB (IBEX_FRAGMENT_SIZE sets fragment_size)"
                 )));
             }
+        }
+        if self.rndv_recv_budget == 0 {
+            return Err(Error::Config(
+                "rndv_recv_budget must be above zero (IBEX_RNDV_RECV_BUDGET sets it, e.g. 256M)"
+                    .into(),
+            ));
         }
         if self.handshake_timeout.is_zero() {
             return Err(Error::Config(

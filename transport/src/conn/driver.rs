@@ -634,6 +634,13 @@ impl State {
                 self.dests.insert(msg, Dest::Buf(buf));
                 self.core.accept_rendezvous(now, msg, RecvMode::Read);
             }
+            Err(Error::Io { context, source }) => {
+                let context = format!(
+                    "{context} for rendezvous message {msg}; such buffers are bounded by Config::rndv_recv_budget (IBEX_RNDV_RECV_BUDGET) and max_message_size: lower them"
+                );
+                self.core
+                    .reject_rendezvous(now, msg, Error::Io { context, source });
+            }
             Err(e) => self.core.reject_rendezvous(now, msg, e),
         }
     }
