@@ -1,7 +1,7 @@
 //! The `tcp` provider: a [`Link`](crate::link::Link) over one TCP stream, for hosts that
 //! share no memory and have no RDMA.
 //!
-//! After a versioned preface each way ([`preface`]), the stream carries typed records
+//! After the set-up preface each way ([`crate::preface`]), the stream carries typed records
 //! ([`wire`]): core frames, read requests, and read responses. Rendezvous reads are
 //! emulated: the reader sends a request naming an exposed region, the owner's link serves
 //! it from inside its own `poll_event` (no involvement of its protocol core) with vectored
@@ -20,7 +20,6 @@
 //! ```
 
 mod link;
-pub mod preface;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -30,6 +29,7 @@ use tokio::net::TcpStream;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::preface::{self, Preface, Provider};
 
 pub use link::TcpLink;
 
@@ -166,7 +166,16 @@ pub(crate) async fn setup(mut stream: TcpStream, config: &Config, peer: String) 
             e,
         )
     })?;
-    let theirs = preface::exchange(&mut stream, config, &peer).await?;
+    let ours = Preface::ours(config, Vec::new())?;
+    let who = format!("peer at {peer}");
+    let theirs = preface::exchange(&mut stream, Provider::Tcp, &ours, &who)
+        .await?
+        .ok_or_else(|| preface::closed_during_setup(&who))?;
     tracing::debug!(%peer, peer_slot = theirs.slot_size, "tcp link set up");
-    Ok(TcpLink::new(stream, peer, config, theirs.slot_size))
+    Ok(TcpLink::new(
+        stream,
+        peer,
+        config,
+        theirs.slot_size as usize,
+    ))
 }

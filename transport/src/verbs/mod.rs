@@ -256,7 +256,7 @@ async fn establish(
     };
     tokio::time::timeout(
         bootstrap::TIMEOUT,
-        bootstrap::hello(&mut tcp, config.auth_token.as_deref()),
+        bootstrap::hello(&mut tcp, config, &peer),
     )
     .await
     .map_err(|_| timeout("hello"))??;
@@ -361,12 +361,8 @@ async fn establish(
     .map_err(|_| timeout("queue pair exchange"))??;
     tracing::debug!(device = ?dev, ?ours, ?theirs, "verbs: connecting queue pairs");
 
+    // QpInfo::decode bounded it (16 MiB at most).
     let max_frame = theirs.slot_size as usize;
-    if max_frame > (16 << 20) {
-        return Err(Error::Handshake(format!(
-            "peer announced a {max_frame}-byte receive slot; at most 16 MiB is supported"
-        )));
-    }
     let send = Slab::new(&dev.pd, n_send * max_frame, AccessFlags::LocalWrite)?;
     let max_rd = rd_cap.min(theirs.max_rd_atom).max(1);
 
