@@ -133,12 +133,14 @@ pub async fn listen(path: &Path, config: &Config) -> Result<ShmListener> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| Error::io(format!("restricting {} to mode 0600", path.display()), e))?;
-    Ok(ShmListener {
+    let l = ShmListener {
         listener,
         path: path.to_path_buf(),
         config: config.clone(),
         id: file_id(path),
-    })
+    };
+    live_files::add(l.socket_file());
+    Ok(l)
 }
 
 impl ShmListener {
@@ -190,7 +192,7 @@ impl Drop for ShmListener {
 }
 
 /// A socket file this process created, named by path and (device, inode).
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SocketFile {
     path: PathBuf,
     id: Option<(u64, u64)>,
@@ -199,8 +201,55 @@ pub(crate) struct SocketFile {
 impl SocketFile {
     /// Removes the file if it is still ours: a listener that replaced it since keeps its own.
     pub(crate) fn remove(&self) {
+        live_files::forget(self);
+        self.unlink_if_ours();
+    }
+
+    fn unlink_if_ours(&self) {
         if self.id.is_some() && file_id(&self.path) == self.id {
             let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// The socket files of this process's live listeners, removed when the process exits
+/// normally even if no destructor runs (`std::process::exit` runs none). A process that is
+/// killed leaves its file behind; the next `listen` on the path finds nobody answering
+/// there and replaces it.
+mod live_files {
+    use std::sync::{Mutex, Once};
+
+    use super::SocketFile;
+
+    static LIVE: Mutex<Vec<SocketFile>> = Mutex::new(Vec::new());
+    static HOOK: Once = Once::new();
+
+    pub(super) fn add(f: SocketFile) {
+        HOOK.call_once(|| {
+            // SAFETY: `at_exit` is an `extern "C" fn()` that never unwinds (it only takes a
+            // lock without blocking and unlinks files); registering it has no other effect.
+            // If registration fails, files are still removed by destructors.
+            let _ = unsafe { libc::atexit(at_exit) };
+        });
+        LIVE.lock().unwrap_or_else(|e| e.into_inner()).push(f);
+    }
+
+    pub(super) fn forget(f: &SocketFile) {
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = live.iter().position(|x| x == f) {
+            live.swap_remove(i);
+        }
+    }
+
+    extern "C" fn at_exit() {
+        // try_lock: a thread that held the lock when `exit` was called must not hang the exit.
+        let live = match LIVE.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        for f in live.iter() {
+            f.unlink_if_ours();
         }
     }
 }
