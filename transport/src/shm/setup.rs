@@ -191,6 +191,12 @@ impl Drop for ShmListener {
     }
 }
 
+/// Checks the shm bytes of a peer's preface the way set-up does, before any memory is
+/// shared: for tests and fuzzing of what a peer can send.
+pub fn check_peer_preface(p: &Preface) -> Result<()> {
+    Hello::from_preface(p).map(drop)
+}
+
 /// A socket file this process created, named by path and (device, inode).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SocketFile {
