@@ -35,6 +35,7 @@ pub fn fixed_threshold(t: usize) -> Config {
 }
 
 /// A listen address for `provider`, unique per process and `tag`.
+#[allow(dead_code)] // not every test binary that shares this module listens on one
 pub fn uri(provider: &str, tag: &str) -> String {
     match provider {
         "shm" => {
