@@ -287,6 +287,31 @@ impl AsRef<[u8]> for RecvBuf {
     }
 }
 
+/// A read's copy that a provider hands the driver to run with the connection's lock
+/// released ([`Link::take_work`]), so that application calls on the connection are not held
+/// up by it. Its result goes back with [`Link::work_done`].
+pub struct Work {
+    id: u64,
+    job: Box<dyn FnOnce() -> Result<(), Error> + Send>,
+}
+
+impl Work {
+    /// Work completing read `id`.
+    ///
+    /// # Safety
+    /// Whatever memory `job` touches must stay valid for as long as the read's own
+    /// contract ([`Link::post_read`]) and the link keep it: the driver runs the job before
+    /// the link's `ReadDone` for `id` and before it drops the link.
+    pub unsafe fn new(id: u64, job: Box<dyn FnOnce() -> Result<(), Error> + Send>) -> Work {
+        Work { id, job }
+    }
+
+    /// Runs it: the read's id and its result.
+    pub fn run(self) -> (u64, Result<(), Error>) {
+        (self.id, (self.job)())
+    }
+}
+
 /// One end of a connection, as a provider sets it up. See the module docs.
 pub trait Link: Send + 'static {
     /// Facts about this link.
@@ -367,6 +392,23 @@ pub trait Link: Send + 'static {
 
     /// Starts closing: the peer sees end of stream once what was sent is delivered.
     fn close(&mut self);
+
+    /// The connection driver calls this once, before any read: from then on the provider
+    /// may hand large copies to [`Link::take_work`] rather than doing them inside
+    /// [`Link::post_read`]. Other users of a link never call it, so reads complete by
+    /// themselves for them.
+    fn enable_work(&mut self) {}
+
+    /// Copies waiting to run without the connection lock. The driver runs each one, then
+    /// reports it with [`Link::work_done`], before it drops the link or polls it again.
+    fn take_work(&mut self) -> Vec<Work> {
+        Vec::new()
+    }
+
+    /// The result of a [`Work`]: the provider reports it as the read's `ReadDone`.
+    fn work_done(&mut self, id: u64, result: Result<(), Error>) {
+        let _ = (id, result);
+    }
 }
 
 #[cfg(test)]
