@@ -27,6 +27,13 @@ fn patient() -> Config {
     }
 }
 
+/// [`honest_round_trip`] under the hang guard.
+async fn served(l: &Listener, at: &str, config: &Config) -> Duration {
+    tokio::time::timeout(GUARD, honest_round_trip(l, at, config))
+        .await
+        .expect("hang guard")
+}
+
 /// Connects an honest peer, exchanges one message each way, and says how long it took.
 async fn honest_round_trip(l: &Listener, at: &str, config: &Config) -> Duration {
     let t = Instant::now();
@@ -113,9 +120,7 @@ async fn tcp_silent_and_junk_peers_do_not_delay_an_honest_one() {
     // Give both a head start, so the honest peer arrives behind them.
     tokio::time::sleep(Duration::from_millis(50)).await;
 
-    let took = tokio::time::timeout(GUARD, honest_round_trip(&l, &l.local_uri(), &cfg))
-        .await
-        .expect("hang guard");
+    let took = served(&l, &l.local_uri(), &cfg).await;
     println!("honest tcp round trip behind a silent and a junk peer: {took:?}");
     assert!(
         still_open(&silent),
@@ -170,9 +175,7 @@ async fn set_ups_past_the_cap_are_refused_at_once_and_slots_come_back() {
     // The deadline frees both slots, and an honest peer gets in.
     closed_by_server(a, GUARD).await;
     closed_by_server(b, GUARD).await;
-    tokio::time::timeout(GUARD, honest_round_trip(&l, &l.local_uri(), &cfg))
-        .await
-        .expect("hang guard");
+    served(&l, &l.local_uri(), &cfg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -191,9 +194,7 @@ async fn shm_silent_and_junk_peers_do_not_delay_an_honest_one() {
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
 
-    let took = tokio::time::timeout(GUARD, honest_round_trip(&l, &at, &cfg))
-        .await
-        .expect("hang guard");
+    let took = served(&l, &at, &cfg).await;
     println!("honest shm round trip behind a silent and a junk peer: {took:?}");
     assert!(
         still_open(&silent),
@@ -265,4 +266,73 @@ async fn auto_listener_serves_tcp_and_shm_side_by_side_and_accept_is_cancel_safe
     );
     drop(l);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_token_and_wrong_version_peers_are_closed_not_left_silent() {
+    init_tracing();
+    let cfg = Config {
+        auth_token: Some("job-42".into()),
+        ..patient()
+    };
+    let l = listen(&uri("tcp", "token"), cfg.clone()).await.unwrap();
+    let addr = tcp_addr(&l);
+    let preface = |version: u16, token: &[u8]| {
+        let mut v = ibex_transport::preface::Preface {
+            slot_size: 65536,
+            features: 0,
+            token: token.to_vec(),
+            ext: Vec::new(),
+        }
+        .encode(ibex_transport::preface::Provider::Tcp);
+        v[8..10].copy_from_slice(&version.to_le_bytes());
+        v
+    };
+    for bad in [preface(2, b"guess"), preface(2, b""), preface(1, b"job-42")] {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(&bad).await.unwrap();
+        closed_by_server(s, GUARD).await;
+    }
+    served(&l, &l.local_uri(), &cfg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_established_connection_keeps_working_through_a_flood_of_idle_peers() {
+    init_tracing();
+    let cfg = patient();
+    let l = listen(&uri("tcp", "flood"), cfg.clone()).await.unwrap();
+    let addr = tcp_addr(&l);
+    let at = l.local_uri();
+    let (server, client) = tokio::join!(l.accept(), connect(&at, cfg.clone()));
+    let (server, client) = (server.unwrap(), client.unwrap());
+    // Far past the cap of set-ups: the first 128 hold a slot, the rest are closed at once.
+    let mut idle = Vec::new();
+    for _ in 0..600 {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    for i in 0..50u32 {
+        client
+            .send(Bytes::from(i.to_le_bytes().to_vec()))
+            .await
+            .unwrap();
+        let got = tokio::time::timeout(GUARD, server.recv())
+            .await
+            .expect("hang guard")
+            .unwrap();
+        assert_eq!(&got[..], &i.to_le_bytes());
+    }
+    // Those past the cap are closed as soon as the listener has taken them off its backlog.
+    let t = Instant::now();
+    loop {
+        let open = idle.iter().filter(|s| still_open(*s)).count();
+        if open <= cfg.max_handshakes {
+            break;
+        }
+        assert!(
+            t.elapsed() < GUARD,
+            "{open} idle peers still held open, past the cap of {}",
+            cfg.max_handshakes
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
