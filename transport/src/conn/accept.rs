@@ -5,7 +5,7 @@
 //! slot, and `accept` only ever waits on a channel (cancel-safe).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -88,6 +88,38 @@ pub(super) struct Shared {
     pub config: Config,
     pub slots: Arc<Semaphore>,
     pub ready: mpsc::Sender<Connection>,
+    pub warnings: WarnLimit,
+}
+
+/// Warnings about bad peers per second, at most: a flood of them must not become a flood
+/// of log lines (disk, and the operator's attention). What is held back is counted in the
+/// next warning that goes out.
+const WARNINGS_PER_SEC: u32 = 10;
+
+/// Rate limit for the listener's warnings about peers.
+#[derive(Default)]
+pub(super) struct WarnLimit {
+    /// Start of the current one-second window, warnings in it, and those held back.
+    state: std::sync::Mutex<Option<(Instant, u32, u64)>>,
+}
+
+impl WarnLimit {
+    /// `Some(n)` if a warning may go out now, with `n` held back before it.
+    fn allow(&self) -> Option<u64> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let (start, sent, held) = st.get_or_insert((now, 0, 0));
+        if now.duration_since(*start) >= Duration::from_secs(1) {
+            (*start, *sent) = (now, 0);
+        }
+        if *sent < WARNINGS_PER_SEC {
+            *sent += 1;
+            Some(std::mem::take(held))
+        } else {
+            *held += 1;
+            None
+        }
+    }
 }
 
 /// Accepts from `source` until aborted (the listener's drop aborts it, and with it every
@@ -105,12 +137,17 @@ pub(super) async fn run(source: Source, shared: Arc<Shared>) {
                         Ok(slot) => {
                             setups.spawn(set_up(raw, shared.clone(), slot));
                         }
-                        Err(_) => tracing::warn!(
-                            peer = %raw.peer(),
-                            limit = shared.config.max_handshakes,
-                            "refused a connection: {} set-ups are already in progress (Config::max_handshakes, IBEX_MAX_HANDSHAKES)",
-                            shared.config.max_handshakes
-                        ),
+                        Err(_) => {
+                            if let Some(held_back) = shared.warnings.allow() {
+                                tracing::warn!(
+                                    peer = %raw.peer(),
+                                    limit = shared.config.max_handshakes,
+                                    held_back,
+                                    "refused a connection: {} set-ups are already in progress (Config::max_handshakes, IBEX_MAX_HANDSHAKES)",
+                                    shared.config.max_handshakes
+                                )
+                            }
+                        }
                     }
                 }
                 // Out of descriptors and the like: the socket itself is fine, so pause (the
@@ -152,7 +189,31 @@ async fn set_up(raw: Raw, shared: Arc<Shared>, _slot: OwnedSemaphorePermit) {
         }
         Ok(None) => tracing::debug!(%peer, "a connection closed before its first byte"),
         Err(e) => {
-            tracing::warn!(%peer, error = %e, "connection set-up failed; dropped that peer only")
+            if let Some(held_back) = shared.warnings.allow() {
+                tracing::warn!(%peer, error = %e, held_back, "connection set-up failed; dropped that peer only")
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warnings_are_limited_per_second_and_count_what_was_held_back() {
+        let w = WarnLimit::default();
+        for _ in 0..WARNINGS_PER_SEC {
+            assert_eq!(w.allow(), Some(0));
+        }
+        for _ in 0..5 {
+            assert_eq!(w.allow(), None);
+        }
+        // A second later the next warning goes out and says how many were held back.
+        if let Some((start, _, _)) = w.state.lock().unwrap().as_mut() {
+            *start -= Duration::from_secs(1);
+        }
+        assert_eq!(w.allow(), Some(5));
+        assert_eq!(w.allow(), Some(0));
     }
 }

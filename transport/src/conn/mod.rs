@@ -531,6 +531,7 @@ impl Listener {
             slots: Arc::new(tokio::sync::Semaphore::new(config.max_handshakes)),
             config,
             ready: tx,
+            warnings: Default::default(),
         });
         let mut socket_files = Vec::new();
         let mut acceptors = Vec::new();
