@@ -292,6 +292,10 @@ impl Drop for LocalServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A killed server runs no clean-up: its shm socket file is ours to remove.
+        if let Some(path) = self.addr.strip_prefix("shm://") {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 

@@ -301,6 +301,16 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        // SIGTERM first: ibex-ps then shuts down and its listener removes its shm socket
+        // file, which SIGKILL would leave behind in the temp directory.
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            // SAFETY: plain syscall; the child is not reaped yet, so its pid is still ours.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

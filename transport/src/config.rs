@@ -36,6 +36,12 @@ pub struct Config {
     pub max_reads_in_flight: usize,
     /// Largest message this side accepts.
     pub max_message_size: u64,
+    /// Bytes of rendezvous receives one connection may hold at once: announced by the peer,
+    /// given memory by this side, and not yet taken by the application. An announcement
+    /// past it waits (its credit with it) until earlier ones are taken; one message alone
+    /// is always let through, so the bound is the larger of this and `max_message_size`
+    /// (`IBEX_RNDV_RECV_BUDGET`; default 256 MiB).
+    pub rndv_recv_budget: usize,
     /// Size of the registered pool (shm: shared segment; verbs: registered slab) per direction.
     pub pool_size: usize,
     /// Optional shared secret that the peer must present at setup (`IBEX_AUTH_TOKEN`).
@@ -47,6 +53,15 @@ pub struct Config {
     /// between polls, so tasks that are ready run first; a few hundred µs buys the lowest
     /// latency for CPU.
     pub spin: std::time::Duration,
+    /// How long a peer has to finish connection set-up (the provider's preface and the
+    /// protocol handshake) before it is dropped: a listener's deadline per accepted peer,
+    /// and a connecting side's wait for the peer's handshake (`IBEX_HANDSHAKE_TIMEOUT_MS`;
+    /// default 5 s). Short, because a listener holds a set-up slot for a peer until then.
+    pub handshake_timeout: std::time::Duration,
+    /// Set-ups a listener runs at once. A peer that arrives while all are taken is closed
+    /// at once, so a flood of silent connections costs only its own peers, never the
+    /// accept loop (`IBEX_MAX_HANDSHAKES`; default 128).
+    pub max_handshakes: usize,
     /// Which settings [`Config::with_env`] took from the environment, so that statistics
     /// can say `"env"` rather than `"config"`.
     pub env_overrides: EnvOverrides,
@@ -75,10 +90,13 @@ impl Default for Config {
             probe_fragments: true,
             max_reads_in_flight: 8,
             max_message_size: 1 << 30,
+            rndv_recv_budget: 256 << 20,
             pool_size: 256 << 20,
             auth_token: None,
             rdma_device: None,
             spin: DEFAULT_SPIN,
+            handshake_timeout: std::time::Duration::from_secs(5),
+            max_handshakes: 128,
             env_overrides: EnvOverrides::default(),
         }
     }
@@ -87,7 +105,8 @@ impl Default for Config {
 impl Config {
     /// The default configuration with environment overrides applied
     /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_SPIN_US`,
-    /// `IBEX_AUTH_TOKEN`).
+    /// `IBEX_AUTH_TOKEN`, `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`,
+    /// `IBEX_RNDV_RECV_BUDGET`).
     pub fn from_env() -> Result<Self> {
         Config::default().with_env()
     }
@@ -102,11 +121,17 @@ impl Config {
             self.fragment_size = Some(v);
             self.env_overrides.fragment_size = true;
         }
-        if let Ok(v) = std::env::var("IBEX_PROBE_TIMEOUT_MS") {
-            let ms = v.trim().parse::<u64>().ok().filter(|&ms| ms > 0).ok_or_else(|| {
-                Error::Config(format!("IBEX_PROBE_TIMEOUT_MS={v:?} is not a positive number of milliseconds (example: 2000)"))
-            })?;
-            self.probe_timeout = std::time::Duration::from_millis(ms);
+        if let Some(v) = env_usize("IBEX_RNDV_RECV_BUDGET")? {
+            self.rndv_recv_budget = v;
+        }
+        if let Some(t) = env_millis("IBEX_PROBE_TIMEOUT_MS", 2000)? {
+            self.probe_timeout = t;
+        }
+        if let Some(t) = env_millis("IBEX_HANDSHAKE_TIMEOUT_MS", 5000)? {
+            self.handshake_timeout = t;
+        }
+        if let Some(n) = env_positive("IBEX_MAX_HANDSHAKES", "number", 128)? {
+            self.max_handshakes = usize::try_from(n).unwrap_or(usize::MAX);
         }
         if let Ok(v) = std::env::var("IBEX_SPIN_US") {
             let us = v.trim().parse::<u64>().map_err(|_| {
@@ -148,6 +173,22 @@ impl Config {
                     "{name} {f} must be within 4 KiB..=64 MiB (IBEX_FRAGMENT_SIZE sets fragment_size)"
                 )));
             }
+        }
+        if self.rndv_recv_budget == 0 {
+            return Err(Error::Config(
+                "rndv_recv_budget must be above zero (IBEX_RNDV_RECV_BUDGET sets it, e.g. 256M)"
+                    .into(),
+            ));
+        }
+        if self.handshake_timeout.is_zero() {
+            return Err(Error::Config(
+                "handshake_timeout must be above zero (IBEX_HANDSHAKE_TIMEOUT_MS sets it)".into(),
+            ));
+        }
+        if self.max_handshakes == 0 {
+            return Err(Error::Config(
+                "max_handshakes must be at least 1 (IBEX_MAX_HANDSHAKES sets it)".into(),
+            ));
         }
         if self.max_reads_in_flight == 0 {
             return Err(Error::Config(
@@ -199,6 +240,32 @@ pub const MIN_FRAGMENT: usize = 4096;
 pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 /// Largest fragment size a configuration (or a peer's probe sample) may ask for.
 pub const MAX_FRAGMENT: usize = 64 << 20;
+
+/// A positive number of milliseconds from `name`; `example` goes into the error.
+fn env_millis(name: &str, example: u64) -> Result<Option<std::time::Duration>> {
+    Ok(
+        env_positive(name, "number of milliseconds", example)?
+            .map(std::time::Duration::from_millis),
+    )
+}
+
+/// A positive integer from `name`; `what` and `example` go into the error.
+fn env_positive(name: &str, what: &str, example: u64) -> Result<Option<u64>> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|&n| n > 0)
+            .map(Some)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "{name}={v:?} is not a positive {what} (example: {example})"
+                ))
+            }),
+        Err(_) => Ok(None),
+    }
+}
 
 fn env_usize(name: &str) -> Result<Option<usize>> {
     match std::env::var(name) {
@@ -293,6 +360,22 @@ mod tests {
             }
             .wants_probe()
         );
+    }
+
+    #[test]
+    fn accept_limits_must_be_positive_and_name_their_variable() {
+        let c = Config {
+            handshake_timeout: std::time::Duration::ZERO,
+            ..Config::default()
+        };
+        assert!(
+            matches!(c.validate(), Err(Error::Config(m)) if m.contains("IBEX_HANDSHAKE_TIMEOUT_MS"))
+        );
+        let c = Config {
+            max_handshakes: 0,
+            ..Config::default()
+        };
+        assert!(matches!(c.validate(), Err(Error::Config(m)) if m.contains("IBEX_MAX_HANDSHAKES")));
     }
 
     #[test]

@@ -12,11 +12,13 @@ pub mod config;
 pub mod error;
 pub mod link;
 pub mod pool;
+pub mod preface;
 pub mod proto;
 pub mod shm;
 pub mod tcp;
 #[cfg(feature = "verbs")]
 pub mod verbs;
+pub mod verbs_wire;
 
 pub use config::Config;
 pub use error::{Error, Result};

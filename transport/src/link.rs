@@ -104,15 +104,12 @@ impl RecvBuf {
     /// A heap buffer. Large ones (≥ 64 KiB) are recycled through a process-wide cache:
     /// fresh pages would cost a page fault every 4 KiB on each message, which is what
     /// bounds large-message bandwidth otherwise. Contents are unspecified until written.
+    /// Aborts the process if memory runs out: for a length a peer chose, use
+    /// [`RecvBuf::try_heap`].
     pub fn heap(len: usize) -> RecvBuf {
         if len >= recv_cache::MIN {
-            let mut b = recv_cache::take(len);
-            let ptr = b.as_mut_ptr();
-            return RecvBuf {
-                ptr,
-                len,
-                owner: Box::new(b),
-            };
+            let b = recv_cache::take(len).unwrap_or_else(|| recv_cache::Cached::fresh(len));
+            return RecvBuf::cached(b, len);
         }
         let mut v = bytes::BytesMut::zeroed(len);
         let ptr = v.as_mut_ptr();
@@ -120,6 +117,30 @@ impl RecvBuf {
             ptr,
             len,
             owner: Box::new(v),
+        }
+    }
+
+    /// [`RecvBuf::heap`], but a failed allocation is an error rather than an abort: the
+    /// form for lengths that come from the wire.
+    pub fn try_heap(len: usize) -> Result<RecvBuf, Error> {
+        if len >= recv_cache::MIN {
+            let b = recv_cache::take(len).ok_or_else(|| {
+                Error::io(
+                    format!("allocating a receive buffer of {len} bytes"),
+                    std::io::ErrorKind::OutOfMemory.into(),
+                )
+            })?;
+            return Ok(RecvBuf::cached(b, len));
+        }
+        Ok(RecvBuf::heap(len))
+    }
+
+    fn cached(mut b: recv_cache::Cached, len: usize) -> RecvBuf {
+        let ptr = b.as_mut_ptr();
+        RecvBuf {
+            ptr,
+            len,
+            owner: Box::new(b),
         }
     }
 
@@ -198,12 +219,13 @@ mod recv_cache {
         }
     }
 
-    fn class(len: usize) -> usize {
-        len.next_power_of_two()
+    fn class(len: usize) -> Option<usize> {
+        len.checked_next_power_of_two()
     }
 
-    pub fn take(len: usize) -> Cached {
-        let c = class(len);
+    /// A buffer of at least `len` bytes, or `None` when the allocator refuses.
+    pub fn take(len: usize) -> Option<Cached> {
+        let c = class(len)?;
         let mut guard = CACHE.lock().unwrap_or_else(|e| e.into_inner());
         let cache = guard.get_or_insert_with(|| Cache {
             free: HashMap::new(),
@@ -211,10 +233,35 @@ mod recv_cache {
         });
         if let Some(b) = cache.free.get_mut(&c).and_then(|v| v.pop()) {
             cache.bytes -= c;
-            return Cached(Some(b));
+            return Some(Cached(Some(b)));
         }
         drop(guard);
-        Cached(Some(vec![0u8; c].into_boxed_slice()))
+        try_zeroed(c).map(|b| Cached(Some(b)))
+    }
+
+    impl Cached {
+        /// A fresh buffer from the infallible allocator (aborts when memory runs out).
+        pub fn fresh(len: usize) -> Cached {
+            let c = class(len).unwrap_or(len);
+            Cached(Some(vec![0u8; c].into_boxed_slice()))
+        }
+    }
+
+    /// Zeroed memory from the allocator (zero pages the kernel maps lazily, as `vec!`
+    /// gets them), or `None` instead of the abort `vec!` would give.
+    fn try_zeroed(len: usize) -> Option<Box<[u8]>> {
+        let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+        if layout.size() == 0 {
+            return Some(Box::default());
+        }
+        // SAFETY: the layout has a non-zero size, as `alloc_zeroed` requires.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: `p` is a live allocation of exactly `len` zeroed bytes with the alignment
+        // of `u8`, made by the global allocator with the layout `Box<[u8]>` frees it with.
+        Some(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, len)) })
     }
 
     impl Drop for Cached {
@@ -237,6 +284,31 @@ mod recv_cache {
 impl AsRef<[u8]> for RecvBuf {
     fn as_ref(&self) -> &[u8] {
         self.as_slice()
+    }
+}
+
+/// A read's copy that a provider hands the driver to run with the connection's lock
+/// released ([`Link::take_work`]), so that application calls on the connection are not held
+/// up by it. Its result goes back with [`Link::work_done`].
+pub struct Work {
+    id: u64,
+    job: Box<dyn FnOnce() -> Result<(), Error> + Send>,
+}
+
+impl Work {
+    /// Work completing read `id`.
+    ///
+    /// # Safety
+    /// Whatever memory `job` touches must stay valid for as long as the read's own
+    /// contract ([`Link::post_read`]) and the link keep it: the driver runs the job before
+    /// the link's `ReadDone` for `id` and before it drops the link.
+    pub unsafe fn new(id: u64, job: Box<dyn FnOnce() -> Result<(), Error> + Send>) -> Work {
+        Work { id, job }
+    }
+
+    /// Runs it: the read's id and its result.
+    pub fn run(self) -> (u64, Result<(), Error>) {
+        (self.id, (self.job)())
     }
 }
 
@@ -284,8 +356,9 @@ pub trait Link: Send + 'static {
     fn map_remote(&mut self, descriptor: &[u8], len: u64) -> Result<Option<Bytes>, Error>;
 
     /// Destination memory for `len` bytes of rendezvous data (registered where needed).
+    /// Fails, rather than aborting, when memory runs out.
     fn alloc_recv(&mut self, len: usize) -> Result<RecvBuf, Error> {
-        Ok(RecvBuf::heap(len))
+        RecvBuf::try_heap(len)
     }
 
     /// Starts reading `len` bytes at `offset` of the peer region `descriptor` into `dst`.
@@ -319,4 +392,36 @@ pub trait Link: Send + 'static {
 
     /// Starts closing: the peer sees end of stream once what was sent is delivered.
     fn close(&mut self);
+
+    /// The connection driver calls this once, before any read: from then on the provider
+    /// may hand large copies to [`Link::take_work`] rather than doing them inside
+    /// [`Link::post_read`]. Other users of a link never call it, so reads complete by
+    /// themselves for them.
+    fn enable_work(&mut self) {}
+
+    /// Copies waiting to run without the connection lock. The driver runs each one, then
+    /// reports it with [`Link::work_done`], before it drops the link or polls it again.
+    fn take_work(&mut self) -> Vec<Work> {
+        Vec::new()
+    }
+
+    /// The result of a [`Work`]: the provider reports it as the read's `ReadDone`.
+    fn work_done(&mut self, id: u64, result: Result<(), Error>) {
+        let _ = (id, result);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RecvBuf;
+
+    #[test]
+    fn an_impossible_receive_buffer_is_an_error_not_an_abort() {
+        for len in [usize::MAX, usize::MAX / 2 + 2, isize::MAX as usize] {
+            let e = RecvBuf::try_heap(len).expect_err("no allocator gives this much");
+            assert!(e.to_string().contains(&len.to_string()), "{e}");
+        }
+        let b = RecvBuf::try_heap(1 << 20).expect("a mebibyte");
+        assert_eq!(b.len(), 1 << 20);
+    }
 }

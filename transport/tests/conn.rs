@@ -392,6 +392,8 @@ fn connect_auto_prefers_shm_on_the_same_host() {
         );
         assert_eq!(b.unwrap().provider(), "shm");
         assert_eq!(a.unwrap().provider(), "shm");
+        drop(l);
+        let _ = std::fs::remove_dir_all(&dir);
     });
 }
 

@@ -120,6 +120,10 @@ struct Side {
     /// Destinations of incoming rendezvous messages (read mode) or views (mapped mode).
     dest: HashMap<MsgId, Vec<u8>>,
     mapped: HashMap<MsgId, Bytes>,
+    /// Receive memory we gave rendezvous messages and the application has not taken yet
+    /// (what `Config::rndv_recv_budget` bounds), and the most of it at any time.
+    held: HashMap<MsgId, u64>,
+    max_held: u64,
     /// What the peer sent us, in order, still to be delivered.
     expected: VecDeque<(MsgId, Bytes)>,
     delivered: u64,
@@ -160,6 +164,8 @@ impl Side {
             probe_exposure: None,
             dest: HashMap::new(),
             mapped: HashMap::new(),
+            held: HashMap::new(),
+            max_held: 0,
             expected: VecDeque::new(),
             delivered: 0,
             to_consume: VecDeque::new(),
@@ -188,6 +194,13 @@ impl Side {
         self.next_exposure += 1;
         self.exposed.insert(id, buf);
         (id, Bytes::copy_from_slice(&id.to_le_bytes()))
+    }
+
+    /// The application takes delivered message `msg`.
+    fn consume(&mut self, msg: MsgId) {
+        self.conn.consumed(msg);
+        self.conn.release_recv(msg);
+        self.held.remove(&msg);
     }
 
     fn coalesced_frames(&self) -> usize {
@@ -392,6 +405,8 @@ impl Sim {
                     me.conn.accept_rendezvous(now, msg, RecvMode::Mapped);
                 } else {
                     me.dest.insert(msg, vec![0u8; len as usize]);
+                    me.held.insert(msg, len);
+                    me.max_held = me.max_held.max(me.held.values().sum());
                     me.conn.accept_rendezvous(now, msg, RecvMode::Read);
                 }
             }
@@ -447,10 +462,7 @@ impl Sim {
                 );
                 me.delivered += 1;
                 match consume_every {
-                    None => {
-                        me.conn.consumed(msg);
-                        me.conn.release_recv(msg);
-                    }
+                    None => me.consume(msg),
                     Some(d) => {
                         me.to_consume.push_back(msg);
                         me.consume_at.get_or_insert(now + d);
@@ -466,6 +478,7 @@ impl Sim {
                 me.released.push(msg);
             }
             Action::Discard { msg } => {
+                me.held.remove(&msg);
                 me.dest.remove(&msg);
                 me.mapped.remove(&msg);
                 me.discarded.push(msg);
@@ -558,8 +571,7 @@ impl Sim {
         for s in &mut self.sides {
             if s.consume_at.is_some_and(|t| t <= now) {
                 if let Some(msg) = s.to_consume.pop_front() {
-                    s.conn.consumed(msg);
-                    s.conn.release_recv(msg);
+                    s.consume(msg);
                 }
                 s.consume_at = (!s.to_consume.is_empty())
                     .then(|| now + self.cfg.consume_every.unwrap_or_default());
@@ -1432,6 +1444,117 @@ fn an_unanswered_probe_is_abandoned_after_two_seconds() {
     // The late answer is harmless.
     conn.handle_frame(t0, Frame::new(Body::ProbeAck { probe_id: 0 }).to_bytes());
     assert!(!conn.is_closed());
+}
+
+// ---------------------------------------------------------------- receive budget
+
+/// Side 1 receives with a 1 MiB budget and takes one message per `every`.
+fn budget_pair(every: Duration) -> Sim {
+    let b = Config {
+        rndv_recv_budget: 1 << 20,
+        ..config()
+    };
+    let cfg = SimCfg {
+        consume_every: Some(every),
+        read_jitter: Duration::from_micros(20),
+        ..SimCfg::default()
+    };
+    Sim::pair(&config(), &b, cfg)
+}
+
+#[test]
+fn rendezvous_receives_wait_for_the_budget_and_all_arrive() {
+    let mut sim = budget_pair(Duration::from_micros(200));
+    for n in 0..30 {
+        assert_eq!(
+            sim.send(0, payload(n, 300_000 + n as usize)).1,
+            Protocol::Rendezvous
+        );
+    }
+    sim.run();
+    sim.assert_all_delivered();
+    let r = &sim.sides[1];
+    assert_eq!(r.delivered, 30);
+    assert!(
+        r.max_held <= 1 << 20,
+        "held {} bytes of receive memory at once, over the 1 MiB budget",
+        r.max_held
+    );
+    assert!(
+        r.max_held > 600_000,
+        "the budget was not used ({} bytes at most)",
+        r.max_held
+    );
+    assert!(r.conn.stats().rndv_recv_deferred > 0);
+}
+
+#[test]
+fn a_message_over_the_budget_goes_alone_and_later_ones_wait_behind_it() {
+    let mut sim = budget_pair(Duration::from_micros(100));
+    sim.send(0, payload(1, 3 << 20));
+    sim.send(0, payload(2, 100_000));
+    sim.send(0, payload(3, 3 << 20));
+    sim.run();
+    sim.assert_all_delivered();
+    assert_eq!(
+        sim.sides[1].max_held,
+        3 << 20,
+        "each large message held the budget alone"
+    );
+}
+
+#[test]
+fn announcements_of_a_gibibyte_each_get_memory_one_at_a_time() {
+    // A hostile sender: every credit spent on an RTS of max_message_size, never readable.
+    let c = config();
+    let (mut conn, t0) = established(&c);
+    for seq in 0..c.credits as u64 {
+        conn.handle_frame(
+            t0,
+            Frame::new(Body::Rts {
+                seq,
+                len: c.max_message_size,
+                desc: Bytes::from_static(b"never exposed"),
+            })
+            .to_bytes(),
+        );
+    }
+    let begun = drain_actions(&mut conn)
+        .iter()
+        .filter(|a| matches!(a, Action::BeginRecv { .. }))
+        .count();
+    assert_eq!(begun, 1, "only the first may hold memory");
+    assert!(!conn.is_closed(), "deferring is not a violation");
+    assert_eq!(conn.stats().rndv_recv_deferred, c.credits as u64 - 1);
+    // Failing discards only what was given memory.
+    conn.link_failed(Error::PeerGone("the test ends it".into()));
+    let discards = drain_actions(&mut conn)
+        .iter()
+        .filter(|a| matches!(a, Action::Discard { .. }))
+        .count();
+    assert_eq!(discards, 1);
+}
+
+#[test]
+fn probe_samples_longer_than_any_probe_are_violations() {
+    let c = config();
+    let (mut conn, t0) = established(&c);
+    let rts = Frame::new(Body::ProbeRts {
+        probe_id: 0,
+        len: 1 << 30,
+        desc: Bytes::from_static(b"d"),
+    })
+    .to_bytes();
+    assert_rejected(&mut conn, t0, rts, "longer than any probe sends");
+    let (mut conn, t0) = established(&c);
+    let read = Frame::new(Body::ProbeRead {
+        probe_id: 0,
+        len: 64 << 20,
+        fragment: 1 << 20,
+        desc: Bytes::from_static(b"d"),
+    })
+    .to_bytes();
+    assert_rejected(&mut conn, t0, read, "longer than any probe sends");
 }
 
 // ---------------------------------------------------------------- closing

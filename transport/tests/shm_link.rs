@@ -559,3 +559,46 @@ async fn two_process_child() {
     }
     link.close();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_copies_wait_for_the_driver_once_it_asked_for_them() {
+    let cfg = small_config();
+    let (a, mut b) = pair("work", &cfg, &cfg).await;
+    // From the shared pool, so the copy is a plain memcpy whether or not CMA is allowed.
+    let mut a = a;
+    let mut buf = a.pool().unwrap().alloc(1 << 20).unwrap();
+    buf.copy_from_slice(&pattern(1 << 20, 5));
+    let data = buf.freeze();
+    let exp = a.expose(data.clone()).unwrap();
+    b.enable_work();
+    let mut big = vec![0u8; 256 << 10];
+    let mut small = vec![0u8; 1024];
+    // SAFETY: both buffers outlive the reads, which complete below.
+    unsafe {
+        b.post_read(1, &exp.descriptor, 0, big.as_mut_ptr(), big.len())
+            .unwrap();
+        b.post_read(2, &exp.descriptor, 4096, small.as_mut_ptr(), small.len())
+            .unwrap();
+    }
+    // The small copy was done at once; the large one waits for whoever runs the work.
+    match event(&mut b).await {
+        Ok(LinkEvent::ReadDone {
+            id: 2,
+            result: Ok(()),
+        }) => assert_eq!(small[..], data[4096..4096 + 1024]),
+        other => panic!("{other:?}"),
+    }
+    let work = b.take_work();
+    assert_eq!(work.len(), 1, "the 256 KiB copy is handed over");
+    assert!(b.take_work().is_empty(), "once");
+    for (id, result) in work.into_iter().map(|w| w.run()) {
+        b.work_done(id, result);
+    }
+    match event(&mut b).await {
+        Ok(LinkEvent::ReadDone {
+            id: 1,
+            result: Ok(()),
+        }) => assert!(big[..] == data[..256 << 10]),
+        other => panic!("{other:?}"),
+    }
+}

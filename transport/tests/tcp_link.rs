@@ -582,11 +582,15 @@ async fn accept_raw(bytes: &[u8]) -> Error {
 }
 
 fn raw_preface(version: u16, slot: u32, token: &[u8]) -> Vec<u8> {
-    let mut v = tcp::preface::MAGIC.to_vec();
-    v.extend_from_slice(&version.to_le_bytes());
-    v.extend_from_slice(&slot.to_le_bytes());
-    v.extend_from_slice(&(token.len() as u16).to_le_bytes());
-    v.extend_from_slice(token);
+    use ibex_transport::preface::{Preface, Provider};
+    let mut v = Preface {
+        slot_size: slot,
+        features: 0,
+        token: token.to_vec(),
+        ext: Vec::new(),
+    }
+    .encode(Provider::Tcp);
+    v[8..10].copy_from_slice(&version.to_le_bytes());
     v
 }
 
@@ -599,10 +603,10 @@ async fn garbage_preface_is_a_clear_error_on_accept() {
     );
     let e = accept_raw(&raw_preface(99, 65536, b"")).await;
     assert!(
-        matches!(e, Error::Handshake(ref m) if m.contains("version 99, we speak 1")),
+        matches!(e, Error::Handshake(ref m) if m.contains("version 99, we speak 2")),
         "{e}"
     );
-    let e = accept_raw(&raw_preface(1, 1 << 30, b"")).await;
+    let e = accept_raw(&raw_preface(2, 1 << 30, b"")).await;
     assert!(
         matches!(e, Error::Handshake(ref m) if m.contains("slot size")),
         "{e}"
@@ -624,7 +628,7 @@ async fn raw_client() -> (TcpLink, tokio::net::TcpStream) {
     let mut raw = tokio::net::TcpStream::connect(l.local_addr().unwrap())
         .await
         .unwrap();
-    raw.write_all(&raw_preface(1, 65536, b"")).await.unwrap();
+    raw.write_all(&raw_preface(2, 65536, b"")).await.unwrap();
     (l.accept().await.unwrap(), raw)
 }
 

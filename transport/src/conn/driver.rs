@@ -20,7 +20,7 @@ use futures_util::task::AtomicWaker;
 use tokio::sync::{Notify, oneshot};
 
 use crate::error::Error;
-use crate::link::{Link, LinkEvent, LinkInfo, RecvBuf};
+use crate::link::{Link, LinkEvent, LinkInfo, RecvBuf, Work};
 use crate::pool::Pool;
 use crate::proto::{self, Action, Delivery, MsgId, RecvMode};
 
@@ -189,6 +189,9 @@ impl State {
         link: Box<dyn Link>,
         self_ref: std::sync::Weak<Shared>,
     ) -> State {
+        let mut link = link;
+        // The driver runs the link's large copies outside the lock (`Driver::poll`).
+        link.enable_work();
         let info = link.info();
         let pool = link.pool();
         let stats = super::ConnStats {
@@ -645,6 +648,13 @@ impl State {
                 self.dests.insert(msg, Dest::Buf(buf));
                 self.core.accept_rendezvous(now, msg, RecvMode::Read);
             }
+            Err(Error::Io { context, source }) => {
+                let context = format!(
+                    "{context} for rendezvous message {msg}; such buffers are bounded by Config::rndv_recv_budget (IBEX_RNDV_RECV_BUDGET) and max_message_size: lower them"
+                );
+                self.core
+                    .reject_rendezvous(now, msg, Error::Io { context, source });
+            }
             Err(e) => self.core.reject_rendezvous(now, msg, e),
         }
     }
@@ -755,6 +765,21 @@ impl Future for Driver {
                 shared.notify_changed();
                 shared.send_space.notify_waiters();
                 return Poll::Ready(());
+            }
+            // Large copies run with the lock released, so sends, receives and reads on this
+            // connection from other tasks are not held up by them; the next turn hands
+            // their completions to the core.
+            let work = st.link.as_mut().map(|l| l.take_work()).unwrap_or_default();
+            if !work.is_empty() {
+                drop(st);
+                let done: Vec<_> = work.into_iter().map(Work::run).collect();
+                st = shared.lock();
+                if let Some(link) = st.link.as_mut() {
+                    for (id, result) in done {
+                        link.work_done(id, result);
+                    }
+                }
+                continue;
             }
             // Spin, then sleep: while a receiver waits, a reply that arrives within the budget
             // costs no syscall and no wake-up. The spin is cooperative: one poll of the link,

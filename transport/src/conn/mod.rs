@@ -5,6 +5,7 @@
 //! access to peer buffers ([`Connection::expose`], [`Connection::read_remote`]): the
 //! zero-copy paths the parameter server uses.
 
+mod accept;
 mod addr;
 mod driver;
 mod malloc;
@@ -12,7 +13,7 @@ mod stats;
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use tokio::sync::oneshot;
@@ -26,9 +27,6 @@ use crate::error::{Error, Result};
 use crate::link::{Link, RecvBuf};
 use crate::pool::{Pool, PoolBufMut};
 use driver::{Driver, Posted, ReadyMsg, Released, Shared, State};
-
-/// How long `connect`/`accept` wait for the peer's protocol handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One message connection. Cheap to clone; the connection closes gracefully when the last
 /// clone is dropped (or at [`Connection::close`]).
@@ -107,12 +105,12 @@ impl Connection {
         let conn = Connection {
             handle: Arc::new(Handle { shared }),
         };
-        match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.wait_established()).await {
+        match tokio::time::timeout(config.handshake_timeout, conn.wait_established()).await {
             Ok(r) => r?,
             Err(_) => {
                 return Err(Error::Timeout(format!(
-                    "no protocol handshake from the peer within {}s: is it an Ibex endpoint of the same version?",
-                    HANDSHAKE_TIMEOUT.as_secs()
+                    "no protocol handshake from the peer within {} ms: is it an Ibex endpoint of the same version? (Config::handshake_timeout, IBEX_HANDSHAKE_TIMEOUT_MS)",
+                    config.handshake_timeout.as_millis()
                 )));
             }
         }
@@ -530,140 +528,159 @@ impl Drop for RemoteBuf {
 }
 
 /// Accepts connections on one address.
+///
+/// Each accepted peer is set up (provider preface, protocol handshake) in a task of its
+/// own, under [`Config::handshake_timeout`] and with at most [`Config::max_handshakes`]
+/// set-ups at once; a peer that fails or stalls is logged and dropped without delaying any
+/// other. Dropping the listener stops accepting, abandons set-ups in progress and removes
+/// its shm socket file.
 pub struct Listener {
-    inner: ListenerInner,
-    config: Config,
+    ready: tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Connection>>,
+    acceptors: Vec<tokio::task::AbortHandle>,
+    socket_files: Vec<crate::shm::SocketFile>,
+    local_uri: String,
+    shm_uri: Option<String>,
 }
 
-enum ListenerInner {
-    Shm(crate::shm::ShmListener, String),
-    Tcp(crate::tcp::TcpListener),
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::VerbsListener),
-    /// `listen_auto`: the same port over tcp, shm for local peers, and verbs (bootstrap on
-    /// port + 1) when this host has an RDMA device.
-    Auto {
-        shm: crate::shm::ShmListener,
-        shm_uri: String,
-        tcp: crate::tcp::TcpListener,
-        verbs: Option<VerbsListener>,
-    },
-}
-
-#[cfg(feature = "verbs")]
-type VerbsListener = crate::verbs::VerbsListener;
-/// Without the feature there is never a verbs listener.
-#[cfg(not(feature = "verbs"))]
-enum VerbsListener {}
-
-async fn accept_verbs(l: &Option<VerbsListener>) -> Result<Box<dyn Link>> {
-    match l {
-        #[cfg(feature = "verbs")]
-        Some(l) => Ok(Box::new(l.accept().await?)),
-        #[cfg(not(feature = "verbs"))]
-        Some(never) => match *never {},
-        None => std::future::pending().await,
+impl Drop for Listener {
+    fn drop(&mut self) {
+        for a in &self.acceptors {
+            a.abort();
+        }
+        // The aborted tasks drop their sockets later, on the runtime; the file goes now, so
+        // a new listener on the path never sees it.
+        for f in &self.socket_files {
+            f.remove();
+        }
     }
 }
 
 impl Listener {
-    /// Waits for the next peer and completes the handshake with it.
+    fn start(
+        sources: Vec<accept::Source>,
+        config: Config,
+        local_uri: String,
+        shm_uri: Option<String>,
+    ) -> Listener {
+        let (tx, rx) = tokio::sync::mpsc::channel(config.max_handshakes);
+        let shared = Arc::new(accept::Shared {
+            slots: Arc::new(tokio::sync::Semaphore::new(config.max_handshakes)),
+            config,
+            ready: tx,
+            warnings: Default::default(),
+        });
+        let mut socket_files = Vec::new();
+        let mut acceptors = Vec::new();
+        for source in sources {
+            if let accept::Source::Shm(l) = &source {
+                socket_files.push(l.socket_file());
+            }
+            acceptors.push(tokio::spawn(accept::run(source, shared.clone())).abort_handle());
+        }
+        Listener {
+            ready: tokio::sync::Mutex::new(rx),
+            acceptors,
+            socket_files,
+            local_uri,
+            shm_uri,
+        }
+    }
+
+    /// Waits for the next peer that has completed set-up. Peers that fail set-up never
+    /// show here (they are logged); an `Err` means the listener itself has stopped.
+    /// Cancel-safe: a dropped `accept` loses no connection.
     pub async fn accept(&self) -> Result<Connection> {
-        let link: Box<dyn Link> = match &self.inner {
-            ListenerInner::Shm(l, _) => Box::new(l.accept().await?),
-            ListenerInner::Tcp(l) => Box::new(l.accept().await?),
-            #[cfg(feature = "verbs")]
-            ListenerInner::Verbs(l) => Box::new(l.accept().await?),
-            ListenerInner::Auto {
-                shm, tcp, verbs, ..
-            } => tokio::select! {
-                r = shm.accept() => Box::new(r?),
-                r = tcp.accept() => Box::new(r?),
-                r = accept_verbs(verbs) => r?,
-            },
-        };
-        Connection::establish(link, &self.config).await
+        self.ready.lock().await.recv().await.ok_or_else(|| {
+            Error::io(
+                format!("accepting on {}", self.local_uri),
+                std::io::Error::other("the listener's accept tasks have stopped"),
+            )
+        })
     }
 
     /// The address peers connect to (for auto listeners, the tcp one; local peers using
     /// [`connect_auto`] find the shm socket from it).
     pub fn local_uri(&self) -> String {
-        match &self.inner {
-            ListenerInner::Shm(_, uri) => uri.clone(),
-            ListenerInner::Tcp(l) | ListenerInner::Auto { tcp: l, .. } => l
-                .local_addr()
-                .map(|a| format!("tcp://{a}"))
-                .unwrap_or_default(),
-            #[cfg(feature = "verbs")]
-            ListenerInner::Verbs(l) => format!("verbs://{}", l.local_addr()),
-        }
+        self.local_uri.clone()
     }
 
     /// For auto listeners, the shm address local peers use.
     pub fn shm_uri(&self) -> Option<String> {
-        match &self.inner {
-            ListenerInner::Shm(_, uri) | ListenerInner::Auto { shm_uri: uri, .. } => {
-                Some(uri.clone())
-            }
-            _ => None,
-        }
+        self.shm_uri.clone()
     }
+}
+
+fn tcp_uri(l: &crate::tcp::TcpListener) -> Result<String> {
+    Ok(format!("tcp://{}", l.local_addr()?))
 }
 
 /// Listens on `uri`: `shm:///path.sock` or `tcp://host:port` (port 0 picks one).
 pub async fn listen(uri: &str, config: Config) -> Result<Listener> {
     config.validate()?;
-    let inner = match Addr::parse(uri)? {
-        Addr::Shm(p) => ListenerInner::Shm(crate::shm::listen(&p, &config).await?, uri.to_string()),
-        Addr::Tcp(a) => ListenerInner::Tcp(crate::tcp::listen(&a, &config).await?),
+    let (source, local, shm) = match Addr::parse(uri)? {
+        Addr::Shm(p) => (
+            accept::Source::Shm(crate::shm::listen(&p, &config).await?),
+            uri.to_string(),
+            Some(uri.to_string()),
+        ),
+        Addr::Tcp(a) => {
+            let l = crate::tcp::listen(&a, &config).await?;
+            let local = tcp_uri(&l)?;
+            (accept::Source::Tcp(l), local, None)
+        }
         #[cfg(feature = "verbs")]
-        Addr::Verbs(a) => ListenerInner::Verbs(crate::verbs::listen(&a, &config).await?),
+        Addr::Verbs(a) => {
+            let l = crate::verbs::listen(&a, &config).await?;
+            let local = format!("verbs://{}", l.local_addr());
+            (accept::Source::Verbs(l), local, None)
+        }
         #[cfg(not(feature = "verbs"))]
         Addr::Verbs(_) => return Err(verbs_missing(uri)),
     };
-    Ok(Listener { inner, config })
+    Ok(Listener::start(vec![source], config, local, shm))
 }
 
 /// Listens on `host:port` over tcp and, for peers on this host, over shm at
-/// [`auto_shm_path`]`(port)`, so that [`connect_auto`] can pick the best path.
+/// [`auto_shm_path`]`(port)`, so that [`connect_auto`] can pick the best path; and over
+/// verbs (bootstrap on port + 1) when this host has an RDMA device.
 pub async fn listen_auto(host_port: &str, config: Config) -> Result<Listener> {
     config.validate()?;
     let tcp = crate::tcp::listen(host_port, &config).await?;
+    let local = tcp_uri(&tcp)?;
     let port = tcp.local_addr()?.port();
     let path = auto_shm_path(port);
     let shm = crate::shm::listen(&path, &config).await?;
-    let verbs = listen_auto_verbs(host_port, port, &config).await;
-    Ok(Listener {
-        inner: ListenerInner::Auto {
-            shm,
-            shm_uri: format!("shm://{}", path.display()),
-            tcp,
-            verbs,
-        },
-        config,
-    })
+    let mut sources = vec![accept::Source::Tcp(tcp), accept::Source::Shm(shm)];
+    listen_auto_verbs(host_port, port, &config, &mut sources).await;
+    let shm_uri = format!("shm://{}", path.display());
+    Ok(Listener::start(sources, config, local, Some(shm_uri)))
 }
 
 /// The verbs side of an auto listener: bootstrap on port + 1, only where a device exists.
 #[cfg(feature = "verbs")]
-async fn listen_auto_verbs(host_port: &str, port: u16, config: &Config) -> Option<VerbsListener> {
+async fn listen_auto_verbs(
+    host_port: &str,
+    port: u16,
+    config: &Config,
+    sources: &mut Vec<accept::Source>,
+) {
     if !crate::verbs::device_available() {
-        return None;
+        return;
     }
     let host = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
-    match crate::verbs::listen(&format!("{host}:{}", port.checked_add(1)?), config).await {
-        Ok(l) => Some(l),
+    let Some(bootstrap) = port.checked_add(1) else {
+        return;
+    };
+    match crate::verbs::listen(&format!("{host}:{bootstrap}"), config).await {
+        Ok(l) => sources.push(accept::Source::Verbs(l)),
         Err(e) => {
-            tracing::warn!(%e, "listen_auto: RDMA device present but the verbs listener failed; serving shm and tcp only");
-            None
+            tracing::warn!(%e, "listen_auto: RDMA device present but the verbs listener failed; serving shm and tcp only")
         }
     }
 }
 
 #[cfg(not(feature = "verbs"))]
-async fn listen_auto_verbs(_: &str, _: u16, _: &Config) -> Option<VerbsListener> {
-    None
-}
+async fn listen_auto_verbs(_: &str, _: u16, _: &Config, _: &mut Vec<accept::Source>) {}
 
 /// Connects to `uri` (`shm:///path.sock`, `tcp://host:port`).
 pub async fn connect(uri: &str, config: Config) -> Result<Connection> {

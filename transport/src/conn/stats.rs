@@ -73,6 +73,7 @@ impl ConnStats {
         p.frames_sent += o.frames_sent;
         p.frames_recv += o.frames_recv;
         p.reads_issued += o.reads_issued;
+        p.rndv_recv_deferred += o.rndv_recv_deferred;
         if self.provider.is_empty() {
             self.provider = other.provider;
             self.rendezvous_path = other.rendezvous_path.clone();
@@ -136,6 +137,13 @@ impl fmt::Display for ConnStats {
             "coalesced {} msgs, credit stalls {}, frames {} out / {} in, reads {}",
             p.coalesced_msgs, p.credit_stalls, p.frames_sent, p.frames_recv, p.reads_issued
         )?;
+        if p.rndv_recv_deferred > 0 {
+            write!(
+                f,
+                ", {} receives waited for the receive budget",
+                p.rndv_recv_deferred
+            )?;
+        }
         if let Some(rate) = self.reg_cache_hit_rate() {
             write!(
                 f,

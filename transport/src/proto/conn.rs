@@ -50,6 +50,8 @@ enum Out {
 /// Progress of an incoming rendezvous message (or probe sample).
 #[derive(Debug, PartialEq, Eq)]
 enum RndvState {
+    /// Waiting for room in the receive budget (`Config::rndv_recv_budget`): no `BeginRecv` yet.
+    Deferred,
     /// `BeginRecv` emitted; waiting for the driver's `accept_rendezvous`.
     Announced,
     /// Fragments being read.
@@ -129,6 +131,13 @@ pub struct Connection {
     groups: HashMap<MsgId, u16>,
     /// Mapped messages whose `RndvDone` waits for `release_recv`.
     mapped_unreleased: BTreeSet<MsgId>,
+    /// Rendezvous receives past the budget, in arrival order (messages and probe samples).
+    deferred: VecDeque<MsgId>,
+    /// Bytes charged to the receive budget, per message: from `BeginRecv` until the
+    /// application takes the message (or a probe sample is read, or a mapping needs none).
+    charged: HashMap<MsgId, u64>,
+    /// Sum of `charged`.
+    charged_bytes: u64,
     /// Credits owed to the peer (sent in the next frame's header).
     owed: u32,
     /// Data frames the peer may still send before it must wait for credits from us.
@@ -192,6 +201,9 @@ impl Connection {
             unconsumed: HashMap::new(),
             groups: HashMap::new(),
             mapped_unreleased: BTreeSet::new(),
+            deferred: VecDeque::new(),
+            charged: HashMap::new(),
+            charged_bytes: 0,
             owed: 0,
             recv_window: config.credits,
             probe: None,
@@ -315,11 +327,8 @@ impl Connection {
             } => {
                 self.owed += 1;
                 let msg = PROBE_MSG_BIT | u64::from(probe_id);
-                if len > self.cfg.max_message_size {
-                    return self.violation(format!(
-                        "probe of {len} bytes exceeds our max_message_size of {} bytes",
-                        self.cfg.max_message_size
-                    ));
+                if let Err(what) = self.check_probe_len(len) {
+                    return self.violation(what);
                 }
                 if self.recv.contains_key(&msg) {
                     return self.violation(format!(
@@ -337,11 +346,8 @@ impl Connection {
             } => {
                 self.owed += 1;
                 let msg = PROBE_MSG_BIT | u64::from(probe_id);
-                if len > self.cfg.max_message_size {
-                    return self.violation(format!(
-                        "probe read of {len} bytes exceeds our max_message_size of {} bytes",
-                        self.cfg.max_message_size
-                    ));
+                if let Err(what) = self.check_probe_len(len) {
+                    return self.violation(what);
                 }
                 if !(MIN_FRAGMENT..=MAX_FRAGMENT).contains(&(fragment as usize)) {
                     return self.violation(format!(
@@ -502,6 +508,8 @@ impl Connection {
                 if !r.probe {
                     self.mapped_unreleased.insert(msg);
                 }
+                // A view takes no memory of ours: its bytes go back to the budget at once.
+                self.uncharge(msg);
                 self.complete(msg);
             }
         }
@@ -523,6 +531,7 @@ impl Connection {
         if self.is_closed() {
             return;
         }
+        self.uncharge(msg);
         match self.unconsumed.remove(&msg) {
             Some(CreditTag::Single) => self.owed += 1,
             Some(CreditTag::Group(first)) => {
@@ -911,20 +920,67 @@ impl Connection {
     fn begin_recv(&mut self, msg: MsgId, len: u64, desc: Bytes, probe: bool, frag: u64) {
         let r = RndvIn {
             len,
-            desc: desc.clone(),
+            desc,
             probe,
-            state: RndvState::Announced,
+            state: RndvState::Deferred,
             next_offset: 0,
             frag,
             reads_out: 0,
         };
         self.recv.insert(msg, InMsg::Rndv(r));
-        self.actions.push_back(Action::BeginRecv {
-            msg,
-            len,
-            descriptor: desc,
-            probe,
-        });
+        self.deferred.push_back(msg);
+        self.admit();
+        if matches!(self.recv.get(&msg), Some(InMsg::Rndv(r)) if r.state == RndvState::Deferred) {
+            self.stats.rndv_recv_deferred += 1;
+        }
+    }
+
+    /// Announces deferred receives, oldest first, while the budget has room. The oldest
+    /// goes alone when nothing else is charged, however large, so it never waits forever;
+    /// later ones wait behind it, so a large message is not overtaken for ever either.
+    fn admit(&mut self) {
+        while let Some(&msg) = self.deferred.front() {
+            let Some(InMsg::Rndv(r)) = self.recv.get_mut(&msg) else {
+                self.deferred.pop_front();
+                continue;
+            };
+            let budget = self.cfg.rndv_recv_budget as u64;
+            if self.charged_bytes > 0 && self.charged_bytes.saturating_add(r.len) > budget {
+                return;
+            }
+            self.deferred.pop_front();
+            r.state = RndvState::Announced;
+            let (len, descriptor, probe) = (r.len, r.desc.clone(), r.probe);
+            self.charged.insert(msg, len);
+            self.charged_bytes += len;
+            self.actions.push_back(Action::BeginRecv {
+                msg,
+                len,
+                descriptor,
+                probe,
+            });
+        }
+    }
+
+    /// Gives `msg`'s bytes back to the receive budget, and lets deferred receives in.
+    fn uncharge(&mut self, msg: MsgId) {
+        if let Some(len) = self.charged.remove(&msg) {
+            self.charged_bytes -= len;
+            self.admit();
+        }
+    }
+
+    /// A probe sample is never longer than the largest eager size (its rendezvous samples
+    /// stand beside eager ones) or the fragment sample; anything longer is no probe of ours,
+    /// and would only make us allocate.
+    fn check_probe_len(&self, len: u64) -> Result<(), String> {
+        let limit = self.cfg.slot_size.max(FRAGMENT_PROBE_LEN) as u64;
+        if len > limit {
+            return Err(format!(
+                "probe sample of {len} bytes is longer than any probe sends (at most {limit})"
+            ));
+        }
+        Ok(())
     }
 
     /// Issues fragment reads, message by message, up to the in-flight limit.
@@ -970,6 +1026,7 @@ impl Connection {
         };
         if probe {
             self.recv.remove(&msg);
+            self.uncharge(msg);
             self.control.push_back(Body::RndvDone {
                 seq: msg & !PROBE_MSG_BIT,
                 probe: true,
@@ -1139,10 +1196,13 @@ impl Connection {
         }
         self.close_error = Some(error.clone());
         self.actions.push_back(Action::Closed { error });
+        // Deferred receives were never announced: the driver holds nothing for them.
         let receiving: Vec<MsgId> = self
             .recv
             .iter()
-            .filter_map(|(&msg, m)| matches!(m, InMsg::Rndv(_)).then_some(msg))
+            .filter_map(|(&msg, m)| {
+                matches!(m, InMsg::Rndv(r) if r.state != RndvState::Deferred).then_some(msg)
+            })
             .collect();
         for msg in receiving {
             self.actions.push_back(Action::Discard { msg });
@@ -1162,6 +1222,9 @@ impl Connection {
         self.unconsumed.clear();
         self.groups.clear();
         self.mapped_unreleased.clear();
+        self.deferred.clear();
+        self.charged.clear();
+        self.charged_bytes = 0;
     }
 }
 

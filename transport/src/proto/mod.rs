@@ -181,6 +181,9 @@ pub struct ProtoStats {
     pub frames_recv: u64,
     /// Fragment reads issued.
     pub reads_issued: u64,
+    /// Times a rendezvous message had to wait for the receive budget
+    /// (`Config::rndv_recv_budget`) before this side gave it memory.
+    pub rndv_recv_deferred: u64,
     /// The eager threshold in force.
     pub eager_threshold: usize,
     /// How the threshold was chosen: `"probe"`, `"config"`, `"env"` or `"default"`.

@@ -26,7 +26,7 @@ use super::cma;
 use super::ring::{Consumer, HEADER_BYTES, Producer, RingHeader};
 use super::segment::{self, MappedSlice, Mapping};
 use crate::error::{Error, Result};
-use crate::link::{Exposure, Link, LinkEvent, LinkInfo, Registration};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, Registration, Work};
 use crate::pool::Pool;
 
 /// How long `poll_send` spins for ring space before sleeping on an eventfd (the consumer
@@ -60,6 +60,38 @@ fn spin_until(budget: Duration, mut ready: impl FnMut() -> bool) -> bool {
 
 /// Bounce requests one peer may have queued at us; more is a protocol violation.
 const MAX_SERVE_QUEUE: usize = 4096;
+/// Reads at least this large are copied by the driver outside the connection lock (once
+/// it asked for that, [`Link::enable_work`]); smaller ones cost less than the hand-over.
+const WORK_MIN: usize = 64 << 10;
+
+/// The destination of a copy handed to the driver as [`Work`].
+struct Dst(*mut u8);
+
+// SAFETY: only the address moves to the thread that runs the work; the memory behind it is
+// kept valid and untouched by anyone else until the read completes (`Link::post_read`'s
+// contract), and the work is its only user meanwhile.
+unsafe impl Send for Dst {}
+
+impl Dst {
+    /// Copies `len` bytes from `src`.
+    ///
+    /// # Safety
+    /// `src` is valid for `len` bytes and does not overlap the destination, which is
+    /// valid for `len` bytes.
+    unsafe fn copy_from(self, src: *const u8, len: usize) {
+        // SAFETY: per this function's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src, self.0, len) }
+    }
+
+    /// Reads `len` bytes at `remote` in process `pid` with CMA.
+    ///
+    /// # Safety
+    /// The destination is valid for `len` bytes.
+    unsafe fn cma_read(self, pid: i32, remote: u64, len: usize) -> Result<()> {
+        // SAFETY: per this function's contract.
+        unsafe { cma::read(pid, remote, self.0, len) }
+    }
+}
 
 const T_FRAME: u8 = 0;
 const T_READ_REQ: u8 = 1;
@@ -226,6 +258,8 @@ pub struct ShmLink {
     regions: HashMap<u64, Bytes>,
     next_region: u64,
     completions: VecDeque<(u64, Result<()>)>,
+    /// Large copies for the driver to run outside the connection lock, when it asked.
+    work: Option<Vec<Work>>,
     reads: HashMap<u64, BounceRead>,
     next_rid: u64,
     serving: VecDeque<Serve>,
@@ -325,6 +359,7 @@ impl ShmLink {
             regions: HashMap::new(),
             next_region: 1,
             completions: VecDeque::new(),
+            work: None,
             reads: HashMap::new(),
             next_rid: 1,
             serving: VecDeque::new(),
@@ -973,16 +1008,29 @@ impl Link for ShmLink {
                         self.peer_pool.len()
                     )));
                 }
-                // SAFETY: the source lies inside the peer pool mapping (checked above); dst
-                // is valid for `len` bytes per this function's contract.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        self.peer_pool.ptr().add((base + offset) as usize),
-                        dst,
-                        len,
-                    );
+                let at = (base + offset) as usize;
+                let dst = Dst(dst);
+                match self.work.as_mut().filter(|_| len >= WORK_MIN) {
+                    Some(work) => {
+                        // The job holds the mapping itself, so the source outlives the link.
+                        let pool = self.peer_pool.clone();
+                        let job = move || {
+                            // SAFETY: `at..at+len` lies inside the peer pool mapping (checked
+                            // above), which `pool` keeps mapped; the destination is valid per
+                            // this function's contract and is not the shared segment.
+                            unsafe { dst.copy_from(pool.ptr().add(at), len) };
+                            Ok(())
+                        };
+                        // SAFETY: the job touches the mapping it owns and the destination,
+                        // which post_read's contract keeps valid until the read completes.
+                        work.push(unsafe { Work::new(id, Box::new(job)) });
+                    }
+                    None => {
+                        // SAFETY: as in the job above.
+                        unsafe { dst.copy_from(self.peer_pool.ptr().add(at), len) };
+                        self.completions.push_back((id, Ok(())));
+                    }
                 }
-                self.completions.push_back((id, Ok(())));
             }
             Desc::Region {
                 pid, region, addr, ..
@@ -994,10 +1042,21 @@ impl Link for ShmLink {
                     )));
                 }
                 if self.cma {
-                    // SAFETY: dst is valid for `len` bytes (function contract).
-                    let r =
-                        unsafe { cma::read(self.peer_pid, addr.wrapping_add(offset), dst, len) };
-                    self.completions.push_back((id, r));
+                    let (pid, remote, dst) = (self.peer_pid, addr.wrapping_add(offset), Dst(dst));
+                    match self.work.as_mut().filter(|_| len >= WORK_MIN) {
+                        Some(work) => {
+                            // SAFETY: dst is valid for `len` bytes (function contract).
+                            let job = move || unsafe { dst.cma_read(pid, remote, len) };
+                            // SAFETY: the job touches only the destination, which post_read's
+                            // contract keeps valid until the read completes.
+                            work.push(unsafe { Work::new(id, Box::new(job)) });
+                        }
+                        None => {
+                            // SAFETY: dst is valid for `len` bytes (function contract).
+                            let r = unsafe { dst.cma_read(pid, remote, len) };
+                            self.completions.push_back((id, r));
+                        }
+                    }
                 } else {
                     let rid = self.next_rid;
                     self.next_rid += 1;
@@ -1024,6 +1083,18 @@ impl Link for ShmLink {
 
     fn pool(&self) -> Option<Arc<Pool>> {
         Some(self.pool.clone())
+    }
+
+    fn enable_work(&mut self) {
+        self.work.get_or_insert_with(Vec::new);
+    }
+
+    fn take_work(&mut self) -> Vec<Work> {
+        self.work.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn work_done(&mut self, id: u64, result: Result<()>) {
+        self.completions.push_back((id, result));
     }
 
     fn close(&mut self) {

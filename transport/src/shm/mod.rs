@@ -28,4 +28,5 @@ mod segment;
 mod setup;
 
 pub use link::ShmLink;
-pub use setup::{SETUP_TIMEOUT, ShmListener, connect, listen};
+pub use setup::{SETUP_TIMEOUT, ShmListener, check_peer_preface, connect, listen};
+pub(crate) use setup::{SocketFile, accept_setup};

@@ -1,7 +1,7 @@
 //! The `tcp` provider: a [`Link`](crate::link::Link) over one TCP stream, for hosts that
 //! share no memory and have no RDMA.
 //!
-//! After a versioned preface each way ([`preface`]), the stream carries typed records
+//! After the set-up preface each way ([`crate::preface`]), the stream carries typed records
 //! ([`wire`]): core frames, read requests, and read responses. Rendezvous reads are
 //! emulated: the reader sends a request naming an exposed region, the owner's link serves
 //! it from inside its own `poll_event` (no involvement of its protocol core) with vectored
@@ -20,7 +20,6 @@
 //! ```
 
 mod link;
-pub mod preface;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -30,6 +29,7 @@ use tokio::net::TcpStream;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::preface::{self, Preface, Provider};
 
 pub use link::TcpLink;
 
@@ -73,15 +73,10 @@ impl TcpListener {
 
     /// Waits for the next peer and sets the connection up. A peer that fails setup (wrong
     /// protocol, wrong token, silent for [`SETUP_TIMEOUT`]) is an `Err` from this call; the
-    /// listener stays usable. Setup runs inline: spawn per accepted stream if one slow
-    /// client must not delay the next.
+    /// listener stays usable. Setup runs inline, so one silent peer delays the next:
+    /// [`crate::listen`]'s listener sets each peer up in a task of its own instead.
     pub async fn accept(&self) -> Result<TcpLink> {
-        let (stream, addr) = self
-            .inner
-            .accept()
-            .await
-            .map_err(|e| Error::io("accepting a tcp connection", e))?;
-        let peer = addr.to_string();
+        let (stream, peer) = self.accept_stream().await?;
         match tokio::time::timeout(SETUP_TIMEOUT, setup(stream, &self.config, peer.clone())).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout(format!(
@@ -89,6 +84,18 @@ impl TcpListener {
                 SETUP_TIMEOUT.as_secs()
             ))),
         }
+    }
+}
+
+impl TcpListener {
+    /// The next accepted stream and its peer's address, before any set-up (cancel-safe).
+    pub(crate) async fn accept_stream(&self) -> Result<(TcpStream, String)> {
+        let (stream, addr) = self
+            .inner
+            .accept()
+            .await
+            .map_err(|e| Error::io("accepting a tcp connection", e))?;
+        Ok((stream, addr.to_string()))
     }
 }
 
@@ -149,7 +156,9 @@ async fn resolve(addr: &str) -> Result<Vec<SocketAddr>> {
     Ok(addrs)
 }
 
-async fn setup(mut stream: TcpStream, config: &Config, peer: String) -> Result<TcpLink> {
+/// Runs the preface on a fresh stream (either side); `peer` names the other end in errors.
+/// No deadline of its own: callers bound it.
+pub(crate) async fn setup(mut stream: TcpStream, config: &Config, peer: String) -> Result<TcpLink> {
     // Frames are latency-bound and already batched by the link's write queue.
     stream.set_nodelay(true).map_err(|e| {
         Error::io(
@@ -157,7 +166,16 @@ async fn setup(mut stream: TcpStream, config: &Config, peer: String) -> Result<T
             e,
         )
     })?;
-    let theirs = preface::exchange(&mut stream, config, &peer).await?;
+    let ours = Preface::ours(config, Vec::new())?;
+    let who = format!("peer at {peer}");
+    let theirs = preface::exchange(&mut stream, Provider::Tcp, &ours, &who)
+        .await?
+        .ok_or_else(|| preface::closed_during_setup(&who))?;
     tracing::debug!(%peer, peer_slot = theirs.slot_size, "tcp link set up");
-    Ok(TcpLink::new(stream, peer, config, theirs.slot_size))
+    Ok(TcpLink::new(
+        stream,
+        peer,
+        config,
+        theirs.slot_size as usize,
+    ))
 }

@@ -198,13 +198,35 @@ impl VerbsListener {
 
     /// Waits for the next peer and sets up its link.
     pub async fn accept(&self) -> Result<VerbsLink> {
+        let (tcp, peer) = self.accept_stream().await?;
+        establish(tcp, &self.config, &self.opts, peer).await
+    }
+
+    /// The next accepted bootstrap stream and its peer's address, before any set-up
+    /// (cancel-safe).
+    pub(crate) async fn accept_stream(&self) -> Result<(TcpStream, String)> {
         let (tcp, peer) = self
             .tcp
             .accept()
             .await
             .map_err(|e| Error::io("accepting a verbs bootstrap connection", e))?;
-        establish(tcp, &self.config, &self.opts, peer.to_string()).await
+        Ok((tcp, peer.to_string()))
     }
+
+    /// The device options accepted peers are set up with.
+    pub(crate) fn options(&self) -> &VerbsOptions {
+        &self.opts
+    }
+}
+
+/// Sets up an accepted bootstrap stream (the listener side of [`VerbsListener::accept`]).
+pub(crate) async fn accept_setup(
+    tcp: TcpStream,
+    config: &Config,
+    opts: &VerbsOptions,
+    peer: String,
+) -> Result<VerbsLink> {
+    establish(tcp, config, opts, peer).await
 }
 
 fn psn() -> u32 {
@@ -234,7 +256,7 @@ async fn establish(
     };
     tokio::time::timeout(
         bootstrap::TIMEOUT,
-        bootstrap::hello(&mut tcp, config.auth_token.as_deref()),
+        bootstrap::hello(&mut tcp, config, &peer),
     )
     .await
     .map_err(|_| timeout("hello"))??;
@@ -339,12 +361,8 @@ async fn establish(
     .map_err(|_| timeout("queue pair exchange"))??;
     tracing::debug!(device = ?dev, ?ours, ?theirs, "verbs: connecting queue pairs");
 
+    // QpInfo::decode bounded it (16 MiB at most).
     let max_frame = theirs.slot_size as usize;
-    if max_frame > (16 << 20) {
-        return Err(Error::Handshake(format!(
-            "peer announced a {max_frame}-byte receive slot; at most 16 MiB is supported"
-        )));
-    }
     let send = Slab::new(&dev.pd, n_send * max_frame, AccessFlags::LocalWrite)?;
     let max_rd = rd_cap.min(theirs.max_rd_atom).max(1);
 

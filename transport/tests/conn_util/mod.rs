@@ -15,6 +15,7 @@ pub fn init_tracing() {
 }
 
 /// A recognisable payload: byte i is `i * 31 + seed`.
+#[allow(dead_code)] // not every test binary that shares this module sends patterns
 pub fn pattern(len: usize, seed: u8) -> Bytes {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -34,6 +35,7 @@ pub fn fixed_threshold(t: usize) -> Config {
 }
 
 /// A listen address for `provider`, unique per process and `tag`.
+#[allow(dead_code)] // not every test binary that shares this module listens on one
 pub fn uri(provider: &str, tag: &str) -> String {
     match provider {
         "shm" => {

@@ -1,0 +1,338 @@
+//! A listener that one bad peer cannot stop: while peers connect and stay silent, send junk
+//! instead of a preface, or fill every set-up slot, an honest peer still connects and
+//! exchanges a message, and each bad peer is closed rather than left hanging.
+//!
+//! Nothing here measures speed. The honest exchange has to finish while the bad peers are
+//! still connected and long before the set-up deadline they would have to run into, which
+//! is what shows that nothing waited on them.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ibex_transport::{Config, Connection, Listener, connect, listen};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+mod conn_util;
+use conn_util::{fixed_threshold, init_tracing, uri};
+
+/// A hang guard, not a performance assertion.
+const GUARD: Duration = Duration::from_secs(60);
+
+/// A deadline far beyond the guard of the honest exchange, so waiting on a bad peer would
+/// show as a failure rather than as a slow pass.
+fn patient() -> Config {
+    Config {
+        handshake_timeout: Duration::from_secs(30),
+        ..fixed_threshold(4096)
+    }
+}
+
+/// [`honest_round_trip`] under the hang guard.
+async fn served(l: &Listener, at: &str, config: &Config) -> Duration {
+    tokio::time::timeout(GUARD, honest_round_trip(l, at, config))
+        .await
+        .expect("hang guard")
+}
+
+/// Connects an honest peer, exchanges one message each way, and says how long it took.
+async fn honest_round_trip(l: &Listener, at: &str, config: &Config) -> Duration {
+    let t = Instant::now();
+    let (server, client) = tokio::join!(
+        async { tokio::time::timeout(Duration::from_secs(10), l.accept()).await },
+        async { tokio::time::timeout(Duration::from_secs(10), connect(at, config.clone())).await }
+    );
+    let server: Connection = server
+        .expect("accept waited on a bad peer")
+        .expect("accept");
+    let client = client
+        .expect("connect waited on a bad peer")
+        .expect("connect");
+    client.send(Bytes::from_static(b"ping")).await.unwrap();
+    assert_eq!(&server.recv().await.unwrap()[..], b"ping");
+    server.send(Bytes::from_static(b"pong")).await.unwrap();
+    assert_eq!(&client.recv().await.unwrap()[..], b"pong");
+    t.elapsed()
+}
+
+/// A raw socket of either kind, read without waiting.
+trait TryRead {
+    fn try_read(&self, buf: &mut [u8]) -> std::io::Result<usize>;
+}
+impl TryRead for tokio::net::TcpStream {
+    fn try_read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        tokio::net::TcpStream::try_read(self, buf)
+    }
+}
+impl TryRead for tokio::net::UnixStream {
+    fn try_read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        tokio::net::UnixStream::try_read(self, buf)
+    }
+}
+
+/// True while the server keeps `s` open: what it wrote so far (its preface) is drained,
+/// and no end of stream follows.
+fn still_open(s: &impl TryRead) -> bool {
+    let mut b = [0u8; 256];
+    loop {
+        match s.try_read(&mut b) {
+            Ok(0) => return false,
+            Ok(_) => continue,
+            Err(e) => return e.kind() == std::io::ErrorKind::WouldBlock,
+        }
+    }
+}
+
+/// Reads until the server closes the stream (or resets it); fails the test on silence.
+async fn closed_by_server(mut s: impl AsyncRead + Unpin, within: Duration) {
+    let mut sink = vec![0u8; 4096];
+    let end = async {
+        loop {
+            match s.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(within, end)
+        .await
+        .expect("the server left a bad peer hanging instead of closing it");
+}
+
+fn tcp_addr(l: &Listener) -> String {
+    l.local_uri().trim_start_matches("tcp://").to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_silent_and_junk_peers_do_not_delay_an_honest_one() {
+    init_tracing();
+    let cfg = patient();
+    let l = listen(&uri("tcp", "hostile"), cfg.clone()).await.unwrap();
+    let addr = tcp_addr(&l);
+
+    let silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    // Junk: 1 MiB that is not a preface, written by a task of its own so that a server
+    // closing early (as it should) shows as a write error there, not here.
+    let mut junk = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let writer = tokio::spawn(async move {
+        let _ = junk.write_all(&vec![0xA5u8; 1 << 20]).await;
+        junk
+    });
+    // Give both a head start, so the honest peer arrives behind them.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let took = served(&l, &l.local_uri(), &cfg).await;
+    println!("honest tcp round trip behind a silent and a junk peer: {took:?}");
+    assert!(
+        still_open(&silent),
+        "the silent peer must still be connected while the honest one is served"
+    );
+    // The junk peer got the server's preface and then a close, never silence.
+    let junk = writer.await.unwrap();
+    closed_by_server(junk, GUARD).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_silent_peer_is_closed_at_the_deadline() {
+    init_tracing();
+    let cfg = Config {
+        handshake_timeout: Duration::from_millis(300),
+        ..fixed_threshold(4096)
+    };
+    let l = listen(&uri("tcp", "deadline"), cfg).await.unwrap();
+    let silent = tokio::net::TcpStream::connect(tcp_addr(&l)).await.unwrap();
+    closed_by_server(silent, GUARD).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_ups_past_the_cap_are_refused_at_once_and_slots_come_back() {
+    init_tracing();
+    let cfg = Config {
+        max_handshakes: 2,
+        handshake_timeout: Duration::from_millis(500),
+        ..fixed_threshold(4096)
+    };
+    let l = listen(&uri("tcp", "cap"), cfg.clone()).await.unwrap();
+    let addr = tcp_addr(&l);
+    let a = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let b = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Both slots are held by silent peers, which the deadline (500 ms) has not closed yet:
+    // the third peer is closed without its preface long before that.
+    let third = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let t = Instant::now();
+    let mut got = Vec::new();
+    let mut third = third;
+    tokio::time::timeout(GUARD, third.read_to_end(&mut got))
+        .await
+        .expect("hang guard")
+        .ok();
+    assert!(
+        got.is_empty(),
+        "a refused peer gets no preface ({} bytes came)",
+        got.len()
+    );
+    println!("refused past the cap after {:?}", t.elapsed());
+    // The deadline frees both slots, and an honest peer gets in.
+    closed_by_server(a, GUARD).await;
+    closed_by_server(b, GUARD).await;
+    served(&l, &l.local_uri(), &cfg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_silent_and_junk_peers_do_not_delay_an_honest_one() {
+    init_tracing();
+    let cfg = patient();
+    let at = uri("shm", "hostile");
+    let l = listen(&at, cfg.clone()).await.unwrap();
+    let path = at.trim_start_matches("shm://").to_string();
+
+    let silent = tokio::net::UnixStream::connect(&path).await.unwrap();
+    let mut junk = tokio::net::UnixStream::connect(&path).await.unwrap();
+    let writer = tokio::spawn(async move {
+        let _ = junk.write_all(&vec![0xA5u8; 1 << 20]).await;
+        junk
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let took = served(&l, &at, &cfg).await;
+    println!("honest shm round trip behind a silent and a junk peer: {took:?}");
+    assert!(
+        still_open(&silent),
+        "the silent peer must still be connected while the honest one is served"
+    );
+    let junk = writer.await.unwrap();
+    closed_by_server(junk, GUARD).await;
+    drop(l);
+    assert!(
+        !std::path::Path::new(&path).exists(),
+        "dropping the listener removes its socket file at once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_listener_serves_tcp_and_shm_side_by_side_and_accept_is_cancel_safe() {
+    init_tracing();
+    let cfg = patient();
+    let dir = std::env::temp_dir().join(format!("ibex-accept-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The shm path of an auto listener comes from its port; it only has to be somewhere
+    // private to this process.
+    // SAFETY: set before any other thread of this test reads the environment, and only
+    // this test in this binary uses auto listeners.
+    unsafe { std::env::set_var("IBEX_SHM_DIR", &dir) };
+    let l = ibex_transport::listen_auto("127.0.0.1:0", cfg.clone())
+        .await
+        .unwrap();
+    let tcp_at = l.local_uri();
+    let shm_at = l.shm_uri().unwrap();
+
+    // A tcp peer that stops part-way through its preface must not cost the shm peer
+    // anything (the listener once select!ed over set-ups and dropped the loser).
+    let mut half = tokio::net::TcpStream::connect(tcp_addr(&l)).await.unwrap();
+    half.write_all(b"IBEXTCP\0\x01").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    // `accept` abandoned over and over while peers arrive loses none of them.
+    let connecting = {
+        let (tcp_at, shm_at, cfg) = (tcp_at.clone(), shm_at.clone(), cfg.clone());
+        tokio::spawn(async move {
+            let (a, b) = tokio::join!(connect(&tcp_at, cfg.clone()), connect(&shm_at, cfg));
+            (a.expect("tcp connect"), b.expect("shm connect"))
+        })
+    };
+    let mut accepted = Vec::new();
+    let t = Instant::now();
+    while accepted.len() < 2 && t.elapsed() < GUARD {
+        if let Ok(r) = tokio::time::timeout(Duration::from_millis(1), l.accept()).await {
+            accepted.push(r.expect("accept"));
+        }
+    }
+    let (c_tcp, c_shm) = connecting.await.unwrap();
+    let mut providers: Vec<_> = accepted.iter().map(|c| c.provider()).collect();
+    providers.sort();
+    assert_eq!(providers, ["shm", "tcp"]);
+    for (client, tag) in [(&c_tcp, b"t"), (&c_shm, b"s")] {
+        client.send(Bytes::from_static(tag)).await.unwrap();
+    }
+    let mut got = Vec::new();
+    for s in &accepted {
+        got.push(s.recv().await.unwrap()[0]);
+    }
+    got.sort();
+    assert_eq!(got, b"st");
+    assert!(
+        still_open(&half),
+        "the half-way tcp peer is still waited for"
+    );
+    drop(l);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_token_and_wrong_version_peers_are_closed_not_left_silent() {
+    init_tracing();
+    let cfg = Config {
+        auth_token: Some("job-42".into()),
+        ..patient()
+    };
+    let l = listen(&uri("tcp", "token"), cfg.clone()).await.unwrap();
+    let addr = tcp_addr(&l);
+    let preface = |version: u16, token: &[u8]| {
+        let mut v = ibex_transport::preface::Preface {
+            slot_size: 65536,
+            features: 0,
+            token: token.to_vec(),
+            ext: Vec::new(),
+        }
+        .encode(ibex_transport::preface::Provider::Tcp);
+        v[8..10].copy_from_slice(&version.to_le_bytes());
+        v
+    };
+    for bad in [preface(2, b"guess"), preface(2, b""), preface(1, b"job-42")] {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(&bad).await.unwrap();
+        closed_by_server(s, GUARD).await;
+    }
+    served(&l, &l.local_uri(), &cfg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_established_connection_keeps_working_through_a_flood_of_idle_peers() {
+    init_tracing();
+    let cfg = patient();
+    let l = listen(&uri("tcp", "flood"), cfg.clone()).await.unwrap();
+    let addr = tcp_addr(&l);
+    let at = l.local_uri();
+    let (server, client) = tokio::join!(l.accept(), connect(&at, cfg.clone()));
+    let (server, client) = (server.unwrap(), client.unwrap());
+    // Far past the cap of set-ups: the first 128 hold a slot, the rest are closed at once.
+    let mut idle = Vec::new();
+    for _ in 0..600 {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    for i in 0..50u32 {
+        client
+            .send(Bytes::from(i.to_le_bytes().to_vec()))
+            .await
+            .unwrap();
+        let got = tokio::time::timeout(GUARD, server.recv())
+            .await
+            .expect("hang guard")
+            .unwrap();
+        assert_eq!(&got[..], &i.to_le_bytes());
+    }
+    // Those past the cap are closed as soon as the listener has taken them off its backlog.
+    let t = Instant::now();
+    loop {
+        let open = idle.iter().filter(|s| still_open(*s)).count();
+        if open <= cfg.max_handshakes {
+            break;
+        }
+        assert!(
+            t.elapsed() < GUARD,
+            "{open} idle peers still held open, past the cap of {}",
+            cfg.max_handshakes
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
