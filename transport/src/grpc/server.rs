@@ -9,7 +9,6 @@ use bytes::Bytes;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
 use std::pin::Pin;
-use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tonic::Status;
@@ -246,17 +245,16 @@ impl Builder {
     ) -> Result<()> {
         let routes = self.routes.unwrap_or_default().prepare();
         let shutdown = Arc::new(Flag::default());
-        // Accepting includes the peer's handshake and is not cancel-safe, so it runs in its
-        // own task and is never raced against the other events here.
-        let (tx, mut accepted) = mpsc::channel::<Connection>(1);
-        let acceptor = tokio::spawn(accept_loop(listener, tx));
+        // `accept` is cancel-safe (each peer's set-up runs in the listener's own tasks, under
+        // a deadline), so it can sit in the select with the rest.
         let mut conns = JoinSet::new();
+        let mut stopped = None;
         tokio::pin!(signal);
         loop {
             tokio::select! {
                 _ = &mut signal => break,
-                c = accepted.recv() => match c {
-                    Some(conn) => {
+                c = listener.accept() => match c {
+                    Ok(conn) => {
                         let stats = self.stats.clone();
                         let id = stats.add(&conn);
                         let (routes, shutdown) = (routes.clone(), shutdown.clone());
@@ -266,40 +264,22 @@ impl Builder {
                             stats.remove(id);
                         });
                     }
-                    None => break,
+                    // The listener itself stopped: drain what is running, then say why.
+                    Err(e) => {
+                        stopped = Some(e);
+                        break;
+                    }
                 },
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
             }
         }
-        // Stop accepting first (the listener goes with the task), then drain.
-        acceptor.abort();
-        let _ = acceptor.await;
+        // Stop accepting first (dropping the listener closes it), then drain.
+        drop(listener);
         shutdown.set();
         while conns.join_next().await.is_some() {}
-        Ok(())
-    }
-}
-
-async fn accept_loop(listener: Listener, tx: mpsc::Sender<Connection>) {
-    let mut backoff = std::time::Duration::ZERO;
-    loop {
-        match listener.accept().await {
-            Ok(conn) => {
-                backoff = std::time::Duration::ZERO;
-                if tx.send(conn).await.is_err() {
-                    return;
-                }
-            }
-            // A peer failing its setup must not stop the server; the pause keeps a persistent
-            // listener failure from spinning.
-            Err(e) => {
-                tracing::warn!(%e, "gRPC server: accepting a connection failed");
-                backoff = (backoff * 2).clamp(
-                    std::time::Duration::from_millis(5),
-                    std::time::Duration::from_secs(1),
-                );
-                tokio::time::sleep(backoff).await;
-            }
+        match stopped {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 }
