@@ -1175,6 +1175,64 @@ mod ibex_only {
         within(connect_info("tcp://127.0.0.1:0".into())).await
     }
 
+    /// `Endpoint` settings as tonic users set them: a default timeout the server also
+    /// enforces, a concurrency limit that queues calls, a connect timeout against a peer
+    /// that never answers.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn endpoint_settings() {
+        use ibex_transport::grpc::Endpoint;
+        within(async {
+            let (srv, mut ev) = start_at(shm_uri()).await;
+            let ch = Endpoint::new(srv.addr.clone())
+                .config(ibex_config())
+                .timeout(Duration::from_millis(300))
+                .concurrency_limit(1)
+                .connect()
+                .await
+                .unwrap();
+            let mut c = BenchClient::new(ch.clone());
+            // The default deadline applies to a call that sets none, on both sides.
+            let t0 = std::time::Instant::now();
+            let mut held = c.clone();
+            let first =
+                tokio::spawn(async move { held.echo(with_mode(Payload::default(), "hold")).await });
+            assert_eq!(next_event(&mut ev).await, Event::Started("echo"));
+            // One slot: this call waits for the held one to time out, then runs.
+            let r = c
+                .echo(Payload {
+                    buffers: vec![pattern(3, 3)],
+                })
+                .await
+                .unwrap();
+            assert_eq!(r.into_inner().buffers, vec![pattern(3, 3)]);
+            let e = first.await.unwrap().unwrap_err();
+            assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+            let waited = t0.elapsed();
+            assert!(
+                waited >= Duration::from_millis(250),
+                "the second call did not wait for the slot: {waited:?}"
+            );
+            assert_eq!(next_event(&mut ev).await, Event::Cancelled("echo"));
+            drop((c, ch));
+            srv.shutdown().await.unwrap();
+
+            // A tcp peer that accepts and never speaks: connect gives up at the timeout.
+            let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = format!("tcp://{}", silent.local_addr().unwrap());
+            let t0 = std::time::Instant::now();
+            let e = Endpoint::new(addr)
+                .config(ibex_config())
+                .connect_timeout(Duration::from_millis(200))
+                .connect()
+                .await
+                .unwrap_err();
+            assert!(e.to_string().contains("connect_timeout"), "{e}");
+            assert!(t0.elapsed() < Duration::from_secs(3));
+            drop(silent);
+        })
+        .await
+    }
+
     /// A server's per-connection limits answer the peer that breaks them and nobody else:
     /// a call past `max_concurrent_calls` is refused at once naming the setting, and a
     /// header list past `max_header_list_size` ends that client's connection (clear error)

@@ -65,6 +65,17 @@ struct Inner {
     limits: Limits,
     /// One reconnect at a time; the back-off between failed attempts.
     reconnect: tokio::sync::Mutex<Backoff>,
+    settings: Settings,
+}
+
+/// What an [`Endpoint`] adds to a channel.
+#[derive(Clone, Default)]
+struct Settings {
+    /// Deadline of calls that set none (and a cap on those that do).
+    timeout: Option<std::time::Duration>,
+    connect_timeout: Option<std::time::Duration>,
+    /// Calls in flight at once; more wait for a slot.
+    limit: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 struct Target {
@@ -130,7 +141,18 @@ impl Inner {
                 at - tokio::time::Instant::now()
             )));
         }
-        match crate::conn::connect(&target.uri, target.config.clone()).await {
+        let connecting = crate::conn::connect(&target.uri, target.config.clone());
+        let connected = match self.settings.connect_timeout {
+            Some(t) => tokio::time::timeout(t, connecting)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::Timeout(format!(
+                        "connecting took longer than the endpoint's connect_timeout of {t:?}"
+                    )))
+                }),
+            None => connecting.await,
+        };
+        match connected {
             Ok(conn) => {
                 *b = Backoff::default();
                 let s = Shared::new(conn, self.limits);
@@ -388,6 +410,7 @@ impl Channel {
             }),
             limits,
             reconnect: Default::default(),
+            settings: Settings::default(),
         }))
     }
 
@@ -405,6 +428,7 @@ impl Channel {
             }),
             limits: Limits::default(),
             reconnect: Default::default(),
+            settings: Settings::default(),
         }))
     }
 
@@ -478,6 +502,7 @@ impl Channel {
             target: None,
             limits,
             reconnect: Default::default(),
+            settings: Settings::default(),
         })
     }
 
@@ -522,6 +547,26 @@ impl Channel {
         B::Error: Into<BoxError>,
     {
         let (mut parts, body) = req.into_parts();
+        // A concurrency-limited channel holds a slot until the response head is in, as
+        // tower's ConcurrencyLimit does.
+        let _slot =
+            match &inner.settings.limit {
+                Some(l) => Some(l.clone().acquire_owned().await.map_err(|_| {
+                    Status::internal("the channel's concurrency limiter was closed")
+                })?),
+                None => None,
+            };
+        if let Some(t) = inner.settings.timeout {
+            let asked = parse_timeout(&parts.headers);
+            if asked.is_none_or(|a| a > t) {
+                // As tonic's endpoint timeout: the shorter one wins, and the server learns it.
+                parts.headers.insert(
+                    "grpc-timeout",
+                    http::HeaderValue::from_str(&format!("{}m", t.as_millis().max(1)))
+                        .unwrap_or_else(|_| http::HeaderValue::from_static("1m")),
+                );
+            }
+        }
         let shared = inner.connection().await?;
         // As tonic's channel does, plus what carries the call.
         parts
@@ -640,6 +685,144 @@ impl Channel {
         *resp.headers_mut() = headers;
         *resp.version_mut() = http::Version::HTTP_2;
         Ok(resp)
+    }
+}
+
+/// Channel settings that tonic users reach for, in the shape of tonic's `Endpoint`:
+/// `Endpoint::new(uri).connect_timeout(..).timeout(..).concurrency_limit(..).connect()`.
+/// The address may be an Ibex one or `http://` (stock HTTP/2, where tonic's own endpoint
+/// applies the same settings).
+#[derive(Clone)]
+pub struct Endpoint {
+    uri: String,
+    config: Option<Config>,
+    settings: Settings,
+    concurrency: Option<usize>,
+    max_header_list_size: usize,
+}
+
+impl Endpoint {
+    /// An endpoint for `uri` with no settings yet.
+    pub fn new(uri: impl Into<String>) -> Endpoint {
+        Endpoint {
+            uri: uri.into(),
+            config: None,
+            settings: Settings::default(),
+            concurrency: None,
+            max_header_list_size: super::wire::DEFAULT_MAX_HEADER_LIST_SIZE,
+        }
+    }
+
+    /// The transport configuration (default: [`Config::from_env`]).
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// How long connecting (and each reconnect) may take.
+    pub fn connect_timeout(mut self, t: std::time::Duration) -> Self {
+        self.settings.connect_timeout = Some(t);
+        self
+    }
+
+    /// The deadline of every call that sets none, and a cap on those that set a longer one;
+    /// the server is told (`grpc-timeout`) and drops the handler when it passes.
+    pub fn timeout(mut self, t: std::time::Duration) -> Self {
+        self.settings.timeout = Some(t);
+        self
+    }
+
+    /// Calls in flight at once on the channel (all clones); more wait for a slot.
+    pub fn concurrency_limit(mut self, n: usize) -> Self {
+        self.concurrency = Some(n.max(1));
+        self
+    }
+
+    /// Response header lists accepted, in bytes (see [`Channel::with_max_header_list_size`]).
+    pub fn max_header_list_size(mut self, bytes: usize) -> Self {
+        self.max_header_list_size = bytes;
+        self
+    }
+
+    fn config_or_env(&self) -> Result<Config> {
+        match &self.config {
+            Some(c) => Ok(c.clone()),
+            None => Config::from_env(),
+        }
+    }
+
+    fn tonic_endpoint(&self) -> Result<tonic::transport::Endpoint> {
+        let mut ep = tonic::transport::Endpoint::from_shared(self.uri.clone())
+            .map_err(|e| Error::Address {
+                addr: self.uri.clone(),
+                why: format!("not an http:// URI: {e}"),
+            })?
+            .tcp_nodelay(true);
+        if let Some(t) = self.settings.connect_timeout {
+            ep = ep.connect_timeout(t);
+        }
+        if let Some(t) = self.settings.timeout {
+            ep = ep.timeout(t);
+        }
+        if let Some(n) = self.concurrency {
+            ep = ep.concurrency_limit(n);
+        }
+        Ok(ep)
+    }
+
+    fn inner(&self) -> Result<Inner> {
+        let config = self.config_or_env()?;
+        config.validate()?;
+        crate::conn::Addr::parse(&self.uri)?;
+        let limits = Limits {
+            max_header_list_size: self.max_header_list_size,
+        };
+        let mut settings = self.settings.clone();
+        settings.limit = self
+            .concurrency
+            .map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
+        Ok(Inner {
+            current: Mutex::new(None),
+            target: Some(Target {
+                uri: self.uri.clone(),
+                config,
+            }),
+            limits,
+            reconnect: Default::default(),
+            settings,
+        })
+    }
+
+    /// Connects now.
+    pub async fn connect(self) -> Result<Channel> {
+        if self.uri.starts_with("http://") {
+            let ep = self.tonic_endpoint()?;
+            let ch = ep.connect().await.map_err(|e| Error::Io {
+                context: format!("connecting to the gRPC server at {} over HTTP/2", self.uri),
+                source: std::io::Error::new(std::io::ErrorKind::ConnectionRefused, e.to_string())
+                    .into(),
+            })?;
+            return Ok(Channel {
+                kind: Kind::Http(ch),
+            });
+        }
+        let inner = self.inner()?;
+        // The first connection goes through the same path as a reconnect (connect timeout).
+        inner
+            .connection()
+            .await
+            .map_err(|s| Error::PeerGone(s.message().to_string()))?;
+        Ok(Channel::from_inner(inner))
+    }
+
+    /// Connects on the first call, as tonic's `Endpoint::connect_lazy`.
+    pub fn connect_lazy(self) -> Result<Channel> {
+        if self.uri.starts_with("http://") {
+            return Ok(Channel {
+                kind: Kind::Http(self.tonic_endpoint()?.connect_lazy()),
+            });
+        }
+        Ok(Channel::from_inner(self.inner()?))
     }
 }
 

@@ -46,7 +46,7 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 
 pub use body::IncomingBody;
-pub use client::Channel;
+pub use client::{Channel, Endpoint};
 pub use server::{Builder, ConnectInfo, PeerHandle, Server, ServerStats};
 
 pub use crate::conn::RemoteBuf;
