@@ -446,6 +446,13 @@ impl Connection {
         self.shared().lock().info.peer.clone()
     }
 
+    /// The eager threshold and the rendezvous fragment size in force (probed, configured or
+    /// default), read together.
+    pub fn message_sizes(&self) -> (usize, usize) {
+        let st = self.shared().lock();
+        (st.core.eager_threshold(), st.core.fragment_size())
+    }
+
     /// The eager threshold in force.
     pub fn eager_threshold(&self) -> usize {
         self.shared().lock().core.eager_threshold()

@@ -19,11 +19,6 @@ use super::{CallShared, Mux, read_while, transport_status};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Body frames of at least twice this size travel as several packets of this size: a whole 16 MiB
-/// message would otherwise be read, then copied by tonic's decoder, then answered, one
-/// stage after the other. Large enough that the per-message cost stays small.
-const PIECE: usize = 1 << 20;
-
 /// Which end is sending: it decides how the call ends.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Side {
@@ -166,11 +161,14 @@ where
                         p = Packet::new(id);
                     }
                     // A large frame goes in pieces (views of it, no copy), so the receiver
-                    // can hand the first to its decoder while the next is still moving.
-                    // The last piece takes the remainder (up to two pieces' worth), so a
-                    // message just over a multiple of PIECE does not end in a tiny one.
-                    while data.len() >= 2 * PIECE {
-                        let piece = data.split_to(PIECE);
+                    // can hand the first to its decoder while the next is still moving: a
+                    // whole 16 MiB message would otherwise be read, then copied by tonic's
+                    // decoder, then answered, one stage after the other. The last piece
+                    // takes the remainder (up to two pieces' worth), so a message just over
+                    // a multiple of the piece size does not end in a tiny one.
+                    let piece_size = mux.sizes().1;
+                    while data.len() >= 2 * piece_size {
+                        let piece = data.split_to(piece_size);
                         if !acquire(call, piece.len(), reader).await {
                             return Pumped::Stopped;
                         }
