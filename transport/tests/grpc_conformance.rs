@@ -1392,6 +1392,30 @@ mod ibex_only {
             raw.recv().await.is_err(),
             "the server answered garbage instead of closing"
         );
+        // A well-formed request head announcing 40000 headers (this once panicked inside
+        // `http`'s HeaderMap, and the sender heard nothing): the connection closes.
+        let raw = ibex_transport::connect(&srv.addr, ibex_config())
+            .await
+            .unwrap();
+        let mut head = BytesMut::new();
+        head.put_u16(5);
+        head.put_slice(b"/a/b/");
+        head.put_u16(40000);
+        for _ in 0..40000 {
+            head.put_u16(1);
+            head.put_u8(b'h');
+            head.put_u32(0);
+        }
+        let mut pkt = BytesMut::new();
+        pkt.put_u32(1);
+        pkt.put_u8(1); // HEAD
+        pkt.put_u32(head.len() as u32);
+        pkt.put_slice(&head);
+        raw.send(pkt.freeze()).await.unwrap();
+        assert!(
+            raw.recv().await.is_err(),
+            "the server answered an oversized header list instead of closing"
+        );
         let mut c = client::<T>(&srv).await;
         let p = Payload {
             buffers: vec![pattern(10, 1)],
