@@ -92,8 +92,9 @@ run_vm() { # NAME RXE_VM-ARGS... -- ENV...
     # One VM per topology runs every binary (a boot costs 10 s to over a minute on a busy
     # host). The provider-parametrised connection tests and the gRPC conformance suite run
     # their verbs cases only (the others ran on the host). Emulation is 10-100x slower than
-    # hardware, so the tests' hang guard and the threshold probe's time limit are raised; no
-    # assertion changes.
+    # hardware, so the tests' hang guard, the set-up deadline (registering a pool takes
+    # seconds under TCG) and the threshold probe's time limit are raised; no assertion
+    # changes.
     local script="set -e"
     local b q
     for b in "${BINS[@]}"; do
@@ -103,7 +104,7 @@ run_vm() { # NAME RXE_VM-ARGS... -- ENV...
         printf -v q '%q ' "$b" $filter "${EXTRA[@]}"
         script+=$'\n'"echo \"== \$(basename $b)\"; $q"
     done
-    "$RXE_VM" --timeout 1200 "${args[@]}" -- env IBEX_TEST_GUARD_SECS=300 IBEX_PROBE_TIMEOUT_MS=60000 "${envs[@]}" bash -c "$script"
+    "$RXE_VM" --timeout 1200 "${args[@]}" -- env IBEX_TEST_GUARD_SECS=300 IBEX_PROBE_TIMEOUT_MS=60000 IBEX_HANDSHAKE_TIMEOUT_MS=120000 "${envs[@]}" bash -c "$script"
 }
 
 if [[ $MODE == both || $MODE == single ]]; then

@@ -26,7 +26,10 @@ pub fn pattern(len: usize, seed: u8) -> Bytes {
 /// The default configuration with a fixed eager threshold and the default fragment size
 /// fixed too, so that no connect-time probe runs.
 pub fn fixed_threshold(t: usize) -> Config {
-    let c = Config::default();
+    let c = Config::from_env()
+        // The environment's timeouts (the Soft-RoCE VM raises the set-up deadline, since
+        // emulated verbs set-up takes seconds); a bad value fails loudly.
+        .expect("IBEX_* environment variables");
     Config {
         eager_threshold: Some(t),
         fragment_size: Some(c.default_fragment_size),

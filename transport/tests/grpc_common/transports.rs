@@ -158,7 +158,10 @@ impl Transport for Stock {
 /// Ibex's test configuration: a fixed eager threshold and fragment size, so no connect-time
 /// probe.
 pub fn ibex_config() -> ibex_transport::Config {
-    let c = ibex_transport::Config::default();
+    let c = ibex_transport::Config::from_env()
+        // The environment's timeouts (the Soft-RoCE VM raises the set-up deadline, since
+        // emulated verbs set-up takes seconds); a bad value fails loudly.
+        .expect("IBEX_* environment variables");
     ibex_transport::Config {
         eager_threshold: Some(16 * 1024),
         fragment_size: Some(c.default_fragment_size),
