@@ -223,3 +223,140 @@ async fn a_worker_that_never_releases_holds_a_bounded_amount_until_the_timeout()
     assert_eq!(remote(&raw.pull(rel).await.unwrap().into_inner()), 2);
     drop(stop);
 }
+
+/// A PS that answers every pull with a remote tensor of its choosing.
+#[derive(Clone, Copy)]
+enum Lie {
+    /// `len` off by 4 bytes from the variable's size.
+    WrongLen,
+    /// The right `len`, a descriptor that names nothing.
+    BogusDescriptor,
+    /// The right `len`, a real exposure of fewer bytes.
+    ShortExposure,
+}
+
+struct Hostile(Lie);
+
+#[tonic::async_trait]
+impl pb::parameter_server_server::ParameterServer for Hostile {
+    async fn create_variables(
+        &self,
+        req: tonic::Request<pb::CreateVariablesRequest>,
+    ) -> Result<tonic::Response<pb::CreateVariablesResponse>, tonic::Status> {
+        Ok(tonic::Response::new(pb::CreateVariablesResponse {
+            created: req.get_ref().vars.len() as u32,
+        }))
+    }
+    async fn pull(
+        &self,
+        req: tonic::Request<pb::PullRequest>,
+    ) -> Result<tonic::Response<pb::PullResponse>, tonic::Status> {
+        let peer = req
+            .extensions()
+            .get::<ibex_transport::grpc::PeerHandle>()
+            .cloned()
+            .unwrap();
+        let size = 128 * 1024 * 4u64;
+        let mut keep = Vec::new();
+        let mut values = Vec::new();
+        for name in &req.get_ref().names {
+            let (descriptor, len) = match self.0 {
+                Lie::WrongLen => (vec![0u8; 16].into(), size + 4),
+                Lie::BogusDescriptor => (vec![7u8; 16].into(), size),
+                Lie::ShortExposure => {
+                    let r = peer.expose(vec![1u8; 64].into()).await.unwrap();
+                    let d = r.descriptor();
+                    keep.push(r);
+                    (d, size)
+                }
+            };
+            values.push(pb::Tensor {
+                name: name.clone(),
+                dtype: pb::Dtype::F32 as i32,
+                shape: vec![128, 1024],
+                data: Some(pb::tensor::Data::Remote(pb::RemoteRef {
+                    descriptor,
+                    len,
+                    lease: 1,
+                })),
+            });
+        }
+        // Held past the reply so the worker's read finds the exposure.
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            drop(keep);
+        });
+        Ok(tonic::Response::new(pb::PullResponse { step: 0, values }))
+    }
+    async fn push(
+        &self,
+        _: tonic::Request<pb::PushRequest>,
+    ) -> Result<tonic::Response<pb::PushResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("push"))
+    }
+    async fn push_pull(
+        &self,
+        _: tonic::Request<pb::PushRequest>,
+    ) -> Result<tonic::Response<pb::PullResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("push_pull"))
+    }
+    async fn lookup_rows(
+        &self,
+        _: tonic::Request<pb::LookupRowsRequest>,
+    ) -> Result<tonic::Response<pb::LookupRowsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("lookup_rows"))
+    }
+    async fn push_sparse(
+        &self,
+        _: tonic::Request<pb::PushSparseRequest>,
+    ) -> Result<tonic::Response<pb::PushResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("push_sparse"))
+    }
+    async fn save(
+        &self,
+        _: tonic::Request<pb::SaveRequest>,
+    ) -> Result<tonic::Response<pb::SaveResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("save"))
+    }
+    async fn restore(
+        &self,
+        _: tonic::Request<pb::RestoreRequest>,
+    ) -> Result<tonic::Response<pb::RestoreResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("restore"))
+    }
+    async fn stats(
+        &self,
+        _: tonic::Request<pb::StatsRequest>,
+    ) -> Result<tonic::Response<pb::StatsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("stats"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_pull_reply_is_a_clear_error_not_a_panic_or_an_over_read() {
+    for lie in [Lie::WrongLen, Lie::BogusDescriptor, Lie::ShortExposure] {
+        let spec = ClusterSpec {
+            ps: vec![format!("127.0.0.1:{}", free_port())],
+            workers: vec!["127.0.0.1:0".into()],
+            transport: TransportKind::Shm,
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let svc = pb::parameter_server_server::ParameterServerServer::new(Hostile(lie));
+        let uri = spec.ps_uri(0);
+        tokio::spawn(async move {
+            ibex_transport::grpc::Server::builder()
+                .add_service(svc)
+                .serve_any(&uri, async move {
+                    let _ = rx.await;
+                })
+                .await
+        });
+        let w = Worker::connect(&spec, 0).await.unwrap();
+        w.create_variables(&vars()[..1]).await.unwrap();
+        let mut out = vec![vec![5.0f32; 3]];
+        let e = w.pull_into(&["mid"], 0, &mut out).await.unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("\"mid\""), "names the variable: {msg}");
+        drop(tx);
+    }
+}
