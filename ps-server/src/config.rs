@@ -34,6 +34,9 @@ pub struct PsConfig {
     pub sync_timeout: Duration,
     /// What workers may make this shard hold.
     pub limits: Limits,
+    /// Bounds on pull replies exposed for one-sided reads (library only; defaults from
+    /// the binary).
+    pub expose: crate::ExposeLimits,
 }
 
 impl PsConfig {
@@ -50,6 +53,7 @@ impl PsConfig {
             metrics: None,
             sync_timeout: Duration::from_secs(30),
             limits: Limits::default(),
+            expose: crate::ExposeLimits::default(),
         }
     }
 
@@ -101,6 +105,7 @@ impl PsConfig {
             sync_timeout: Duration::from_secs(
                 a.sync_timeout_secs.or(file.sync_timeout_secs).unwrap_or(30),
             ),
+            expose: crate::ExposeLimits::default(),
         })
     }
 

@@ -8,6 +8,7 @@
 mod bufs;
 mod checkpoint;
 mod config;
+mod exposed;
 mod init;
 mod metrics;
 mod optim;
@@ -21,6 +22,7 @@ use ibex_proto::ps::v1::parameter_server_server::ParameterServerServer;
 pub use bufs::{Buf, F32s};
 pub use checkpoint::KEEP as CHECKPOINTS_KEPT;
 pub use config::PsConfig;
+pub use exposed::ExposeLimits;
 pub use metrics::Metrics;
 pub use optim::Optimizer;
 pub use service::PsService;
@@ -103,9 +105,11 @@ pub async fn run(
         }
         None => None,
     };
-    let svc = ParameterServerServer::new(PsService::new(shard.clone(), metrics))
-        .max_decoding_message_size(MAX_MESSAGE)
-        .max_encoding_message_size(MAX_MESSAGE);
+    let svc = ParameterServerServer::new(
+        PsService::new(shard.clone(), metrics).with_expose_limits(config.expose),
+    )
+    .max_decoding_message_size(MAX_MESSAGE)
+    .max_encoding_message_size(MAX_MESSAGE);
     eprintln!(
         "ibex-ps shard {id}: serving on {} ({} mode, {} workers, step {})",
         config.listen,

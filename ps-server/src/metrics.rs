@@ -38,6 +38,8 @@ pub struct Metrics {
     pub bytes_pulled: AtomicU64,
     /// Gradient bytes that arrived by one-sided reads instead of the body.
     pub bytes_remote: AtomicU64,
+    /// Value bytes sent as descriptors the worker read one-sided (part of `bytes_pulled`).
+    pub bytes_pulled_exposed: AtomicU64,
     /// The Ibex server's connection counters (absent when serving stock gRPC).
     transport: OnceLock<ServerStats>,
 }
@@ -85,6 +87,10 @@ impl Metrics {
             ("ibex_ps_bytes_pushed_total", &self.bytes_pushed),
             ("ibex_ps_bytes_pulled_total", &self.bytes_pulled),
             ("ibex_ps_bytes_remote_read_total", &self.bytes_remote),
+            (
+                "ibex_ps_bytes_pulled_exposed_total",
+                &self.bytes_pulled_exposed,
+            ),
         ] {
             let _ = writeln!(
                 o,

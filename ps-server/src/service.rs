@@ -13,6 +13,7 @@ use ibex_transport::grpc::PeerHandle;
 use tonic::{Request, Response, Status};
 
 use crate::bufs::{Buf, F32s};
+use crate::exposed::{ExposeLimits, Exposures};
 use crate::metrics::Metrics;
 use crate::shard::{self, Grad, Shard, Values};
 
@@ -21,12 +22,35 @@ use crate::shard::{self, Grad, Shard, Values};
 pub struct PsService {
     shard: Arc<Shard>,
     metrics: Arc<Metrics>,
+    exposed: Arc<Exposures>,
 }
 
 impl PsService {
     /// Serves `shard`, counting into `metrics`.
     pub fn new(shard: Arc<Shard>, metrics: Arc<Metrics>) -> PsService {
-        PsService { shard, metrics }
+        PsService {
+            shard,
+            metrics,
+            exposed: Exposures::new(ExposeLimits::default()),
+        }
+    }
+
+    /// Bounds what unreleased pull replies may hold per connection (see docs/ps.md).
+    pub fn with_expose_limits(mut self, limits: ExposeLimits) -> PsService {
+        self.exposed = Exposures::new(limits);
+        self
+    }
+
+    /// Pull-reply leases held now, over all connections.
+    pub fn exposed_leases(&self) -> usize {
+        self.exposed.held()
+    }
+
+    /// Ends the leases a request says its worker has read.
+    fn release(&self, peer: Option<&PeerHandle>, ids: &[u64]) {
+        if let Some(p) = peer {
+            self.exposed.release(p.id(), ids);
+        }
     }
 
     async fn timed<T>(
@@ -177,23 +201,78 @@ impl PsService {
 
     fn tensors(&self, vals: Vec<Values>) -> Vec<pb::Tensor> {
         vals.into_iter()
-            .map(|(name, shape, b)| {
-                self.metrics
-                    .bytes_pulled
-                    .fetch_add(b.len() as u64, Ordering::Relaxed);
-                pb::Tensor {
-                    name,
-                    dtype: pb::Dtype::F32 as i32,
-                    shape: shape.iter().map(|&d| d as u64).collect(),
-                    data: Some(pb::tensor::Data::Inline(b)),
-                }
-            })
+            .map(|(name, shape, b)| self.inline(name, &shape, b))
             .collect()
+    }
+
+    fn inline(&self, name: String, shape: &[usize], b: bytes::Bytes) -> pb::Tensor {
+        self.metrics
+            .bytes_pulled
+            .fetch_add(b.len() as u64, Ordering::Relaxed);
+        pb::Tensor {
+            name,
+            dtype: pb::Dtype::F32 as i32,
+            shape: shape.iter().map(|&d| d as u64).collect(),
+            data: Some(pb::tensor::Data::Inline(b)),
+        }
+    }
+
+    /// Reply tensors for a pull: on a channel that reads one-sided, each value buffer of at
+    /// least `REMOTE_MIN_BYTES` is exposed and sent as a descriptor with a lease, so the
+    /// worker copies it once, straight into its own vector; smaller ones, other channels,
+    /// and any past the connection's lease limits go inline. Each buffer is the snapshot
+    /// `Shard::read` copied under the variable's lock, owned by the lease from here on, so
+    /// no later step can change what the worker reads.
+    async fn pull_tensors(&self, peer: Option<&PeerHandle>, vals: Vec<Values>) -> Vec<pb::Tensor> {
+        let Some(peer) = peer.filter(|p| p.one_sided()) else {
+            return self.tensors(vals);
+        };
+        let mut out = Vec::with_capacity(vals.len());
+        for (name, shape, b) in vals {
+            let len = b.len() as u64;
+            let lease = if b.len() >= ibex_proto::REMOTE_MIN_BYTES {
+                self.exposed.reserve(peer.id(), len)
+            } else {
+                None
+            };
+            let Some(lease) = lease else {
+                out.push(self.inline(name, &shape, b));
+                continue;
+            };
+            match peer.expose(b.clone()).await {
+                Ok(remote) => {
+                    let descriptor = remote.descriptor();
+                    self.exposed.attach(lease, remote);
+                    self.metrics.bytes_pulled.fetch_add(len, Ordering::Relaxed);
+                    self.metrics
+                        .bytes_pulled_exposed
+                        .fetch_add(len, Ordering::Relaxed);
+                    out.push(pb::Tensor {
+                        name,
+                        dtype: pb::Dtype::F32 as i32,
+                        shape: shape.iter().map(|&d| d as u64).collect(),
+                        data: Some(pb::tensor::Data::Remote(pb::RemoteRef {
+                            descriptor,
+                            len,
+                            lease,
+                        })),
+                    });
+                }
+                Err(e) => {
+                    // The body always works: a failed exposure costs a copy, not the pull.
+                    tracing::debug!(tensor = %name, error = %e, "exposing a pull reply failed; sending it inline");
+                    self.exposed.cancel(lease);
+                    out.push(self.inline(name, &shape, b));
+                }
+            }
+        }
+        out
     }
 
     async fn do_push(&self, req: Request<pb::PushRequest>) -> Result<(u64, Vec<String>), Status> {
         let peer = req.extensions().get::<PeerHandle>().cloned();
         let r = req.into_inner();
+        self.release(peer.as_ref(), &r.release);
         let grads = self.grads(peer.as_ref(), &r.grads).await?;
         let names = r.grads.iter().map(|t| t.name.clone()).collect();
         let step = self.shard.push(r.step, r.worker, grads).await?;
@@ -219,12 +298,14 @@ impl ParameterServer for PsService {
         req: Request<pb::PullRequest>,
     ) -> Result<Response<pb::PullResponse>, Status> {
         self.timed("Pull", async {
+            let peer = req.extensions().get::<PeerHandle>().cloned();
             let r = req.into_inner();
+            self.release(peer.as_ref(), &r.release);
             self.shard.wait_for(r.step).await?;
             let (step, vals) = self.shard.read(r.names).await?;
             Ok(pb::PullResponse {
                 step,
-                values: self.tensors(vals),
+                values: self.pull_tensors(peer.as_ref(), vals).await,
             })
         })
         .await
@@ -247,13 +328,14 @@ impl ParameterServer for PsService {
     ) -> Result<Response<pb::PullResponse>, Status> {
         self.timed("PushPull", async {
             let step = req.get_ref().step;
+            let peer = req.extensions().get::<PeerHandle>().cloned();
             let (_, names) = self.do_push(req).await?;
             // Sync: the values after step `step`; async: the values right after this push.
             self.shard.wait_for(step + 1).await?;
             let (now, vals) = self.shard.read(names).await?;
             Ok(pb::PullResponse {
                 step: now,
-                values: self.tensors(vals),
+                values: self.pull_tensors(peer.as_ref(), vals).await,
             })
         })
         .await

@@ -218,6 +218,7 @@ async fn bad_input_gets_the_right_status() {
         step,
         worker,
         grads,
+        release: vec![],
     };
 
     let (k, m) = code(
@@ -285,6 +286,7 @@ async fn bad_input_gets_the_right_status() {
     bogus.data = Some(pb::tensor::Data::Remote(pb::RemoteRef {
         descriptor: vec![1u8, 2, 3].into(),
         len: 24,
+        lease: 0,
     }));
     let (k, m) = code(raw.push(push(vec![bogus.clone()], 0, 0)).await);
     assert_eq!(k, tonic::Code::InvalidArgument, "{m}");
@@ -490,17 +492,22 @@ async fn metrics_carry_the_transport_counters() {
         body.contains("ibex_transport_info{shard=\"0\",provider=\"shm\""),
         "{body}"
     );
-    // Three big gradients were read one-sided by the PS; every reply (512 KiB of values)
-    // went back by rendezvous, small calls eagerly.
+    // Three big gradients were read one-sided by the PS; every reply's 512 KiB of "big"
+    // went back as a descriptor the worker read one-sided, small calls eagerly.
     assert_eq!(
         sample(&body, "ibex_transport_remote_read_bytes_total{shard=\"0\"}"),
+        3.0 * 512.0 * 1024.0,
+        "{body}"
+    );
+    assert_eq!(
+        sample(&body, "ibex_ps_bytes_pulled_exposed_total{shard=\"0\"}"),
         3.0 * 512.0 * 1024.0,
         "{body}"
     );
     assert!(
         sample(
             &body,
-            "ibex_transport_messages_total{shard=\"0\",protocol=\"rendezvous\",direction=\"sent\"}"
+            "ibex_transport_messages_total{shard=\"0\",protocol=\"eager\",direction=\"sent\"}"
         ) >= 3.0,
         "{body}"
     );
@@ -519,7 +526,7 @@ async fn metrics_carry_the_transport_counters() {
     // Counters survive the connection's end (Prometheus counters never go backwards).
     let sent = sample(
         &body,
-        "ibex_transport_bytes_total{shard=\"0\",protocol=\"rendezvous\",direction=\"sent\"}",
+        "ibex_transport_bytes_total{shard=\"0\",protocol=\"eager\",direction=\"sent\"}",
     );
     drop(w);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -545,7 +552,7 @@ async fn metrics_carry_the_transport_counters() {
     assert_eq!(
         sample(
             &body,
-            "ibex_transport_bytes_total{shard=\"0\",protocol=\"rendezvous\",direction=\"sent\"}"
+            "ibex_transport_bytes_total{shard=\"0\",protocol=\"eager\",direction=\"sent\"}"
         ),
         sent,
         "{body}"

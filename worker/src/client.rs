@@ -9,7 +9,7 @@ use bytes::Bytes;
 use futures_util::future::try_join_all;
 use ibex_proto::ps::v1::parameter_server_client::ParameterServerClient;
 use ibex_transport::grpc::Channel;
-use ibex_transport::{Config, RemoteBuf};
+use ibex_transport::{Config, RecvBuf, RemoteBuf};
 
 use crate::error::WorkerError;
 use crate::pb;
@@ -21,10 +21,8 @@ use crate::types::VarSpec;
 /// How long `connect` keeps retrying a PS that is not up yet.
 const CONNECT_RETRY: Duration = Duration::from_secs(30);
 
-/// Tensors at least this large go as remote-buffer descriptors when the channel reads them
-/// one-sided (shm CMA, RDMA): below it the extra round trip of the read costs more than
-/// the copy it saves.
-pub(crate) const REMOTE_MIN_BYTES: usize = 256 << 10;
+/// See [`ibex_proto::REMOTE_MIN_BYTES`]: the PS uses the same threshold for pull replies.
+pub(crate) const REMOTE_MIN_BYTES: usize = ibex_proto::REMOTE_MIN_BYTES;
 
 /// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
 const MAX_MESSAGE: usize = 1 << 30;
@@ -88,6 +86,9 @@ pub struct Worker {
     profile: Mutex<CommProfile>,
     /// Registered gradient buffers per variable (see `staging`).
     pub(crate) staging: crate::staging::Cache,
+    /// Per PS: leases of pull replies this worker has read, named in its next request to
+    /// that PS so the PS lets their snapshots go (see docs/ps.md, "Pulls as descriptors").
+    released: Vec<Mutex<Vec<u64>>>,
 }
 
 #[derive(Default)]
@@ -126,6 +127,7 @@ impl Worker {
             }),
             profile: Mutex::new(CommProfile::default()),
             staging: Default::default(),
+            released: (0..spec.ps.len()).map(|_| Mutex::new(Vec::new())).collect(),
         })
     }
 
@@ -248,6 +250,7 @@ impl Worker {
                             names,
                             step,
                             worker,
+                            release: self.take_released(ps),
                         })
                         .await
                         .map_err(|s| WorkerError::from_status(ps, s))?;
@@ -256,6 +259,7 @@ impl Worker {
         )
         .await?;
         self.assemble_into(&places, replies.into_iter().flatten(), out)
+            .await
     }
 
     /// Contributes gradients to `step`. Returns once every PS has accepted them (sync mode:
@@ -596,6 +600,7 @@ impl Worker {
                 t.data = Some(pb::tensor::Data::Remote(pb::RemoteRef {
                     descriptor: remote.descriptor(),
                     len: len as u64,
+                    lease: 0,
                 }));
                 keep = Some(remote);
                 self.record(Path::Remote, len);
@@ -640,35 +645,197 @@ impl Worker {
         Ok(b)
     }
 
+    /// The leases of PS `ps`'s pull replies read since the last request to it; the caller
+    /// puts them in its request's `release`.
+    pub(crate) fn take_released(&self, ps: usize) -> Vec<u64> {
+        match self.released.get(ps).map(|m| m.lock()) {
+            Some(Ok(mut v)) => std::mem::take(&mut *v),
+            _ => Vec::new(),
+        }
+    }
+
     /// Writes whole variables (in `places` order) into `out` from the parts in `values`:
-    /// each vector is resized to its variable and overwritten, one copy per value.
-    pub(crate) fn assemble_into(
+    /// each vector is resized to its variable and overwritten, one copy per value (the
+    /// decode of an inline part, or the one-sided read of a remote one, straight into the
+    /// vector). Every lease in `values` is queued for release once this returns, read or
+    /// not, but never earlier: the PS must keep a snapshot until its read has finished.
+    pub(crate) async fn assemble_into(
         &self,
         places: &[Placement],
         values: impl Iterator<Item = pb::Tensor>,
         out: &mut [Vec<f32>],
     ) -> Result<(), WorkerError> {
-        let mut by_name: HashMap<String, pb::Tensor> =
-            values.map(|t| (t.name.clone(), t)).collect();
+        let mut by_name: HashMap<String, pb::Tensor> = HashMap::new();
+        let mut leases: Vec<(usize, u64)> = Vec::new();
+        for t in values {
+            if let Some(pb::tensor::Data::Remote(r)) = &t.data
+                && r.lease != 0
+            {
+                // Which PS sent it is known only through the placement; unknown names are
+                // released nowhere (the PS's timeout ends them).
+                if let Some(ps) = self.ps_of_part(places, &t.name) {
+                    leases.push((ps, r.lease));
+                }
+            }
+            by_name.insert(t.name.clone(), t);
+        }
+        let r = self.assemble_parts(places, by_name, out).await;
+        for (ps, lease) in leases {
+            if let Some(Ok(mut v)) = self.released.get(ps).map(|m| m.lock()) {
+                v.push(lease);
+            }
+        }
+        r
+    }
+
+    fn ps_of_part(&self, places: &[Placement], name: &str) -> Option<usize> {
+        places
+            .iter()
+            .flat_map(|p| &p.parts)
+            .find(|part| part.name == name)
+            .map(|part| part.ps)
+    }
+
+    async fn assemble_parts(
+        &self,
+        places: &[Placement],
+        mut by_name: HashMap<String, pb::Tensor>,
+        out: &mut [Vec<f32>],
+    ) -> Result<(), WorkerError> {
+        // Every part is matched and its size checked before anything is read.
+        let mut jobs = Vec::with_capacity(places.len());
         for (p, o) in places.iter().zip(out.iter_mut()) {
             let row = p.row_len();
-            o.resize(p.spec.numel(), 0.0);
-            let mut at = 0;
+            let numel = p.spec.numel();
+            let mut parts = Vec::with_capacity(p.parts.len());
+            let mut at = 0usize;
             for part in &p.parts {
                 let t = by_name
                     .remove(&part.name)
                     .ok_or_else(|| malformed(part.ps, &format!("reply lacks {:?}", part.name)))?;
-                let b = self.f32_bytes(part.ps, &t)?;
                 let n = part.rows * row;
-                if b.len() != n * 4 || at + n > o.len() {
+                if at + n > numel {
                     return Err(malformed(
                         part.ps,
-                        &format!("{:?} has {} values, expected {n}", part.name, b.len() / 4),
+                        &format!("{:?} has more values than its variable", part.name),
                     ));
                 }
-                ibex_proto::tensor::f32_from_le_into(&mut o[at..at + n], b);
+                parts.push((part.ps, at, n, t));
                 at += n;
             }
+            jobs.push((o, numel, parts));
+        }
+        try_join_all(
+            jobs.into_iter()
+                .map(|(o, numel, parts)| self.fill(o, numel, parts)),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Fills one variable's vector from its parts; remote parts are read one after another
+    /// (each read owns the vector while it runs), variables run concurrently.
+    async fn fill(
+        &self,
+        o: &mut Vec<f32>,
+        numel: usize,
+        parts: Vec<(usize, usize, usize, pb::Tensor)>,
+    ) -> Result<(), WorkerError> {
+        o.resize(numel, 0.0);
+        for (ps, at, n, t) in parts {
+            match &t.data {
+                Some(pb::tensor::Data::Remote(r)) => self.read_part(ps, o, at, n, &t, r).await?,
+                _ => {
+                    let b = self.f32_bytes(ps, &t)?;
+                    if b.len() != n * 4 {
+                        return Err(malformed(
+                            ps,
+                            &format!("{:?} has {} values, expected {n}", t.name, b.len() / 4),
+                        ));
+                    }
+                    ibex_proto::tensor::f32_from_le_into(&mut o[at..at + n], b);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the PS's exposed snapshot of one part straight into `o[at..at + n]`: the one
+    /// copy of these bytes on the worker. The length is checked against the variable first,
+    /// so a hostile PS cannot make it read past the part.
+    async fn read_part(
+        &self,
+        ps: usize,
+        o: &mut Vec<f32>,
+        at: usize,
+        n: usize,
+        t: &pb::Tensor,
+        r: &pb::RemoteRef,
+    ) -> Result<(), WorkerError> {
+        if t.dtype != pb::Dtype::F32 as i32 {
+            return Err(malformed(
+                ps,
+                &format!("tensor {:?} in a reply is not f32", t.name),
+            ));
+        }
+        if Some(r.len) != (n as u64).checked_mul(4) {
+            return Err(malformed(
+                ps,
+                &format!(
+                    "remote tensor {:?} is {} B, its part of the variable holds {} B ({n} f32)",
+                    t.name,
+                    r.len,
+                    n * 4
+                ),
+            ));
+        }
+        if at + n > o.len() {
+            return Err(malformed(
+                ps,
+                &format!("{:?} has more values than its variable", t.name),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let conn = self.clients[ps].ch.connection().ok_or_else(|| {
+            malformed(
+                ps,
+                &format!(
+                    "tensor {:?} is a remote buffer, but this channel cannot read one",
+                    t.name
+                ),
+            )
+        })?;
+        let mut v = Box::new(std::mem::take(o));
+        // SAFETY: `at + n <= v.len()` (checked above), so `ptr..ptr + n * 4` lies in the
+        // vector's initialised heap memory. The box handed to the RecvBuf owns the vector and
+        // keeps that memory alive and in place (moving a Box or a Vec does not move the
+        // heap buffer) and unaliased until the RecvBuf gives it back, even if this future
+        // is dropped mid-read. Any bit pattern is a valid f32.
+        let dst = unsafe {
+            let ptr = v.as_mut_ptr().add(at).cast::<u8>();
+            RecvBuf::from_raw(ptr, n * 4, v)
+        };
+        let read = conn
+            .read_remote(r.descriptor.clone(), dst)
+            .await
+            .map_err(|e| WorkerError::Rpc {
+                ps,
+                code: tonic::Code::Unavailable,
+                message: format!("reading pulled tensor {:?} from the PS: {e}", t.name),
+            })?;
+        let v = read
+            .into_owner()
+            .downcast::<Vec<f32>>()
+            .map_err(|_| malformed(ps, "the transport returned a different receive buffer"))?;
+        *o = *v;
+        #[cfg(target_endian = "big")]
+        for x in o[at..at + n].iter_mut() {
+            *x = f32::from_bits(u32::from_le(x.to_bits()));
+        }
+        if let Ok(mut p) = self.profile.lock() {
+            p.record_received(r.len);
         }
         Ok(())
     }

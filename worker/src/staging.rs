@@ -581,6 +581,7 @@ impl Worker {
                             step,
                             worker,
                             grads,
+                            release: self.take_released(g.ps),
                         },
                         keep.into_iter().flatten().collect(),
                     ),
@@ -592,7 +593,10 @@ impl Worker {
         }))
         .await?;
         match out {
-            Some(out) => self.assemble_into(&places, replies.into_iter().flatten(), out),
+            Some(out) => {
+                self.assemble_into(&places, replies.into_iter().flatten(), out)
+                    .await
+            }
             None => Ok(()),
         }
     }

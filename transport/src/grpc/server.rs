@@ -290,7 +290,11 @@ impl Builder {
 #[derive(Clone, Debug)]
 pub struct PeerHandle {
     conn: Connection,
+    id: u64,
 }
+
+/// Source of [`PeerHandle::id`]: process-wide, so ids are never reused.
+static NEXT_PEER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl PeerHandle {
     /// True when reads take no CPU on the client (shm CMA, RDMA READ). When false,
@@ -298,6 +302,13 @@ impl PeerHandle {
     /// and sending the data in the message body is usually as fast.
     pub fn one_sided(&self) -> bool {
         self.conn.one_sided()
+    }
+
+    /// Names the connection: the same for every request on it, never reused by another
+    /// connection of this process. Handlers key per-connection state on it (what a client
+    /// may release, how much it holds) without keeping the connection itself alive.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Reads the client buffer named by `descriptor` into `dst` (exactly as long as the
@@ -411,7 +422,10 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
             mux: Arc::new(Mux::new(conn.clone(), Side::Server)),
             calls: Mutex::new(HashMap::new()),
         }),
-        peer: PeerHandle { conn: conn.clone() },
+        peer: PeerHandle {
+            conn: conn.clone(),
+            id: NEXT_PEER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        },
         info: ConnectInfo::of(&conn),
         tcp_info: None,
         routes,

@@ -1,0 +1,362 @@
+//! Pull replies as descriptors: over shm the PS exposes its snapshot of each large variable
+//! and the worker reads it one-sided into its own vector; small variables, tcp channels and
+//! a connection past its lease cap get the bytes in the body. Values are bit-for-bit those
+//! of inline pulls.
+
+use std::time::Duration;
+
+use ibex_ps::{ExposeLimits, Mode, PsConfig};
+use ibex_worker::pb::parameter_server_client::ParameterServerClient;
+use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, pb};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One sync-mode shard for one worker, with `expose` as its lease limits.
+fn start(
+    transport: TransportKind,
+    expose: ExposeLimits,
+) -> (ClusterSpec, tokio::sync::oneshot::Sender<()>) {
+    let spec = ClusterSpec {
+        ps: vec![format!("127.0.0.1:{}", free_port())],
+        workers: vec!["127.0.0.1:0".into()],
+        transport,
+    };
+    let mut cfg = PsConfig::new(spec.ps_uri(0));
+    cfg.num_workers = 1;
+    cfg.mode = Mode::Sync;
+    cfg.sync_timeout = Duration::from_secs(20);
+    cfg.expose = expose;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(ibex_ps::run(cfg, async move {
+        let _ = rx.await;
+    }));
+    (spec, tx)
+}
+
+/// "mid" is 512 KiB (one part), "big" 2 MiB (two parts of 1 MiB), "small" 1 KiB.
+const SHAPES: [(&str, &[usize]); 3] = [
+    ("mid", &[128, 1024]),
+    ("big", &[1024, 512]),
+    ("small", &[16, 16]),
+];
+const LARGE_BYTES: u64 = (128 * 1024 + 1024 * 512) * 4;
+const STEPS: u64 = 4;
+
+fn vars() -> Vec<VarSpec> {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, (n, s))| VarSpec {
+            name: (*n).into(),
+            dtype: Dtype::F32,
+            shape: s.to_vec(),
+            init: Init::Normal {
+                std: 0.5,
+                seed: 7 + i as u64,
+            },
+            optimizer: Optimizer::Momentum {
+                lr: 0.1,
+                momentum: 0.9,
+            },
+            sparse: false,
+        })
+        .collect()
+}
+
+/// `STEPS` push-pulls into reused vectors, then a plain pull; returns every step's values
+/// and the worker's total one-sided read bytes.
+async fn train(spec: &ClusterSpec) -> (Vec<Vec<Vec<f32>>>, u64) {
+    let w = Worker::connect(spec, 0).await.unwrap();
+    w.create_variables(&vars()).await.unwrap();
+    let names: Vec<&str> = SHAPES.iter().map(|(n, _)| *n).collect();
+    let mut out = vec![Vec::new(); names.len()];
+    let mut seen = Vec::new();
+    w.pull_into(&names, 0, &mut out).await.unwrap();
+    seen.push(out.clone());
+    for step in 0..STEPS {
+        let grads: Vec<Vec<f32>> = out
+            .iter()
+            .map(|v| {
+                v.iter()
+                    .enumerate()
+                    .map(|(i, x)| x * 0.5 + (i % 13) as f32 * 0.01 - step as f32)
+                    .collect()
+            })
+            .collect();
+        let g: Vec<(&str, &[f32])> = names
+            .iter()
+            .zip(&grads)
+            .map(|(n, g)| (*n, g.as_slice()))
+            .collect();
+        w.push_pull_into(step, &g, &mut out).await.unwrap();
+        seen.push(out.clone());
+    }
+    seen.push(w.pull(&names, STEPS).await.unwrap());
+    let read = w
+        .comm_profile()
+        .transport
+        .iter()
+        .map(|(_, s)| s.remote_read_bytes)
+        .sum();
+    (seen, read)
+}
+
+fn assert_bits_equal(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) {
+    assert_eq!(a.len(), b.len());
+    for (step, (x, y)) in a.iter().zip(b).enumerate() {
+        for (i, (u, v)) in x.iter().zip(y).enumerate() {
+            assert_eq!(u.len(), v.len());
+            assert!(
+                u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "pull {step}, variable {:?} differs",
+                SHAPES[i].0
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_pulls_are_read_one_sided_and_equal_inline_pulls() {
+    // tcp does not read one-sided: every reply travels in the body.
+    let (tcp, stop_tcp) = start(TransportKind::Tcp, ExposeLimits::default());
+    let (inline, tcp_read) = train(&tcp).await;
+    assert_eq!(tcp_read, 0, "a tcp channel gets pull replies inline");
+    drop(stop_tcp);
+
+    let (shm, stop_shm) = start(TransportKind::Shm, ExposeLimits::default());
+    let (remote, shm_read) = train(&shm).await;
+    assert_bits_equal(&inline, &remote);
+    // Every pull (the first, one per step, the last) read each large part one-sided, and
+    // nothing of "small": it stays inline.
+    assert_eq!(
+        shm_read,
+        LARGE_BYTES * (STEPS + 2),
+        "one-sided read bytes on the worker"
+    );
+    drop(stop_shm);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_lease_cap_replies_go_inline_and_released_leases_free_room() {
+    // One lease per connection: each reply exposes one large part and sends the rest
+    // inline. The next request releases it, so every pull gets its one again.
+    let one = ExposeLimits {
+        max_leases: 1,
+        ..ExposeLimits::default()
+    };
+    let (tcp, stop_tcp) = start(TransportKind::Tcp, ExposeLimits::default());
+    let (inline, _) = train(&tcp).await;
+    drop(stop_tcp);
+    let (shm, stop_shm) = start(TransportKind::Shm, one);
+    let (capped, read) = train(&shm).await;
+    assert_bits_equal(&inline, &capped);
+    let pulls = STEPS + 2;
+    // Each pull read exactly one part one-sided: 512 KiB ("mid") or 1 MiB (a "big" part).
+    assert!(
+        read >= pulls * (512 << 10) && read <= pulls * (1 << 20),
+        "{read} B read one-sided over {pulls} pulls"
+    );
+    drop(stop_shm);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_never_releases_holds_a_bounded_amount_until_the_timeout() {
+    let limits = ExposeLimits {
+        max_leases: 2,
+        max_bytes: 1 << 30,
+        timeout: Duration::from_millis(300),
+    };
+    let (spec, stop) = start(TransportKind::Shm, limits);
+    let w = Worker::connect(&spec, 0).await.unwrap();
+    w.create_variables(&vars()).await.unwrap();
+    // A raw client on its own connection that never names a lease in `release`.
+    let mut raw = ParameterServerClient::new(
+        ibex_transport::grpc::Channel::connect(&spec.ps_uri(0))
+            .await
+            .unwrap(),
+    );
+    let remote = |r: &pb::PullResponse| {
+        r.values
+            .iter()
+            .filter(|t| matches!(t.data, Some(pb::tensor::Data::Remote(_))))
+            .count()
+    };
+    let pull = || pb::PullRequest {
+        names: vec!["big/part_0".into(), "big/part_1".into(), "mid".into()],
+        step: 0,
+        worker: 0,
+        release: vec![],
+    };
+    let first = raw.pull(pull()).await.unwrap().into_inner();
+    assert_eq!(remote(&first), 2, "two leases, then inline");
+    let second = raw.pull(pull()).await.unwrap().into_inner();
+    assert_eq!(remote(&second), 0, "the cap is reached: all inline");
+    // Releasing ids this connection was not given does nothing.
+    let mut bogus = pull();
+    bogus.release = vec![0, u64::MAX, 12345];
+    assert_eq!(remote(&raw.pull(bogus).await.unwrap().into_inner()), 0);
+    // The worker's own connection has its own allowance.
+    let names = ["big", "mid"];
+    w.pull(&names, 0).await.unwrap();
+    // After the timeout the leases are gone and exposures resume.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let third = raw.pull(pull()).await.unwrap().into_inner();
+    assert_eq!(remote(&third), 2, "expired leases free their room");
+    // Releasing them by id frees room at once.
+    let ids: Vec<u64> = third
+        .values
+        .iter()
+        .filter_map(|t| match &t.data {
+            Some(pb::tensor::Data::Remote(r)) => Some(r.lease),
+            _ => None,
+        })
+        .collect();
+    assert!(ids.iter().all(|&id| id != 0));
+    let mut rel = pull();
+    rel.release = ids;
+    assert_eq!(remote(&raw.pull(rel).await.unwrap().into_inner()), 2);
+    drop(stop);
+}
+
+/// A PS that answers every pull with a remote tensor of its choosing.
+#[derive(Clone, Copy)]
+enum Lie {
+    /// `len` off by 4 bytes from the variable's size.
+    WrongLen,
+    /// The right `len`, a descriptor that names nothing.
+    BogusDescriptor,
+    /// The right `len`, a real exposure of fewer bytes.
+    ShortExposure,
+}
+
+struct Hostile(Lie);
+
+#[tonic::async_trait]
+impl pb::parameter_server_server::ParameterServer for Hostile {
+    async fn create_variables(
+        &self,
+        req: tonic::Request<pb::CreateVariablesRequest>,
+    ) -> Result<tonic::Response<pb::CreateVariablesResponse>, tonic::Status> {
+        Ok(tonic::Response::new(pb::CreateVariablesResponse {
+            created: req.get_ref().vars.len() as u32,
+        }))
+    }
+    async fn pull(
+        &self,
+        req: tonic::Request<pb::PullRequest>,
+    ) -> Result<tonic::Response<pb::PullResponse>, tonic::Status> {
+        let peer = req
+            .extensions()
+            .get::<ibex_transport::grpc::PeerHandle>()
+            .cloned()
+            .unwrap();
+        let size = 128 * 1024 * 4u64;
+        let mut keep = Vec::new();
+        let mut values = Vec::new();
+        for name in &req.get_ref().names {
+            let (descriptor, len) = match self.0 {
+                Lie::WrongLen => (vec![0u8; 16].into(), size + 4),
+                Lie::BogusDescriptor => (vec![7u8; 16].into(), size),
+                Lie::ShortExposure => {
+                    let r = peer.expose(vec![1u8; 64].into()).await.unwrap();
+                    let d = r.descriptor();
+                    keep.push(r);
+                    (d, size)
+                }
+            };
+            values.push(pb::Tensor {
+                name: name.clone(),
+                dtype: pb::Dtype::F32 as i32,
+                shape: vec![128, 1024],
+                data: Some(pb::tensor::Data::Remote(pb::RemoteRef {
+                    descriptor,
+                    len,
+                    lease: 1,
+                })),
+            });
+        }
+        // Held past the reply so the worker's read finds the exposure.
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            drop(keep);
+        });
+        Ok(tonic::Response::new(pb::PullResponse { step: 0, values }))
+    }
+    async fn push(
+        &self,
+        _: tonic::Request<pb::PushRequest>,
+    ) -> Result<tonic::Response<pb::PushResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("push"))
+    }
+    async fn push_pull(
+        &self,
+        _: tonic::Request<pb::PushRequest>,
+    ) -> Result<tonic::Response<pb::PullResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("push_pull"))
+    }
+    async fn lookup_rows(
+        &self,
+        _: tonic::Request<pb::LookupRowsRequest>,
+    ) -> Result<tonic::Response<pb::LookupRowsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("lookup_rows"))
+    }
+    async fn push_sparse(
+        &self,
+        _: tonic::Request<pb::PushSparseRequest>,
+    ) -> Result<tonic::Response<pb::PushResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("push_sparse"))
+    }
+    async fn save(
+        &self,
+        _: tonic::Request<pb::SaveRequest>,
+    ) -> Result<tonic::Response<pb::SaveResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("save"))
+    }
+    async fn restore(
+        &self,
+        _: tonic::Request<pb::RestoreRequest>,
+    ) -> Result<tonic::Response<pb::RestoreResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("restore"))
+    }
+    async fn stats(
+        &self,
+        _: tonic::Request<pb::StatsRequest>,
+    ) -> Result<tonic::Response<pb::StatsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("stats"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_pull_reply_is_a_clear_error_not_a_panic_or_an_over_read() {
+    for lie in [Lie::WrongLen, Lie::BogusDescriptor, Lie::ShortExposure] {
+        let spec = ClusterSpec {
+            ps: vec![format!("127.0.0.1:{}", free_port())],
+            workers: vec!["127.0.0.1:0".into()],
+            transport: TransportKind::Shm,
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let svc = pb::parameter_server_server::ParameterServerServer::new(Hostile(lie));
+        let uri = spec.ps_uri(0);
+        tokio::spawn(async move {
+            ibex_transport::grpc::Server::builder()
+                .add_service(svc)
+                .serve_any(&uri, async move {
+                    let _ = rx.await;
+                })
+                .await
+        });
+        let w = Worker::connect(&spec, 0).await.unwrap();
+        w.create_variables(&vars()[..1]).await.unwrap();
+        let mut out = vec![vec![5.0f32; 3]];
+        let e = w.pull_into(&["mid"], 0, &mut out).await.unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("\"mid\""), "names the variable: {msg}");
+        drop(tx);
+    }
+}
