@@ -8,7 +8,9 @@ mod common;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
-use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
+use ibex_worker::{
+    ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError,
+};
 
 const STEPS: u64 = 10;
 const KILL_AFTER: u64 = 8;
@@ -96,6 +98,18 @@ fn signal(c: &Child, sig: i32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_then_restore_loses_and_repeats_no_step() {
+    kill_restore(false).await
+}
+
+/// The same, with the worker kept across the restart: its channel to the killed shard
+/// reconnects on the next call (as a tonic channel would), so a training process survives a
+/// PS restart without making a new `Worker`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_worker_reconnects_after_a_restart() {
+    kill_restore(true).await
+}
+
+async fn kill_restore(keep_worker: bool) {
     let dir = tempfile::tempdir().unwrap();
     let spec = ClusterSpec {
         ps: (0..2)
@@ -124,10 +138,26 @@ async fn sigkill_then_restore_loses_and_repeats_no_step() {
         w.pull(&["a"], KILL_AFTER).await.is_err(),
         "the dead shard is noticed"
     );
-    drop(w);
     ps[0] = spawn_ps(&spec, 0, dir.path(), true);
-    let w = Worker::connect(&spec, 0).await.unwrap();
-    w.create_variables(&vars()).await.unwrap();
+    let w = if keep_worker {
+        // Calls fail `Unavailable` until the shard is back, then go through. (The worker
+        // still knows its variables; the shard restored them from its checkpoint.)
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            match w.stats().await {
+                Ok(_) => break w,
+                Err(WorkerError::Unavailable { .. }) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("the worker never reached the restarted shard: {e}"),
+            }
+        }
+    } else {
+        drop(w);
+        let w = Worker::connect(&spec, 0).await.unwrap();
+        w.create_variables(&vars()).await.unwrap();
+        w
+    };
     let stats = w.stats().await.unwrap();
     assert_eq!(
         stats[0].step, 6,
