@@ -1152,7 +1152,12 @@ mod ibex_only {
                 let a = get("x-remote-addr").expect("remote_addr() over tcp");
                 assert!(a.starts_with("127.0.0.1:"), "{a}");
             }
-            "shm" => assert_eq!(get("x-peer-pid"), Some(std::process::id().to_string())),
+            "shm" => {
+                assert_eq!(get("x-peer-pid"), Some(std::process::id().to_string()));
+                // SAFETY: getuid has no preconditions and cannot fail.
+                let uid = unsafe { libc::getuid() };
+                assert_eq!(get("x-peer-uid"), Some(uid.to_string()));
+            }
             other => panic!("provider {other}"),
         }
         drop((c, ch));

@@ -348,6 +348,8 @@ pub struct ConnectInfo {
     pub remote_addr: Option<std::net::SocketAddr>,
     /// The peer's process id (shm, from the kernel's credentials of its socket).
     pub peer_pid: Option<u32>,
+    /// The peer's user id (shm, from the same credentials).
+    pub peer_uid: Option<u32>,
 }
 
 impl ConnectInfo {
@@ -356,10 +358,22 @@ impl ConnectInfo {
         ConnectInfo {
             provider: conn.provider(),
             remote_addr: peer.parse().ok(),
-            peer_pid: peer.strip_prefix("pid ").and_then(|p| p.parse().ok()),
+            peer_pid: cred(&peer, "pid"),
+            peer_uid: cred(&peer, "uid"),
             peer,
         }
     }
+}
+
+/// A number the shm provider names in its peer string (`pid 1234 uid 1000`).
+fn cred(peer: &str, what: &str) -> Option<u32> {
+    let mut words = peer.split_whitespace();
+    while let Some(w) = words.next() {
+        if w == what {
+            return words.next()?.parse().ok();
+        }
+    }
+    None
 }
 
 /// The `date` header of responses, formatted at most once a second (as hyper does).

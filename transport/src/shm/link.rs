@@ -186,6 +186,8 @@ pub(crate) struct Parts {
     pub sock: UnixStream,
     /// The peer's pid in our namespace (SO_PEERCRED): what CMA reads from.
     pub peer_pid: i32,
+    /// The peer's uid (SO_PEERCRED), for the connect info servers see.
+    pub peer_uid: u32,
     /// The pid the peer reported (its namespace): what its REGION descriptors carry.
     pub peer_hello_pid: u32,
     pub peer_slot_size: usize,
@@ -333,7 +335,7 @@ impl ShmLink {
             max_frame: p.peer_slot_size,
             rendezvous_path: if p.cma { "cma" } else { "bounce" }.into(),
             one_sided: p.cma,
-            peer: format!("pid {}", p.peer_pid),
+            peer: format!("pid {} uid {}", p.peer_pid, p.peer_uid),
         };
         Ok(ShmLink {
             sock: p.sock,

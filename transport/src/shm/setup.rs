@@ -424,8 +424,8 @@ fn setup_io(what: &str) -> impl Fn(io::Error) -> Error + '_ {
     }
 }
 
-/// The pid of the process at the other end of the socket, in our pid namespace.
-fn socket_peer_pid(stream: &UnixStream) -> Result<i32> {
+/// The pid (in our pid namespace) and uid of the process at the other end of the socket.
+fn socket_peer_cred(stream: &UnixStream) -> Result<(i32, u32)> {
     // SAFETY: `ucred` is plain data filled by the kernel.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -445,7 +445,7 @@ fn socket_peer_pid(stream: &UnixStream) -> Result<i32> {
             io::Error::last_os_error(),
         ));
     }
-    Ok(cred.pid)
+    Ok((cred.pid, cred.uid))
 }
 
 async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<ShmLink>> {
@@ -458,7 +458,7 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
     };
     let force = std::env::var("IBEX_SHM_FORCE_BOUNCE").is_ok_and(|v| v == "1");
     cma::allow_peer_reads();
-    let peer_pid = socket_peer_pid(&stream)?;
+    let (peer_pid, peer_uid) = socket_peer_cred(&stream)?;
     let probe = Box::new(random_word());
     let me = Hello {
         pid: std::process::id(),
@@ -591,6 +591,7 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
     let link = ShmLink::new(Parts {
         sock: stream,
         peer_pid,
+        peer_uid,
         peer_hello_pid: peer.pid,
         peer_slot_size: peer.slot_size as usize,
         tx_map,

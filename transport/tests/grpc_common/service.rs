@@ -196,6 +196,9 @@ impl Bench for BenchImpl {
                 if let Some(pid) = i.peer_pid {
                     md.insert("x-peer-pid", pid.to_string().parse().unwrap());
                 }
+                if let Some(uid) = i.peer_uid {
+                    md.insert("x-peer-uid", uid.to_string().parse().unwrap());
+                }
             }
             return Ok(resp);
         }
