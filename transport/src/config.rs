@@ -62,6 +62,13 @@ pub struct Config {
     /// at once, so a flood of silent connections costs only its own peers, never the
     /// accept loop (`IBEX_MAX_HANDSHAKES`; default 128).
     pub max_handshakes: usize,
+    /// tcp: probe an idle connection after this long and close it when the peer stops
+    /// answering (TCP keep-alive: three probes a third of this apart), so a peer that
+    /// vanished without closing (a partition, a powered-off host) is noticed within about
+    /// twice this. `None` (the default, as in tonic) leaves it to the calls' deadlines.
+    /// shm peers are local, and their death is seen at once; verbs queue pairs time out
+    /// on their own.
+    pub tcp_keepalive: Option<std::time::Duration>,
     /// Which settings [`Config::with_env`] took from the environment, so that statistics
     /// can say `"env"` rather than `"config"`.
     pub env_overrides: EnvOverrides,
@@ -97,6 +104,7 @@ impl Default for Config {
             spin: DEFAULT_SPIN,
             handshake_timeout: std::time::Duration::from_secs(5),
             max_handshakes: 128,
+            tcp_keepalive: None,
             env_overrides: EnvOverrides::default(),
         }
     }

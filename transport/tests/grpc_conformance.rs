@@ -1221,6 +1221,19 @@ mod ibex_only {
             drop((c, ch));
             srv.shutdown().await.unwrap();
 
+            // Keep-alive on a tcp channel: calls go through as usual.
+            let (srv, _ev) = start_at("tcp://127.0.0.1:0".into()).await;
+            let ch = Endpoint::new(srv.addr.clone())
+                .config(ibex_config())
+                .tcp_keepalive(Duration::from_secs(30))
+                .connect()
+                .await
+                .unwrap();
+            let mut c = BenchClient::new(ch);
+            assert!(c.echo(Payload::default()).await.is_ok());
+            drop(c);
+            srv.shutdown().await.unwrap();
+
             // A tcp peer that accepts and never speaks: connect gives up at the timeout.
             let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = format!("tcp://{}", silent.local_addr().unwrap());

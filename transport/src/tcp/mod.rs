@@ -156,6 +156,38 @@ async fn resolve(addr: &str) -> Result<Vec<SocketAddr>> {
     Ok(addrs)
 }
 
+/// Turns on TCP keep-alive: the first probe after `idle` of silence, then three probes a
+/// third of `idle` apart before the kernel fails the connection.
+fn keepalive(stream: &TcpStream, idle: std::time::Duration) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let secs = |d: std::time::Duration| {
+        libc::c_int::try_from(d.as_secs().max(1)).unwrap_or(libc::c_int::MAX)
+    };
+    let fd = stream.as_raw_fd();
+    for (level, opt, val) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, secs(idle)),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, secs(idle / 3)),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3),
+    ] {
+        // SAFETY: `fd` is the open socket `stream` owns for the whole call; the option value
+        // is a c_int that lives across the call, with its size passed alongside.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                opt,
+                (&val as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Runs the preface on a fresh stream (either side); `peer` names the other end in errors.
 /// No deadline of its own: callers bound it.
 pub(crate) async fn setup(mut stream: TcpStream, config: &Config, peer: String) -> Result<TcpLink> {
@@ -166,6 +198,14 @@ pub(crate) async fn setup(mut stream: TcpStream, config: &Config, peer: String) 
             e,
         )
     })?;
+    if let Some(idle) = config.tcp_keepalive {
+        keepalive(&stream, idle).map_err(|e| {
+            Error::io(
+                format!("turning on TCP keep-alive (Config::tcp_keepalive) to {peer}"),
+                e,
+            )
+        })?;
+    }
     let ours = Preface::ours(config, Vec::new())?;
     let who = format!("peer at {peer}");
     let theirs = preface::exchange(&mut stream, Provider::Tcp, &ours, &who)
@@ -178,4 +218,39 @@ pub(crate) async fn setup(mut stream: TcpStream, config: &Config, peer: String) 
         config,
         theirs.slot_size as usize,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    fn get(stream: &TcpStream, level: libc::c_int, opt: libc::c_int) -> libc::c_int {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: a valid socket, an out-pointer to a c_int and its length.
+        let r = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                level,
+                opt,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        v
+    }
+
+    #[tokio::test]
+    async fn keepalive_sets_the_kernel_probes() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        assert_eq!(get(&s, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 0);
+        keepalive(&s, std::time::Duration::from_secs(9)).unwrap();
+        assert_eq!(get(&s, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(get(&s, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 9);
+        assert_eq!(get(&s, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), 3);
+        assert_eq!(get(&s, libc::IPPROTO_TCP, libc::TCP_KEEPCNT), 3);
+    }
 }
