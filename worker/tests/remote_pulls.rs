@@ -9,13 +9,8 @@ use ibex_ps::{ExposeLimits, Mode, PsConfig};
 use ibex_worker::pb::parameter_server_client::ParameterServerClient;
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, pb};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+mod common;
+use common::free_port;
 
 /// One sync-mode shard for one worker, with `expose` as its lease limits.
 fn start(

@@ -95,6 +95,14 @@ pub(crate) enum ReadyMsg {
 }
 
 impl ReadyMsg {
+    /// The message's bytes, wherever they landed.
+    pub fn into_bytes(self) -> Bytes {
+        match self {
+            ReadyMsg::Bytes(_, b) => b,
+            ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
+        }
+    }
+
     pub fn msg(&self) -> MsgId {
         match self {
             ReadyMsg::Bytes(m, _) => *m,
@@ -230,6 +238,14 @@ impl State {
     }
 
     /// True when the core has work only the driver does (actions, timers, closing).
+    /// The application took message `msg`. True when a full batch of credits is owed:
+    /// then the driver must send them now (smaller debts ride on the next frame).
+    pub fn consume(&mut self, msg: MsgId) -> bool {
+        self.consumed += 1;
+        self.core.consumed(msg);
+        self.core.credit_due()
+    }
+
     pub fn needs_driver(&self) -> bool {
         self.core.is_closed() || self.close_requested || self.core.has_actions()
     }

@@ -250,20 +250,12 @@ impl Connection {
         let spin = {
             let mut st = shared.lock();
             if let Some(ready) = st.delivered.pop_front() {
-                let msg = ready.msg();
-                st.consumed += 1;
-                st.core.consumed(msg);
-                let credit_due = st.core.credit_due();
+                let credit_due = st.consume(ready.msg());
                 drop(st);
-                // Owed credits below the batching threshold ride on the next frame; only
-                // a full batch needs the driver now.
                 if credit_due {
                     shared.wake_driver();
                 }
-                return Some(Ok(match ready {
-                    ReadyMsg::Bytes(_, b) => b,
-                    ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
-                }));
+                return Some(Ok(ready.into_bytes()));
             }
             if let Some(e) = &st.closed {
                 return Some(Err(e.clone()));
@@ -316,10 +308,7 @@ impl Connection {
                             )),
                         },
                         other => {
-                            let data = match other {
-                                ReadyMsg::Bytes(_, b) => b,
-                                ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
-                            };
+                            let data = other.into_bytes();
                             let Some(mut b) = mine.take() else {
                                 st.delivered.push_front(ReadyMsg::Bytes(msg, data));
                                 return Err(Error::Protocol(
@@ -339,9 +328,7 @@ impl Connection {
                             Ok((b, data.len()))
                         }
                     };
-                    st.consumed += 1;
-                    st.core.consumed(msg);
-                    let credit_due = st.core.credit_due();
+                    let credit_due = st.consume(msg);
                     drop(st);
                     if credit_due {
                         shared.wake_driver();

@@ -188,6 +188,8 @@ struct Shared {
     /// Held while one message is taken off the connection and dispatched, so messages are
     /// demultiplexed and delivered in connection order whichever task reads them.
     demux: Mutex<Demux>,
+    /// Made once per connection: calls set it unless the caller did.
+    user_agent: http::HeaderValue,
 }
 
 #[derive(Default)]
@@ -305,6 +307,7 @@ impl Shared {
 impl Shared {
     fn new(conn: Connection, limits: Limits) -> Arc<Shared> {
         Arc::new(Shared {
+            user_agent: user_agent(conn.provider()),
             mux: Arc::new(Mux::new(conn, Side::Client)),
             calls: Mutex::new(Calls::default()),
             demux: Mutex::new(Demux::new(false, limits)),
@@ -572,7 +575,7 @@ impl Channel {
         parts
             .headers
             .entry(http::header::USER_AGENT)
-            .or_insert_with(|| user_agent(shared.mux.conn.provider()));
+            .or_insert_with(|| shared.user_agent.clone());
         let path = parts
             .uri
             .path_and_query()
@@ -843,23 +846,14 @@ impl Endpoint {
     }
 }
 
-/// `tonic/<version> ibex/<version> (<provider>)`, made once per provider.
+/// `tonic/<version> ibex/<version> (<provider>)`: what tonic's channel sends, plus what
+/// carries the call.
 fn user_agent(provider: &'static str) -> http::HeaderValue {
-    static AGENTS: std::sync::OnceLock<Mutex<HashMap<&'static str, http::HeaderValue>>> =
-        std::sync::OnceLock::new();
-    let mut m = AGENTS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    m.entry(provider)
-        .or_insert_with(|| {
-            http::HeaderValue::from_str(&format!(
-                "tonic/0.14 ibex/{} ({provider})",
-                env!("CARGO_PKG_VERSION")
-            ))
-            .unwrap_or_else(|_| http::HeaderValue::from_static("tonic/0.14 ibex"))
-        })
-        .clone()
+    http::HeaderValue::from_str(&format!(
+        "tonic/0.14 ibex/{} ({provider})",
+        env!("CARGO_PKG_VERSION")
+    ))
+    .unwrap_or_else(|_| http::HeaderValue::from_static("tonic/0.14 ibex"))
 }
 
 impl<B> tower::Service<http::Request<B>> for Channel

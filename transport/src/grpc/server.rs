@@ -342,8 +342,9 @@ impl PeerHandle {
 pub struct ConnectInfo {
     /// `"shm"`, `"tcp"` or `"verbs"`.
     pub provider: &'static str,
-    /// The peer as the provider names it (an address, or `pid N` on shm).
-    pub peer: String,
+    /// The peer as the provider names it (an address, or `pid N uid M` on shm). Shared,
+    /// since every request carries a copy of this.
+    pub peer: Arc<str>,
     /// The peer's socket address (tcp; verbs: its bootstrap connection).
     pub remote_addr: Option<std::net::SocketAddr>,
     /// The peer's process id (shm, from the kernel's credentials of its socket).
@@ -360,7 +361,7 @@ impl ConnectInfo {
             remote_addr: peer.parse().ok(),
             peer_pid: cred(&peer, "pid"),
             peer_uid: cred(&peer, "uid"),
-            peer,
+            peer: peer.into(),
         }
     }
 }

@@ -5,7 +5,8 @@ use std::time::Duration;
 use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, TransportKind};
 
-fn free_port() -> u16 {
+/// A port nothing listens on right now.
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -15,6 +16,7 @@ fn free_port() -> u16 {
 
 /// Starts `num_ps` sync-mode PS shards for `workers` workers on the current runtime; returns
 /// the spec and their stop handles (dropping a handle stops its shard).
+#[allow(dead_code)] // not every test binary that shares this module starts shards
 pub fn start_sync_ps(
     transport: TransportKind,
     num_ps: usize,
