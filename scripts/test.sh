@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test of the project, on a fresh machine: unit, integration, property and
-# fuzz-corpus tests, the shm ring's loom model checks, a build of the benchmarks, and the
+# fuzz-corpus tests, the shm ring's loom model checks, a bounded cargo-fuzz run of every
+# decoder a peer can reach, a build of the benchmarks, and the
 # verbs suites on Soft-RoCE inside a qemu VM (installs qemu, rdma-core and a kernel via apt
 # on first use; needs root).
 set -euo pipefail
@@ -34,6 +35,9 @@ step "ibex-bench smoke: every benchmark over every transport once, tiny sizes, n
 step "shm ring: loom model checks"
 RUSTFLAGS="--cfg ibex_loom" CARGO_TARGET_DIR=target/loom \
     cargo test --locked -p ibex-transport --release --lib shm::ring
+
+step "fuzzing: every decoder a peer can reach, ${IBEX_FUZZ_SECONDS:-60}s per target (cargo-fuzz)"
+scripts/fuzz.sh
 
 step "verbs: Soft-RoCE in a qemu VM, one device and two devices across a veth"
 scripts/verbs-test.sh

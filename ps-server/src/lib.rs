@@ -9,6 +9,8 @@ mod bufs;
 mod checkpoint;
 mod config;
 mod exposed;
+#[doc(hidden)]
+pub mod fuzzing;
 mod init;
 mod metrics;
 mod optim;
