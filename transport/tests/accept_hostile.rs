@@ -144,20 +144,21 @@ async fn tcp_silent_peer_is_closed_at_the_deadline() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn set_ups_past_the_cap_are_refused_at_once_and_slots_come_back() {
+async fn set_ups_past_the_cap_are_refused_at_once_while_the_holders_are_young() {
     init_tracing();
+    // Set-ups younger than a tenth of the deadline (at most 250 ms) keep their slots.
     let cfg = Config {
         max_handshakes: 2,
-        handshake_timeout: Duration::from_millis(500),
+        handshake_timeout: Duration::from_millis(1500),
         ..fixed_threshold(4096)
     };
     let l = listen(&uri("tcp", "cap"), cfg.clone()).await.unwrap();
     let addr = tcp_addr(&l);
     let a = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let b = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    // Both slots are held by silent peers, which the deadline (500 ms) has not closed yet:
-    // the third peer is closed without its preface long before that.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Both slots are held by silent peers only 20 ms old: the third peer is closed without
+    // its preface, long before their deadline.
     let third = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let t = Instant::now();
     let mut got = Vec::new();
@@ -176,6 +177,33 @@ async fn set_ups_past_the_cap_are_refused_at_once_and_slots_come_back() {
     closed_by_server(a, GUARD).await;
     closed_by_server(b, GUARD).await;
     served(&l, &l.local_uri(), &cfg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_silent_peers_gives_way_to_an_honest_one_long_before_the_deadline() {
+    init_tracing();
+    let cfg = patient(); // a 30 s deadline: waiting for it would fail the hang guard's spirit
+    let cfg = Config {
+        max_handshakes: 4,
+        ..cfg
+    };
+    let l = listen(&uri("tcp", "flood"), cfg.clone()).await.unwrap();
+    let addr = tcp_addr(&l);
+    let mut silent = Vec::new();
+    for _ in 0..20 {
+        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    // Every slot is held by a silent peer; once they are past the eviction age (250 ms)
+    // a newcomer takes the oldest one's slot.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let took = served(&l, &l.local_uri(), &cfg).await;
+    assert!(
+        took < Duration::from_secs(10),
+        "the honest peer waited {took:?} behind silent ones"
+    );
+    // The first silent peer lost its slot to the honest one and was closed.
+    let first = silent.remove(0);
+    closed_by_server(first, Duration::from_secs(10)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

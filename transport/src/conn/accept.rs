@@ -4,11 +4,12 @@
 //! [`super::Listener::accept`], so a peer that stalls or sends junk costs only its own
 //! slot, and `accept` only ever waits on a channel (cancel-safe).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio::task::JoinSet;
+use tokio::task::{AbortHandle, JoinSet};
 
 use super::Connection;
 use crate::config::Config;
@@ -122,22 +123,119 @@ impl WarnLimit {
     }
 }
 
+/// One set-up's claim on a slot of `max_handshakes`. The acceptor can take the permit back
+/// from a set-up still in progress (and abort it) to make room for a newcomer.
+struct Slot {
+    permit: Option<OwnedSemaphorePermit>,
+    /// Still setting up: once the connection is made, only `accept` ends the claim.
+    in_setup: bool,
+    started: Instant,
+    peer: String,
+    abort: Option<AbortHandle>,
+}
+
+type SlotRef = Arc<std::sync::Mutex<Slot>>;
+
+fn lock(s: &SlotRef) -> std::sync::MutexGuard<'_, Slot> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Gives the slot back when its set-up task ends, however it ends.
+struct SlotGuard(SlotRef);
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        lock(&self.0).permit = None;
+    }
+}
+
+/// How long a set-up must have waited before a newcomer may take its slot: honest tcp and
+/// shm set-ups finish in milliseconds, so a burst of honest peers never evicts its own,
+/// while a flood of silent ones gives way within this.
+fn eviction_age(config: &Config) -> Duration {
+    (config.handshake_timeout / 10).min(Duration::from_millis(250))
+}
+
+/// Takes the slot of the longest-waiting set-up still in progress, if it has waited at
+/// least `min_age`, and aborts that set-up (its peer's socket closes).
+fn evict_oldest(
+    pending: &mut VecDeque<SlotRef>,
+    min_age: Duration,
+) -> Option<(OwnedSemaphorePermit, String)> {
+    pending.retain(|s| lock(s).permit.is_some());
+    for s in pending.iter() {
+        let mut g = lock(s);
+        if !g.in_setup {
+            continue;
+        }
+        // Oldest first: if this one is too young, so is every later one.
+        if g.started.elapsed() < min_age {
+            return None;
+        }
+        let permit = g.permit.take()?;
+        if let Some(a) = g.abort.take() {
+            a.abort();
+        }
+        return Some((permit, std::mem::take(&mut g.peer)));
+    }
+    None
+}
+
 /// Accepts from `source` until aborted (the listener's drop aborts it, and with it every
-/// set-up it started).
+/// set-up it started). At the cap on set-ups, a newcomer takes the slot of the set-up that
+/// has waited longest (past [`eviction_age`]): a flood of silent peers then only churns
+/// among itself, and an honest peer still gets through. Only when every slot is young or
+/// holds a made connection waiting for `accept` is the newcomer refused.
 pub(super) async fn run(source: Source, shared: Arc<Shared>) {
     let provider = source.provider();
     let mut setups = JoinSet::new();
+    let mut pending: VecDeque<SlotRef> = VecDeque::new();
+    let min_age = eviction_age(&shared.config);
     let mut backoff = Duration::ZERO;
     loop {
         tokio::select! {
             r = source.accept() => match r {
                 Ok(raw) => {
                     backoff = Duration::ZERO;
-                    match shared.slots.clone().try_acquire_owned() {
-                        Ok(slot) => {
-                            setups.spawn(set_up(raw, shared.clone(), slot));
+                    let permit = match shared.slots.clone().try_acquire_owned() {
+                        Ok(p) => Ok(p),
+                        Err(_) => match evict_oldest(&mut pending, min_age) {
+                            Some((p, evicted)) => {
+                                if let Some(held_back) = shared.warnings.allow() {
+                                    tracing::warn!(
+                                        peer = %evicted,
+                                        limit = shared.config.max_handshakes,
+                                        held_back,
+                                        "closed the longest-waiting connection set-up to make room for a new peer: {} set-ups were in progress (Config::max_handshakes, IBEX_MAX_HANDSHAKES)",
+                                        shared.config.max_handshakes
+                                    )
+                                }
+                                Ok(p)
+                            }
+                            None => Err(()),
+                        },
+                    };
+                    match permit {
+                        Ok(permit) => {
+                            let slot = Arc::new(std::sync::Mutex::new(Slot {
+                                permit: Some(permit),
+                                in_setup: true,
+                                started: Instant::now(),
+                                peer: raw.peer(),
+                                abort: None,
+                            }));
+                            let abort = setups.spawn(set_up(raw, shared.clone(), SlotGuard(slot.clone())));
+                            lock(&slot).abort = Some(abort);
+                            pending.push_back(slot);
+                            // Ended claims leave; at most a few times the cap stay listed.
+                            while pending.front().is_some_and(|s| lock(s).permit.is_none()) {
+                                pending.pop_front();
+                            }
+                            if pending.len() > 2 * shared.config.max_handshakes {
+                                pending.retain(|s| lock(s).permit.is_some());
+                            }
                         }
-                        Err(_) => {
+                        Err(()) => {
                             if let Some(held_back) = shared.warnings.allow() {
                                 tracing::warn!(
                                     peer = %raw.peer(),
@@ -166,17 +264,25 @@ pub(super) async fn run(source: Source, shared: Arc<Shared>) {
 /// Sets one peer up under the deadline and hands the connection over; holds its slot
 /// until `accept` has taken the connection, so unaccepted connections count against the
 /// cap too.
-async fn set_up(raw: Raw, shared: Arc<Shared>, _slot: OwnedSemaphorePermit) {
+async fn set_up(raw: Raw, shared: Arc<Shared>, slot: SlotGuard) {
     let peer = raw.peer();
     let config = &shared.config;
-    let work = async {
-        match raw.setup(config).await? {
-            Some(link) => Connection::establish(link, config).await.map(Some),
-            None => Ok(None),
+    // One deadline for the whole set-up. The protocol handshake gets what the provider's
+    // part left of it, and enforces it itself, so a peer that stalls there is told why.
+    let deadline = tokio::time::Instant::now() + config.handshake_timeout;
+    let result = match tokio::time::timeout_at(deadline, raw.setup(config)).await {
+        Ok(Ok(Some(link))) => {
+            let left = deadline
+                .saturating_duration_since(tokio::time::Instant::now())
+                .max(Duration::from_millis(1));
+            let config = Config {
+                handshake_timeout: left,
+                ..config.clone()
+            };
+            Connection::establish(link, &config).await.map(Some)
         }
-    };
-    let result = match tokio::time::timeout(config.handshake_timeout, work).await {
-        Ok(r) => r,
+        Ok(Ok(None)) => Ok(None),
+        Ok(Err(e)) => Err(e),
         Err(_) => Err(Error::Timeout(format!(
             "{peer} did not finish connection set-up within {} ms (Config::handshake_timeout, IBEX_HANDSHAKE_TIMEOUT_MS); closed it",
             config.handshake_timeout.as_millis()
@@ -184,6 +290,7 @@ async fn set_up(raw: Raw, shared: Arc<Shared>, _slot: OwnedSemaphorePermit) {
     };
     match result {
         Ok(Some(conn)) => {
+            lock(&slot.0).in_setup = false;
             // Fails only when the listener is gone; the connection then closes with it.
             let _ = shared.ready.send(conn).await;
         }

@@ -159,6 +159,8 @@ pub(crate) struct State {
     /// Destinations that reads may still target: freed only after the link is gone.
     graveyard: Vec<Box<dyn Any + Send>>,
     pub close_requested: bool,
+    /// What the peer's `Close` says when this side asked to close (empty: nothing to say).
+    pub close_reason: String,
     /// A receiver found nothing and is about to sleep: the driver busy-polls its budget
     /// first, because a reply usually arrives within microseconds.
     pub spin_requested: bool,
@@ -226,6 +228,7 @@ impl State {
             closed: None,
             graveyard: Vec::new(),
             close_requested: false,
+            close_reason: String::new(),
             spin_requested: false,
             busy_poll: true,
             stats,
@@ -966,7 +969,7 @@ impl State {
                 }
             }
             if self.close_requested && !self.core.is_closed() {
-                self.core.close(now, "");
+                self.core.close(now, &self.close_reason);
             }
 
             // Outbound first: a reply waiting to go out must not wait behind inbound polling.

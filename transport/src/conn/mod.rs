@@ -13,7 +13,7 @@ mod stats;
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::oneshot;
@@ -108,10 +108,13 @@ impl Connection {
         match tokio::time::timeout(config.handshake_timeout, conn.wait_established()).await {
             Ok(r) => r?,
             Err(_) => {
-                return Err(Error::Timeout(format!(
+                let why = format!(
                     "no protocol handshake from the peer within {} ms: is it an Ibex endpoint of the same version? (Config::handshake_timeout, IBEX_HANDSHAKE_TIMEOUT_MS)",
                     config.handshake_timeout.as_millis()
-                )));
+                );
+                // Tell the peer, briefly: before the handshake the close goes out at once.
+                let _ = tokio::time::timeout(Duration::from_secs(1), conn.close_with(&why)).await;
+                return Err(Error::Timeout(why));
             }
         }
         Ok(conn)
@@ -469,8 +472,19 @@ impl Connection {
     /// Closes gracefully: queued messages go out and rendezvous reads by the peer finish,
     /// then the peer sees the close. Waits until done.
     pub async fn close(&self) {
+        self.close_with("").await
+    }
+
+    /// As [`Connection::close`], and the peer's error says `reason`: why this side gave up
+    /// on it (a broken protocol above the transport, a deadline), so a bad or slow peer
+    /// learns what it did rather than seeing a bare close.
+    pub async fn close_with(&self, reason: &str) {
         {
-            self.shared().lock().close_requested = true;
+            let mut st = self.shared().lock();
+            st.close_requested = true;
+            if st.close_reason.is_empty() {
+                st.close_reason = reason.to_owned();
+            }
         }
         self.shared().wake_driver();
         loop {
