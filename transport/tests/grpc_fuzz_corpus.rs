@@ -112,7 +112,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 packet(
                     3,
                     HEAD | DATA_NEXT,
-                    &[request_head("/a/b"), (1u64 << 31).to_be_bytes().to_vec()],
+                    &[request_head("/a/b"), (8u64 << 20).to_be_bytes().to_vec()],
                 ),
                 packet(3, RESET, &[]),
             ]),

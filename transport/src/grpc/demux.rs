@@ -5,6 +5,7 @@
 
 use bytes::Bytes;
 
+use super::MAX_SEPARATE_BODY;
 use super::wire::{Data, Limits, Packet};
 use crate::error::{Error, Result};
 
@@ -58,6 +59,11 @@ impl Demux {
         }
         let mut p = Packet::decode(msg, self.request, &self.limits)?;
         match p.data.take() {
+            Some(Data::Next(len)) if len > MAX_SEPARATE_BODY => Err(Error::Protocol(format!(
+                "gRPC call framing: call {} announces a body frame of {len} bytes; senders cut \
+                 bodies into frames of at most {MAX_SEPARATE_BODY} bytes",
+                p.call
+            ))),
             Some(Data::Next(len)) => {
                 self.partial = Some((p, len));
                 Ok(Got::Nothing)
@@ -103,10 +109,19 @@ mod tests {
     }
 
     #[test]
+    fn a_body_frame_larger_than_any_sender_cuts_is_refused_at_once() {
+        let mut d = Demux::new(true, Limits::default());
+        let mut p = head(5);
+        p.data = Some(Data::Next(MAX_SEPARATE_BODY + 1));
+        let e = d.push(p.encode().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("body frame of"), "{e}");
+    }
+
+    #[test]
     fn an_abort_in_place_of_the_body_fails_only_that_call() {
         let mut d = Demux::new(true, Limits::default());
         let mut p = head(3);
-        p.data = Some(Data::Next(1 << 30));
+        p.data = Some(Data::Next(MAX_SEPARATE_BODY));
         d.push(p.encode().unwrap()).unwrap();
         let mut abort = Packet::new(3);
         abort.reset = true;

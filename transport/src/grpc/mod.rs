@@ -119,6 +119,14 @@ pub type ResponseBody = IncomingBody;
 /// is positive, so one message larger than the window still goes (alone).
 const WINDOW: i64 = 8 << 20;
 
+/// The largest piece a large body frame is cut into.
+pub(crate) const MAX_PIECE: usize = 8 << 20;
+
+/// The largest body frame that travels as its own message: the last piece of a body takes
+/// the remainder, under two pieces. A receiver refuses larger announcements at once rather
+/// than wait for a message the transport would never deliver.
+pub(crate) const MAX_SEPARATE_BODY: u64 = 2 * MAX_PIECE as u64;
+
 /// Each frame counts at least this much against the window, so a stream of tiny frames is
 /// bounded in count too.
 const MIN_FRAME_COST: i64 = 1024;
@@ -165,7 +173,7 @@ impl Mux {
         let (threshold, fragment) = self.conn.message_sizes();
         (
             INLINE_MAX.min(threshold.saturating_sub(PACKET_ROOM)),
-            (2 * fragment).clamp(1 << 20, 8 << 20),
+            (2 * fragment).clamp(1 << 20, MAX_PIECE),
         )
     }
 
@@ -325,7 +333,8 @@ impl CallShared {
 
     fn grant(&self, n: u32) {
         if let Ok(mut w) = self.send_window.lock() {
-            *w += i64::from(n);
+            // Saturating: a peer granting u32::MAX over and over must not wrap the window.
+            *w = w.saturating_add(i64::from(n));
         }
         self.send_space.notify_waiters();
     }

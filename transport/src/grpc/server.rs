@@ -457,6 +457,8 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
         });
     let mut demux = Demux::new(true, limits.wire);
     let peer = conn.peer();
+    // Why the connection is closed from this side, for the peer's error.
+    let mut broken = String::new();
     loop {
         tokio::select! {
             biased;
@@ -492,6 +494,7 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
                 };
                 if let Err(e) = r {
                     tracing::warn!(%e, %peer, "gRPC server: closing the connection");
+                    broken = e.to_string();
                     break;
                 }
             }
@@ -505,7 +508,7 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
         c.shared.finish();
     }
     while cx.running.next().await.is_some() {}
-    conn.close().await;
+    conn.close_with(&broken).await;
 }
 
 impl ConnCtx {
@@ -602,12 +605,14 @@ impl ConnCtx {
         }
         if let Some(d) = data {
             if !c.shared.received(d.len()) {
-                c.body.send(Inbound::Error(Status::resource_exhausted(
-                    "the client overran the call's flow-control window",
+                // As HTTP/2's FLOW_CONTROL_ERROR: no honest client sends past the window, and
+                // going on would buffer whatever it sends next.
+                return Err(Error::Protocol(format!(
+                    "gRPC call framing: the client overran call {id}'s flow-control window of {} bytes",
+                    super::WINDOW
                 )));
-            } else {
-                c.body.send(Inbound::Data(d));
             }
+            c.body.send(Inbound::Data(d));
         }
         if p.end {
             c.body.send(Inbound::End);
