@@ -84,6 +84,16 @@ pub struct Server {
 
 impl Server {
     pub async fn start(provider: &str, tag: &str) -> Server {
+        Server::start_with(provider, tag, true).await
+    }
+
+    /// A server whose application never reads: no credit ever goes back to a peer, so a
+    /// window overrun is one, whatever the timing.
+    pub async fn deaf(provider: &str, tag: &str) -> Server {
+        Server::start_with(provider, tag, false).await
+    }
+
+    async fn start_with(provider: &str, tag: &str, reads: bool) -> Server {
         let l = Arc::new(
             listen(&uri(provider, tag), server_config())
                 .await
@@ -95,6 +105,13 @@ impl Server {
             while let Ok(c) = lc.accept().await {
                 let ec = ec.clone();
                 tokio::spawn(async move {
+                    if !reads {
+                        // Held, never read, until the peer goes.
+                        while !c.is_closed() {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        return;
+                    }
                     loop {
                         match c.recv().await {
                             Ok(m) => {
@@ -295,7 +312,7 @@ impl Peer {
     }
 
     /// Reads until the server closes this peer; fails the test if it stays silent.
-    pub async fn outcome(&mut self) -> Outcome {
+    pub async fn outcome(&mut self, what: &str) -> Outcome {
         let end = async {
             loop {
                 match self.event().await {
@@ -310,7 +327,7 @@ impl Peer {
         match tokio::time::timeout(CLOSE_WITHIN, end).await {
             Ok(o) => o,
             Err(_) => panic!(
-                "the server left a bad peer hanging for {CLOSE_WITHIN:?} instead of closing it"
+                "{what}: the server left the bad peer hanging for {CLOSE_WITHIN:?} instead of closing it"
             ),
         }
     }
@@ -354,6 +371,8 @@ pub enum Expect {
 /// One scripted bad peer: what it does after its honest set-up.
 pub struct Case {
     pub name: String,
+    /// Run against the server that never reads (see [`Server::deaf`]).
+    pub deaf: bool,
     pub hello_first: bool,
     pub frames: Vec<Bytes>,
     pub expect: Expect,
@@ -362,6 +381,7 @@ pub struct Case {
 fn case(name: impl Into<String>, hello_first: bool, frames: Vec<Bytes>, expect: Expect) -> Case {
     Case {
         name: name.into(),
+        deaf: false,
         hello_first,
         frames,
         expect,
@@ -550,12 +570,14 @@ pub fn frame_cases(slots: u32) -> Vec<Case> {
         ),
     ];
     // A window overrun: one data frame more than the server granted, sent at once.
-    v.push(case(
+    let mut overrun = case(
         format!("{} data frames into a window of {slots}", slots + 1),
         true,
         (0..=slots).map(|_| msg.to_bytes()).collect(),
         Expect::Violation("no credit left"),
-    ));
+    );
+    overrun.deaf = true;
+    v.push(overrun);
     // Truncation at every byte of a Hello (before the handshake) and of an RTS and an
     // eager frame (after it).
     for (what, f, hello_first) in [
@@ -592,7 +614,7 @@ pub async fn run_case(server: &Server, c: &Case) -> Result<Outcome, String> {
             return Err(format!("{}: our own link refused the frame: {e}", c.name));
         }
     }
-    let o = p.outcome().await;
+    let o = p.outcome(&c.name).await;
     match (&o, c.expect) {
         (Outcome::Closed { code: 1, reason }, Expect::Violation(text)) if reason.contains(text) => {
             Ok(o)
@@ -613,7 +635,7 @@ pub async fn rts_for_memory_never_exposed(server: &Server) -> Outcome {
     // A descriptor-shaped lie: plausible length, ids and keys that name nothing.
     let desc = Bytes::from(vec![0x5a; 24]);
     p.send(&rts(0, 256 << 10, desc)).await.expect("send RTS");
-    p.outcome().await
+    p.outcome("an RTS for memory never exposed").await
 }
 
 /// A peer that exposes a buffer, announces it, and disconnects before the server read it.
@@ -649,6 +671,7 @@ pub async fn run_suite(provider: &str, idle: usize, forged_read: Option<Bytes>) 
     conn_util::init_tracing();
     count_panics();
     let server = Server::start(provider, "hostile").await;
+    let deaf = Server::deaf(provider, "hostile-deaf").await;
     let honest = Honest::start(&server).await;
     honest.served(20, "warming up").await;
     let rss0 = rss();
@@ -658,7 +681,7 @@ pub async fn run_suite(provider: &str, idle: usize, forged_read: Option<Bytes>) 
     let cases = frame_cases(slots);
     let mut failures = Vec::new();
     for c in &cases {
-        match run_case(&server, c).await {
+        match run_case(if c.deaf { &deaf } else { &server }, c).await {
             Ok(o) => tracing::debug!(case = %c.name, outcome = ?o),
             Err(e) => failures.push(e),
         }
@@ -669,9 +692,9 @@ pub async fn run_suite(provider: &str, idle: usize, forged_read: Option<Bytes>) 
     // Silence after set-up: closed at the handshake deadline.
     let mut silent = Peer::connect(&server).await;
     let t = Instant::now();
-    let o = silent.outcome().await;
+    let silent_outcome = silent.outcome("silence after set-up").await;
     let waited = t.elapsed();
-    tracing::info!(?o, ?waited, "silent peer");
+    tracing::info!(?silent_outcome, ?waited, "silent peer");
     honest.served(1, "a silent peer waited").await;
 
     let o = rts_for_memory_never_exposed(&server).await;
@@ -737,6 +760,10 @@ pub async fn run_suite(provider: &str, idle: usize, forged_read: Option<Bytes>) 
         failures.join("\n")
     );
     assert_eq!(panics(), 0, "something panicked (see the output above)");
+    assert!(
+        matches!(&silent_outcome, Outcome::Closed { reason, .. } if reason.contains("handshake_timeout")),
+        "the silent peer was closed without a reason naming the deadline: {silent_outcome:?}"
+    );
     assert!(
         waited >= Duration::from_secs(1),
         "the silent peer was closed after {waited:?}, before the 2 s set-up deadline"

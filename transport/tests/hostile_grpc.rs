@@ -1,0 +1,549 @@
+//! Hostile peers at the gRPC call layer, over shm and tcp: a scripted client that opens an
+//! honest Ibex connection and then writes the call framing (`grpc/wire.rs`) by hand,
+//! while an honest tonic client keeps making verified calls on the same server.
+//!
+//! Each bad packet costs only its sender: the connection is closed with a reason naming
+//! the defect where the framing cannot go on, or the one call is refused with a status
+//! naming the limit where it can. Nothing panics anywhere in the process.
+
+mod grpc_common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use grpc_common::transports::{ibex_config, shm_uri};
+use grpc_common::{BenchImpl, pattern};
+use ibex_proto::bench::v1::Payload;
+use ibex_proto::bench::v1::bench_client::BenchClient;
+use ibex_transport::Connection;
+use prost::Message;
+
+const HEAD: u8 = 1;
+const DATA: u8 = 2;
+const DATA_NEXT: u8 = 4;
+const TRAILERS: u8 = 8;
+const END: u8 = 16;
+const RESET: u8 = 32;
+const WINDOW: u8 = 64;
+
+/// The server's calls-in-flight limit here.
+const MAX_CALLS: usize = 16;
+/// A hang guard, not a performance assertion.
+const WITHIN: Duration = Duration::from_secs(20);
+
+static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+fn count_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, Ordering::SeqCst);
+            prev(info);
+        }));
+    });
+}
+
+fn headers(b: &mut BytesMut, count: u16, list: &[(&str, &[u8])]) {
+    b.put_u16(count);
+    for (n, v) in list {
+        b.put_u16(n.len() as u16);
+        b.put_slice(n.as_bytes());
+        b.put_u32(v.len() as u32);
+        b.put_slice(v);
+    }
+}
+
+/// A request head for `method` of the Bench service, as the wire format defines it.
+fn head_block(method: &str, count: u16, list: &[(&str, &[u8])]) -> Bytes {
+    let path = format!("/ibex.bench.v1.Bench/{method}");
+    let mut b = BytesMut::new();
+    b.put_u16(path.len() as u16);
+    b.put_slice(path.as_bytes());
+    headers(&mut b, count, list);
+    b.freeze()
+}
+
+const GRPC: &[(&str, &[u8])] = &[("content-type", b"application/grpc"), ("te", b"trailers")];
+
+/// A packet: sections in flag order.
+fn packet(
+    call: u32,
+    head: Option<Bytes>,
+    data: Option<&[u8]>,
+    next: Option<u64>,
+    flags: u8,
+) -> Bytes {
+    let mut b = BytesMut::new();
+    b.put_u32(call);
+    let mut f = flags;
+    b.put_u8(0);
+    if let Some(h) = head {
+        f |= HEAD;
+        b.put_u32(h.len() as u32);
+        b.put_slice(&h);
+    }
+    if let Some(d) = data {
+        f |= DATA;
+        b.put_u32(d.len() as u32);
+        b.put_slice(d);
+    }
+    if let Some(n) = next {
+        f |= DATA_NEXT;
+        b.put_u64(n);
+    }
+    b[4] = f;
+    b.freeze()
+}
+
+/// One gRPC message (5-byte prefix) carrying a `Payload` of `len` bytes.
+fn grpc_message(len: usize) -> Bytes {
+    let p = Payload {
+        buffers: vec![pattern(len, 3)],
+    }
+    .encode_to_vec();
+    let mut b = BytesMut::with_capacity(5 + p.len());
+    b.put_u8(0);
+    b.put_u32(p.len() as u32);
+    b.put_slice(&p);
+    b.freeze()
+}
+
+/// The `grpc-status` a server packet carries for `call`, if any. `next` is set when the
+/// packet says its body is the next message.
+fn status_in(mut m: &[u8], call: u32, next: &mut bool) -> Option<String> {
+    fn u32_of(m: &mut &[u8]) -> Option<u32> {
+        let (a, rest) = m.split_first_chunk::<4>()?;
+        *m = rest;
+        Some(u32::from_be_bytes(*a))
+    }
+    fn list(mut h: &[u8]) -> Option<String> {
+        let (c, rest) = h.split_first_chunk::<2>()?;
+        h = rest;
+        let mut found = None;
+        for _ in 0..u16::from_be_bytes(*c) {
+            let (nl, rest) = h.split_first_chunk::<2>()?;
+            let nl = u16::from_be_bytes(*nl) as usize;
+            let name = rest.get(..nl)?;
+            let mut r = &rest[nl..];
+            let vl = u32_of(&mut r)? as usize;
+            let value = r.get(..vl)?;
+            if name == b"grpc-status" {
+                found = Some(String::from_utf8_lossy(value).into_owned());
+            }
+            h = &r[vl..];
+        }
+        found
+    }
+    let id = u32_of(&mut m)?;
+    let (&flags, rest) = m.split_first()?;
+    m = rest;
+    let mut status = None;
+    if flags & HEAD != 0 {
+        let len = u32_of(&mut m)? as usize;
+        let block = m.get(..len)?;
+        status = status.or(list(block.get(2..)?));
+        m = &m[len..];
+    }
+    if flags & DATA != 0 {
+        let len = u32_of(&mut m)? as usize;
+        m = m.get(len..)?;
+    }
+    if flags & DATA_NEXT != 0 {
+        *next = true;
+        m = m.get(8..)?;
+    }
+    if flags & TRAILERS != 0 {
+        let len = u32_of(&mut m)? as usize;
+        status = status.or(list(m.get(..len)?));
+    }
+    (id == call).then_some(status).flatten()
+}
+
+/// Reads until the server answers `call` with a status; `Err` if the connection ends.
+async fn status_of(c: &Connection, call: u32) -> Result<String, String> {
+    let t = Instant::now();
+    let mut skip = false;
+    loop {
+        let left = WITHIN.saturating_sub(t.elapsed());
+        let m = tokio::time::timeout(left, c.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no answer to call {call} within {WITHIN:?}"))
+            .map_err(|e| e.to_string())?;
+        if std::mem::take(&mut skip) {
+            continue; // a body that travelled as its own message
+        }
+        if let Some(s) = status_in(&m, call, &mut skip) {
+            return Ok(s);
+        }
+    }
+}
+
+/// Reads until the server has answered every call in `calls` with a status, in whatever
+/// order the answers come; `Err` if the connection ends.
+async fn statuses_of(c: &Connection, calls: &[u32]) -> Result<Vec<String>, String> {
+    let t = Instant::now();
+    let mut got: Vec<Option<String>> = vec![None; calls.len()];
+    let mut skip = false;
+    while got.iter().any(Option::is_none) {
+        let left = WITHIN.saturating_sub(t.elapsed());
+        let m = tokio::time::timeout(left, c.recv())
+            .await
+            .unwrap_or_else(|_| panic!("calls {calls:?}: answers {got:?} after {WITHIN:?}"))
+            .map_err(|e| e.to_string())?;
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        for (i, &call) in calls.iter().enumerate() {
+            let mut next = false;
+            if let Some(st) = status_in(&m, call, &mut next) {
+                got[i] = Some(st);
+            }
+            skip |= next;
+        }
+    }
+    Ok(got.into_iter().flatten().collect())
+}
+
+/// Reads until the server closes the connection; returns the reason it gave.
+async fn closed(c: &Connection) -> String {
+    let end = async {
+        loop {
+            if let Err(e) = c.recv().await {
+                return e.to_string();
+            }
+        }
+    };
+    tokio::time::timeout(WITHIN, end)
+        .await
+        .expect("the server left a bad peer's connection open")
+}
+
+struct Honest {
+    done: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Result<u64, String>>,
+}
+
+impl Honest {
+    async fn start(uri: &str) -> Honest {
+        let ch = ibex_transport::grpc::Channel::connect_with_config(uri, ibex_config())
+            .await
+            .expect("the honest client connects");
+        let mut client = BenchClient::new(ch);
+        let done = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (d, s) = (done.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            let mut i = 0u64;
+            while !s.load(Ordering::Relaxed) {
+                let want = Payload {
+                    buffers: vec![pattern([16usize, 2000, 40 << 10][i as usize % 3], i as u8)],
+                };
+                let got = client
+                    .echo(want.clone())
+                    .await
+                    .map_err(|e| format!("call {i}: {e}"))?
+                    .into_inner();
+                if got != want {
+                    return Err(format!("call {i} came back different"));
+                }
+                i += 1;
+                d.store(i, Ordering::Relaxed);
+            }
+            Ok(i)
+        });
+        Honest { done, stop, task }
+    }
+
+    async fn served(&self, while_: &str) {
+        let from = self.done.load(Ordering::Relaxed);
+        let t = Instant::now();
+        while self.done.load(Ordering::Relaxed) < from + 2 {
+            assert!(
+                !self.task.is_finished(),
+                "the honest client stopped while {while_}"
+            );
+            assert!(
+                t.elapsed() < WITHIN,
+                "the honest client was not served while {while_}"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    async fn finish(self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task
+            .await
+            .expect("the honest client's task")
+            .unwrap_or_else(|e| panic!("the honest client failed: {e}"))
+    }
+}
+
+async fn suite(listen_uri: &str) {
+    count_panics();
+    let listener = ibex_transport::listen(listen_uri, ibex_config())
+        .await
+        .expect("listen");
+    let uri = listener.local_uri();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (svc, _events) = BenchImpl::new();
+    let server = tokio::spawn(
+        ibex_transport::grpc::Server::builder()
+            .max_concurrent_calls(MAX_CALLS)
+            .add_service(svc.server(Some(64 << 20), None))
+            .serve_with_listener(listener, async {
+                let _ = stop_rx.await;
+            }),
+    );
+    let honest = Honest::start(&uri).await;
+    honest.served("warming up").await;
+    let raw = || async {
+        ibex_transport::connect(&uri, ibex_config())
+            .await
+            .expect("raw connect")
+    };
+    let echo = |call| {
+        packet(
+            call,
+            Some(head_block("Echo", 2, GRPC)),
+            Some(&grpc_message(8)),
+            None,
+            END,
+        )
+    };
+    let mut cases = 0;
+
+    // The packet that once panicked the server: a header count of 40000.
+    let c = raw().await;
+    c.send(packet(
+        1,
+        Some(head_block("Echo", 40000, GRPC)),
+        None,
+        None,
+        END,
+    ))
+    .await
+    .unwrap();
+    let why = closed(&c).await;
+    assert!(
+        why.contains("header"),
+        "header count 40000: closed with {why:?}"
+    );
+    honest.served("a header count of 40000").await;
+    cases += 1;
+
+    // A header list over the 16 KiB limit.
+    let c = raw().await;
+    let big = vec![b'a'; 20 << 10];
+    c.send(packet(
+        1,
+        Some(head_block("Echo", 1, &[("x-big", &big)])),
+        None,
+        None,
+        END,
+    ))
+    .await
+    .unwrap();
+    let why = closed(&c).await;
+    assert!(
+        why.contains("header list"),
+        "a 20 KiB header list: closed with {why:?}"
+    );
+    honest.served("a 20 KiB header list").await;
+    cases += 1;
+
+    // A call id opened twice.
+    let c = raw().await;
+    c.send(packet(
+        3,
+        Some(head_block("Upload", 2, GRPC)),
+        None,
+        None,
+        0,
+    ))
+    .await
+    .unwrap();
+    c.send(packet(
+        3,
+        Some(head_block("Upload", 2, GRPC)),
+        None,
+        None,
+        0,
+    ))
+    .await
+    .unwrap();
+    let why = closed(&c).await;
+    assert!(
+        why.contains("opened twice"),
+        "a duplicate call id: closed with {why:?}"
+    );
+    honest.served("a duplicate call id").await;
+    cases += 1;
+
+    // A body past the call's 8 MiB window: a handler that never reads, 9 MiB (one frame
+    // may overshoot what is left), then one byte more. A flow-control error, as in HTTP/2:
+    // the connection is closed naming the window.
+    let c = raw().await;
+    let hold: &[(&str, &[u8])] = &[("content-type", b"application/grpc"), ("x-mode", b"hold")];
+    let body = grpc_message(9 << 20);
+    c.send(packet(
+        5,
+        Some(head_block("Upload", 2, hold)),
+        None,
+        Some(body.len() as u64),
+        0,
+    ))
+    .await
+    .unwrap();
+    c.send(body).await.unwrap();
+    c.send(packet(5, None, Some(b"x"), None, 0)).await.unwrap();
+    let why = closed(&c).await;
+    assert!(
+        why.contains("flow-control window"),
+        "a window overrun: closed with {why:?}"
+    );
+    honest.served("a window overrun").await;
+    cases += 1;
+
+    // Data, window credit, trailers and a reset for calls never opened are dropped (they may race
+    // with a call's end); the connection goes on.
+    let c = raw().await;
+    c.send(packet(99, None, Some(b"stray"), None, END))
+        .await
+        .unwrap();
+    c.send(packet(98, None, None, None, RESET)).await.unwrap();
+    let mut w = BytesMut::new();
+    w.put_u32(97);
+    w.put_u8(WINDOW);
+    w.put_u32(u32::MAX);
+    c.send(w.freeze()).await.unwrap();
+    let mut t = BytesMut::new();
+    t.put_u32(15);
+    t.put_u8(TRAILERS);
+    t.put_u32(2);
+    t.put_u16(0);
+    c.send(t.freeze()).await.unwrap();
+    c.send(echo(9)).await.unwrap();
+    assert_eq!(
+        status_of(&c, 9).await.as_deref(),
+        Ok("0"),
+        "a call after stray packets"
+    );
+    honest.served("stray packets").await;
+    cases += 1;
+
+    // Calls past the limit are refused one by one (answers may come in any order); the
+    // held ones end when reset.
+    let c = raw().await;
+    let held = MAX_CALLS as u32 + 4;
+    for id in 0..held {
+        c.send(packet(
+            101 + id,
+            Some(head_block("Upload", 2, GRPC)),
+            None,
+            None,
+            0,
+        ))
+        .await
+        .unwrap();
+    }
+    let past: Vec<u32> = (MAX_CALLS as u32..held).map(|id| 101 + id).collect();
+    assert_eq!(
+        statuses_of(&c, &past).await,
+        Ok(vec!["8".to_string(); past.len()]),
+        "calls past the limit are refused with RESOURCE_EXHAUSTED"
+    );
+    for id in 0..MAX_CALLS as u32 {
+        c.send(packet(101 + id, None, None, None, RESET))
+            .await
+            .unwrap();
+    }
+    c.send(echo(1001)).await.unwrap();
+    assert_eq!(
+        status_of(&c, 1001).await.as_deref(),
+        Ok("0"),
+        "a call after the limit cleared"
+    );
+    honest.served("calls past the limit").await;
+    cases += 1;
+
+    // A body announced at 1 PiB.
+    let c = raw().await;
+    c.send(packet(
+        11,
+        Some(head_block("Upload", 2, GRPC)),
+        None,
+        Some(1 << 50),
+        0,
+    ))
+    .await
+    .unwrap();
+    let why = closed(&c).await;
+    assert!(
+        !why.is_empty(),
+        "a 1 PiB body announcement: closed without a reason"
+    );
+    honest.served("a 1 PiB body announcement").await;
+    cases += 1;
+
+    // A truncated packet, a head past the packet's end, and an unparseable method path.
+    for (what, p) in [
+        ("a 3-byte packet", Bytes::from_static(&[0, 0, 1])),
+        ("a head that runs past the packet", {
+            let mut b = BytesMut::new();
+            b.put_u32(13);
+            b.put_u8(HEAD);
+            b.put_u32(1000);
+            b.put_slice(b"short");
+            b.freeze()
+        }),
+        ("a method path that is not a path", {
+            let mut h = BytesMut::new();
+            h.put_u16(9);
+            h.put_slice(b"no\x7fpath!");
+            headers(&mut h, 0, &[]);
+            packet(17, Some(h.freeze()), None, None, END)
+        }),
+    ] {
+        let c = raw().await;
+        c.send(p).await.unwrap();
+        let why = closed(&c).await;
+        assert!(!why.is_empty(), "{what}: closed without a reason");
+        eprintln!("{what}: {why}");
+        honest.served(what).await;
+        cases += 1;
+    }
+
+    // A client that connects and never sends a thing holds one idle connection, no more.
+    let mut idle = Vec::new();
+    for _ in 0..200 {
+        idle.push(raw().await);
+    }
+    honest.served("200 idle connections").await;
+    drop(idle);
+    cases += 1;
+
+    let n = honest.finish().await;
+    eprintln!("{listen_uri}: {cases} hostile gRPC cases, {n} honest calls verified");
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(WITHIN, server).await;
+    assert_eq!(
+        PANICS.load(Ordering::SeqCst),
+        0,
+        "something panicked (see above)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_bad_packets_cost_only_their_sender_over_tcp() {
+    suite("tcp://127.0.0.1:0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_bad_packets_cost_only_their_sender_over_shm() {
+    suite(&shm_uri()).await;
+}
