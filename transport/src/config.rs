@@ -69,6 +69,16 @@ pub struct Config {
     /// shm peers are local, and their death is seen at once; verbs queue pairs time out
     /// on their own.
     pub tcp_keepalive: Option<std::time::Duration>,
+    /// Ping the peer over the connection after this long without hearing from it, and
+    /// close the connection when nothing comes back within [`Config::keepalive_timeout`]:
+    /// a peer that hangs (a stopped process, a partition, a host gone) is noticed within
+    /// about their sum on every provider, as with tonic's `http2_keep_alive_interval`. A
+    /// ping is one empty probe frame the peer answers (older peers answer it too). `None`
+    /// (the default, as in tonic) leaves it to the calls' deadlines (`IBEX_KEEPALIVE_MS`).
+    pub keepalive: Option<std::time::Duration>,
+    /// How long a keep-alive ping may go unanswered before the connection is closed
+    /// (`IBEX_KEEPALIVE_TIMEOUT_MS`; default 20 s, tonic's).
+    pub keepalive_timeout: std::time::Duration,
     /// Which settings [`Config::with_env`] took from the environment, so that statistics
     /// can say `"env"` rather than `"config"`.
     pub env_overrides: EnvOverrides,
@@ -105,6 +115,8 @@ impl Default for Config {
             handshake_timeout: std::time::Duration::from_secs(5),
             max_handshakes: 128,
             tcp_keepalive: None,
+            keepalive: None,
+            keepalive_timeout: std::time::Duration::from_secs(20),
             env_overrides: EnvOverrides::default(),
         }
     }
@@ -114,7 +126,7 @@ impl Config {
     /// The default configuration with environment overrides applied
     /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_SPIN_US`,
     /// `IBEX_AUTH_TOKEN`, `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`,
-    /// `IBEX_RNDV_RECV_BUDGET`).
+    /// `IBEX_RNDV_RECV_BUDGET`, `IBEX_KEEPALIVE_MS`, `IBEX_KEEPALIVE_TIMEOUT_MS`).
     pub fn from_env() -> Result<Self> {
         Config::default().with_env()
     }
@@ -137,6 +149,12 @@ impl Config {
         }
         if let Some(t) = env_millis("IBEX_HANDSHAKE_TIMEOUT_MS", 5000)? {
             self.handshake_timeout = t;
+        }
+        if let Some(t) = env_millis("IBEX_KEEPALIVE_MS", 10_000)? {
+            self.keepalive = Some(t);
+        }
+        if let Some(t) = env_millis("IBEX_KEEPALIVE_TIMEOUT_MS", 20_000)? {
+            self.keepalive_timeout = t;
         }
         if let Some(n) = env_positive("IBEX_MAX_HANDSHAKES", "number", 128)? {
             self.max_handshakes = usize::try_from(n).unwrap_or(usize::MAX);
@@ -191,6 +209,11 @@ impl Config {
         if self.handshake_timeout.is_zero() {
             return Err(Error::Config(
                 "handshake_timeout must be above zero (IBEX_HANDSHAKE_TIMEOUT_MS sets it)".into(),
+            ));
+        }
+        if self.keepalive.is_some_and(|k| k.is_zero()) || self.keepalive_timeout.is_zero() {
+            return Err(Error::Config(
+                "keepalive and keepalive_timeout must be above zero (IBEX_KEEPALIVE_MS, IBEX_KEEPALIVE_TIMEOUT_MS set them; leave keepalive unset to turn pings off)".into(),
             ));
         }
         if self.max_handshakes == 0 {

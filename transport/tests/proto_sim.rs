@@ -252,6 +252,14 @@ impl Sim {
         s
     }
 
+    /// A pair with the handshake done, for configurations that never settle (keep-alive).
+    fn pair_for(a: &Config, b: &Config, cfg: SimCfg) -> Sim {
+        let mut s = Sim::new(a, b, cfg);
+        s.run_for(Duration::from_millis(10));
+        assert!(s.sides[0].conn.is_established() && s.sides[1].conn.is_established());
+        s
+    }
+
     fn elapsed(&self) -> Duration {
         self.now - self.start
     }
@@ -300,6 +308,25 @@ impl Sim {
             self.fire();
         }
         panic!("simulation did not settle");
+    }
+
+    /// Runs until `d` from now, or until nothing more can happen (keep-alive pings never
+    /// let a pair settle on its own).
+    fn run_for(&mut self, d: Duration) {
+        let end = self.now + d;
+        loop {
+            self.pump();
+            match self.next_event() {
+                Some(next) if next <= end => {
+                    self.now = self.now.max(next);
+                    self.fire();
+                }
+                _ => {
+                    self.now = end;
+                    return;
+                }
+            }
+        }
     }
 
     /// Drains transmits and actions on both sides until neither has anything.
@@ -2057,5 +2084,101 @@ proptest! {
         sim.run();
         sim.assert_all_delivered();
         prop_assert_eq!((sim.sides[0].delivered + sim.sides[1].delivered) as usize, sizes.len());
+    }
+}
+
+// ---------------------------------------------------------------- keep-alive
+
+fn keepalive() -> Config {
+    Config {
+        keepalive: Some(Duration::from_secs(1)),
+        keepalive_timeout: Duration::from_secs(2),
+        ..config()
+    }
+}
+
+#[test]
+fn keepalive_pings_an_idle_peer_and_stays_up_while_it_answers() {
+    // The peer has no keep-alive of its own (an older or default build): it answers anyway.
+    let mut s = Sim::pair_for(&keepalive(), &config(), SimCfg::default());
+    let sent0 = s.sides[0].conn.stats().frames_sent;
+    s.run_for(Duration::from_secs(30));
+    assert!(s.sides[0].closed.is_none(), "{:?}", s.sides[0].closed);
+    assert!(s.sides[1].closed.is_none(), "{:?}", s.sides[1].closed);
+    let pings = s.sides[0].conn.stats().frames_sent - sent0;
+    assert!(
+        (25..=31).contains(&pings),
+        "about one ping per idle second: {pings} in 30 s"
+    );
+    // The connection still carries data, and the pings cost the application nothing.
+    s.send(0, payload(1, 1000));
+    s.send(1, payload(2, 1000));
+    s.run_for(Duration::from_secs(1));
+    s.assert_all_delivered();
+}
+
+#[test]
+fn keepalive_sends_no_ping_while_the_peer_is_heard() {
+    let mut s = Sim::pair_for(&keepalive(), &config(), SimCfg::default());
+    for i in 0..20 {
+        s.send(1, payload(i, 100));
+        s.run_for(Duration::from_millis(500));
+    }
+    let pings = s.sides[0]
+        .sent_frames
+        .iter()
+        .filter(|(kind, _, _)| *kind == ibex_transport::proto::frame::kind::PROBE_EAGER)
+        .count();
+    assert_eq!(pings, 0, "a peer heard every 500 ms is never pinged");
+    s.assert_all_delivered();
+}
+
+#[test]
+fn keepalive_closes_a_peer_that_stops_answering_within_interval_plus_timeout() {
+    let mut s = Sim::pair_for(&keepalive(), &config(), SimCfg::default());
+    let t0 = s.now;
+    // The peer hangs: it reads nothing and answers nothing from now on.
+    s.sides[1].dead = true;
+    let mut closed_at = None;
+    for _ in 0..100 {
+        s.run_for(Duration::from_millis(100));
+        if s.sides[0].closed.is_some() {
+            closed_at = Some(s.now - t0);
+            break;
+        }
+    }
+    let at = closed_at.expect("the silent peer's connection was never closed");
+    assert!(
+        at >= Duration::from_secs(3) && at <= Duration::from_millis(3200),
+        "closed after {at:?}: expected the 1 s interval plus the 2 s timeout"
+    );
+    let why = s.sides[0]
+        .closed
+        .as_ref()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        why.contains("keep-alive") && why.contains("IBEX_KEEPALIVE_TIMEOUT_MS"),
+        "{why}"
+    );
+    // The peer is told, should it wake up: the last frame sent is a Close naming the cause.
+    let last = s.sides[0].sent_frames.last().map(|f| f.0);
+    assert_eq!(last, Some(ibex_transport::proto::frame::kind::CLOSE));
+}
+
+#[test]
+fn keepalive_settings_must_be_positive_and_name_their_variables() {
+    for c in [
+        Config {
+            keepalive: Some(Duration::ZERO),
+            ..config()
+        },
+        Config {
+            keepalive_timeout: Duration::ZERO,
+            ..config()
+        },
+    ] {
+        let e = c.validate().expect_err("zero is refused").to_string();
+        assert!(e.contains("IBEX_KEEPALIVE_MS"), "{e}");
     }
 }

@@ -464,6 +464,24 @@ impl Connection {
         }
     }
 
+    /// Pings the peer after `interval` without hearing from it and closes the connection
+    /// when nothing comes back within `timeout` (see [`Config::keepalive`]); `None` stops
+    /// pinging. For connections whose configuration was fixed elsewhere: a server applying
+    /// its keep-alive to the connections its listener accepted.
+    pub fn set_keepalive(&self, interval: Option<Duration>, timeout: Duration) -> Result<()> {
+        if interval.is_some_and(|i| i.is_zero()) || timeout.is_zero() {
+            return Err(Error::Config(
+                "a keep-alive interval and timeout must be above zero (leave the interval unset to turn pings off)".into(),
+            ));
+        }
+        self.shared()
+            .lock()
+            .core
+            .set_keepalive(Instant::now(), interval, timeout);
+        self.shared().wake_driver();
+        Ok(())
+    }
+
     /// True once the connection has closed (either side, or a failure).
     pub fn is_closed(&self) -> bool {
         self.shared().lock().closed.is_some()

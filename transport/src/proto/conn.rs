@@ -8,7 +8,7 @@
 //! state machines.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -30,6 +30,10 @@ const CLOSE_LOCAL_ERROR: u32 = 2;
 const MAX_REASON: usize = 512;
 /// The smallest slot a peer may announce; matches `Config::validate`.
 const MIN_PEER_SLOT: usize = 1024;
+
+/// Keep-alive pings are eager probe samples with this bit in their id: every build answers
+/// those, and their answers never reach the threshold probe (whose ids stay far below).
+const KEEPALIVE_PROBE_BIT: u32 = 1 << 31;
 
 /// What the peer announced in its `Hello`.
 #[derive(Debug, Clone, Copy)]
@@ -153,6 +157,16 @@ pub struct Connection {
     /// The fragment size the last probe picked.
     fragment_verdict: Option<usize>,
 
+    // Keep-alive (`Config::keepalive`).
+    /// When a frame last arrived from the peer (or the connection began).
+    last_heard: Instant,
+    /// The ping outstanding, and when it became due: any frame from the peer answers it.
+    ping: Option<Instant>,
+    /// A ping is due but waits for a credit to go out.
+    ping_unsent: bool,
+    /// Pings sent so far (their ids, under [`KEEPALIVE_PROBE_BIT`]).
+    pings: u32,
+
     // Closing.
     /// Graceful close requested with this reason.
     closing: Option<String>,
@@ -165,7 +179,6 @@ pub struct Connection {
 impl Connection {
     /// A new connection. It queues its `Hello` at once; data frames wait for the peer's.
     pub fn new(config: &Config, now: Instant) -> Self {
-        let _ = now;
         let hello = Body::Hello {
             slots: config.credits,
             slot_size: u32::try_from(config.slot_size).unwrap_or(u32::MAX),
@@ -211,6 +224,10 @@ impl Connection {
             probe_issued: 0,
             probe_verdict: None,
             fragment_verdict: None,
+            last_heard: now,
+            ping: None,
+            ping_unsent: false,
+            pings: 0,
             closing: None,
             close_error: None,
             final_frame: None,
@@ -237,6 +254,10 @@ impl Connection {
             Ok(f) => f,
             Err(e) => return self.violation(format!("malformed frame: {e}")),
         };
+        // Any frame shows the peer alive, and answers an outstanding keep-alive ping.
+        self.last_heard = now;
+        self.ping = None;
+        self.ping_unsent = false;
         if credits > self.data_out {
             return self.violation(format!(
                 "peer returned {credits} credits but only {} of our data frames are outstanding",
@@ -319,6 +340,8 @@ impl Connection {
                 self.owed += 1;
                 self.control.push_back(Body::ProbeAck { probe_id });
             }
+            // The answer to a keep-alive ping (seen above); late ones are as good.
+            Body::ProbeAck { probe_id } if probe_id & KEEPALIVE_PROBE_BIT != 0 => {}
             Body::ProbeAck { probe_id } => self.on_probe_answer(now, probe_id, Protocol::Eager),
             Body::ProbeRts {
                 probe_id,
@@ -401,6 +424,23 @@ impl Connection {
         if self.is_closed() {
             return;
         }
+        if let Some(due) = self.ping
+            && now >= due + self.cfg.keepalive_timeout
+        {
+            let why = format!(
+                "the peer did not answer a keep-alive ping within {} ms (Config::keepalive_timeout, IBEX_KEEPALIVE_TIMEOUT_MS): it hangs or is unreachable",
+                self.cfg.keepalive_timeout.as_millis()
+            );
+            return self.shut(Error::Timeout(why.clone()), Some((CLOSE_LOCAL_ERROR, why)));
+        }
+        if let Some(idle) = self.cfg.keepalive
+            && self.ping.is_none()
+            && self.peer.is_some()
+            && now >= self.last_heard + idle
+        {
+            self.ping = Some(now);
+            self.ping_unsent = true;
+        }
         let expired = match &mut self.probe {
             Some(p) if !p.abandoned && now >= p.deadline => Some(p.abandon()),
             _ => None,
@@ -413,11 +453,33 @@ impl Connection {
         }
     }
 
+    /// Turns keep-alive pings on (`Some(interval)`) or off, with `timeout` for an answer,
+    /// on a running connection (a server applying its own settings to accepted ones).
+    pub fn set_keepalive(&mut self, now: Instant, interval: Option<Duration>, timeout: Duration) {
+        self.cfg.keepalive = interval;
+        self.cfg.keepalive_timeout = timeout;
+        self.last_heard = now;
+        self.ping = None;
+        self.ping_unsent = false;
+    }
+
     /// When the core next wants `handle_timeout`.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        match &self.probe {
-            Some(p) if !p.abandoned && !self.is_closed() => Some(p.deadline),
+        if self.is_closed() {
+            return None;
+        }
+        let probe = match &self.probe {
+            Some(p) if !p.abandoned => Some(p.deadline),
             _ => None,
+        };
+        let keepalive = match (self.ping, self.cfg.keepalive) {
+            (Some(due), _) => Some(due + self.cfg.keepalive_timeout),
+            (None, Some(idle)) if self.peer.is_some() => Some(self.last_heard + idle),
+            _ => None,
+        };
+        match (probe, keepalive) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 
@@ -632,6 +694,15 @@ impl Connection {
             return Some(self.emit(body));
         }
         if let Some(peer) = self.peer {
+            if self.ping_unsent && self.take_credit() {
+                self.ping_unsent = false;
+                self.pings = self.pings.wrapping_add(1);
+                let probe_id = KEEPALIVE_PROBE_BIT | (self.pings & !KEEPALIVE_PROBE_BIT);
+                return Some(self.emit(Body::ProbeEager {
+                    probe_id,
+                    pad: Bytes::new(),
+                }));
+            }
             if let Some(sample) = self.probe.as_ref().and_then(Probe::next_sample) {
                 if self.take_credit() {
                     self.probe_issued += 1;
