@@ -1221,16 +1221,32 @@ mod ibex_only {
             drop((c, ch));
             srv.shutdown().await.unwrap();
 
-            // Keep-alive on a tcp channel: calls go through as usual.
+            // Keep-alive on a tcp channel (TCP's and Ibex's pings, with tonic's window
+            // settings accepted): calls go through as usual, also after idling through
+            // several ping intervals on the same connection.
             let (srv, _ev) = start_at("tcp://127.0.0.1:0".into()).await;
             let ch = Endpoint::new(srv.addr.clone())
                 .config(ibex_config())
-                .tcp_keepalive(Duration::from_secs(30))
+                .tcp_keepalive(Some(Duration::from_secs(30)))
+                .http2_keep_alive_interval(Duration::from_millis(100))
+                .keep_alive_timeout(Duration::from_secs(5))
+                .keep_alive_while_idle(true)
+                .initial_connection_window_size(64 << 20)
+                .initial_stream_window_size(8 << 20)
+                .buffer_size(1024)
+                .tcp_nodelay(true)
                 .connect()
                 .await
                 .unwrap();
-            let mut c = BenchClient::new(ch);
+            let mut c = BenchClient::new(ch.clone());
             assert!(c.echo(Payload::default()).await.is_ok());
+            let conn = ch.connection().expect("an Ibex connection");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(c.echo(Payload::default()).await.is_ok());
+            assert!(
+                !conn.is_closed(),
+                "pings kept the idle connection, not replaced it"
+            );
             drop(c);
             srv.shutdown().await.unwrap();
 

@@ -702,7 +702,13 @@ pub struct Endpoint {
     settings: Settings,
     concurrency: Option<usize>,
     max_header_list_size: usize,
-    keepalive: Option<std::time::Duration>,
+    tcp_keepalive: Option<Option<std::time::Duration>>,
+    keepalive_interval: Option<std::time::Duration>,
+    keepalive_timeout: Option<std::time::Duration>,
+    connection_window: Option<u32>,
+    /// Settings that only stock HTTP/2 has, passed on for `http://` addresses.
+    stream_window: Option<u32>,
+    buffer_size: Option<usize>,
 }
 
 impl Endpoint {
@@ -714,7 +720,12 @@ impl Endpoint {
             settings: Settings::default(),
             concurrency: None,
             max_header_list_size: super::wire::DEFAULT_MAX_HEADER_LIST_SIZE,
-            keepalive: None,
+            tcp_keepalive: None,
+            keepalive_interval: None,
+            keepalive_timeout: None,
+            connection_window: None,
+            stream_window: None,
+            buffer_size: None,
         }
     }
 
@@ -745,9 +756,58 @@ impl Endpoint {
 
     /// TCP keep-alive on tcp connections ([`Config::tcp_keepalive`]): a server that vanished
     /// without closing is noticed within about twice `idle`, and the calls in flight fail
-    /// `Unavailable`. (tonic's `tcp_keepalive`; HTTP/2 pings have no equivalent here.)
-    pub fn tcp_keepalive(mut self, idle: std::time::Duration) -> Self {
-        self.keepalive = Some(idle);
+    /// `Unavailable` (tonic's `tcp_keepalive`).
+    pub fn tcp_keepalive(mut self, idle: Option<std::time::Duration>) -> Self {
+        self.tcp_keepalive = Some(idle);
+        self
+    }
+
+    /// Pings the server after this long without hearing from it and fails the connection
+    /// (and the calls on it, `Unavailable`) when no answer comes within
+    /// [`Endpoint::keep_alive_timeout`] (20 s unless set), on every transport: tonic's
+    /// HTTP/2 keep-alive (see [`Config::keepalive`]). The next call reconnects.
+    pub fn http2_keep_alive_interval(mut self, interval: std::time::Duration) -> Self {
+        self.keepalive_interval = Some(interval).filter(|i| !i.is_zero());
+        self
+    }
+
+    /// How long a keep-alive ping may go unanswered (default 20 s, as tonic's).
+    pub fn keep_alive_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.keepalive_timeout = Some(timeout).filter(|t| !t.is_zero());
+        self
+    }
+
+    /// Accepted for tonic compatibility: Ibex pings whenever the connection is quiet, with
+    /// calls in flight or not, so there is nothing to turn on.
+    pub fn keep_alive_while_idle(self, enabled: bool) -> Self {
+        let _ = enabled;
+        self
+    }
+
+    /// What tonic calls the connection window: here the receive memory the connection may
+    /// hold for messages in flight ([`Config::rndv_recv_budget`]).
+    pub fn initial_connection_window_size(mut self, bytes: impl Into<Option<u32>>) -> Self {
+        self.connection_window = bytes.into().filter(|&b| b > 0);
+        self
+    }
+
+    /// A call's flow-control window over `http://`. Over Ibex a call's window is fixed at
+    /// 8 MiB (bodies travel in pieces of at most 8 MiB; see docs/grpc.md).
+    pub fn initial_stream_window_size(mut self, bytes: impl Into<Option<u32>>) -> Self {
+        self.stream_window = bytes.into();
+        self
+    }
+
+    /// Requests tonic's channel may buffer over `http://`. An Ibex channel has no request
+    /// buffer to size: a call goes onto the connection from the task that makes it.
+    pub fn buffer_size(mut self, n: impl Into<Option<usize>>) -> Self {
+        self.buffer_size = n.into();
+        self
+    }
+
+    /// Accepted for tonic compatibility: Ibex's tcp connections always set `TCP_NODELAY`.
+    pub fn tcp_nodelay(self, enabled: bool) -> Self {
+        let _ = enabled;
         self
     }
 
@@ -762,8 +822,17 @@ impl Endpoint {
             Some(c) => c.clone(),
             None => Config::from_env()?,
         };
-        if self.keepalive.is_some() {
-            c.tcp_keepalive = self.keepalive;
+        if let Some(k) = self.tcp_keepalive {
+            c.tcp_keepalive = k;
+        }
+        if let Some(i) = self.keepalive_interval {
+            c.keepalive = Some(i);
+        }
+        if let Some(t) = self.keepalive_timeout {
+            c.keepalive_timeout = t;
+        }
+        if let Some(w) = self.connection_window {
+            c.rndv_recv_budget = w as usize;
         }
         Ok(c)
     }
@@ -784,10 +853,19 @@ impl Endpoint {
         if let Some(n) = self.concurrency {
             ep = ep.concurrency_limit(n);
         }
-        if self.keepalive.is_some() {
-            ep = ep.tcp_keepalive(self.keepalive);
+        if let Some(k) = self.tcp_keepalive {
+            ep = ep.tcp_keepalive(k);
         }
-        Ok(ep)
+        if let Some(i) = self.keepalive_interval {
+            ep = ep.http2_keep_alive_interval(i);
+        }
+        if let Some(t) = self.keepalive_timeout {
+            ep = ep.keep_alive_timeout(t);
+        }
+        Ok(ep
+            .initial_connection_window_size(self.connection_window)
+            .initial_stream_window_size(self.stream_window)
+            .buffer_size(self.buffer_size))
     }
 
     fn inner(&self) -> Result<Inner> {

@@ -43,6 +43,11 @@ impl Server {
 pub struct Builder {
     routes: Option<Routes>,
     config: Option<Config>,
+    /// Listener settings from tonic-named methods, applied over `config`.
+    tcp_keepalive: Option<Option<std::time::Duration>>,
+    connection_window: Option<u32>,
+    keepalive_interval: Option<std::time::Duration>,
+    keepalive_timeout: Option<std::time::Duration>,
     stats: ServerStats,
     limits: ServeLimits,
 }
@@ -52,6 +57,8 @@ pub struct Builder {
 struct ServeLimits {
     wire: Limits,
     max_concurrent_calls: usize,
+    /// Keep-alive pings on every accepted connection: interval and answer timeout.
+    keepalive: Option<(std::time::Duration, std::time::Duration)>,
 }
 
 /// The default of [`Builder::max_concurrent_calls`].
@@ -62,6 +69,7 @@ impl Default for ServeLimits {
         ServeLimits {
             wire: Limits::default(),
             max_concurrent_calls: DEFAULT_MAX_CONCURRENT_CALLS,
+            keepalive: None,
         }
     }
 }
@@ -128,7 +136,20 @@ impl ServerStats {
     }
 }
 
+/// tonic's default keep-alive timeout.
+const DEFAULT_KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
 impl Builder {
+    /// The keep-alive interval and answer timeout, when pings are on.
+    fn keepalive(&self) -> Option<(std::time::Duration, std::time::Duration)> {
+        self.keepalive_interval.map(|i| {
+            (
+                i,
+                self.keepalive_timeout.unwrap_or(DEFAULT_KEEPALIVE_TIMEOUT),
+            )
+        })
+    }
+
     /// A handle on the counters of the connections this server will accept.
     pub fn stats(&self) -> ServerStats {
         self.stats.clone()
@@ -144,6 +165,52 @@ impl Builder {
     /// answered `ResourceExhausted` at once, naming this setting.
     pub fn max_concurrent_calls(mut self, n: usize) -> Self {
         self.limits.max_concurrent_calls = n.max(1);
+        self
+    }
+
+    /// tonic's name for [`Builder::max_concurrent_calls`] (HTTP/2's streams are calls).
+    pub fn max_concurrent_streams(self, max: impl Into<Option<u32>>) -> Self {
+        match max.into() {
+            Some(n) => self.max_concurrent_calls(usize::try_from(n).unwrap_or(usize::MAX)),
+            None => self,
+        }
+    }
+
+    /// Pings each client connection after this long without hearing from it, and closes
+    /// it when no answer comes within [`Builder::http2_keepalive_timeout`] (20 s unless
+    /// set), so a client that hangs or vanished stops holding its calls (tonic's setting;
+    /// see [`Config::keepalive`]). Applies to every connection this server accepts.
+    pub fn http2_keepalive_interval(mut self, interval: Option<std::time::Duration>) -> Self {
+        self.keepalive_interval = interval.filter(|i| !i.is_zero());
+        self
+    }
+
+    /// How long a keep-alive ping may go unanswered (default 20 s, as tonic's).
+    pub fn http2_keepalive_timeout(mut self, timeout: Option<std::time::Duration>) -> Self {
+        self.keepalive_timeout = timeout.filter(|t| !t.is_zero());
+        self
+    }
+
+    /// TCP keep-alive on accepted tcp connections ([`Config::tcp_keepalive`]), as tonic's.
+    /// Part of the listener's configuration: it applies where this builder makes the
+    /// listener (`serve*` with a URI), not to one passed to `serve_with_listener`.
+    pub fn tcp_keepalive(mut self, idle: Option<std::time::Duration>) -> Self {
+        self.tcp_keepalive = Some(idle);
+        self
+    }
+
+    /// What tonic calls the connection window: here the receive memory one connection may
+    /// hold for messages in flight ([`Config::rndv_recv_budget`]). Part of the listener's
+    /// configuration, as [`Builder::tcp_keepalive`] is.
+    pub fn initial_connection_window_size(mut self, bytes: impl Into<Option<u32>>) -> Self {
+        self.connection_window = bytes.into().filter(|&b| b > 0);
+        self
+    }
+
+    /// Accepted for tonic compatibility; a call's window is fixed at 8 MiB here (bodies
+    /// travel in pieces of at most 8 MiB, whatever the message size; see docs/grpc.md).
+    pub fn initial_stream_window_size(self, bytes: impl Into<Option<u32>>) -> Self {
+        let _ = bytes.into();
         self
     }
 
@@ -198,10 +265,16 @@ impl Builder {
         uri: &str,
         signal: F,
     ) -> Result<()> {
-        let config = match &self.config {
+        let mut config = match &self.config {
             Some(c) => c.clone(),
             None => Config::from_env()?,
         };
+        if let Some(k) = self.tcp_keepalive {
+            config.tcp_keepalive = k;
+        }
+        if let Some(w) = self.connection_window {
+            config.rndv_recv_budget = w as usize;
+        }
         let listener = crate::conn::listen(uri, config).await?;
         self.serve_with_listener(listener, signal).await
     }
@@ -224,9 +297,14 @@ impl Builder {
             .map_err(|e| bad(format!("cannot resolve {host_port:?}: {e}")))?
             .next()
             .ok_or_else(|| bad(format!("{host_port:?} resolves to no address")))?;
+        let keepalive = self.keepalive();
         let routes = self.routes.unwrap_or_default();
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
+            .tcp_keepalive(self.tcp_keepalive.flatten())
+            .http2_keepalive_interval(keepalive.map(|k| k.0))
+            .http2_keepalive_timeout(keepalive.map(|k| k.1))
+            .initial_connection_window_size(self.connection_window)
             .max_concurrent_streams(u32::try_from(self.limits.max_concurrent_calls).ok())
             .add_routes(routes)
             .serve_with_shutdown(addr, signal)
@@ -243,6 +321,8 @@ impl Builder {
         listener: Listener,
         signal: F,
     ) -> Result<()> {
+        let mut limits = self.limits;
+        limits.keepalive = self.keepalive();
         let routes = self.routes.unwrap_or_default().prepare();
         let shutdown = Arc::new(Flag::default());
         // `accept` is cancel-safe (each peer's set-up runs in the listener's own tasks, under
@@ -258,7 +338,6 @@ impl Builder {
                         let stats = self.stats.clone();
                         let id = stats.add(&conn);
                         let (routes, shutdown) = (routes.clone(), shutdown.clone());
-                        let limits = self.limits;
                         conns.spawn(async move {
                             serve_conn(conn, routes, shutdown, limits).await;
                             stats.remove(id);
@@ -432,6 +511,11 @@ struct ConnCtx {
 }
 
 async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limits: ServeLimits) {
+    if let Some((interval, timeout)) = limits.keepalive
+        && let Err(e) = conn.set_keepalive(Some(interval), timeout)
+    {
+        tracing::warn!(%e, "gRPC server: keep-alive not applied");
+    }
     let mut cx = ConnCtx {
         st: Arc::new(ConnState {
             mux: Arc::new(Mux::new(conn.clone(), Side::Server)),

@@ -225,8 +225,12 @@ pub struct Peer {
 
 impl Peer {
     pub async fn connect(server: &Server) -> Peer {
+        Peer::connect_uri(&server.uri).await
+    }
+
+    pub async fn connect_uri(uri: &str) -> Peer {
         let config = fixed_threshold(16 << 10);
-        let addr = Addr::parse(&server.uri).expect("server uri");
+        let addr = Addr::parse(uri).expect("server uri");
         let link: Box<dyn Link> = match addr {
             Addr::Shm(p) => Box::new(
                 ibex_transport::shm::connect(&p, &config)
