@@ -346,7 +346,18 @@ async fn a_hostile_pull_reply_is_a_clear_error_not_a_panic_or_an_over_read() {
                 })
                 .await
         });
-        let w = Worker::connect(&spec, 0).await.unwrap();
+        // The server task may not be listening yet.
+        let t = std::time::Instant::now();
+        let w = loop {
+            match Worker::connect(&spec, 0).await {
+                Ok(w) => break w,
+                Err(e) if t.elapsed() < std::time::Duration::from_secs(10) => {
+                    let _ = e;
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("the hostile PS never came up: {e}"),
+            }
+        };
         w.create_variables(&vars()[..1]).await.unwrap();
         let mut out = vec![vec![5.0f32; 3]];
         let e = w.pull_into(&["mid"], 0, &mut out).await.unwrap_err();
