@@ -695,6 +695,76 @@ mod cases {
         assert!(!e.message().is_empty());
     }
 
+    /// Interceptors on both sides, as production services use them, with tonic's own
+    /// types: `BenchServer::with_interceptor` served as is, `BenchClient::with_interceptor`
+    /// over the transport's channel. The server's refuses calls without the token; a
+    /// client's that refuses never sends the call.
+    pub async fn interceptors<T: Transport>() {
+        use ibex_proto::bench::v1::bench_server::BenchServer;
+        fn check_auth(req: Request<()>) -> Result<Request<()>, Status> {
+            match req.metadata().get("authorization") {
+                Some(t) if t == "Bearer secret" => Ok(req),
+                _ => Err(Status::unauthenticated("no valid token")),
+            }
+        }
+        let (svc, _ev) = BenchImpl::new();
+        let srv = T::serve(Routes::new(BenchServer::with_interceptor(svc, check_auth))).await;
+        let ch = T::connect(&srv.addr).await.unwrap();
+        let mut plain = BenchClient::new(ch.clone());
+        let e = plain.echo(Payload::default()).await.unwrap_err();
+        assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+        let mut authed = BenchClient::with_interceptor(ch.clone(), |mut req: Request<()>| {
+            req.metadata_mut()
+                .insert("authorization", "Bearer secret".parse().unwrap());
+            Ok(req)
+        });
+        let bufs = vec![pattern(64, 3)];
+        let r = authed
+            .echo(Payload {
+                buffers: bufs.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.buffers, bufs);
+        let mut refusing = BenchClient::with_interceptor(ch.clone(), |_req: Request<()>| {
+            Err(Status::permission_denied("not from this client"))
+        });
+        let e = refusing.echo(Payload::default()).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied);
+        drop((plain, authed, refusing, ch));
+        srv.shutdown().await.unwrap();
+    }
+
+    /// What a handler learns about its caller where stock tonic tells it too: the peer's
+    /// address from `remote_addr()` over TCP-based transports (shm: the peer's pid), and
+    /// tonic's user-agent.
+    pub async fn connect_info<T: Transport>() {
+        let (srv, _ev) = start::<T>(None, None).await;
+        let mut c = client::<T>(&srv).await;
+        let r = c
+            .echo(with_mode(Payload::default(), "whoami"))
+            .await
+            .unwrap();
+        let md = r.metadata();
+        let get = |k: &str| md.get(k).map(|v| v.to_str().unwrap().to_string());
+        let ua = get("x-user-agent").expect("a user-agent");
+        assert!(ua.starts_with("tonic/"), "{ua}");
+        match get("x-provider").as_deref() {
+            // Stock tonic (no Ibex connect info), tcp, verbs: the peer's socket address.
+            None | Some("tcp") | Some("verbs") => {
+                let a = get("x-remote-addr").expect("remote_addr()");
+                assert!(a.parse::<std::net::SocketAddr>().is_ok(), "{a}");
+            }
+            Some("shm") => {
+                assert_eq!(get("x-peer-pid"), Some(std::process::id().to_string()));
+            }
+            Some(other) => panic!("provider {other}"),
+        }
+        drop(c);
+        srv.shutdown().await.unwrap();
+    }
+
     pub async fn server_gone<T: Transport>() {
         let dead = T::dead_addr().await;
         let Err(e) = T::connect(&dead).await else {
@@ -731,7 +801,8 @@ macro_rules! conformance {
             suite!($m: $t;
                 unary, server_streaming, client_streaming, bidi_streaming, error_details,
                 trailers_only, metadata, deadline, client_cancel, message_sizes, size_limits,
-                concurrent_calls, slow_reader, handler_panic, graceful_shutdown, server_gone);
+                concurrent_calls, slow_reader, handler_panic, graceful_shutdown, server_gone,
+                interceptors, connect_info);
         )*
     };
 }
@@ -781,7 +852,9 @@ mod ibex_verbs {
         slow_reader,
         handler_panic,
         graceful_shutdown,
-        server_gone
+        server_gone,
+        interceptors,
+        connect_info
     );
 }
 

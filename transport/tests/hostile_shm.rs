@@ -11,5 +11,5 @@ mod hostile_util;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_every_bad_peer_is_closed_and_the_honest_one_is_served() {
-    hostile_util::run_suite("shm", 200, None).await;
+    hostile_util::run_suite("shm", 200, None, true).await;
 }

@@ -13,5 +13,5 @@ async fn tcp_every_bad_peer_is_closed_and_the_honest_one_is_served() {
     let mut forged = BytesMut::new();
     forged.put_u64_le(0xdead_beef);
     forged.put_u64_le(4096);
-    hostile_util::run_suite("tcp", 1000, Some(forged.freeze())).await;
+    hostile_util::run_suite("tcp", 1000, Some(forged.freeze()), true).await;
 }

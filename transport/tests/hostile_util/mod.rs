@@ -25,8 +25,15 @@ use ibex_transport::{Config, Connection, Listener, connect, listen};
 mod conn_util;
 pub use conn_util::{fixed_threshold, pattern, uri};
 
-/// How long a bad peer may wait for its close. A hang guard, not a performance assertion.
-const CLOSE_WITHIN: Duration = Duration::from_secs(20);
+/// How long a bad peer may wait for its close. A hang guard, not a performance assertion;
+/// Soft-RoCE under emulation (the VM sets `RXE_VM`) is 10-100x slower than hardware.
+fn close_within() -> Duration {
+    if std::env::var("RXE_VM").is_ok() {
+        Duration::from_secs(90)
+    } else {
+        Duration::from_secs(20)
+    }
+}
 
 /// Largest message the server accepts: the honest client stays under it, hostile
 /// announcements go over it.
@@ -64,19 +71,49 @@ pub fn rss() -> u64 {
 }
 
 /// The server's configuration: a short set-up deadline, so silent peers are closed within
-/// the test, and a small message limit, so oversize announcements are cheap to make.
-pub fn server_config() -> Config {
+/// the test (verbs set-up under emulation takes seconds, so longer there), and a small
+/// message limit, so oversize announcements are cheap to make.
+pub fn server_config(provider: &str) -> Config {
+    let verbs = provider == "verbs";
     Config {
-        handshake_timeout: Duration::from_secs(2),
+        handshake_timeout: Duration::from_secs(if verbs { 20 } else { 2 }),
         max_message_size: MAX_MESSAGE,
         rndv_recv_budget: 8 << 20,
+        rdma_device: device(provider, "IBEX_TEST_SERVER_DEV"),
+        pool_size: pool_size(provider),
         ..fixed_threshold(16 << 10)
     }
+}
+
+/// Verbs pins each connection's pool: a 2 GiB test VM holds a few dozen of 8 MiB, not of
+/// the default 256 MiB.
+fn pool_size(provider: &str) -> usize {
+    if provider == "verbs" {
+        8 << 20
+    } else {
+        Config::default().pool_size
+    }
+}
+
+/// A client's configuration (on two-device topologies the client has its own device).
+pub fn client_config(provider: &str) -> Config {
+    Config {
+        rdma_device: device(provider, "IBEX_TEST_CLIENT_DEV"),
+        pool_size: pool_size(provider),
+        ..fixed_threshold(16 << 10)
+    }
+}
+
+fn device(provider: &str, var: &str) -> Option<String> {
+    (provider == "verbs")
+        .then(|| std::env::var(var).ok())
+        .flatten()
 }
 
 /// A listener whose every connection echoes each message back until it ends.
 pub struct Server {
     pub uri: String,
+    pub provider: String,
     _listener: Arc<Listener>,
     /// Connections that ended with an error (a bad peer's, as a rule).
     pub errors: Arc<AtomicU64>,
@@ -95,7 +132,7 @@ impl Server {
 
     async fn start_with(provider: &str, tag: &str, reads: bool) -> Server {
         let l = Arc::new(
-            listen(&uri(provider, tag), server_config())
+            listen(&uri(provider, tag), server_config(provider))
                 .await
                 .expect("listen"),
         );
@@ -131,6 +168,7 @@ impl Server {
         });
         Server {
             uri: l.local_uri(),
+            provider: provider.to_owned(),
             _listener: l,
             errors,
         }
@@ -147,7 +185,7 @@ pub struct Honest {
 
 impl Honest {
     pub async fn start(server: &Server) -> Honest {
-        let c: Connection = connect(&server.uri, fixed_threshold(16 << 10))
+        let c: Connection = connect(&server.uri, client_config(&server.provider))
             .await
             .expect("the honest client connects");
         let done = Arc::new(AtomicU64::new(0));
@@ -229,8 +267,13 @@ impl Peer {
     }
 
     pub async fn connect_uri(uri: &str) -> Peer {
-        let config = fixed_threshold(16 << 10);
         let addr = Addr::parse(uri).expect("server uri");
+        let provider = match &addr {
+            Addr::Shm(_) => "shm",
+            Addr::Tcp(_) => "tcp",
+            Addr::Verbs(_) => "verbs",
+        };
+        let config = client_config(provider);
         let link: Box<dyn Link> = match addr {
             Addr::Shm(p) => Box::new(
                 ibex_transport::shm::connect(&p, &config)
@@ -286,8 +329,8 @@ impl Peer {
         self.hello().await;
         let t = Instant::now();
         while self.server_slots.is_none() {
-            assert!(t.elapsed() < CLOSE_WITHIN, "the server sent no Hello");
-            match tokio::time::timeout(CLOSE_WITHIN, self.event()).await {
+            assert!(t.elapsed() < close_within(), "the server sent no Hello");
+            match tokio::time::timeout(close_within(), self.event()).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => panic!("the server closed an honest handshake: {e}"),
                 Err(_) => panic!("the server sent no Hello"),
@@ -328,10 +371,11 @@ impl Peer {
                 }
             }
         };
-        match tokio::time::timeout(CLOSE_WITHIN, end).await {
+        match tokio::time::timeout(close_within(), end).await {
             Ok(o) => o,
             Err(_) => panic!(
-                "{what}: the server left the bad peer hanging for {CLOSE_WITHIN:?} instead of closing it"
+                "{what}: the server left the bad peer hanging for {:?} instead of closing it",
+                close_within()
             ),
         }
     }
@@ -402,7 +446,7 @@ fn patched(f: &Frame, at: usize, value: u8) -> Bytes {
 /// Every frame-level case that needs no provider resource: bad headers, bad bodies,
 /// truncation at every byte, oversize lengths and counts, protocol-order violations and a
 /// credit-window overrun (`slots` is the server's window, from a first handshake).
-pub fn frame_cases(slots: u32) -> Vec<Case> {
+pub fn frame_cases(slots: u32, every_byte: bool) -> Vec<Case> {
     let h = hello();
     let msg = eager(b"hello");
     let an_rts = rts(0, 1 << 20, Bytes::from_static(&[1, 2, 3, 4, 5, 6, 7, 8]));
@@ -590,7 +634,16 @@ pub fn frame_cases(slots: u32) -> Vec<Case> {
         ("eager frame", &msg, true),
     ] {
         let full = f.to_bytes();
-        for cut in 1..full.len() {
+        // Where each set-up is slow (verbs under emulation), the field boundaries only.
+        let cuts: Vec<usize> = if every_byte {
+            (1..full.len()).collect()
+        } else {
+            [1, 4, 8, 11, 12, 13, 20, full.len() - 1]
+                .into_iter()
+                .filter(|&c| c < full.len())
+                .collect()
+        };
+        for cut in cuts {
             v.push(case(
                 format!("a {what} cut to {cut} of {} bytes", full.len()),
                 hello_first,
@@ -671,7 +724,7 @@ pub async fn idle_peers(server: &Server, n: usize) -> Vec<Peer> {
 /// throughout. `idle` is how many idle connections to hold at the end; `forged_read`
 /// builds a descriptor of the server's that it never gave out (None where the provider
 /// cannot tell a forged one: see `docs/security.md`).
-pub async fn run_suite(provider: &str, idle: usize, forged_read: Option<Bytes>) {
+pub async fn run_suite(provider: &str, idle: usize, forged_read: Option<Bytes>, every_byte: bool) {
     conn_util::init_tracing();
     count_panics();
     let server = Server::start(provider, "hostile").await;
@@ -682,7 +735,7 @@ pub async fn run_suite(provider: &str, idle: usize, forged_read: Option<Bytes>) 
     let mut peak = rss0;
 
     let slots = Peer::connect(&server).await.handshake().await;
-    let cases = frame_cases(slots);
+    let cases = frame_cases(slots, every_byte);
     let mut failures = Vec::new();
     for c in &cases {
         match run_case(if c.deaf { &deaf } else { &server }, c).await {
@@ -714,8 +767,8 @@ pub async fn run_suite(provider: &str, idle: usize, forged_read: Option<Bytes>) 
         let posted = unsafe { p.link().post_read(1, &desc, 0, dst.as_mut_ptr(), dst.len()) };
         if posted.is_ok() {
             let t = Instant::now();
-            while p.reads.is_empty() && t.elapsed() < CLOSE_WITHIN {
-                match tokio::time::timeout(CLOSE_WITHIN, p.event()).await {
+            while p.reads.is_empty() && t.elapsed() < close_within() {
+                match tokio::time::timeout(close_within(), p.event()).await {
                     Ok(Ok(_)) => {}
                     Ok(Err(_)) | Err(_) => break,
                 }
