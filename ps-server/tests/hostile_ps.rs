@@ -259,10 +259,14 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
     cases += 1;
 
     // Well-formed requests that lie: each is refused with a status naming the problem.
+    // A new client connects and is answered while the silent sockets are still open.
+    let t = Instant::now();
     let ch = ibex_transport::grpc::Channel::connect_with_config(&uri, cfg)
         .await
         .unwrap_or_else(|e| panic!("an honest channel during the silent flood: {e}"));
     let mut bad = ParameterServerClient::new(ch);
+    bad.stats(pb::StatsRequest {}).await.unwrap();
+    let honest_during_flood = t.elapsed();
     let push = |grads: Vec<pb::Tensor>, worker: u32, step: u64| pb::PushRequest {
         step,
         worker,
@@ -400,9 +404,15 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
     let log = std::fs::read_to_string(&ps.log).unwrap_or_default();
     assert!(!log.contains("panicked"), "the PS panicked:\n{log}");
     eprintln!(
-        "ibex-ps: {cases} hostile cases beside {STEPS} honest steps; PS RSS {} MiB at start, peak {} MiB",
+        "ibex-ps: {cases} hostile cases beside {STEPS} honest steps; a new client connected and \
+         answered in {honest_during_flood:?} while 300 silent sockets were open; PS RSS {} MiB \
+         at start, peak {} MiB",
         rss0 >> 10,
         peak >> 10
+    );
+    assert!(
+        honest_during_flood < WITHIN,
+        "a new client waited {honest_during_flood:?} behind silent sockets"
     );
     assert!(
         peak.saturating_sub(rss0) < 256 << 10,
