@@ -6,6 +6,7 @@
 # input to that target's seeds. Targets and what they check: transport/fuzz/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 . scripts/common.sh
 need_cargo
 secs=${IBEX_FUZZ_SECONDS:-60}
@@ -31,7 +32,9 @@ for entry in "${plan[@]}"; do
         log="$dir/fuzz/artifacts/$t.log"
         mkdir -p "$dir/fuzz/artifacts"
         # -timeout: one input running past 10 s is a hang, reported like a crash.
-        if ! ( cd "$dir" && RUSTC_BOOTSTRAP=1 cargo fuzz run "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" \
+        # One target directory for both fuzz crates: their locks pin the workspace's
+        # versions, so the instrumented dependencies are built once.
+        if ! ( cd "$dir" && RUSTC_BOOTSTRAP=1 cargo fuzz run --target-dir "$ROOT/target/fuzz" "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" \
                 -- -max_total_time="$secs" -timeout=10 -print_final_stats=1 ) >"$log" 2>&1; then
             tail -40 "$log" >&2
             die "fuzz target $t ($dir) found a crash or did not build (above; whole log: $log). The input is under $dir/fuzz/artifacts/$t/; reproduce with: cd $dir && RUSTC_BOOTSTRAP=1 cargo fuzz run $t fuzz/artifacts/$t/<file>"
