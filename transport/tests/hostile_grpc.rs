@@ -547,3 +547,97 @@ async fn grpc_bad_packets_cost_only_their_sender_over_tcp() {
 async fn grpc_bad_packets_cost_only_their_sender_over_shm() {
     suite(&shm_uri()).await;
 }
+
+/// Many calls whose handlers never read, each filling its own window: the server holds at
+/// most its connection window (`initial_connection_window_size`) plus what the transport
+/// has in flight for that client, not calls x window, and other clients go on.
+async fn held_bodies_are_bounded_per_connection(listen_uri: &str) {
+    count_panics();
+    const WINDOW: u32 = 32 << 20;
+    const BUDGET: usize = 16 << 20;
+    let cfg = ibex_transport::Config {
+        rndv_recv_budget: BUDGET,
+        ..ibex_config()
+    };
+    let listener = ibex_transport::listen(listen_uri, cfg)
+        .await
+        .expect("listen");
+    let uri = listener.local_uri();
+    let builder = ibex_transport::grpc::Server::builder()
+        .initial_connection_window_size(WINDOW)
+        .add_service(BenchImpl::new().0.server(Some(64 << 20), None));
+    let stats = builder.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(builder.serve_with_listener(listener, async {
+        let _ = stop_rx.await;
+    }));
+    let honest = Honest::start(&uri).await;
+    honest.served("warming up").await;
+
+    let c = ibex_transport::connect(&uri, ibex_config()).await.unwrap();
+    let hold: &[(&str, &[u8])] = &[("content-type", b"application/grpc"), ("x-mode", b"hold")];
+    let body = grpc_message(6 << 20);
+    let calls = 40u32;
+    let sender = {
+        let c = c.clone();
+        let body = body.clone();
+        tokio::spawn(async move {
+            for id in 0..calls {
+                let head = packet(
+                    1 + 2 * id,
+                    Some(head_block("Upload", 2, hold)),
+                    None,
+                    Some(body.len() as u64),
+                    0,
+                );
+                if c.send(head).await.is_err() || c.send(body.clone()).await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    // Let the server take what it will; the sender stalls once it stops reading.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    honest.served("a client held 40 calls' bodies").await;
+    let taken: u64 = stats
+        .connections()
+        .iter()
+        .map(|(_, s)| s.proto.rndv_bytes_recv + s.proto.eager_bytes_recv)
+        .max()
+        .unwrap_or(0);
+    let bound = u64::from(WINDOW) + BUDGET as u64 + 3 * body.len() as u64;
+    eprintln!(
+        "{listen_uri}: a client offered {} MiB in {calls} held calls; the server took {} MiB (bound {} MiB)",
+        (u64::from(calls) * body.len() as u64) >> 20,
+        taken >> 20,
+        bound >> 20
+    );
+    assert!(
+        taken <= bound,
+        "the server took {taken} bytes, over {bound}"
+    );
+    sender.abort();
+    drop(c);
+    honest.served("the holding client left").await;
+    honest.finish().await;
+    // The held calls never end on their own (their handlers wait for ever, and a paused
+    // connection reads no reset, as a window-blocked HTTP/2 stream would not): a graceful
+    // shutdown would wait on them, so stop the server outright.
+    drop(stop_tx);
+    server.abort();
+    assert_eq!(
+        PANICS.load(Ordering::SeqCst),
+        0,
+        "something panicked (see above)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_bodies_are_bounded_per_connection_over_tcp() {
+    held_bodies_are_bounded_per_connection("tcp://127.0.0.1:0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_bodies_are_bounded_per_connection_over_shm() {
+    held_bodies_are_bounded_per_connection(&shm_uri()).await;
+}

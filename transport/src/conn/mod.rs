@@ -482,6 +482,20 @@ impl Connection {
         Ok(())
     }
 
+    /// Resolves once the connection has closed (either side, or a failure), whether or not
+    /// anyone reads it: for a reader that has stopped reading on purpose.
+    pub async fn closed(&self) {
+        loop {
+            let notified = self.shared().changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.shared().lock().closed.is_some() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
     /// True once the connection has closed (either side, or a failure).
     pub fn is_closed(&self) -> bool {
         self.shared().lock().closed.is_some()

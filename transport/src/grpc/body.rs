@@ -11,7 +11,7 @@ use http::HeaderMap;
 use http_body::Frame;
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use futures_util::task::AtomicWaker;
 use tonic::Status;
@@ -36,22 +36,72 @@ pub(crate) struct Inbox {
     waker: AtomicWaker,
     /// The sending side is gone: nothing more will come.
     closed: AtomicBool,
+    /// The connection's account of body bytes received and not yet taken (server side).
+    held: Option<Arc<Held>>,
+}
+
+/// Body bytes a server connection holds for its calls' handlers: received, not yet taken.
+/// Each call's window bounds its own share; this bounds their sum (HTTP/2's connection
+/// window), so a client that opens many calls whose handlers do not read cannot make the
+/// server buffer `calls x window`. Past the limit the connection stops reading (its
+/// transport credits then hold the client back) until handlers take some.
+pub(crate) struct Held {
+    bytes: AtomicUsize,
+    limit: usize,
+    /// Signalled (with a stored permit) when `bytes` falls back to the limit.
+    below: tokio::sync::Notify,
+}
+
+impl Held {
+    pub(crate) fn new(limit: usize) -> Arc<Held> {
+        Arc::new(Held {
+            bytes: AtomicUsize::new(0),
+            limit,
+            below: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// True while the connection must not read more.
+    pub(crate) fn over(&self) -> bool {
+        self.bytes.load(Ordering::Acquire) > self.limit
+    }
+
+    /// Resolves once the held bytes are back at the limit or below (at once if a release
+    /// crossed it since the last wait: `notify_one` keeps a permit).
+    pub(crate) async fn below(&self) {
+        self.below.notified().await
+    }
+
+    fn take(&self, n: usize) {
+        self.bytes.fetch_add(n, Ordering::AcqRel);
+    }
+
+    fn release(&self, n: usize) {
+        let before = self.bytes.fetch_sub(n, Ordering::AcqRel);
+        if before > self.limit && before - n <= self.limit {
+            self.below.notify_one();
+        }
+    }
 }
 
 /// The dispatching side of an [`Inbox`]; dropping it closes the inbox.
 pub(crate) struct InboxTx(Arc<Inbox>);
 
-pub(crate) fn inbox() -> (InboxTx, Arc<Inbox>) {
+pub(crate) fn inbox(held: Option<Arc<Held>>) -> (InboxTx, Arc<Inbox>) {
     let i = Arc::new(Inbox {
         queue: Mutex::new(VecDeque::new()),
         waker: AtomicWaker::new(),
         closed: AtomicBool::new(false),
+        held,
     });
     (InboxTx(i.clone()), i)
 }
 
 impl InboxTx {
     pub(crate) fn send(&self, item: Inbound) {
+        if let (Some(h), Inbound::Data(d)) = (&self.0.held, &item) {
+            h.take(d.len());
+        }
         self.0
             .queue
             .lock()
@@ -73,24 +123,43 @@ impl Inbox {
     fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<Inbound>> {
         // Register first, so an item pushed between the look and the return still wakes us.
         self.waker.register(cx.waker());
-        if let Some(x) = self
-            .queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop_front()
-        {
+        if let Some(x) = self.pop() {
             return Poll::Ready(Some(x));
         }
         if self.closed.load(Ordering::Acquire) {
             // Anything pushed before the close is visible now.
-            return Poll::Ready(
-                self.queue
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .pop_front(),
-            );
+            return Poll::Ready(self.pop());
         }
         Poll::Pending
+    }
+
+    fn pop(&self) -> Option<Inbound> {
+        let x = self
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front();
+        if let (Some(h), Some(Inbound::Data(d))) = (&self.held, &x) {
+            h.release(d.len());
+        }
+        x
+    }
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        // What no handler took leaves the connection's account with the call.
+        if let Some(h) = &self.held {
+            let q = self.queue.get_mut().unwrap_or_else(|p| p.into_inner());
+            let n: usize = q
+                .iter()
+                .map(|x| match x {
+                    Inbound::Data(d) => d.len(),
+                    _ => 0,
+                })
+                .sum();
+            h.release(n);
+        }
     }
 }
 

@@ -584,7 +584,7 @@ impl Channel {
         let deadline = parse_timeout(&parts.headers).map(|t| tokio::time::Instant::now() + t);
         let call = CallShared::new();
         let (head_tx, head_rx) = oneshot::channel();
-        let (body_tx, body_rx) = inbox();
+        let (body_tx, body_rx) = inbox(None);
         let id = {
             let mut calls = shared.lock();
             if let Some(s) = &calls.closed {

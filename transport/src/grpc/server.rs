@@ -16,7 +16,7 @@ use tonic::server::NamedService;
 use tonic::service::Routes;
 use tower::Service;
 
-use super::body::{IbexBody, Inbound, InboxTx, IncomingBody, inbox};
+use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::demux::{Demux, Got};
 use super::pump::{Side, pump};
 use super::wire::{Head, Limits, Packet};
@@ -59,7 +59,12 @@ struct ServeLimits {
     max_concurrent_calls: usize,
     /// Keep-alive pings on every accepted connection: interval and answer timeout.
     keepalive: Option<(std::time::Duration, std::time::Duration)>,
+    /// Body bytes one connection may hold for handlers that have not taken them.
+    max_held: usize,
 }
+
+/// The default of [`ServeLimits::max_held`]: as the transport's receive budget.
+const DEFAULT_MAX_HELD: usize = 256 << 20;
 
 /// The default of [`Builder::max_concurrent_calls`].
 pub const DEFAULT_MAX_CONCURRENT_CALLS: usize = 4096;
@@ -70,6 +75,7 @@ impl Default for ServeLimits {
             wire: Limits::default(),
             max_concurrent_calls: DEFAULT_MAX_CONCURRENT_CALLS,
             keepalive: None,
+            max_held: DEFAULT_MAX_HELD,
         }
     }
 }
@@ -199,11 +205,16 @@ impl Builder {
         self
     }
 
-    /// What tonic calls the connection window: here the receive memory one connection may
-    /// hold for messages in flight ([`Config::rndv_recv_budget`]). Part of the listener's
-    /// configuration, as [`Builder::tcp_keepalive`] is.
+    /// What tonic calls the connection window: the request body bytes one connection may
+    /// hold for handlers that have not taken them (default 256 MiB; past it the server
+    /// reads nothing more from that client until they do), and the transport's receive
+    /// memory for messages in flight ([`Config::rndv_recv_budget`], part of the listener's
+    /// configuration, as [`Builder::tcp_keepalive`] is).
     pub fn initial_connection_window_size(mut self, bytes: impl Into<Option<u32>>) -> Self {
         self.connection_window = bytes.into().filter(|&b| b > 0);
+        if let Some(b) = self.connection_window {
+            self.limits.max_held = b as usize;
+        }
         self
     }
 
@@ -503,6 +514,8 @@ struct ConnCtx {
     tcp_info: Option<tonic::transport::server::TcpConnectInfo>,
     routes: Routes,
     limits: ServeLimits,
+    /// Body bytes held for this connection's handlers (see [`Held`]).
+    held: Arc<Held>,
     draining: bool,
     /// The calls in flight. They run on this task, the one that reads the connection: a
     /// handler that is ready at once answers in the poll that brought its request, with no
@@ -529,6 +542,7 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
         tcp_info: None,
         routes,
         limits,
+        held: Held::new(limits.max_held),
         draining: false,
         running: FuturesUnordered::new(),
     };
@@ -540,6 +554,7 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
             remote_addr: Some(a),
         });
     let mut demux = Demux::new(true, limits.wire);
+    let held = cx.held.clone();
     let peer = conn.peer();
     // Why the connection is closed from this side, for the peer's error.
     let mut broken = String::new();
@@ -560,7 +575,14 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
                     break;
                 }
             }
-            msg = std::future::poll_fn(|c| conn.poll_recv(c)) => {
+            // Handlers have not taken what they hold: read nothing more until they do.
+            () = held.below(), if held.over() => {}
+            // A client that leaves while we hold its bodies ends its calls all the same.
+            () = conn.closed(), if held.over() => {
+                tracing::debug!("gRPC server: connection ended while paused");
+                break;
+            }
+            msg = std::future::poll_fn(|c| conn.poll_recv(c)), if !held.over() => {
                 let msg = match msg {
                     Ok(m) => m,
                     Err(e) => {
@@ -622,7 +644,7 @@ impl ConnCtx {
                 return Ok(());
             }
             let call = CallShared::new();
-            let (tx, rx) = inbox();
+            let (tx, rx) = inbox(Some(self.held.clone()));
             {
                 let mut calls = self.st.lock();
                 if calls.contains_key(&id) {
