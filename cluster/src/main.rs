@@ -63,14 +63,8 @@ struct TrainCmd {
 }
 
 fn main() -> ExitCode {
-    // Warnings from the transport (peers refused or closed, limits hit) reach stderr;
-    // RUST_LOG says more.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    // Warnings from the transport (peers refused or closed, limits hit) reach stderr.
+    ibex_ps::init_logging();
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Demo(a) => demo::run(&a).and_then(|r| {

@@ -30,6 +30,18 @@ pub use optim::Optimizer;
 pub use service::PsService;
 pub use shard::{Grad, Limits, Mode, Shard, ShardConfig, Values};
 
+/// Sends `tracing` output (the transport's warnings about refused or misbehaving peers,
+/// limits hit) to stderr, at `warn` unless `RUST_LOG` says otherwise. For the `ibex-ps`
+/// and `ibex` binaries; a library user sets up their own subscriber.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
 /// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
 const MAX_MESSAGE: usize = 1 << 30;
 

@@ -5,13 +5,8 @@ use tokio::signal::unix::{SignalKind, signal};
 
 fn main() {
     // Warnings reach the operator's stderr: refused or evicted connections, peers that broke
-    // the protocol, limits hit. RUST_LOG (e.g. `info`, `ibex_transport=debug`) says more.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    // the protocol, limits hit.
+    ibex_ps::init_logging();
     // Before the runtime's threads exist: every step reuses the same message buffers.
     ibex_transport::conn::keep_freed_memory();
     let rt = match tokio::runtime::Runtime::new() {

@@ -1073,33 +1073,19 @@ mod ibex_only {
         let ch = Channel::connect_with_config(&addr, ibex_config())
             .await
             .unwrap();
+        // What the generic `interceptors` case checks over every transport, here with
+        // Ibex's own `Builder::add_service` and `Channel`: both accept tonic's intercepted
+        // types unchanged.
         let mut plain = BenchClient::new(ch.clone());
-        let e = plain.echo(Payload { buffers: vec![] }).await.unwrap_err();
+        let e = plain.echo(Payload::default()).await.unwrap_err();
         assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
         let mut authed = BenchClient::with_interceptor(ch.clone(), |mut req: Request<()>| {
             req.metadata_mut()
                 .insert("authorization", "Bearer secret".parse().unwrap());
             Ok(req)
         });
-        let bufs = vec![pattern(64, 3)];
-        let r = authed
-            .echo(Payload {
-                buffers: bufs.clone(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(r.buffers, bufs);
-        // A client interceptor that refuses never sends the call.
-        let mut refusing = BenchClient::with_interceptor(ch.clone(), |_req: Request<()>| {
-            Err(Status::permission_denied("not from this client"))
-        });
-        let e = refusing
-            .echo(Payload { buffers: vec![] })
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), Code::PermissionDenied);
-        drop((plain, authed, refusing, ch));
+        assert!(authed.echo(Payload::default()).await.is_ok());
+        drop((plain, authed, ch));
         tx.send(()).unwrap();
         server.await.unwrap().unwrap();
     }
