@@ -205,14 +205,18 @@ impl Connection {
         done: Option<oneshot::Sender<Result<()>>>,
     ) -> Result<()> {
         let shared = self.shared();
-        let rendezvous = {
+        let registrar = {
             let st = shared.lock();
-            st.info.registrar.is_some()
-                && st.core.classify(msg.len() as u64).ok()
-                    == Some(crate::proto::Protocol::Rendezvous)
+            st.info.registrar.clone().filter(|r| {
+                st.core.classify(msg.len() as u64).ok() == Some(crate::proto::Protocol::Rendezvous)
+                    && r.would_register(&msg)
+            })
         };
-        if rendezvous {
-            self.prepare(&msg).await?;
+        if let Some(r) = registrar {
+            // Registered here, before the lock, without an await: callers rely on a send
+            // that was polled once being queued in call order and not cut off half-way by
+            // cancellation (the gRPC layer sends a head and then its body).
+            outside_runtime(|| r.prepare(&msg))?;
         }
         loop {
             let space = shared.send_space.notified();
@@ -846,6 +850,16 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| Error::io("registering memory", std::io::Error::other(e.to_string())))?
+}
+
+/// Runs blocking work synchronously without holding up the runtime: on a multi-thread
+/// runtime the worker hands its other tasks to the rest first (`block_in_place`); a
+/// current-thread runtime has no other worker to hand them to, so it runs in place.
+fn outside_runtime<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
 }
 
 /// A zero buffer of `len` bytes shared by every connection's threshold probe.
