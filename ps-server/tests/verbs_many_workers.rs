@@ -221,3 +221,115 @@ async fn scrape(port: u16) -> String {
     let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut out)).await;
     out
 }
+
+/// A sync-mode step as `ps-step` runs it: every worker pushes, then all pull the same
+/// version of the values. The PS exposes that one buffer to each of them, so after the first
+/// worker's pull the others hit the registration cache; the hit ratio comes from /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_steps_hit_the_registration_cache() {
+    if std::env::var("RXE_VM").is_err() {
+        println!("skipped: no RDMA device (run scripts/verbs-test.sh)");
+        return;
+    }
+    let n = 4usize;
+    let steps = 5u64;
+    let host = std::env::var("IBEX_TEST_LISTEN_ADDR")
+        .ok()
+        .and_then(|a| a.rsplit_once(':').map(|(h, _)| h.to_string()))
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let free = |h: &str| {
+        std::net::TcpListener::bind(format!("{h}:0"))
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port()
+    };
+    let addr = format!("{host}:{}", free(&host));
+    let metrics_port = free("127.0.0.1");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ibex-ps"));
+    cmd.args(["--listen", &format!("verbs://{addr}"), "--mode", "sync"])
+        .args(["--num-workers", &n.to_string()])
+        .args(["--metrics", &format!("127.0.0.1:{metrics_port}")])
+        .stdout(Stdio::null());
+    if let Ok(d) = std::env::var("IBEX_TEST_SERVER_DEV") {
+        cmd.env("IBEX_RDMA_DEVICE", d);
+    }
+    let _ps = Ps(cmd.spawn().expect("start ibex-ps"));
+    let spec = ClusterSpec {
+        ps: vec![addr],
+        workers: (0..n).map(|i| format!("w{i}:0")).collect(),
+        transport: TransportKind::Verbs,
+    };
+    let len = 256 << 10;
+    let vars = [VarSpec {
+        name: "w".into(),
+        dtype: Dtype::F32,
+        shape: vec![len],
+        init: Init::Constant(1.0),
+        optimizer: Optimizer::Sgd { lr: 0.1 },
+        sparse: false,
+    }];
+    let t0 = Instant::now();
+    let mut workers = Vec::new();
+    for i in 0..n {
+        let w = loop {
+            match Worker::connect(&spec, i).await {
+                Ok(w) => break w,
+                Err(_) if t0.elapsed() < Duration::from_secs(60) => {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                Err(e) => panic!("worker {i}: {e}"),
+            }
+        };
+        w.create_variables(&vars).await.expect("create_variables");
+        workers.push(w);
+    }
+    let start = Instant::now();
+    let mut jobs = Vec::new();
+    for (i, w) in workers.into_iter().enumerate() {
+        let vars = vars.clone();
+        jobs.push(tokio::spawn(async move {
+            let _ = vars;
+            let g = vec![1.0f32; len];
+            let mut last = Vec::new();
+            for step in 0..steps {
+                let v = w
+                    .push_pull(step, &[("w", &g)])
+                    .await
+                    .unwrap_or_else(|e| panic!("worker {i} step {step}: {e}"));
+                last = v;
+            }
+            last
+        }));
+    }
+    let mut results = Vec::new();
+    for j in jobs {
+        results.push(j.await.expect("worker task"));
+    }
+    let elapsed = start.elapsed();
+    // Every step subtracts lr * 1.0 from every value.
+    let want = 1.0 - 0.1 * steps as f32;
+    for (i, r) in results.iter().enumerate() {
+        assert!(
+            r[0].iter().all(|x| (x - want).abs() < 1e-4),
+            "worker {i} ended with {:?}, want {want}",
+            &r[0][..4]
+        );
+    }
+    let metrics = scrape(metrics_port).await;
+    for l in metrics
+        .lines()
+        .filter(|l| l.starts_with("ibex_transport_reg_cache"))
+    {
+        println!("verbs_many_workers sync: ibex-ps {l}");
+    }
+    println!(
+        "verbs_many_workers sync: {n} workers x {steps} steps of 1 MiB push_pull: {:.2} steps/s",
+        steps as f64 / elapsed.as_secs_f64()
+    );
+    for r in ibex_transport::verbs::registration_stats() {
+        println!(
+            "verbs_many_workers sync: workers' process: hit rate {:?}, {r:?}",
+            r.hit_rate()
+        );
+    }
+}

@@ -51,7 +51,7 @@ pub struct Config {
     /// default 1 GiB). Reaching it fails the receive or connect that needed more, naming it.
     pub verbs_mem_limit: usize,
     /// verbs: bytes of exposed buffers whose registrations stay cached after their last
-    /// exposure, per process and device (`IBEX_REG_CACHE_SIZE`; default 256 MiB). Cached
+    /// exposure, per process and device (`IBEX_REG_CACHE_SIZE`; default 64 MiB). Cached
     /// buffers are kept alive (the cache holds them) until evicted, least recently used first.
     pub reg_cache_size: usize,
     /// Optional shared secret that the peer must present at setup (`IBEX_AUTH_TOKEN`).
@@ -110,7 +110,7 @@ impl Default for Config {
             rndv_recv_budget: 256 << 20,
             pool_size: 256 << 20,
             verbs_mem_limit: 1 << 30,
-            reg_cache_size: 256 << 20,
+            reg_cache_size: 64 << 20,
             auth_token: None,
             rdma_device: None,
             spin: DEFAULT_SPIN,
