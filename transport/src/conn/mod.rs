@@ -90,16 +90,16 @@ impl Connection {
         let core = crate::proto::Connection::new(config, now);
         let shared = Arc::new_cyclic(|weak| {
             let mut state = State::new(core, link, weak.clone());
-            if let Some(buf) = probe_buf {
-                if let Some(link) = state.link.as_mut() {
-                    match link.expose(buf) {
-                        Ok(exp) => {
-                            state.core.start_probe(now, exp.descriptor, probe_len);
-                            state.set_probe_exposure(exp.id);
-                        }
-                        Err(e) => {
-                            tracing::warn!(%e, "threshold probe skipped: could not expose its buffer")
-                        }
+            if let Some(buf) = probe_buf
+                && let Some(link) = state.link.as_mut()
+            {
+                match link.expose(buf) {
+                    Ok(exp) => {
+                        state.core.start_probe(now, exp.descriptor, probe_len);
+                        state.set_probe_exposure(exp.id);
+                    }
+                    Err(e) => {
+                        tracing::warn!(%e, "threshold probe skipped: could not expose its buffer")
                     }
                 }
             }

@@ -58,6 +58,9 @@ const TICK: Duration = Duration::from_millis(250);
 /// A slab free for this many ticks in a row is deregistered (one free slab is always kept).
 const IDLE_TICKS: u32 = 4;
 
+/// A cached registration's key: the exact range, `(address, length)`.
+pub(crate) type CacheKey = (usize, usize);
+
 /// Process-wide counters of one domain ([`super::registration_stats`]).
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
@@ -387,7 +390,7 @@ impl Domain {
 
     /// The rkey to expose `buf` with, the cache key to release on withdraw, and how it was
     /// found. Registers inline only when nothing prepared it (direct `Link` users).
-    pub fn expose(&self, buf: &Bytes) -> Result<(u32, Option<(usize, usize)>, Registration)> {
+    pub fn expose(&self, buf: &Bytes) -> Result<(u32, Option<CacheKey>, Registration)> {
         let (ptr, len) = (buf.as_ptr() as usize, buf.len());
         if len == 0 {
             return Ok((0, None, Registration::NotNeeded));
