@@ -93,9 +93,22 @@ async fn run(n: usize) {
         for _ in 0..n {
             let c: Connection = listener.accept().await.expect("accept");
             tasks.push(tokio::spawn(async move {
-                while let Ok(m) = c.recv().await {
+                loop {
+                    let m = match c.recv().await {
+                        Ok(m) => m,
+                        Err(e) => {
+                            // The clients close at the end; anything else is worth seeing.
+                            if !matches!(e, ibex_transport::error::Error::PeerGone(_))
+                                || !c.is_closed()
+                            {
+                                println!("verbs_scale: server end: {e}");
+                            }
+                            break;
+                        }
+                    };
                     let reply = pattern(m.len(), m[0].wrapping_add(1));
-                    if c.send(reply).await.is_err() {
+                    if let Err(e) = c.send(reply).await {
+                        println!("verbs_scale: server end, reply: {e}");
                         break;
                     }
                 }
@@ -108,6 +121,7 @@ async fn run(n: usize) {
     let mut connect_ms = Vec::with_capacity(n);
     let start = Instant::now();
     let mut after_first = (0, 0);
+    let (mut hits, mut misses) = (0, 0);
     for i in 0..n {
         let t = Instant::now();
         let c = connect(&addr, config("IBEX_TEST_CLIENT_DEV"))
@@ -128,8 +142,17 @@ async fn run(n: usize) {
 
     // Each connection: a push of 1 MiB (rendezvous: an RDMA READ by the server) and the
     // server's reply of the same size (the pull), then a small eager round trip.
-    let mut jobs = Vec::new();
+    // In waves of 16: what is measured is the footprint after every connection did a push
+    // and a pull, not how much one emulated device takes at once.
+    let mut jobs: Vec<tokio::task::JoinHandle<ibex_transport::ConnStats>> = Vec::new();
     for (i, c) in conns.iter().enumerate() {
+        if i % 16 == 0 {
+            for j in jobs.drain(..) {
+                let s = j.await.expect("connection task");
+                hits += s.reg_cache_hits + s.exposed_from_pool;
+                misses += s.reg_cache_misses;
+            }
+        }
         let c = c.clone();
         jobs.push(tokio::spawn(async move {
             let push = pattern(1 << 20, i as u8);
@@ -146,8 +169,6 @@ async fn run(n: usize) {
             c.stats()
         }));
     }
-    let mut hits = 0;
-    let mut misses = 0;
     for j in jobs {
         let s = j.await.expect("connection task");
         hits += s.reg_cache_hits + s.exposed_from_pool;
