@@ -27,6 +27,9 @@ fn rss_kib(pid: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// The two tests take turns: each loads the one emulated device on its own.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 struct Ps(Child);
 
 impl Drop for Ps {
@@ -42,6 +45,7 @@ async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
         println!("skipped: no RDMA device (run scripts/verbs-test.sh)");
         return;
     }
+    let _turn = ONE_AT_A_TIME.lock().await;
     let n: usize = std::env::var("IBEX_TEST_WORKERS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -231,6 +235,7 @@ async fn sync_steps_hit_the_registration_cache() {
         println!("skipped: no RDMA device (run scripts/verbs-test.sh)");
         return;
     }
+    let _turn = ONE_AT_A_TIME.lock().await;
     let n = 4usize;
     let steps = 5u64;
     let host = std::env::var("IBEX_TEST_LISTEN_ADDR")

@@ -98,9 +98,7 @@ async fn run(n: usize) {
                         Ok(m) => m,
                         Err(e) => {
                             // The clients close at the end; anything else is worth seeing.
-                            if !matches!(e, ibex_transport::error::Error::PeerGone(_))
-                                || !c.is_closed()
-                            {
+                            if !matches!(e, ibex_transport::error::Error::PeerClosed(_)) {
                                 println!("verbs_scale: server end: {e}");
                             }
                             break;

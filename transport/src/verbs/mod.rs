@@ -404,7 +404,11 @@ async fn establish(
     let mut attr = QueuePairAttribute::new();
     attr.setup_state(QueuePairState::ReadyToSend)
         .setup_sq_psn(our_psn)
-        .setup_timeout(14)
+        // ACK timeout 4.096 µs × 2^n, retried 7 times: 14 (67 ms) on hardware. Soft-RoCE is
+        // software on both ends and, with many queue pairs busy (or under emulation), its ACKs
+        // were seen late enough to exhaust the retries and kill healthy links; 18 (1.07 s)
+        // there. A dead peer is still seen at once through the bootstrap socket.
+        .setup_timeout(if dev.soft_roce { 18 } else { 14 })
         .setup_retry_cnt(7)
         // 7 = retry forever on receiver-not-ready: control frames may briefly outrun receives.
         .setup_rnr_retry(7)
