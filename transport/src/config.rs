@@ -42,8 +42,18 @@ pub struct Config {
     /// is always let through, so the bound is the larger of this and `max_message_size`
     /// (`IBEX_RNDV_RECV_BUDGET`; default 256 MiB).
     pub rndv_recv_budget: usize,
-    /// Size of the registered pool (shm: shared segment; verbs: registered slab) per direction.
+    /// Size of the registered pool (shm: shared segment per connection; verbs: one slab per
+    /// process and device, registered the first time something asks for it).
     pub pool_size: usize,
+    /// verbs: upper bound on the local memory this process registers on one device for eager
+    /// slots, send slots and RDMA READ destinations, shared by all its connections there
+    /// (slabs registered on demand and given back when idle; `IBEX_VERBS_MEM_LIMIT`;
+    /// default 1 GiB). Reaching it fails the receive or connect that needed more, naming it.
+    pub verbs_mem_limit: usize,
+    /// verbs: bytes of exposed buffers whose registrations stay cached after their last
+    /// exposure, per process and device (`IBEX_REG_CACHE_SIZE`; default 64 MiB). Cached
+    /// buffers are kept alive (the cache holds them) until evicted, least recently used first.
+    pub reg_cache_size: usize,
     /// Optional shared secret that the peer must present at setup (`IBEX_AUTH_TOKEN`).
     pub auth_token: Option<String>,
     /// verbs: the RDMA device to use (e.g. `mlx5_0`, `rxe0`); overrides `IBEX_RDMA_DEVICE`.
@@ -109,6 +119,8 @@ impl Default for Config {
             max_message_size: 1 << 30,
             rndv_recv_budget: 256 << 20,
             pool_size: 256 << 20,
+            verbs_mem_limit: 1 << 30,
+            reg_cache_size: 64 << 20,
             auth_token: None,
             rdma_device: None,
             spin: DEFAULT_SPIN,
@@ -143,6 +155,12 @@ impl Config {
         }
         if let Some(v) = env_usize("IBEX_RNDV_RECV_BUDGET")? {
             self.rndv_recv_budget = v;
+        }
+        if let Some(v) = env_usize("IBEX_VERBS_MEM_LIMIT")? {
+            self.verbs_mem_limit = v;
+        }
+        if let Some(v) = env_usize("IBEX_REG_CACHE_SIZE")? {
+            self.reg_cache_size = v;
         }
         if let Some(t) = env_millis("IBEX_PROBE_TIMEOUT_MS", 2000)? {
             self.probe_timeout = t;
@@ -205,6 +223,12 @@ impl Config {
                 "rndv_recv_budget must be above zero (IBEX_RNDV_RECV_BUDGET sets it, e.g. 256M)"
                     .into(),
             ));
+        }
+        if self.verbs_mem_limit < (4 << 20) {
+            return Err(Error::Config(format!(
+                "verbs_mem_limit {} must be at least 4 MiB (IBEX_VERBS_MEM_LIMIT sets it, e.g. 1G)",
+                self.verbs_mem_limit
+            )));
         }
         if self.handshake_timeout.is_zero() {
             return Err(Error::Config(

@@ -49,6 +49,33 @@ pub struct LinkInfo {
     pub one_sided: bool,
     /// Human-readable peer identity for logs (`pid 1234`, `10.0.0.2:7000`).
     pub peer: String,
+    /// Reads cross a network in pipelined work requests, so the fragment size is worth
+    /// probing at connect (verbs). Off where a read is one copy (shm's CMA) or a stream
+    /// (tcp): there the probe's read samples cost more than any fragment size wins back.
+    pub pipelined_reads: bool,
+    /// Exposing memory or receiving into it needs registration, which the connection does
+    /// ahead of time, off the runtime and outside its lock, through this (verbs). `None`
+    /// where any memory will do.
+    pub registrar: Option<Arc<dyn Registrar>>,
+}
+
+/// Registration work a provider lets the connection run where it blocks nobody: on a
+/// blocking thread (`spawn_blocking`), never under the connection's lock. Every method that
+/// may register says so; the cheap checks never do.
+pub trait Registrar: Send + Sync + std::fmt::Debug {
+    /// True when exposing `buf` would register memory now (not pool memory, not cached).
+    fn would_register(&self, buf: &[u8]) -> bool;
+    /// Registers `buf` so that its exposure finds it ready. May block.
+    fn prepare(&self, buf: &Bytes) -> Result<(), Error>;
+    /// True when a receive destination of `len` bytes would need new registered memory.
+    fn recv_would_register(&self, len: usize) -> bool;
+    /// Makes room for a receive destination of `len` bytes. May block.
+    fn reserve_recv(&self, len: usize) -> Result<(), Error>;
+    /// The provider's registered pool, registered on the first call. May block then.
+    fn pool(&self) -> Option<Arc<Pool>>;
+    /// Drops a cached registration of exactly `ptr..ptr+len` that no exposure uses, and the
+    /// reference to the buffer it holds: for memory going back to its owner. May block.
+    fn forget(&self, ptr: usize, len: usize);
 }
 
 /// A local buffer exposed to the peer for one-sided reads.

@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ibex_transport::Config;
 use ibex_transport::error::Error;
-use ibex_transport::link::{Link, LinkEvent};
+use ibex_transport::link::{Link, LinkEvent, Registration};
 use ibex_transport::verbs::{self, VerbsLink, VerbsOptions};
 
 /// Generous: Soft-RoCE under TCG emulation is slow, but nothing here may hang forever.
@@ -470,13 +470,14 @@ async fn close_delivers_what_was_sent_then_peer_sees_it_gone() {
     let Some(env) = env() else { return };
     let cfg = small_config();
     let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
-    for i in 0..37u32 {
-        send(&mut c, &pattern(i, 100 + i as usize * 50)).await;
-    }
-    c.close();
-    // Flushing a closing link waits until the peer's slots took everything, so the peer
-    // must be receiving meanwhile (37 frames and the close marker exceed its 32 receives).
+    // The peer must be receiving meanwhile: a link posts only a few receives until bursts
+    // make it grow (37 frames and the close marker exceed them), and flushing a closing link
+    // waits until the peer's slots took everything.
     let flush = async {
+        for i in 0..37u32 {
+            send(&mut c, &pattern(i, 100 + i as usize * 50)).await;
+        }
+        c.close();
         tokio::time::timeout(LIMIT, poll_fn(|cx| c.poll_flush(cx)))
             .await
             .expect("flush in time")
@@ -550,4 +551,94 @@ async fn no_device_is_a_clear_error() {
         .await
         .expect_err("no device");
     assert!(e.to_string().contains("no RDMA device found"), "{e}");
+}
+
+#[tokio::test]
+async fn an_idle_link_holds_few_receive_slots_and_a_burst_grows_them() {
+    let Some(env) = env() else { return };
+    let cfg = small_config(); // 8 credits: up to 32 receive slots
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    assert!(
+        s.recv_slots() <= 8,
+        "{} receive slots at connect",
+        s.recv_slots()
+    );
+    assert!(
+        c.send_slots() <= 2,
+        "{} send slots at connect",
+        c.send_slots()
+    );
+    let tx = async {
+        for i in 0..300u32 {
+            send(&mut c, &pattern(i, 1000)).await;
+        }
+        c
+    };
+    let rx = async {
+        for i in 0..300u32 {
+            assert!(frame(&mut s).await[..] == pattern(i, 1000)[..], "frame {i}");
+        }
+        s
+    };
+    let (c, s) = tokio::join!(tx, rx);
+    assert!(
+        s.recv_slots() > 8 && s.recv_slots() <= 32,
+        "{} receive slots after a burst",
+        s.recv_slots()
+    );
+    assert!(
+        c.send_slots() > 2,
+        "{} send slots after a burst",
+        c.send_slots()
+    );
+}
+
+#[tokio::test]
+async fn registrations_outlive_their_exposure_and_the_next_exposure_hits() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    let buf = Bytes::from(pattern(9, 256 << 10));
+    let first = s.expose(buf.clone()).expect("expose");
+    assert_eq!(first.registration, Registration::Registered);
+    assert!(s.withdraw(first.id).is_some());
+    let again = s.expose(buf.clone()).expect("expose again");
+    assert_eq!(
+        again.registration,
+        Registration::CacheHit,
+        "the registration outlived the first exposure"
+    );
+    // The cached registration still reads the right bytes.
+    let mut dst = c.alloc_recv(buf.len()).expect("alloc_recv");
+    // SAFETY: `dst` lives until the ReadDone below.
+    unsafe {
+        c.post_read(1, &again.descriptor, 0, dst.as_mut_ptr(), buf.len())
+            .expect("post_read")
+    };
+    // The server side is polled too (its link must stay alive and quiet meanwhile).
+    let ev = tokio::time::timeout(LIMIT, async {
+        tokio::select! {
+            e = next(&mut c) => e.expect("read"),
+            e = next(&mut s) => panic!("server event {:?}", e.map(|_| ())),
+        }
+    })
+    .await
+    .expect("read in time");
+    assert!(
+        matches!(
+            ev,
+            LinkEvent::ReadDone {
+                id: 1,
+                result: Ok(())
+            }
+        ),
+        "{ev:?}"
+    );
+    assert!(dst.as_slice() == &buf[..]);
+    s.withdraw(again.id);
+    let stats = verbs::registration_stats();
+    assert!(
+        stats.iter().any(|r| r.cache_hits >= 1),
+        "process-wide stats count the hit: {stats:?}"
+    );
 }

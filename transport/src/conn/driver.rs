@@ -203,7 +203,9 @@ impl State {
         // The driver runs the link's large copies outside the lock (`Driver::poll`).
         link.enable_work();
         let info = link.info();
-        let pool = link.pool();
+        // The pool is asked for on first use (`Connection::pool`): on verbs that registers
+        // memory, which must not happen at connect or under this lock.
+        let pool = None;
         let stats = super::ConnStats {
             provider: info.provider,
             rendezvous_path: info.rendezvous_path.clone(),

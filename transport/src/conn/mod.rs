@@ -67,27 +67,39 @@ impl Connection {
         // connection) cost more than any fragment size wins back: measured, six fresh
         // connections probing made a short ps-throughput run 20x slower.
         let mut config = config.clone();
-        if link.info().provider != "verbs" {
+        let info = link.info();
+        if !info.pipelined_reads {
             config.probe_fragments = false;
         }
         let config = &config;
-        let now = Instant::now();
-        let core = crate::proto::Connection::new(config, now);
         let probe = config.wants_probe();
         let probe_len = config.probe_buffer_len();
+        // The probe's rendezvous samples read a zero buffer. One per length for the whole
+        // process, so that where exposing means registering (verbs) every connection after
+        // the first finds it registered; that first registration runs here, off the runtime.
+        let probe_buf = probe.then(|| probe_buffer(probe_len));
+        if let (Some(buf), Some(r)) = (&probe_buf, &info.registrar)
+            && r.would_register(buf)
+        {
+            let (buf, r) = (buf.clone(), r.clone());
+            if let Err(e) = blocking(move || r.prepare(&buf)).await {
+                tracing::warn!(%e, "threshold probe: registering its buffer failed");
+            }
+        }
+        let now = Instant::now();
+        let core = crate::proto::Connection::new(config, now);
         let shared = Arc::new_cyclic(|weak| {
             let mut state = State::new(core, link, weak.clone());
-            if probe {
-                // The probe's rendezvous samples read this zero buffer.
-                if let Some(link) = state.link.as_mut() {
-                    match link.expose(Bytes::from(vec![0u8; probe_len])) {
-                        Ok(exp) => {
-                            state.core.start_probe(now, exp.descriptor, probe_len);
-                            state.set_probe_exposure(exp.id);
-                        }
-                        Err(e) => {
-                            tracing::warn!(%e, "threshold probe skipped: could not expose its buffer")
-                        }
+            if let Some(buf) = probe_buf
+                && let Some(link) = state.link.as_mut()
+            {
+                match link.expose(buf) {
+                    Ok(exp) => {
+                        state.core.start_probe(now, exp.descriptor, probe_len);
+                        state.set_probe_exposure(exp.id);
+                    }
+                    Err(e) => {
+                        tracing::warn!(%e, "threshold probe skipped: could not expose its buffer")
                     }
                 }
             }
@@ -171,8 +183,19 @@ impl Connection {
             return Ok(buf);
         }
         let owner = Arc::new(buf);
-        self.send_wait(Bytes::from_owner(SharedOwner(owner.clone())))
+        let msg = Bytes::from_owner(SharedOwner(owner.clone()));
+        let range = (msg.as_ptr() as usize, msg.len());
+        self.send_wait(msg).await?;
+        // A registration cache may keep its own reference with the registration (verbs):
+        // the caller gets the buffer back, so that registration goes now (off the runtime).
+        let registrar = self.shared().lock().info.registrar.clone();
+        if let Some(r) = registrar {
+            blocking(move || {
+                r.forget(range.0, range.1);
+                Ok(())
+            })
             .await?;
+        }
         // The peer's RndvDone withdrew the exposure, which held the only other reference.
         Arc::try_unwrap(owner).map_err(|_| {
             Error::Protocol("send_owned: buffer still referenced after the peer released it".into())
@@ -185,6 +208,19 @@ impl Connection {
         done: Option<oneshot::Sender<Result<()>>>,
     ) -> Result<()> {
         let shared = self.shared();
+        let registrar = {
+            let st = shared.lock();
+            st.info.registrar.clone().filter(|r| {
+                st.core.classify(msg.len() as u64).ok() == Some(crate::proto::Protocol::Rendezvous)
+                    && r.would_register(&msg)
+            })
+        };
+        if let Some(r) = registrar {
+            // Registered here, before the lock, without an await: callers rely on a send
+            // that was polled once being queued in call order and not cut off half-way by
+            // cancellation (the gRPC layer sends a head and then its body).
+            outside_runtime(|| r.prepare(&msg))?;
+        }
         loop {
             let space = shared.send_space.notified();
             tokio::pin!(space);
@@ -373,6 +409,7 @@ impl Connection {
     /// returned [`RemoteBuf`] is dropped. Put its descriptor in a message; the peer pulls
     /// with [`Connection::read_remote`].
     pub async fn expose(&self, buf: Bytes) -> Result<RemoteBuf> {
+        self.prepare(&buf).await?;
         let exp = self.shared().lock().expose(buf)?;
         Ok(RemoteBuf {
             descriptor: exp.descriptor,
@@ -385,6 +422,15 @@ impl Connection {
     /// into `dst`, which must be exactly as long as the bytes wanted. One-sided where the
     /// provider can; emulated by the peer's provider otherwise (tcp).
     pub async fn read_remote(&self, descriptor: Bytes, dst: RecvBuf) -> Result<RecvBuf> {
+        let registrar = self.shared().lock().info.registrar.clone();
+        if let Some(r) = registrar
+            && r.recv_would_register(dst.len())
+        {
+            // Make room for the staging buffer off the runtime; the read takes it under the
+            // lock without registering.
+            let len = dst.len();
+            blocking(move || r.reserve_recv(len)).await?;
+        }
         let (tx, rx) = oneshot::channel();
         self.shared().lock().read_remote(&descriptor, dst, tx);
         self.shared().wake_driver();
@@ -407,7 +453,37 @@ impl Connection {
     /// The registered pool: buffers from it move with no copy on providers that can map
     /// them (shm). `None` if the provider has none.
     pub fn pool(&self) -> Option<Arc<Pool>> {
-        self.shared().lock().pool.clone()
+        let registrar = {
+            let mut st = self.shared().lock();
+            if let Some(p) = &st.pool {
+                return Some(p.clone());
+            }
+            match st.info.registrar.clone() {
+                Some(r) => r,
+                None => {
+                    let p = st.link.as_ref().and_then(|l| l.pool());
+                    st.pool = p.clone();
+                    return p;
+                }
+            }
+        };
+        // The first call in the process registers the pool (verbs): outside the lock.
+        let p = registrar.pool();
+        self.shared().lock().pool = p.clone();
+        p
+    }
+
+    /// Registers `msg` ahead of its exposure where the provider needs that, on a blocking
+    /// thread and outside the connection's lock (the exposure then finds it cached).
+    async fn prepare(&self, msg: &Bytes) -> Result<()> {
+        let registrar = self.shared().lock().info.registrar.clone();
+        if let Some(r) = registrar
+            && r.would_register(msg)
+        {
+            let (m, r) = (msg.clone(), r);
+            blocking(move || r.prepare(&m)).await?;
+        }
+        Ok(())
     }
 
     /// Allocates a send buffer from the registered pool.
@@ -812,4 +888,37 @@ fn verbs_missing(uri: &str) -> Error {
         addr: uri.into(),
         why: "this build has no verbs provider: rebuild with `--features verbs` (needs rdma-core at run time)".into(),
     }
+}
+
+/// Runs `f` on tokio's blocking pool: registration pins pages and can take long (seconds
+/// for large buffers under emulation), so it never runs on a runtime thread.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::io("registering memory", std::io::Error::other(e.to_string())))?
+}
+
+/// Runs blocking work synchronously without holding up the runtime: on a multi-thread
+/// runtime the worker hands its other tasks to the rest first (`block_in_place`); a
+/// current-thread runtime has no other worker to hand them to, so it runs in place.
+fn outside_runtime<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// A zero buffer of `len` bytes shared by every connection's threshold probe.
+fn probe_buffer(len: usize) -> Bytes {
+    static BUFS: std::sync::Mutex<Vec<Bytes>> = std::sync::Mutex::new(Vec::new());
+    let mut all = BUFS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(b) = all.iter().find(|b| b.len() == len) {
+        return b.clone();
+    }
+    let b = Bytes::from(vec![0u8; len]);
+    // A handful of lengths at most (one per configuration in use).
+    if all.len() < 8 {
+        all.push(b.clone());
+    }
+    b
 }

@@ -336,6 +336,8 @@ impl ShmLink {
             rendezvous_path: if p.cma { "cma" } else { "bounce" }.into(),
             one_sided: p.cma,
             peer: format!("pid {} uid {}", p.peer_pid, p.peer_uid),
+            pipelined_reads: false,
+            registrar: None,
         };
         Ok(ShmLink {
             sock: p.sock,

@@ -602,6 +602,8 @@ impl Link for TcpLink {
             rendezvous_path: "tcp-stream".into(),
             one_sided: false,
             peer: self.peer.clone(),
+            pipelined_reads: false,
+            registrar: None,
         }
     }
 

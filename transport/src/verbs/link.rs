@@ -1,11 +1,13 @@
 //! [`VerbsLink`]: the [`Link`] contract on one RC queue pair.
 //!
-//! - Eager frames: SEND into the peer's pre-posted receive slots. Receives are carved from
-//!   one registered slab and reposted as soon as the frame is copied out. Sends are copied
-//!   into a registered send ring (or posted inline when small enough); only every Nth send
-//!   asks for a completion, which on RC also retires every unsignalled send before it.
-//! - Rendezvous: `expose` registers the buffer for remote read (or uses the pool's region);
-//!   the peer pulls it with RDMA READ. `post_read` splits a read into chunks and keeps at most
+//! - Eager frames: SEND into the peer's pre-posted receive slots. Receive slots are carved
+//!   from the domain's shared local slabs (`domain.rs`): a few at connect, more (up to the
+//!   handshake's count) when bursts drain them, and reposted as soon as the frame is copied
+//!   out. Sends are copied into send slots from the same slabs, also grown on demand (or
+//!   posted inline when small enough); only every Nth send asks for a completion, which on
+//!   RC also retires every unsignalled send before it.
+//! - Rendezvous: `expose` finds the buffer in the user pool or the domain's registration
+//!   cache (registering it there on a miss); the peer pulls it with RDMA READ. `post_read` splits a read into chunks and keeps at most
 //!   the negotiated READ depth outstanding, queueing the rest here.
 //! - Descriptor (20 bytes, little-endian): `addr u64 | len u64 | rkey u32`.
 //! - Work request ids: the top two bits say receive or send queue; the rest is the receive
@@ -14,16 +16,13 @@
 //! - Frames travel as SEND-with-immediate: `IMM_FRAME` for frames, `IMM_MARKER` for the
 //!   empty flush marker that `close` posts. The values read the same in either byte order.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use rdma_mummy_sys as sys;
-use sideway::ibverbs::AccessFlags;
-use sideway::ibverbs::memory_region::MemoryRegion;
-use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
     ExtendedQueuePair, PostSendGuard, QueuePair, SetInlineData, SetScatterGatherEntry,
     WorkRequestFlags,
@@ -31,10 +30,10 @@ use sideway::ibverbs::queue_pair::{
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use super::device::Slab;
-use super::progress::{AsyncEvents, Progress, Wc};
+use super::domain::Domain;
+use super::progress::{Progress, Wc};
 use crate::error::{Error, Result};
-use crate::link::{Exposure, Link, LinkEvent, LinkInfo, RecvBuf, Registration};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, RecvBuf, Registrar};
 use crate::pool::{Pool, PoolBufMut};
 
 pub(crate) const WR_RECV: u64 = 0;
@@ -44,9 +43,13 @@ pub(crate) const IMM_FRAME: u32 = 0;
 pub(crate) const IMM_MARKER: u32 = u32::MAX;
 /// Largest single RDMA READ work request; bigger reads are split (ports cap message size).
 const READ_CHUNK: usize = 1 << 20;
-/// Cap for the receive slab `alloc_recv` carves rendezvous destinations from.
-const RECV_POOL_MAX: usize = 64 << 20;
 const DESC_LEN: usize = 20;
+/// Receive slots posted at connect: an idle connection costs this many slots, not the
+/// handshake's full count (which a busy one grows to; see `grow_recvs`).
+pub(crate) const INITIAL_RECV_SLOTS: usize = 8;
+/// Send slots taken at connect, and how many more at a time when they run out.
+pub(crate) const INITIAL_SEND_SLOTS: usize = 2;
+const SEND_GROUP: usize = 8;
 
 /// A parsed rendezvous descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,9 +91,9 @@ impl Desc {
 }
 
 enum SqKind {
-    /// `slot`: the send used a slot of the send ring (not inline).
+    /// `slot`: the send slot (group, offset) it used, `None` for inline data.
     Send {
-        slot: bool,
+        slot: Option<(usize, usize)>,
     },
     Read {
         op: u64,
@@ -124,30 +127,37 @@ struct Exposed {
     key: Option<(usize, usize)>,
 }
 
-/// A registered pool plus the keys of its region (kept alive by the pool's owner).
-struct RegPool {
-    pool: Arc<Pool>,
-    lkey: u32,
-    rkey: u32,
+/// Registered memory carved into slots: a buffer from the domain's local slabs and its key.
+pub(crate) struct SlotMem {
+    pub buf: PoolBufMut,
+    pub lkey: u32,
+}
+
+impl SlotMem {
+    fn addr(&self, off: usize) -> u64 {
+        self.buf.as_ptr() as u64 + off as u64
+    }
 }
 
 /// Everything `establish` hands over to build a link.
 pub(crate) struct Parts {
     pub qp: ExtendedQueuePair,
     pub progress: Progress,
-    pub async_events: AsyncEvents,
-    pub pd: Arc<ProtectionDomain>,
-    pub recv: Slab,
+    pub domain: Arc<Domain>,
+    /// The receive slots posted at connect, all in this one buffer.
+    pub recv: SlotMem,
+    pub initial_recvs: usize,
+    /// Receive slots this side may grow to (what the handshake announced).
     pub n_recv: usize,
     pub slot_size: usize,
-    pub send: Slab,
+    /// The first send slots.
+    pub send: SlotMem,
     pub n_send: usize,
     pub max_frame: usize,
     pub max_inline: usize,
     pub max_rd: usize,
     pub tcp: TcpStream,
     pub peer: String,
-    pub pool_size: usize,
 }
 
 /// One end of a verbs connection: an RC queue pair with its slabs. See the module docs.
@@ -156,24 +166,21 @@ pub struct VerbsLink {
     // memory, then completion delivery, then the memory itself.
     qp: ExtendedQueuePair,
     progress: Progress,
-    async_events: AsyncEvents,
-    recv: Slab,
-    send: Slab,
+    /// Receive slot memory (groups) and where each slot lies: (group, offset).
+    recv_mem: Vec<SlotMem>,
+    recv_slots: Vec<(usize, usize)>,
+    /// Send slot memory (groups), the free slots, and how many slots exist.
+    send_mem: Vec<SlotMem>,
+    send_free: Vec<(usize, usize)>,
+    send_slots: usize,
     exposures: HashMap<u64, Exposed>,
-    reg_cache: HashMap<(usize, usize), (Arc<MemoryRegion>, usize)>,
-    recv_regions: BTreeMap<usize, (usize, Weak<MemoryRegion>)>,
-    pool: OnceLock<Option<RegPool>>,
-    recv_pool: Option<Option<RegPool>>,
-    pd: Arc<ProtectionDomain>,
+    domain: Arc<Domain>,
 
     n_recv: usize,
     slot_size: usize,
     n_send: usize,
     max_frame: usize,
     max_inline: usize,
-    /// Send ring: slots handed out and slots retired (both monotonic).
-    slots_used: u64,
-    slots_freed: u64,
     /// Send-queue work requests in flight, oldest first.
     sq: VecDeque<SqEntry>,
     sq_sends: usize,
@@ -197,7 +204,47 @@ pub struct VerbsLink {
     event_waker: Option<Waker>,
     tcp: TcpStream,
     peer: String,
-    pool_size: usize,
+}
+
+impl Drop for VerbsLink {
+    fn drop(&mut self) {
+        // The queue pair is destroyed with the fields, after this: stop routing its events
+        // first, since another queue pair may get its address.
+        self.domain.unwatch_qp(self.qp_addr());
+    }
+}
+
+/// The connection's handle on the domain's registration work ([`Registrar`]).
+#[derive(Clone)]
+pub(crate) struct DomainRegistrar(pub Arc<Domain>);
+
+impl std::fmt::Debug for DomainRegistrar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "verbs domain {:?}", self.0.dev)
+    }
+}
+
+impl Registrar for DomainRegistrar {
+    fn would_register(&self, buf: &[u8]) -> bool {
+        self.0.would_register(buf)
+    }
+    fn prepare(&self, buf: &Bytes) -> Result<()> {
+        self.0.prepare(buf)
+    }
+    fn recv_would_register(&self, len: usize) -> bool {
+        self.0.local.free_bytes() < len
+    }
+    fn reserve_recv(&self, len: usize) -> Result<()> {
+        // Register a slab now if none has room, then hand the room back: the receive path
+        // takes it again under the connection's lock, without registering.
+        self.0.local_or_register(len, false).map(drop)
+    }
+    fn pool(&self) -> Option<Arc<Pool>> {
+        self.0.user_pool()
+    }
+    fn forget(&self, ptr: usize, len: usize) {
+        self.0.forget((ptr, len));
+    }
 }
 
 impl std::fmt::Debug for VerbsLink {
@@ -235,25 +282,27 @@ impl VerbsLink {
     pub(crate) fn new(p: Parts) -> VerbsLink {
         // Signal often enough that the ring never fills with unretired sends.
         let signal_every = (p.n_send / 4).clamp(1, 16);
-        VerbsLink {
+        let recv_slots = (0..p.initial_recvs).map(|i| (0, i * p.slot_size)).collect();
+        let first_send = (p.send.buf.len() / p.max_frame.max(1)).min(p.n_send);
+        let send_free = (0..first_send)
+            .rev()
+            .map(|i| (0, i * p.max_frame))
+            .collect();
+        let link = VerbsLink {
             qp: p.qp,
             progress: p.progress,
-            async_events: p.async_events,
-            recv: p.recv,
-            send: p.send,
+            recv_mem: vec![p.recv],
+            recv_slots,
+            send_mem: vec![p.send],
+            send_free,
+            send_slots: first_send,
             exposures: HashMap::new(),
-            reg_cache: HashMap::new(),
-            recv_regions: BTreeMap::new(),
-            pool: OnceLock::new(),
-            recv_pool: None,
-            pd: p.pd,
+            domain: p.domain,
             n_recv: p.n_recv,
             slot_size: p.slot_size,
             n_send: p.n_send,
             max_frame: p.max_frame,
             max_inline: p.max_inline,
-            slots_used: 0,
-            slots_freed: 0,
             sq: VecDeque::new(),
             sq_sends: 0,
             next_seq: 0,
@@ -274,8 +323,24 @@ impl VerbsLink {
             event_waker: None,
             tcp: p.tcp,
             peer: p.peer,
-            pool_size: p.pool_size,
-        }
+        };
+        link.domain.watch_qp(link.qp_addr());
+        link
+    }
+
+    fn qp_addr(&self) -> usize {
+        // SAFETY: only used as a key to match asynchronous events, never dereferenced.
+        unsafe { self.qp.qp().as_ptr() as usize }
+    }
+
+    /// Receive slots posted now (grows with use up to the handshake's count).
+    pub fn recv_slots(&self) -> usize {
+        self.recv_slots.len()
+    }
+
+    /// Send slots this link holds now (grows with use up to `credits + 16`).
+    pub fn send_slots(&self) -> usize {
+        self.send_slots
     }
 
     /// Largest frame sent inline (0 when the device offers no inline data).
@@ -311,45 +376,101 @@ impl VerbsLink {
     }
 
     fn post_recv(&mut self, slot: usize) -> Result<()> {
-        let addr = self.recv.addr() + (slot * self.slot_size) as u64;
-        let (lkey, len) = (self.recv.lkey(), self.slot_size as u32);
+        let Some(&(g, off)) = self.recv_slots.get(slot) else {
+            return Err(Error::Protocol(format!(
+                "receive slot {slot} does not exist"
+            )));
+        };
+        let m = &self.recv_mem[g];
+        let (lkey, addr, len) = (m.lkey, m.addr(off), self.slot_size as u32);
         let mut guard = self.qp.start_post_recv();
         let wr = guard.construct_wr(WR_RECV | slot as u64);
-        // SAFETY: the slot lies in the registered receive slab, which outlives the QP
-        // (field order), and is not touched by us until its completion comes back.
+        // SAFETY: the slot lies in registered memory this link holds (`recv_mem`), which
+        // outlives the QP (field order), and is not touched by us until its completion.
         unsafe { wr.setup_sge(lkey, addr, len) };
         guard
             .post()
             .map_err(|e| Error::io("posting a receive", std::io::Error::other(e)))
     }
 
-    /// Posts every receive slot; called once before the queue pair leaves INIT.
-    pub(crate) fn post_all_recvs(
+    /// Posts the first `n` receive slots of `recv`; called once before the queue pair
+    /// leaves INIT.
+    pub(crate) fn post_initial_recvs(
         qp: &mut ExtendedQueuePair,
-        recv: &Slab,
+        recv: &SlotMem,
         n: usize,
         slot_size: usize,
     ) -> Result<()> {
         let mut guard = qp.start_post_recv();
         for slot in 0..n {
             let wr = guard.construct_wr(WR_RECV | slot as u64);
-            // SAFETY: as in `post_recv`.
-            unsafe {
-                wr.setup_sge(
-                    recv.lkey(),
-                    recv.addr() + (slot * slot_size) as u64,
-                    slot_size as u32,
-                )
-            };
+            // SAFETY: as in `post_recv`: `recv` becomes the link's and outlives the QP.
+            unsafe { wr.setup_sge(recv.lkey, recv.addr(slot * slot_size), slot_size as u32) };
         }
         guard
             .post()
             .map_err(|e| Error::io("posting the initial receives", std::io::Error::other(e)))
     }
 
-    fn send_room(&self, inline: bool) -> bool {
-        self.sq_sends < self.n_send
-            && (inline || ((self.slots_used - self.slots_freed) as usize) < self.n_send)
+    /// A burst drained at least half of the posted receives in one go: post more, up to
+    /// the count the peer's credits were sized for. Memory comes from the domain's slabs
+    /// without registering; if none is ready the domain thread registers more and a later
+    /// burst grows again (meanwhile the peer's extra sends wait in receiver-not-ready
+    /// retries, which are unlimited, so nothing is lost).
+    fn grow_recvs(&mut self) {
+        let have = self.recv_slots.len();
+        let add = have.min(self.n_recv - have);
+        if add == 0 || self.dead.is_some() {
+            return;
+        }
+        let Some((buf, lkey)) = self.domain.try_local(add * self.slot_size) else {
+            return;
+        };
+        let g = self.recv_mem.len();
+        self.recv_mem.push(SlotMem { buf, lkey });
+        for i in 0..add {
+            self.recv_slots.push((g, i * self.slot_size));
+            if let Err(e) = self.post_recv(have + i) {
+                self.die(e);
+                return;
+            }
+        }
+        tracing::trace!(peer = %self.peer, slots = have + add, "verbs: more receive slots");
+    }
+
+    /// A free send slot, taking more from the domain's slabs when the ones held are all in
+    /// flight (never registering here; the ones held always suffice to make progress).
+    fn take_send_slot(&mut self) -> Option<(usize, usize)> {
+        if let Some(s) = self.send_free.pop() {
+            return Some(s);
+        }
+        let add = SEND_GROUP.min(self.n_send - self.send_slots);
+        if add == 0 {
+            return None;
+        }
+        let (buf, lkey) = self.domain.try_local(add * self.max_frame)?;
+        let g = self.send_mem.len();
+        self.send_mem.push(SlotMem { buf, lkey });
+        self.send_slots += add;
+        self.send_free
+            .extend((0..add).rev().map(|i| (g, i * self.max_frame)));
+        self.send_free.pop()
+    }
+
+    fn send_room(&mut self, inline: bool) -> bool {
+        if self.sq_sends >= self.n_send {
+            return false;
+        }
+        if inline || !self.send_free.is_empty() {
+            return true;
+        }
+        match self.take_send_slot() {
+            Some(s) => {
+                self.send_free.push(s);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Handles everything in `self.wcs`.
@@ -357,15 +478,20 @@ impl VerbsLink {
         let mut wcs = std::mem::take(&mut self.wcs);
         let had_events = self.events.len();
         let mut freed = false;
+        let mut recvs = 0;
         for wc in wcs.drain(..) {
             if wc.wr_id & WR_KIND == WR_SQ {
                 freed = true;
                 self.sq_done(wc);
             } else {
+                recvs += 1;
                 self.recv_done(wc);
             }
         }
         self.wcs = wcs;
+        if recvs * 2 >= self.recv_slots.len() && self.recv_slots.len() < self.n_recv {
+            self.grow_recvs();
+        }
         self.pump_reads();
         if self.closing && self.sq.is_empty() {
             self.shutdown_socket();
@@ -394,7 +520,7 @@ impl VerbsLink {
             self.die(e);
             return;
         }
-        if slot >= self.n_recv || wc.byte_len as usize > self.slot_size {
+        if slot >= self.recv_slots.len() || wc.byte_len as usize > self.slot_size {
             self.die(Error::Protocol(format!(
                 "receive completion out of range (slot {slot}, {} bytes)",
                 wc.byte_len
@@ -402,8 +528,10 @@ impl VerbsLink {
             return;
         }
         let frame = (wc.imm != IMM_MARKER).then(|| {
-            self.recv
-                .slice(slot * self.slot_size, wc.byte_len as usize)
+            let (g, off) = self.recv_slots[slot];
+            self.recv_mem[g]
+                .buf
+                .get(off..off + wc.byte_len as usize)
                 .map(Bytes::copy_from_slice)
         });
         if self.dead.is_none()
@@ -431,8 +559,8 @@ impl VerbsLink {
             match e.kind {
                 SqKind::Send { slot } => {
                     self.sq_sends -= 1;
-                    if slot {
-                        self.slots_freed += 1;
+                    if let Some(s) = slot {
+                        self.send_free.push(s);
                     }
                     if this && wc.status != sys::ibv_wc_status::IBV_WC_SUCCESS {
                         self.die(Error::PeerGone(format!(
@@ -574,40 +702,7 @@ impl VerbsLink {
     }
 
     fn lkey_for(&self, dst: *const u8, len: usize) -> Option<u32> {
-        if let Some(Some(p)) = &self.recv_pool
-            && p.pool.offset_of(dst, len).is_some()
-        {
-            return Some(p.lkey);
-        }
-        if let Some(Some(p)) = self.pool.get()
-            && p.pool.offset_of(dst, len).is_some()
-        {
-            return Some(p.lkey);
-        }
-        let d = dst as usize;
-        let (&start, (rlen, weak)) = self.recv_regions.range(..=d).next_back()?;
-        let mr = weak.upgrade()?;
-        (d + len <= start + rlen).then(|| mr.lkey())
-    }
-
-    fn reg_pool(&self, size: usize, what: &str) -> Option<RegPool> {
-        match Slab::new(
-            &self.pd,
-            size,
-            AccessFlags::LocalWrite | AccessFlags::RemoteRead,
-        ) {
-            Ok(mut slab) => {
-                let (lkey, rkey, base, len) = (slab.lkey(), slab.rkey(), slab.base(), slab.len());
-                // SAFETY: the slab owns the memory, keeps it registered and never touches it
-                // itself; the pool becomes its only user and keeps it alive.
-                let pool = unsafe { Pool::from_raw(base, len, Box::new(slab)) };
-                Some(RegPool { pool, lkey, rkey })
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "verbs: no registered {what}; falling back to per-buffer registration");
-                None
-            }
-        }
+        self.domain.lkey_for(dst, len)
     }
 }
 
@@ -619,6 +714,8 @@ impl Link for VerbsLink {
             rendezvous_path: "rdma-read".into(),
             one_sided: true,
             peer: self.peer.clone(),
+            pipelined_reads: true,
+            registrar: Some(Arc::new(DomainRegistrar(self.domain.clone()))),
         }
     }
 
@@ -651,23 +748,30 @@ impl Link for VerbsLink {
             }
         }
         let seq = self.next_seq;
-        let slots_free =
-            self.n_send - (self.slots_used - self.slots_freed) as usize - usize::from(!inline);
+        let slot = if inline { None } else { self.send_free.pop() };
+        if !inline && slot.is_none() {
+            // send_room said there was one.
+            return Poll::Ready(Err(Error::Config("no free send slot".into())));
+        }
+        // Free slots after this one, counting those the link could still take: a send that
+        // leaves the ring nearly full is signalled, so a completion will free it.
+        let slots_free = self.send_free.len() + (self.n_send - self.send_slots);
         let room_after = (self.n_send - self.sq_sends - 1).min(slots_free);
-        let signal = self.unsignaled + 1 >= self.signal_every || room_after < self.signal_every;
+        let signal = self.unsignaled + 1 >= self.signal_every
+            || room_after < self.signal_every
+            || (!inline && self.send_free.len() < self.signal_every);
         let flags = if signal {
             WorkRequestFlags::Signaled
         } else {
             WorkRequestFlags::none()
         };
-        let slot = (self.slots_used % self.n_send as u64) as usize;
-        let (slot_addr, lkey) = (
-            self.send.addr() + (slot * self.max_frame) as u64,
-            self.send.lkey(),
-        );
-        if !inline {
-            let Some(dst) = self.send.slice_mut(slot * self.max_frame, frame.len()) else {
-                return Poll::Ready(Err(Error::Config("send slot outside the send slab".into())));
+        let (slot_addr, lkey) = match slot {
+            Some((g, off)) => (self.send_mem[g].addr(off), self.send_mem[g].lkey),
+            None => (self.send_mem[0].addr(0), self.send_mem[0].lkey),
+        };
+        if let Some((g, off)) = slot {
+            let Some(dst) = self.send_mem[g].buf.get_mut(off..off + frame.len()) else {
+                return Poll::Ready(Err(Error::Config("send slot outside its memory".into())));
             };
             dst.copy_from_slice(frame);
         }
@@ -678,28 +782,28 @@ impl Link for VerbsLink {
         if inline {
             wr.setup_inline_data(frame);
         } else if frame.is_empty() {
-            // rxe rejects an empty scatter list; a zero-length entry in the slab is fine.
+            // rxe rejects an empty scatter list; a zero-length entry in the slot is fine.
             // SAFETY: zero bytes of registered memory are named; nothing is read.
-            unsafe { wr.setup_sge(lkey, self.send.addr(), 0) };
+            unsafe { wr.setup_sge(lkey, slot_addr, 0) };
         } else {
-            // SAFETY: the slot lies in the registered send slab, which outlives the QP, and is
-            // not reused before this send's completion (or a later one) retires it.
+            // SAFETY: the slot lies in registered memory this link holds, which outlives the
+            // QP, and is not reused before this send's completion (or a later one) retires it.
             unsafe { wr.setup_sge(lkey, slot_addr, frame.len() as u32) };
         }
         if let Err(e) = guard.post() {
+            if let Some(s) = slot {
+                self.send_free.push(s);
+            }
             let e = Error::io("posting a send", std::io::Error::other(e));
             self.die(e.clone());
             return Poll::Ready(Err(e));
         }
         self.next_seq += 1;
         self.sq_sends += 1;
-        if !inline {
-            self.slots_used += 1;
-        }
         self.unsignaled = if signal { 0 } else { self.unsignaled + 1 };
         self.sq.push_back(SqEntry {
             seq,
-            kind: SqKind::Send { slot: !inline },
+            kind: SqKind::Send { slot },
         });
         Poll::Ready(Ok(()))
     }
@@ -735,9 +839,7 @@ impl Link for VerbsLink {
             if let Some(e) = &self.dead {
                 return Poll::Ready(Err(e.clone()));
             }
-            // SAFETY: only compared against event object pointers, never dereferenced.
-            let qp_ptr = unsafe { self.qp.qp().as_ptr() };
-            if let Some(e) = self.async_events.poll(cx, qp_ptr) {
+            if let Some(e) = self.domain.poll_qp(cx, self.qp_addr()) {
                 self.reap();
                 self.die(e);
                 continue;
@@ -768,32 +870,14 @@ impl Link for VerbsLink {
         if let Some(e) = &self.dead {
             return Err(e.clone());
         }
-        let (ptr, len) = (buf.as_ptr() as usize, buf.len());
-        let (rkey, key, registration) = if len == 0 {
-            (0, None, Registration::NotNeeded)
-        } else if let Some(Some(p)) = self.pool.get().filter(|p| {
-            p.as_ref()
-                .is_some_and(|p| p.pool.offset_of(buf.as_ptr(), len).is_some())
-        }) {
-            (p.rkey, None, Registration::Pool)
-        } else if let Some((mr, n)) = self.reg_cache.get_mut(&(ptr, len)) {
-            *n += 1;
-            (mr.rkey(), Some((ptr, len)), Registration::CacheHit)
-        } else {
-            // SAFETY: the Bytes stays in `exposures` (keeping the memory alive and unchanged)
-            // until withdraw, which drops the region with the last exposure of this range.
-            let mr = unsafe {
-                super::device::register(&self.pd, buf.as_ptr(), len, AccessFlags::RemoteRead)?
-            };
-            let rkey = mr.rkey();
-            self.reg_cache.insert((ptr, len), (mr, 1));
-            (rkey, Some((ptr, len)), Registration::Registered)
-        };
+        // Usually found ready (the user pool, or the cache, which the connection fills ahead
+        // of time off its lock); registers here only for direct users of the link.
+        let (rkey, key, registration) = self.domain.expose(&buf)?;
         let id = self.next_exposure;
         self.next_exposure += 1;
         let descriptor = Desc {
-            addr: ptr as u64,
-            len: len as u64,
+            addr: buf.as_ptr() as u64,
+            len: buf.len() as u64,
             rkey,
         }
         .encode();
@@ -808,13 +892,10 @@ impl Link for VerbsLink {
 
     fn withdraw(&mut self, id: u64) -> Option<Bytes> {
         let e = self.exposures.remove(&id)?;
-        if let Some(key) = e.key
-            && let Some((_, n)) = self.reg_cache.get_mut(&key)
-        {
-            *n -= 1;
-            if *n == 0 {
-                self.reg_cache.remove(&key);
-            }
+        if let Some(key) = e.key {
+            // The registration stays cached (holding its own clone of the buffer) for the
+            // next exposure of the same memory.
+            self.domain.release(key);
         }
         Some(e.buf)
     }
@@ -838,31 +919,16 @@ impl Link for VerbsLink {
         if len == 0 {
             return Ok(RecvBuf::heap(0));
         }
-        if self.recv_pool.is_none() {
-            let size = self.pool_size.clamp(1 << 20, RECV_POOL_MAX);
-            self.recv_pool = Some(self.reg_pool(size, "receive slab"));
-        }
-        if let Some(Some(p)) = &self.recv_pool
-            && let Ok(mut b) = p.pool.alloc(len)
-        {
-            let ptr = b.as_mut_ptr();
-            // SAFETY: the pool buffer is ours alone, stays put, and lives as long as the
-            // PoolBufMut that owns it.
-            return Ok(unsafe {
-                RecvBuf::from_raw(
-                    ptr,
-                    len,
-                    Box::new(b) as Box<dyn std::any::Any + Send + Sync>,
-                )
-            });
-        }
-        self.recv_regions.retain(|_, (_, w)| w.strong_count() > 0);
-        let mut slab = Slab::new(&self.pd, len, AccessFlags::LocalWrite)?;
-        let ptr = slab.base();
-        self.recv_regions
-            .insert(ptr as usize, (len, Arc::downgrade(slab.mr())));
-        // SAFETY: the slab owns the memory and its registration; both live as long as the RecvBuf.
-        Ok(unsafe { RecvBuf::from_raw(ptr, len, Box::new(slab)) })
+        // Shared local slabs; registering here (on the runtime, under the connection's lock)
+        // is the counted fallback when the domain thread has not kept ahead.
+        let (mut b, _) = match self.domain.try_local(len) {
+            Some(b) => b,
+            None => self.domain.local_or_register(len, true)?,
+        };
+        let ptr = b.as_mut_ptr();
+        // SAFETY: the buffer is ours alone, stays put, and lives as long as the PoolBufMut
+        // that owns it (which keeps its slab, and so the registration, alive).
+        Ok(unsafe { RecvBuf::from_raw(ptr, len, Box::new(b)) })
     }
 
     unsafe fn post_read(
@@ -926,10 +992,8 @@ impl Link for VerbsLink {
     }
 
     fn pool(&self) -> Option<Arc<Pool>> {
-        self.pool
-            .get_or_init(|| self.reg_pool(self.pool_size, "pool"))
-            .as_ref()
-            .map(|p| p.pool.clone())
+        // One per process and device, registered on the first call (blocks then).
+        self.domain.user_pool()
     }
 
     fn close(&mut self) {
@@ -946,12 +1010,12 @@ impl Link for VerbsLink {
             // The tail of unsignalled sends produces no completion of its own: post a signalled
             // empty marker behind it (the peer reposts its slot and delivers nothing).
             let seq = self.next_seq;
-            let (lkey, addr) = (self.send.lkey(), self.send.addr());
+            let (lkey, addr) = (self.send_mem[0].lkey, self.send_mem[0].addr(0));
             let mut guard = self.qp.start_post_send();
             let wr = guard
                 .construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled)
                 .setup_send_imm(IMM_MARKER);
-            // SAFETY: zero bytes of the registered send slab are named; nothing is read.
+            // SAFETY: zero bytes of registered send memory are named; nothing is read.
             unsafe { wr.setup_sge(lkey, addr, 0) };
             match guard.post() {
                 Ok(()) => {

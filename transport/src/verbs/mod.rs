@@ -12,6 +12,7 @@
 
 mod bootstrap;
 mod device;
+mod domain;
 mod link;
 mod progress;
 
@@ -25,17 +26,26 @@ use sideway::ibverbs::device_context::Mtu;
 use sideway::ibverbs::queue_pair::{
     QueuePair, QueuePairAttribute, QueuePairAttributeMask, QueuePairState,
 };
+use std::sync::Arc;
 use tokio::net::{TcpListener, TcpStream};
 
-pub use device::device_available;
+pub use device::{device_available, fork_status};
+pub use domain::RegStats;
 pub use link::VerbsLink;
+
+/// What this process holds registered on each RDMA device it uses, and how its registration
+/// cache does: one entry per device (and port/GID choice) opened so far.
+pub fn registration_stats() -> Vec<RegStats> {
+    domain::all_stats()
+}
 
 use crate::config::Config;
 use crate::error::{Error, Result};
 use bootstrap::QpInfo;
-use device::{Slab, pin_error};
-use link::Parts;
-use progress::{AsyncEvents, Progress};
+use device::pin_error;
+use domain::Domain;
+use link::{Parts, SlotMem};
+use progress::Progress;
 
 /// Inline data we ask the device for; it may grant less (Soft-RoCE may grant none).
 const WANT_INLINE: u32 = 128;
@@ -141,8 +151,8 @@ fn options(config: &Config) -> Result<VerbsOptions> {
 /// [`listen`] with explicit device options.
 pub async fn listen_with(addr: &str, config: &Config, opts: VerbsOptions) -> Result<VerbsListener> {
     config.validate()?;
-    // Probe the device now: a server without RDMA should fail at start, not at first accept.
-    drop(device::open(&opts)?);
+    // Open the device now: a server without RDMA should fail at start, not at first accept.
+    domain::get(&opts, config)?;
     let a = strip_scheme(addr);
     let tcp = TcpListener::bind(a)
         .await
@@ -167,7 +177,7 @@ pub async fn connect(addr: &str, config: &Config) -> Result<VerbsLink> {
 pub async fn connect_with(addr: &str, config: &Config, opts: VerbsOptions) -> Result<VerbsLink> {
     config.validate()?;
     // Fail on a missing device before touching the network.
-    drop(device::open(&opts)?);
+    domain::get(&opts, config)?;
     let a = strip_scheme(addr);
     let tcp = tokio::time::timeout(bootstrap::TIMEOUT, TcpStream::connect(a))
         .await
@@ -261,7 +271,8 @@ async fn establish(
     .await
     .map_err(|_| timeout("hello"))??;
 
-    let dev = device::open(opts)?;
+    let dom = domain::get(opts, config)?;
+    let dev = &dom.dev;
     let n_recv = config.credits as usize * 2 + 16;
     let n_send = config.credits as usize + 16;
     let rd_cap = dev.max_qp_init_rd_atom.clamp(1, MAX_READ_DEPTH);
@@ -331,7 +342,8 @@ async fn establish(
         .unwrap_or(0)
         .min(want_inline as usize);
 
-    let recv = Slab::new(&dev.pd, n_recv * config.slot_size, AccessFlags::LocalWrite)?;
+    let initial_recvs = n_recv.min(link::INITIAL_RECV_SLOTS);
+    let recv = local_memory(&dom, initial_recvs * config.slot_size).await?;
     let mut attr = QueuePairAttribute::new();
     attr.setup_state(QueuePairState::Init)
         .setup_pkey_index(0)
@@ -339,7 +351,7 @@ async fn establish(
         .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteRead);
     qp.modify(&attr)
         .map_err(|e| qp_err("moving the queue pair to INIT", e))?;
-    VerbsLink::post_all_recvs(&mut qp, &recv, n_recv, config.slot_size)?;
+    VerbsLink::post_initial_recvs(&mut qp, &recv, initial_recvs, config.slot_size)?;
 
     let our_psn = psn();
     let rd_atom = dev.max_qp_rd_atom.clamp(1, 255);
@@ -363,7 +375,7 @@ async fn establish(
 
     // QpInfo::decode bounded it (16 MiB at most).
     let max_frame = theirs.slot_size as usize;
-    let send = Slab::new(&dev.pd, n_send * max_frame, AccessFlags::LocalWrite)?;
+    let send = local_memory(&dom, n_send.min(link::INITIAL_SEND_SLOTS) * max_frame).await?;
     let max_rd = rd_cap.min(theirs.max_rd_atom).max(1);
 
     let mtu = dev.active_mtu.min(Mtu::from(theirs.mtu));
@@ -392,7 +404,11 @@ async fn establish(
     let mut attr = QueuePairAttribute::new();
     attr.setup_state(QueuePairState::ReadyToSend)
         .setup_sq_psn(our_psn)
-        .setup_timeout(14)
+        // ACK timeout 4.096 µs × 2^n, retried 7 times: 14 (67 ms) on hardware. Soft-RoCE is
+        // software on both ends and, with many queue pairs busy (or under emulation), its ACKs
+        // were seen late enough to exhaust the retries and kill healthy links; 18 (1.07 s)
+        // there. A dead peer is still seen at once through the bootstrap socket.
+        .setup_timeout(if dev.soft_roce { 18 } else { 14 })
         .setup_retry_cnt(7)
         // 7 = retry forever on receiver-not-ready: control frames may briefly outrun receives.
         .setup_rnr_retry(7)
@@ -408,13 +424,12 @@ async fn establish(
         Some(ch) => Progress::channel(cq, ch, opts.spin)?,
         None => Progress::busy(cq, opts.spin)?,
     };
-    let async_events = AsyncEvents::new(dev.ctx.clone())?;
     Ok(VerbsLink::new(Parts {
         qp,
         progress,
-        async_events,
-        pd: dev.pd.clone(),
+        domain: dom,
         recv,
+        initial_recvs,
         n_recv,
         slot_size: config.slot_size,
         send,
@@ -424,6 +439,19 @@ async fn establish(
         max_rd: max_rd as usize,
         tcp,
         peer,
-        pool_size: config.pool_size,
     }))
+}
+
+/// `len` bytes of the domain's registered local memory: from a slab with room, or, when
+/// none has any, from a slab registered on a blocking thread (never on the runtime).
+async fn local_memory(dom: &Arc<Domain>, len: usize) -> Result<SlotMem> {
+    let len = len.max(1);
+    if let Some((buf, lkey)) = dom.try_local(len) {
+        return Ok(SlotMem { buf, lkey });
+    }
+    let d = dom.clone();
+    let (buf, lkey) = tokio::task::spawn_blocking(move || d.local_or_register(len, false))
+        .await
+        .map_err(|e| Error::io("registering memory", std::io::Error::other(e.to_string())))??;
+    Ok(SlotMem { buf, lkey })
 }

@@ -1,4 +1,5 @@
-//! Getting completions out of the completion queue, and device events out of the context.
+//! Getting completions out of the completion queue. (Device events are the domain's:
+//! `domain.rs`.)
 //!
 //! Two modes, so both can be measured:
 //! - default: poll the CQ, spin for a short budget when it is empty, then arm the completion
@@ -19,7 +20,6 @@ use rdma_mummy_sys as sys;
 use sideway::ibverbs::completion::{
     BasicCompletionQueue, CompletionChannel, CompletionQueue, PollCompletionQueueError,
 };
-use sideway::ibverbs::device_context::DeviceContext;
 use tokio::io::unix::AsyncFd;
 
 use crate::error::{Error, Result};
@@ -59,19 +59,6 @@ impl AsRawFd for Fd {
     fn as_raw_fd(&self) -> RawFd {
         self.0
     }
-}
-
-fn set_nonblocking(fd: RawFd) -> io::Result<()> {
-    // SAFETY: fcntl on an fd rdma-core keeps open for the context's lifetime; only flags change.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    if flags < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: as above.
-    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 fn poll_cq(cq: &BasicCompletionQueue, out: &mut Vec<Wc>) -> io::Result<usize> {
@@ -303,79 +290,5 @@ impl Drop for Progress {
                 let _ = t.join();
             }
         }
-    }
-}
-
-/// Asynchronous device events (port down, QP fatal, ...), read without blocking. Each is
-/// acknowledged at once; fatal ones kill the link, the rest are logged.
-pub(crate) struct AsyncEvents {
-    // Deregistered before the context (and so the fd) goes away.
-    fd: AsyncFd<Fd>,
-    ctx: Arc<DeviceContext>,
-}
-
-impl AsyncEvents {
-    pub fn new(ctx: Arc<DeviceContext>) -> Result<AsyncEvents> {
-        // SAFETY: reading a field of the live context rdma-core gave us.
-        let raw = unsafe { (*ctx.context().as_ptr()).async_fd };
-        set_nonblocking(raw)
-            .map_err(|e| Error::io("making the device event fd non-blocking", e))?;
-        let fd = Fd(raw, ctx.clone()).register("device event fd")?;
-        Ok(AsyncEvents { fd, ctx })
-    }
-
-    /// Handles pending events; `Some(err)` if one of them is fatal for `qpn`'s link.
-    pub fn poll(&mut self, cx: &mut Context<'_>, qp: *mut sys::ibv_qp) -> Option<Error> {
-        let mut fatal = None;
-        while let Poll::Ready(Ok(mut guard)) = self.fd.poll_read_ready(cx) {
-            loop {
-                let mut ev = std::mem::MaybeUninit::<sys::ibv_async_event>::zeroed();
-                // SAFETY: the context is live, its async fd is non-blocking, `ev` is ours.
-                let rc = unsafe {
-                    sys::ibv_get_async_event(self.ctx.context().as_ptr(), ev.as_mut_ptr())
-                };
-                if rc != 0 {
-                    break;
-                }
-                // Read the type as a plain integer: a provider may report values newer than
-                // the bindings' enum knows.
-                // SAFETY: the call filled `ev`; `event_type` is a 4-byte field at this offset.
-                let kind = unsafe {
-                    ev.as_ptr()
-                        .cast::<u8>()
-                        .add(std::mem::offset_of!(sys::ibv_async_event, event_type))
-                        .cast::<u32>()
-                        .read()
-                };
-                // SAFETY: the union's first word is the object pointer for QP events.
-                let obj = unsafe { ev.as_ptr().cast::<*mut std::ffi::c_void>().read() };
-                // SAFETY: acknowledging the event we just got, once.
-                unsafe { sys::ibv_ack_async_event(ev.as_mut_ptr()) };
-                const QP_FATAL: u32 = 1;
-                const QP_REQ_ERR: u32 = 2;
-                const QP_ACCESS_ERR: u32 = 3;
-                const DEVICE_FATAL: u32 = 8;
-                const PORT_ERR: u32 = 10;
-                match kind {
-                    QP_FATAL | QP_REQ_ERR | QP_ACCESS_ERR if obj == qp.cast() => {
-                        fatal = Some(Error::PeerGone(format!(
-                            "the RDMA queue pair failed (async event {kind}: the peer sent an invalid request or the path broke)"
-                        )));
-                    }
-                    DEVICE_FATAL => {
-                        fatal = Some(Error::PeerGone(
-                            "the RDMA device reported a fatal error (async event DEVICE_FATAL)"
-                                .into(),
-                        ));
-                    }
-                    PORT_ERR => tracing::warn!(
-                        "RDMA port went down (async event PORT_ERR); waiting for it to recover"
-                    ),
-                    other => tracing::debug!(event = other, "RDMA async event"),
-                }
-            }
-            guard.clear_ready();
-        }
-        fatal
     }
 }

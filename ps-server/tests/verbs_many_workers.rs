@@ -1,0 +1,340 @@
+//! One `ibex-ps` over verbs, many workers (issue #16): every worker connects, pushes and
+//! pulls a 1 MiB variable (one-sided both ways), and the pinned memory of the PS process and
+//! of this process (all the workers) stays bounded. Runs in the Soft-RoCE VM
+//! (`scripts/verbs-test.sh`, which sets `RXE_VM`, the devices and `IBEX_TEST_WORKERS`);
+//! elsewhere it says why it skips.
+#![cfg(feature = "verbs")]
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
+
+/// `VmPin` + `VmLck` of `pid`, in KiB.
+fn pinned_kib(pid: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .filter(|l| l.starts_with("VmPin:") || l.starts_with("VmLck:"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum()
+}
+
+fn rss_kib(pid: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .unwrap_or(0)
+}
+
+/// The two tests take turns: each loads the one emulated device on its own.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct Ps(Child);
+
+impl Drop for Ps {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
+    if std::env::var("RXE_VM").is_err() {
+        println!("skipped: no RDMA device (run scripts/verbs-test.sh)");
+        return;
+    }
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let n: usize = std::env::var("IBEX_TEST_WORKERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let host = std::env::var("IBEX_TEST_LISTEN_ADDR")
+        .ok()
+        .and_then(|a| a.rsplit_once(':').map(|(h, _)| h.to_string()))
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let port = std::net::TcpListener::bind(format!("{host}:0"))
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let addr = format!("{host}:{port}");
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ibex-ps"));
+    cmd.args(["--listen", &format!("verbs://{addr}"), "--mode", "async"])
+        .args(["--num-workers", &n.to_string()])
+        .args(["--metrics", &format!("127.0.0.1:{metrics_port}")])
+        .stdout(Stdio::null());
+    if let Ok(d) = std::env::var("IBEX_TEST_SERVER_DEV") {
+        cmd.env("IBEX_RDMA_DEVICE", d);
+    }
+    let ps = Ps(cmd.spawn().expect("start ibex-ps"));
+    let pid = ps.0.id().to_string();
+    let spec = ClusterSpec {
+        ps: vec![addr.clone()],
+        workers: (0..n).map(|i| format!("w{i}:0")).collect(),
+        transport: TransportKind::Verbs,
+    };
+
+    // The PS needs a moment to bind; connecting retries until it is up.
+    let t0 = Instant::now();
+    let first = loop {
+        match Worker::connect(&spec, 0).await {
+            Ok(w) => break w,
+            Err(e) if t0.elapsed() < Duration::from_secs(60) => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("worker 0 could not connect: {e}"),
+        }
+    };
+    let len = 256 << 10; // f32s: 1 MiB, above the one-sided threshold both ways
+    let vars = [VarSpec {
+        name: "w".into(),
+        dtype: Dtype::F32,
+        shape: vec![len],
+        init: Init::Constant(1.0),
+        optimizer: Optimizer::Sgd { lr: 0.0 },
+        sparse: false,
+    }];
+    first
+        .create_variables(&vars)
+        .await
+        .expect("create the variable");
+    let ps_base = (pinned_kib(&pid), rss_kib(&pid));
+
+    let mut workers = vec![first];
+    let mut connect_ms = Vec::new();
+    let start = Instant::now();
+    for i in 1..n {
+        let t = Instant::now();
+        let w = Worker::connect(&spec, i)
+            .await
+            .unwrap_or_else(|e| panic!("worker {i} of {n}: {e}"));
+        connect_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        workers.push(w);
+    }
+    let connect_total = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let ps_idle = (pinned_kib(&pid), rss_kib(&pid));
+    let me_idle = pinned_kib("self");
+
+    let grad = vec![0.5f32; len];
+    let mut jobs = Vec::new();
+    for (i, w) in workers.into_iter().enumerate() {
+        let (g, vars) = (grad.clone(), vars.clone());
+        jobs.push(tokio::spawn(async move {
+            // Each worker learns the placement (the variable exists already: a no-op there).
+            w.create_variables(&vars)
+                .await
+                .unwrap_or_else(|e| panic!("create_variables {i}: {e}"));
+            w.push(0, &[("w", &g)])
+                .await
+                .unwrap_or_else(|e| panic!("push {i}: {e}"));
+            let v = w
+                .pull(&["w"], 0)
+                .await
+                .unwrap_or_else(|e| panic!("pull {i}: {e}"));
+            assert_eq!(v[0].len(), len);
+            assert!(
+                v[0].iter().all(|&x| x == 1.0),
+                "worker {i} pulled wrong values"
+            );
+            w
+        }));
+    }
+    let mut workers = Vec::new();
+    for j in jobs {
+        workers.push(j.await.expect("worker task"));
+    }
+    let ps_busy = (pinned_kib(&pid), rss_kib(&pid));
+    let me_busy = pinned_kib("self");
+
+    // A few more steps on a few workers: the registration cache's hit rate after warm-up,
+    // as the PS reports it (/metrics) and as this process (the workers) counts it.
+    let steps = 5;
+    for step in 1..=steps {
+        for (i, w) in workers.iter().take(4).enumerate() {
+            w.push(step, &[("w", &grad)])
+                .await
+                .unwrap_or_else(|e| panic!("step {step} push {i}: {e}"));
+            w.pull(&["w"], step)
+                .await
+                .unwrap_or_else(|e| panic!("step {step} pull {i}: {e}"));
+        }
+    }
+    let metrics = scrape(metrics_port).await;
+    let ratio = metrics
+        .lines()
+        .find(|l| l.starts_with("ibex_transport_reg_cache_hit_ratio"))
+        .unwrap_or("ibex_transport_reg_cache_hit_ratio: none");
+    println!("verbs_many_workers: ibex-ps after {steps} more steps on 4 workers: {ratio}");
+    for l in metrics
+        .lines()
+        .filter(|l| l.starts_with("ibex_transport_reg_cache"))
+    {
+        println!("verbs_many_workers: ibex-ps {l}");
+    }
+    for r in ibex_transport::verbs::registration_stats() {
+        println!(
+            "verbs_many_workers: workers' process: hit rate {:?}, {r:?}",
+            r.hit_rate()
+        );
+    }
+    drop(workers);
+
+    connect_ms.sort_by(f64::total_cmp);
+    let median = connect_ms.get(connect_ms.len() / 2).copied().unwrap_or(0.0);
+    let max = connect_ms.last().copied().unwrap_or(0.0);
+    println!(
+        "verbs_many_workers: {n} workers: connect total {:.2} s (median {median:.1} ms, max {max:.1} ms)",
+        connect_total.as_secs_f64()
+    );
+    println!(
+        "verbs_many_workers: ibex-ps pinned/RSS KiB: 1 worker {}/{}, {n} idle {}/{}, after push+pull {}/{}",
+        ps_base.0, ps_base.1, ps_idle.0, ps_idle.1, ps_busy.0, ps_busy.1
+    );
+    println!(
+        "verbs_many_workers: workers' process pinned KiB: idle {me_idle}, after push+pull {me_busy}"
+    );
+    let per_conn = ps_idle.0.saturating_sub(ps_base.0) / (n.max(2) - 1) as u64;
+    assert!(
+        per_conn <= 1024,
+        "the PS pins {per_conn} KiB per idle worker connection; the bar is 1 MiB"
+    );
+    assert!(
+        ps_busy.0 + me_busy < 512 << 10,
+        "PS {} KiB + workers {me_busy} KiB pinned; the bar is 512 MiB",
+        ps_busy.0
+    );
+}
+
+/// The PS's /metrics page (plain HTTP/1.0).
+async fn scrape(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return String::new();
+    };
+    let _ = s
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await;
+    let mut out = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut out)).await;
+    out
+}
+
+/// A sync-mode step as `ps-step` runs it: every worker pushes, then all pull the same
+/// version of the values. The PS exposes that one buffer to each of them, so after the first
+/// worker's pull the others hit the registration cache; the hit ratio comes from /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_steps_hit_the_registration_cache() {
+    if std::env::var("RXE_VM").is_err() {
+        println!("skipped: no RDMA device (run scripts/verbs-test.sh)");
+        return;
+    }
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let n = 4usize;
+    let steps = 5u64;
+    let host = std::env::var("IBEX_TEST_LISTEN_ADDR")
+        .ok()
+        .and_then(|a| a.rsplit_once(':').map(|(h, _)| h.to_string()))
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let free = |h: &str| {
+        std::net::TcpListener::bind(format!("{h}:0"))
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port()
+    };
+    let addr = format!("{host}:{}", free(&host));
+    let metrics_port = free("127.0.0.1");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ibex-ps"));
+    cmd.args(["--listen", &format!("verbs://{addr}"), "--mode", "sync"])
+        .args(["--num-workers", &n.to_string()])
+        .args(["--metrics", &format!("127.0.0.1:{metrics_port}")])
+        .stdout(Stdio::null());
+    if let Ok(d) = std::env::var("IBEX_TEST_SERVER_DEV") {
+        cmd.env("IBEX_RDMA_DEVICE", d);
+    }
+    let _ps = Ps(cmd.spawn().expect("start ibex-ps"));
+    let spec = ClusterSpec {
+        ps: vec![addr],
+        workers: (0..n).map(|i| format!("w{i}:0")).collect(),
+        transport: TransportKind::Verbs,
+    };
+    let len = 256 << 10;
+    let vars = [VarSpec {
+        name: "w".into(),
+        dtype: Dtype::F32,
+        shape: vec![len],
+        init: Init::Constant(1.0),
+        optimizer: Optimizer::Sgd { lr: 0.1 },
+        sparse: false,
+    }];
+    let t0 = Instant::now();
+    let mut workers = Vec::new();
+    for i in 0..n {
+        let w = loop {
+            match Worker::connect(&spec, i).await {
+                Ok(w) => break w,
+                Err(_) if t0.elapsed() < Duration::from_secs(60) => {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                Err(e) => panic!("worker {i}: {e}"),
+            }
+        };
+        w.create_variables(&vars).await.expect("create_variables");
+        workers.push(w);
+    }
+    let start = Instant::now();
+    let mut jobs = Vec::new();
+    for (i, w) in workers.into_iter().enumerate() {
+        let vars = vars.clone();
+        jobs.push(tokio::spawn(async move {
+            let _ = vars;
+            let g = vec![1.0f32; len];
+            let mut last = Vec::new();
+            for step in 0..steps {
+                let v = w
+                    .push_pull(step, &[("w", &g)])
+                    .await
+                    .unwrap_or_else(|e| panic!("worker {i} step {step}: {e}"));
+                last = v;
+            }
+            last
+        }));
+    }
+    let mut results = Vec::new();
+    for j in jobs {
+        results.push(j.await.expect("worker task"));
+    }
+    let elapsed = start.elapsed();
+    // Every step subtracts lr * 1.0 from every value.
+    let want = 1.0 - 0.1 * steps as f32;
+    for (i, r) in results.iter().enumerate() {
+        assert!(
+            r[0].iter().all(|x| (x - want).abs() < 1e-4),
+            "worker {i} ended with {:?}, want {want}",
+            &r[0][..4]
+        );
+    }
+    let metrics = scrape(metrics_port).await;
+    for l in metrics
+        .lines()
+        .filter(|l| l.starts_with("ibex_transport_reg_cache"))
+    {
+        println!("verbs_many_workers sync: ibex-ps {l}");
+    }
+    println!(
+        "verbs_many_workers sync: {n} workers x {steps} steps of 1 MiB push_pull: {:.2} steps/s",
+        steps as f64 / elapsed.as_secs_f64()
+    );
+    for r in ibex_transport::verbs::registration_stats() {
+        println!(
+            "verbs_many_workers sync: workers' process: hit rate {:?}, {r:?}",
+            r.hit_rate()
+        );
+    }
+}
