@@ -34,6 +34,7 @@ from .local import LocalCluster, launch_local
 
 __all__ = [
     "Worker",
+    "StepPush",
     "Variable",
     "SGD",
     "Momentum",
