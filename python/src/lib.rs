@@ -1023,7 +1023,7 @@ fn run_ps(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
     Ok(code)
 }
 
-/// The Rust side of the push benchmark (`python/bench/push.py`): `iters` pushes of
+/// The Rust side of the push benchmark (`python/bench/push_16m.py`): `iters` pushes of
 /// `name` from a Rust-owned vector through the same worker, timed in Rust; returns each
 /// push's seconds. With no Python between pushes, this is what the same loop costs in a
 /// Rust program.
@@ -1097,6 +1097,13 @@ fn rust_push_pull(
         .collect())
 }
 
+/// True when the extension was built without optimisations (`maturin build` without
+/// `--release`): the benchmark warns that its timings then mean little.
+#[pyfunction]
+fn debug_build() -> bool {
+    cfg!(debug_assertions)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -1107,6 +1114,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_ps, m)?)?;
     m.add_function(wrap_pyfunction!(bench_rust_push, m)?)?;
     m.add_function(wrap_pyfunction!(rust_push_pull, m)?)?;
+    m.add_function(wrap_pyfunction!(debug_build, m)?)?;
     m.add("IbexError", py.get_type::<IbexError>())?;
     m.add(
         "UnknownVariableError",
