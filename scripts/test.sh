@@ -2,8 +2,8 @@
 # Every test of the project, on a fresh machine: unit, integration, property and
 # fuzz-corpus tests, the shm ring's loom model checks, a build of the benchmarks, the
 # Python package's pytest suite (wheel built into a venv; maturin, numpy and pytest from
-# PyPI), and the verbs suites on Soft-RoCE inside a qemu VM (installs qemu, rdma-core and a kernel via apt
-# on first use; needs root).
+# PyPI), and the verbs suites on Soft-RoCE inside a qemu VM (installs qemu, rdma-core and
+# a kernel via apt on first use; needs root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh

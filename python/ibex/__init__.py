@@ -234,11 +234,12 @@ class Worker:
         same variables in the same order (or writes them into `out`)."""
         return self._w.push_pull(int(step), _pairs(grads), None if out is None else list(out))
 
-    def stage(self, names: Sequence[str]) -> "_native.Staged":
+    def stage(self, names: Sequence[str], timeout: float = 30.0) -> "_native.Staged":
         """A write lease on the registered gradient buffers of `names`: `staged.array(name)`
         is a writable NumPy view of one (no copy on the worker when pushed). Waits while an
-        earlier push of one of them is in flight."""
-        return self._w.stage(list(names))
+        earlier push of one of them is in flight or another lease holds one, at most
+        `timeout` seconds (then BufferBusyError)."""
+        return self._w.stage(list(names), float(timeout))
 
     def try_stage(self, names: Sequence[str]) -> "_native.Staged":
         """As `stage`, raising BufferBusyError instead of waiting."""

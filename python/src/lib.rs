@@ -21,7 +21,7 @@ use numpy::{
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PyWeakrefMethods, PyWeakrefReference};
 
 create_exception!(
     _native,
@@ -498,33 +498,37 @@ impl Worker {
         self.deliver(py, &names, vals, out)
     }
 
-    /// A write lease on the registered gradient buffers of `names` (waits while a push of
-    /// one of them is in flight).
-    fn stage(slf: &Bound<'_, Self>, names: Vec<String>) -> PyResult<Staged> {
+    /// A write lease on the registered gradient buffers of `names`. Waits while a push of
+    /// one of them is in flight or another lease holds one, for at most `timeout` seconds:
+    /// a lease still alive in this thread would otherwise block it for ever.
+    #[pyo3(signature = (names, timeout=30.0))]
+    fn stage(slf: &Bound<'_, Self>, names: Vec<String>, timeout: f64) -> PyResult<Staged> {
         let py = slf.py();
+        let limit = std::time::Duration::try_from_secs_f64(timeout).map_err(|_| {
+            PyValueError::new_err(format!(
+                "timeout must be a non-negative number of seconds, got {timeout}"
+            ))
+        })?;
         let w = slf.get().inner.clone();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let staged = block(py, w.stage(&refs))?.map_err(err)?;
-        Ok(Staged {
-            worker: slf.clone().unbind(),
-            state: Mutex::new(StagedState {
-                lease: Some(staged),
-                views: Vec::new(),
-            }),
-        })
+        let staged = // The timer is made inside the future: tokio's timers need the runtime's context.
+        block(py, async { tokio::time::timeout(limit, w.stage(&refs)).await })?
+            .map_err(|_| {
+                BufferBusyError::new_err(format!(
+                    "the staging buffers of {names:?} were still held after {timeout}s: by a push \
+                     that has not returned, or by a lease that was neither pushed nor released \
+                     (call release() on it)"
+                ))
+            })?
+            .map_err(err)?;
+        Ok(Staged::new(slf, staged))
     }
 
     /// As `stage`, but a BufferBusyError instead of waiting.
     fn try_stage(slf: &Bound<'_, Self>, names: Vec<String>) -> PyResult<Staged> {
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let staged = slf.get().inner.try_stage(&refs).map_err(err)?;
-        Ok(Staged {
-            worker: slf.clone().unbind(),
-            state: Mutex::new(StagedState {
-                lease: Some(staged),
-                views: Vec::new(),
-            }),
-        })
+        Ok(Staged::new(slf, staged))
     }
 
     /// Pushes the staged buffers for `step`; the lease's views become read-only.
@@ -730,8 +734,10 @@ fn pairs<'a>(
 struct StagedState {
     /// The lease until it is pushed (or dropped with this object).
     lease: Option<ibex_worker::Staged>,
-    /// Every view handed out, made read-only when the lease is pushed.
-    views: Vec<Py<PyAny>>,
+    /// Every view handed out, made read-only when the lease is pushed. Weak: each view
+    /// holds this lease as its base, and strong references back would make a cycle the
+    /// garbage collector cannot see, keeping an abandoned lease (and its buffers) for ever.
+    views: Vec<Py<PyWeakrefReference>>,
 }
 
 /// A write lease on registered gradient buffers, with NumPy views of them (`Worker.stage`).
@@ -843,6 +849,16 @@ impl Staged {
 }
 
 impl Staged {
+    fn new(worker: &Bound<'_, Worker>, lease: ibex_worker::Staged) -> Staged {
+        Staged {
+            worker: worker.clone().unbind(),
+            state: Mutex::new(StagedState {
+                lease: Some(lease),
+                views: Vec::new(),
+            }),
+        }
+    }
+
     fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, StagedState>> {
         self.state
             .lock()
@@ -872,7 +888,8 @@ impl Staged {
             PyArray::borrow_from_array(&v, slf.clone().into_any())
         };
         let any = arr.into_any();
-        self.lock()?.views.push(any.clone().unbind());
+        let weak = PyWeakrefReference::new(&any)?;
+        self.lock()?.views.push(weak.unbind());
         Ok(any)
     }
 
@@ -887,7 +904,9 @@ impl Staged {
         let kw = PyDict::new(py);
         kw.set_item("write", false)?;
         for v in views {
-            v.bind(py).call_method("setflags", (), Some(&kw))?;
+            if let Some(view) = v.bind(py).upgrade() {
+                view.call_method("setflags", (), Some(&kw))?;
+            }
         }
         Ok(lease)
     }

@@ -146,7 +146,15 @@ def test_staged_parts_of_a_split_variable(launch):
     busy = w.stage(["big"])
     with pytest.raises(ibex.BufferBusyError):
         w.try_stage(["big"])
+    # A second lease in the same thread would wait for ever: it gives up with a message.
+    with pytest.raises(ibex.BufferBusyError, match="release"):
+        w.stage(["big"], timeout=0.2)
     busy.release()
+    # A lease dropped with its views, neither pushed nor released, frees its buffers.
+    abandoned = w.stage(["big"])
+    views = [v for _, v in abandoned.parts("big")]
+    del abandoned, views
+    w.stage(["big"], timeout=1.0).release()
 
 
 def test_per_layer_pushes_match_push_pull(launch):
