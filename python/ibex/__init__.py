@@ -251,6 +251,20 @@ class Worker:
     def push_pull_staged(self, step: int, staged, out: Optional[Sequence[np.ndarray]] = None):
         return self._w.push_pull_staged(int(step), staged, None if out is None else list(out))
 
+    # asyncio: the blocking calls release the GIL, so running them on the loop's default
+    # executor lets other coroutines (and the other calls) proceed meanwhile.
+    async def apush(self, step: int, grads: Grads) -> None:
+        """`push` for asyncio code."""
+        await _in_thread(self.push, step, grads)
+
+    async def apull(self, names: Sequence[str], step: int, out: Optional[Sequence[np.ndarray]] = None):
+        """`pull` for asyncio code."""
+        return await _in_thread(self.pull, names, step, out)
+
+    async def apush_pull(self, step: int, grads: Grads, out: Optional[Sequence[np.ndarray]] = None):
+        """`push_pull` for asyncio code."""
+        return await _in_thread(self.push_pull, step, grads, out)
+
     def begin_step(self, step: int) -> "StepPush":
         """Per-layer pushes for `step`: `s.push({name: grad})` sends in the background and
         returns at once; `s.finish_pull(names)` joins them and pulls step + 1."""
@@ -316,6 +330,13 @@ class StepPush:
 
     def finish_pull(self, names: Sequence[str], out: Optional[Sequence[np.ndarray]] = None):
         return self._s.finish_pull(list(names), None if out is None else list(out))
+
+
+async def _in_thread(fn, *args):
+    import asyncio
+    import functools
+
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
 
 def _ids(ids) -> List[int]:

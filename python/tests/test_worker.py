@@ -167,7 +167,14 @@ def test_per_layer_pushes_match_push_pull(launch):
         gs, gb = awkward(rng, SMALL), awkward(rng, BIG)
         s = py.begin_step(step)
         assert s.step == step
+        pushed = sum(x["bytes_pushed"] for x in py.stats())
         s.push({"big": gb})  # returns at once; the caller may reuse gb
+        # The layer travels in the background: the PS receives it while this thread goes
+        # on (the backward pass of the next layer would run here), before any finish.
+        deadline = time.monotonic() + 10
+        while sum(x["bytes_pushed"] for x in py.stats()) < pushed + gb.nbytes:
+            assert time.monotonic() < deadline, "the pushed layer never reached the PS"
+            time.sleep(0.001)
         s.push({"small": gs})
         got = s.finish_pull(["small", "big"])
         want = ref.push_pull(step, {"small": gs, "big": gb})
@@ -314,6 +321,25 @@ def test_python_m_ibex_ps_reports_bad_flags():
     r = subprocess.run([sys.executable, "-m", "ibex.ps", "--help"],
                        capture_output=True, text=True, timeout=60)
     assert "--num-workers" in r.stdout + r.stderr
+
+
+def test_asyncio_variants_run_concurrently(launch):
+    import asyncio
+
+    c = launch(1)
+    w = ibex.Worker.connect(cluster=c, index=0)
+    w.create_variables([ibex.Variable("v", (4,), "zeros", ibex.SGD(1.0))])
+
+    async def job():
+        # The pull of step 1 waits at the PS until the push of step 0 lands; both are
+        # awaited together, so the loop must not block on the first.
+        pulled, _ = await asyncio.gather(w.apull(["v"], 1), w.apush(0, {"v": np.ones(4, np.float32)}))
+        fresh = await w.apush_pull(1, {"v": np.ones(4, np.float32)})
+        return pulled[0], fresh[0]
+
+    pulled, fresh = asyncio.run(job())
+    np.testing.assert_array_equal(pulled, -np.ones(4, np.float32))
+    np.testing.assert_array_equal(fresh, -2 * np.ones(4, np.float32))
 
 
 def test_the_gil_is_released_while_waiting(launch):
