@@ -2,6 +2,7 @@
 sparse tables, checkpoints, cluster specs, the GIL."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -321,6 +322,11 @@ def test_python_m_ibex_ps_reports_bad_flags():
     r = subprocess.run([sys.executable, "-m", "ibex.ps", "--help"],
                        capture_output=True, text=True, timeout=60)
     assert "--num-workers" in r.stdout + r.stderr
+    # The wheel installs the same shard as the `ibex-ps` command beside the interpreter.
+    script = os.path.join(os.path.dirname(sys.executable), "ibex-ps")
+    r = subprocess.run([script, "--listen", "shm:///tmp/x.sock", "--mode", "lockstep"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "lockstep" in r.stderr
 
 
 def test_asyncio_variants_run_concurrently(launch):
