@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every test of the project, on a fresh machine: unit, integration, property and
-# fuzz-corpus tests, the shm ring's loom model checks, a bounded cargo-fuzz run of every
-# decoder a peer can reach, a build of the benchmarks, and the
-# verbs suites on Soft-RoCE inside a qemu VM (installs qemu, rdma-core and a kernel via apt
-# on first use; needs root).
+# fuzz-corpus tests, the shm ring's loom model checks, a build of the benchmarks, the
+# Python package's pytest suite (wheel built into a venv; maturin, numpy and pytest from
+# PyPI), a bounded cargo-fuzz run of every decoder a peer can reach, and the verbs suites
+# on Soft-RoCE inside a qemu VM (installs qemu, rdma-core and a kernel via apt on first
+# use; needs root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/common.sh
@@ -31,6 +32,26 @@ cargo build --workspace --locked --benches --examples
 step "ibex-bench smoke: every benchmark over every transport once, tiny sizes, no timing"
 # The debug ibex-bench and ibex-ps binaries are the ones the workspace tests built.
 "${CARGO_TARGET_DIR:-target}/debug/ibex-bench" compare --smoke --out "${CARGO_TARGET_DIR:-target}/ibex-bench-smoke"
+
+step "python: the ibex wheel (maturin, dev profile) into a venv, then pytest python/tests"
+# A debug build: on a fresh 2-core machine it compiles in about half the time of a release
+# one, and the tests are bound by process start-up, not by the extension's speed.
+target="${CARGO_TARGET_DIR:-target}"
+command -v python3 >/dev/null 2>&1 || die "python3 not found: install CPython >= 3.9 (with its venv module) and re-run."
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 9))' \
+    || die "python3 is $(python3 --version 2>&1 | awk '{print $2}'): the ibex package needs CPython >= 3.9."
+if [ ! -x "$target/pyvenv/bin/python" ]; then
+    python3 -m venv "$target/pyvenv" 2>/dev/null || { apt_need python3-venv && python3 -m venv "$target/pyvenv"; } \
+        || die "python3 -m venv failed: install the venv module (Debian: apt-get install python3-venv) and re-run."
+fi
+"$target/pyvenv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "numpy>=1.22" "pytest>=7" \
+    || die "pip could not install maturin, numpy and pytest from PyPI into $target/pyvenv."
+rm -rf "$target/wheels-test"
+"$target/pyvenv/bin/maturin" build --locked -m python/Cargo.toml -o "$target/wheels-test"
+"$target/pyvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$target"/wheels-test/ibex-*.whl
+# From the repository root, so that python/ibex (sources without the built module) does
+# not shadow the installed package.
+"$target/pyvenv/bin/python" -m pytest -q python/tests
 
 step "shm ring: loom model checks"
 RUSTFLAGS="--cfg ibex_loom" CARGO_TARGET_DIR=target/loom \

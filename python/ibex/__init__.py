@@ -1,0 +1,352 @@
+"""Ibex from Python: parameter-server training over Ibex shm/tcp/verbs.
+
+    import ibex
+    cluster = ibex.launch_local(num_ps=2)            # or a cluster TOML, TF_CONFIG, Slurm
+    w = ibex.Worker.connect(cluster=cluster, index=0)
+    w.create_variables([ibex.Variable("w", (64, 10), optimizer=ibex.SGD(0.1))])
+    fresh = w.push_pull(step, {"w": grad})           # grad: float32 NumPy array, read in place
+
+See docs/python.md for the whole API.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from ._native import (
+    BufferBusyError,
+    IbexError,
+    PsTimeoutError,
+    RejectedError,
+    ShapeMismatchError,
+    SpecError,
+    StaleStepError,
+    UnavailableError,
+    UnknownVariableError,
+)
+from ._native import Spec as ClusterSpec
+from .local import LocalCluster, launch_local
+
+__all__ = [
+    "Worker",
+    "StepPush",
+    "Variable",
+    "SGD",
+    "Momentum",
+    "Adagrad",
+    "Adam",
+    "ClusterSpec",
+    "LocalCluster",
+    "launch_local",
+    "IbexError",
+    "UnknownVariableError",
+    "ShapeMismatchError",
+    "StaleStepError",
+    "PsTimeoutError",
+    "UnavailableError",
+    "RejectedError",
+    "BufferBusyError",
+    "SpecError",
+]
+
+
+# Optimizers, applied on the PS (docs/ps.md, "Optimizers").
+@dataclass(frozen=True)
+class SGD:
+    lr: float
+
+    def _native(self):
+        return ("sgd", self.lr, 0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Momentum:
+    lr: float
+    momentum: float = 0.9
+
+    def _native(self):
+        return ("momentum", self.lr, self.momentum, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    lr: float
+    eps: float = 1e-7
+
+    def _native(self):
+        return ("adagrad", self.lr, self.eps, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Adam:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def _native(self):
+        return ("adam", self.lr, self.beta1, self.beta2, self.eps)
+
+
+Init = Union[str, Tuple[str, float]]
+
+
+@dataclass
+class Variable:
+    """One model variable. `init` is "zeros", "glorot_uniform", ("constant", value) or
+    ("normal", std); random initializers use `seed`. `dtype` is the PS's storage dtype
+    (float32, float16, bfloat16); values and gradients always cross as float32. A sparse
+    table is `(rows, dim)` and is used with `lookup_rows` / `push_sparse`."""
+
+    name: str
+    shape: Sequence[int]
+    init: Init = "zeros"
+    optimizer: object = field(default_factory=lambda: SGD(0.01))
+    seed: int = 0
+    dtype: str = "float32"
+    sparse: bool = False
+
+    def _native(self):
+        if isinstance(self.init, str):
+            kind, value = self.init, 0.0
+        else:
+            kind, value = self.init
+        return (
+            self.name,
+            [int(d) for d in self.shape],
+            str(self.dtype),
+            (kind, float(value), int(self.seed)),
+            self.optimizer._native(),
+            bool(self.sparse),
+        )
+
+
+Grads = Union[Dict[str, np.ndarray], Iterable[Tuple[str, np.ndarray]]]
+
+
+def _pairs(grads: Grads) -> List[Tuple[str, np.ndarray]]:
+    if isinstance(grads, dict):
+        return list(grads.items())
+    return list(grads)
+
+
+def _spec(cluster) -> "ClusterSpec":
+    """A ClusterSpec from what `Worker.connect` accepts."""
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    if isinstance(cluster, LocalCluster):
+        return cluster.spec
+    if cluster is None:
+        if os.environ.get("TF_CONFIG"):
+            return ClusterSpec.from_tf_config(os.environ["TF_CONFIG"])
+        if os.environ.get("SLURM_PROCID") is not None:
+            return ClusterSpec.from_slurm()
+        raise SpecError(
+            "no cluster given and neither TF_CONFIG nor a Slurm step (SLURM_PROCID) in the "
+            "environment: pass cluster= a TOML file, TOML text, 'tf_config' or 'slurm'"
+        )
+    if cluster == "tf_config":
+        if not os.environ.get("TF_CONFIG"):
+            raise SpecError("cluster='tf_config' but TF_CONFIG is not set")
+        return ClusterSpec.from_tf_config(os.environ["TF_CONFIG"])
+    if cluster == "slurm":
+        return ClusterSpec.from_slurm()
+    if isinstance(cluster, (str, os.PathLike)):
+        text = os.fspath(cluster)
+        if "[cluster]" in text:
+            return ClusterSpec.from_toml(text)
+        return ClusterSpec.from_file(text)
+    raise TypeError(
+        f"cluster must be a path, TOML text, 'tf_config', 'slurm', a ClusterSpec or a "
+        f"LocalCluster, not {type(cluster).__name__}"
+    )
+
+
+class Worker:
+    """A training process's handle on the parameter servers (the Rust `ibex_worker::Worker`).
+
+    Arrays are float32 NumPy arrays in C order, of the variable's shape (or flat). Every
+    call that waits on the network releases the GIL. Errors are `IbexError` subclasses
+    carrying the Rust message."""
+
+    def __init__(self, native: "_native.Worker", spec: ClusterSpec, index: int):
+        self._w = native
+        self.spec = spec
+        self.index = index
+
+    @classmethod
+    def connect(cls, cluster=None, index: Optional[int] = None) -> "Worker":
+        """Connects to every PS of `cluster`: a cluster TOML file or text, 'tf_config' or
+        'slurm' (or None: whichever of those the environment has), a ClusterSpec or a
+        LocalCluster. `index` is this worker's index (default: the one TF_CONFIG or Slurm
+        gives)."""
+        spec = _spec(cluster)
+        if spec.job is not None and spec.job != "worker" and index is None:
+            raise SpecError(
+                f"this task is a {spec.job} task, not a worker: run the PS with "
+                "`python -m ibex.ps` instead"
+            )
+        if index is None:
+            index = spec.index
+        if index is None:
+            raise SpecError("pass index=: the cluster spec does not say which worker this is")
+        return cls(_native.Worker.connect(spec, int(index)), spec, int(index))
+
+    @property
+    def num_ps(self) -> int:
+        return self._w.num_ps
+
+    def create_variables(self, variables: Sequence[Variable]) -> None:
+        """Places the variables across the PS (greedy by bytes; > 1 MiB split along dim 0)
+        and creates them. Every worker passes the same list in the same order."""
+        self._w.create_variables([v._native() for v in variables])
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        s = self._w.shape(name)
+        if s is None:
+            raise UnknownVariableError(f"unknown variable {name!r}: create it with create_variables first")
+        return tuple(s)
+
+    def placement(self, name: str):
+        """`[(ps, part_name, row_offset, rows)]` of a created variable."""
+        p = self._w.placement(name)
+        if p is None:
+            raise UnknownVariableError(f"unknown variable {name!r}: create it with create_variables first")
+        return p
+
+    def push(self, step: int, grads: Grads) -> None:
+        """Contributes `grads` ({name: array}) to `step`. Each array is read in place and
+        copied once, into the variable's registered buffer, as in Rust's `Worker::push`."""
+        self._w.push(int(step), _pairs(grads))
+
+    def pull(self, names: Sequence[str], step: int, out: Optional[Sequence[np.ndarray]] = None):
+        """Values of `names` after `step` steps: new arrays that own the pulled memory, or
+        written into `out` (one float32 array per name; returns None)."""
+        return self._w.pull(list(names), int(step), None if out is None else list(out))
+
+    def push_pull(self, step: int, grads: Grads, out: Optional[Sequence[np.ndarray]] = None):
+        """Pushes `grads` for `step`, waits for the step, and returns the fresh values of the
+        same variables in the same order (or writes them into `out`)."""
+        return self._w.push_pull(int(step), _pairs(grads), None if out is None else list(out))
+
+    def stage(self, names: Sequence[str], timeout: float = 30.0) -> "_native.Staged":
+        """A write lease on the registered gradient buffers of `names`: `staged.array(name)`
+        is a writable NumPy view of one (no copy on the worker when pushed). Waits while an
+        earlier push of one of them is in flight or another lease holds one, at most
+        `timeout` seconds (then BufferBusyError)."""
+        return self._w.stage(list(names), float(timeout))
+
+    def try_stage(self, names: Sequence[str]) -> "_native.Staged":
+        """As `stage`, raising BufferBusyError instead of waiting."""
+        return self._w.try_stage(list(names))
+
+    def push_staged(self, step: int, staged) -> None:
+        self._w.push_staged(int(step), staged)
+
+    def push_pull_staged(self, step: int, staged, out: Optional[Sequence[np.ndarray]] = None):
+        return self._w.push_pull_staged(int(step), staged, None if out is None else list(out))
+
+    # asyncio: the blocking calls release the GIL, so running them on the loop's default
+    # executor lets other coroutines (and the other calls) proceed meanwhile.
+    async def apush(self, step: int, grads: Grads) -> None:
+        """`push` for asyncio code."""
+        await _in_thread(self.push, step, grads)
+
+    async def apull(self, names: Sequence[str], step: int, out: Optional[Sequence[np.ndarray]] = None):
+        """`pull` for asyncio code."""
+        return await _in_thread(self.pull, names, step, out)
+
+    async def apush_pull(self, step: int, grads: Grads, out: Optional[Sequence[np.ndarray]] = None):
+        """`push_pull` for asyncio code."""
+        return await _in_thread(self.push_pull, step, grads, out)
+
+    def begin_step(self, step: int) -> "StepPush":
+        """Per-layer pushes for `step`: `s.push({name: grad})` sends in the background and
+        returns at once; `s.finish_pull(names)` joins them and pulls step + 1."""
+        return StepPush(self._w.begin_step(int(step)))
+
+    def lookup_rows(self, table: str, ids) -> np.ndarray:
+        """Rows `ids` of sparse table `table`, as a `(len(ids), dim)` array."""
+        return self._w.lookup_rows(table, _ids(ids))
+
+    def push_sparse(self, step: int, table: str, ids, grads: np.ndarray) -> None:
+        """Row gradients `(len(ids), dim)` of `table` for `step` (sync mode: every worker
+        pushes every table each step, `ids` may be empty)."""
+        self._w.push_sparse(int(step), table, _ids(ids), grads)
+
+    def save(self) -> List[int]:
+        """Every PS writes a checkpoint now; returns their steps."""
+        return self._w.save()
+
+    def restore(self) -> int:
+        """Restores every PS to the newest checkpoint step they all hold, and returns it."""
+        return self._w.restore()
+
+    def current_step(self) -> int:
+        return self._w.current_step()
+
+    def stats(self) -> List[dict]:
+        """Every PS's Stats (step, mode, variables, bytes, RPC counts), in PS order."""
+        return self._w.stats()
+
+    def comm_profile(self) -> str:
+        """Message sizes by path, RPC counts and transport counters, as `ibex demo` prints."""
+        return self._w.comm_profile()
+
+    def connection_stats(self) -> Dict[int, dict]:
+        """Each Ibex connection's transport counters, by PS index."""
+        return dict(self._w.connection_stats())
+
+    def staging_info(self, name: str):
+        """Each part's staging buffer: `[(ps, bytes, fallback)]`; fallback None means it
+        lies in the connection's registered pool."""
+        return self._w.staging_info(name)
+
+    def __repr__(self) -> str:
+        return f"ibex.Worker(index={self.index}, num_ps={self.num_ps}, transport={self.spec.transport!r})"
+
+
+class StepPush:
+    """One step's per-layer pushes (`Worker.begin_step`)."""
+
+    def __init__(self, native):
+        self._s = native
+
+    @property
+    def step(self) -> int:
+        return self._s.step
+
+    def push(self, grads: Grads) -> None:
+        """Sends `grads` in the background (copied once, so the arrays may be reused)."""
+        self._s.push(_pairs(grads))
+
+    def finish(self) -> None:
+        self._s.finish()
+
+    def finish_pull(self, names: Sequence[str], out: Optional[Sequence[np.ndarray]] = None):
+        return self._s.finish_pull(list(names), None if out is None else list(out))
+
+
+async def _in_thread(fn, *args):
+    import asyncio
+    import functools
+
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+
+def _ids(ids) -> List[int]:
+    a = np.asarray(ids)
+    if a.size == 0:
+        return []
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"ids must be integers, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"ids must be one-dimensional, got shape {a.shape}")
+    if a.dtype.kind == "i" and (a < 0).any():
+        raise ValueError("ids must be non-negative row indices")
+    return a.astype(np.uint64).tolist()
