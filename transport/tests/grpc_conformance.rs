@@ -765,6 +765,51 @@ mod cases {
         srv.shutdown().await.unwrap();
     }
 
+    /// A server restarts at the same address: the same client channel fails its calls
+    /// while the server is gone (`Unavailable`, or what `GONE_CODES` allows first) and
+    /// reaches the new server on a later call, as tonic's channel does.
+    pub async fn reconnect<T: Transport>() {
+        let (svc, _ev) = BenchImpl::new();
+        let srv = T::serve(Routes::new(svc.server(None, None))).await;
+        let addr = srv.addr.clone();
+        let mut c = BenchClient::new(T::connect(&addr).await.unwrap());
+        assert!(c.echo(Payload::default()).await.is_ok());
+        srv.shutdown().await.unwrap();
+        let e = c.echo(Payload::default()).await.unwrap_err();
+        assert!(T::GONE_CODES.contains(&e.code()), "{e:?}");
+        let (svc, _ev) = BenchImpl::new();
+        let srv = T::serve_at(&addr, Routes::new(svc.server(None, None))).await;
+        let want = vec![pattern(10, 1)];
+        let mut attempts = 0;
+        loop {
+            match c
+                .echo(Payload {
+                    buffers: want.clone(),
+                })
+                .await
+            {
+                Ok(r) => {
+                    assert_eq!(r.into_inner().buffers, want);
+                    break;
+                }
+                Err(e) => {
+                    assert!(
+                        T::GONE_CODES.contains(&e.code()) || e.code() == Code::Unavailable,
+                        "{e:?}"
+                    );
+                    attempts += 1;
+                    assert!(
+                        attempts < 250,
+                        "no call reached the restarted server: {e:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+        drop(c);
+        srv.shutdown().await.unwrap();
+    }
+
     pub async fn server_gone<T: Transport>() {
         let dead = T::dead_addr().await;
         let Err(e) = T::connect(&dead).await else {
@@ -802,7 +847,7 @@ macro_rules! conformance {
                 unary, server_streaming, client_streaming, bidi_streaming, error_details,
                 trailers_only, metadata, deadline, client_cancel, message_sizes, size_limits,
                 concurrent_calls, slow_reader, handler_panic, graceful_shutdown, server_gone,
-                interceptors, connect_info);
+                interceptors, connect_info, reconnect);
         )*
     };
 }
@@ -854,7 +899,8 @@ mod ibex_verbs {
         graceful_shutdown,
         server_gone,
         interceptors,
-        connect_info
+        connect_info,
+        reconnect
     );
 }
 

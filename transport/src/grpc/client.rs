@@ -811,6 +811,47 @@ impl Endpoint {
         self
     }
 
+    /// tonic's name for [`Endpoint::max_header_list_size`].
+    pub fn http2_max_header_list_size(self, size: u32) -> Self {
+        self.max_header_list_size(size as usize)
+    }
+
+    /// HTTP/2-only settings with no counterpart on an Ibex connection, accepted so that a
+    /// tonic `Endpoint` chain compiles unchanged; each says what stands in its place.
+    /// Flow control here is the fixed per-call window and the connection window
+    /// ([`Endpoint::initial_connection_window_size`]).
+    pub fn http2_adaptive_window(self, enabled: bool) -> Self {
+        let _ = enabled;
+        self
+    }
+
+    /// Accepted for tonic compatibility: Ibex has no HPACK table (headers travel as a
+    /// plain list, bounded by [`Endpoint::max_header_list_size`]).
+    pub fn http2_header_table_size(self, size: u32) -> Self {
+        let _ = size;
+        self
+    }
+
+    /// Accepted for tonic compatibility: Ibex frames are sized by the transport
+    /// (`Config::slot_size`, `Config::max_message_size`).
+    pub fn max_frame_size(self, size: impl Into<Option<u32>>) -> Self {
+        let _ = size.into();
+        self
+    }
+
+    /// TCP keep-alive probe interval and count: the kernel's defaults apply, with the idle
+    /// time from [`Endpoint::tcp_keepalive`] (three probes a third of it apart).
+    pub fn tcp_keepalive_interval(self, interval: Option<std::time::Duration>) -> Self {
+        let _ = interval;
+        self
+    }
+
+    /// See [`Endpoint::tcp_keepalive_interval`].
+    pub fn tcp_keepalive_retries(self, retries: Option<u32>) -> Self {
+        let _ = retries;
+        self
+    }
+
     /// Response header lists accepted, in bytes (see [`Channel::with_max_header_list_size`]).
     pub fn max_header_list_size(mut self, bytes: usize) -> Self {
         self.max_header_list_size = bytes;

@@ -91,6 +91,9 @@ pub trait Transport {
     const GONE_CODES: &'static [Code];
     /// Starts a server for `routes` on a fresh address.
     fn serve(routes: Routes) -> impl Future<Output = ServerHandle> + Send;
+    /// Starts a server again at the address of an earlier one (its `ServerHandle::addr`):
+    /// a restarted server, as clients see it.
+    fn serve_at(addr: &str, routes: Routes) -> impl Future<Output = ServerHandle> + Send;
     /// A client channel to `addr`.
     fn connect(addr: &str) -> impl Future<Output = Result<Chan, String>> + Send;
     /// An address nobody serves.
@@ -121,7 +124,11 @@ impl Transport for Stock {
     const GONE_CODES: &'static [Code] = &[Code::Unavailable, Code::Cancelled];
 
     async fn serve(routes: Routes) -> ServerHandle {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::serve_at("127.0.0.1:0", routes).await
+    }
+
+    async fn serve_at(addr: &str, routes: Routes) -> ServerHandle {
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
@@ -231,6 +238,10 @@ impl Transport for IbexShm {
         ibex_serve(shm_uri(), routes).await
     }
 
+    async fn serve_at(addr: &str, routes: Routes) -> ServerHandle {
+        ibex_serve(addr.to_string(), routes).await
+    }
+
     async fn connect(addr: &str) -> Result<Chan, String> {
         ibex_connect(addr).await
     }
@@ -249,6 +260,10 @@ impl Transport for IbexTcp {
 
     async fn serve(routes: Routes) -> ServerHandle {
         ibex_serve("tcp://127.0.0.1:0".into(), routes).await
+    }
+
+    async fn serve_at(addr: &str, routes: Routes) -> ServerHandle {
+        ibex_serve(addr.to_string(), routes).await
     }
 
     async fn connect(addr: &str) -> Result<Chan, String> {
@@ -315,6 +330,15 @@ impl Transport for IbexVerbs {
         let at = std::env::var("IBEX_TEST_LISTEN_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into());
         ibex_serve_with(
             format!("verbs://{at}"),
+            routes,
+            verbs_config("IBEX_TEST_SERVER_DEV"),
+        )
+        .await
+    }
+
+    async fn serve_at(addr: &str, routes: Routes) -> ServerHandle {
+        ibex_serve_with(
+            addr.to_string(),
             routes,
             verbs_config("IBEX_TEST_SERVER_DEV"),
         )
