@@ -7,9 +7,10 @@
 //! naming the limit where it can. Nothing panics anywhere in the process.
 
 mod grpc_common;
+mod hostile_util;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -32,19 +33,6 @@ const WINDOW: u8 = 64;
 const MAX_CALLS: usize = 16;
 /// A hang guard, not a performance assertion.
 const WITHIN: Duration = Duration::from_secs(20);
-
-static PANICS: AtomicUsize = AtomicUsize::new(0);
-
-fn count_panics() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let prev = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            PANICS.fetch_add(1, Ordering::SeqCst);
-            prev(info);
-        }));
-    });
-}
 
 fn headers(b: &mut BytesMut, count: u16, list: &[(&str, &[u8])]) {
     b.put_u16(count);
@@ -284,7 +272,7 @@ impl Honest {
 }
 
 async fn suite(listen_uri: &str) {
-    count_panics();
+    hostile_util::count_panics();
     let listener = ibex_transport::listen(listen_uri, ibex_config())
         .await
         .expect("listen");
@@ -531,11 +519,7 @@ async fn suite(listen_uri: &str) {
     eprintln!("{listen_uri}: {cases} hostile gRPC cases, {n} honest calls verified");
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(WITHIN, server).await;
-    assert_eq!(
-        PANICS.load(Ordering::SeqCst),
-        0,
-        "something panicked (see above)"
-    );
+    assert_eq!(hostile_util::panics(), 0, "something panicked (see above)");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -552,7 +536,7 @@ async fn grpc_bad_packets_cost_only_their_sender_over_shm() {
 /// most its connection window (`initial_connection_window_size`) plus what the transport
 /// has in flight for that client, not calls x window, and other clients go on.
 async fn held_bodies_are_bounded_per_connection(listen_uri: &str) {
-    count_panics();
+    hostile_util::count_panics();
     const WINDOW: u32 = 32 << 20;
     const BUDGET: usize = 16 << 20;
     let cfg = ibex_transport::Config {
@@ -625,11 +609,7 @@ async fn held_bodies_are_bounded_per_connection(listen_uri: &str) {
     // shutdown would wait on them, so stop the server outright.
     drop(stop_tx);
     server.abort();
-    assert_eq!(
-        PANICS.load(Ordering::SeqCst),
-        0,
-        "something panicked (see above)"
-    );
+    assert_eq!(hostile_util::panics(), 0, "something panicked (see above)");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
