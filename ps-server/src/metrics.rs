@@ -151,7 +151,38 @@ impl Metrics {
         if let Some(t) = self.transport.get() {
             render_transport(&mut o, s, t);
         }
+        #[cfg(feature = "verbs")]
+        render_registrations(&mut o, s);
         o
+    }
+}
+
+/// The process's registered memory per RDMA device: `ibv_reg_mr` calls (flat in a steady
+/// state), pinned bytes by kind, and the registration cache's size.
+#[cfg(feature = "verbs")]
+fn render_registrations(o: &mut String, s: u32) {
+    let stats = ibex_transport::verbs::registration_stats();
+    if stats.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        o,
+        "# HELP ibex_verbs_registrations_total Memory registrations (ibv_reg_mr) by this process.\n# TYPE ibex_verbs_registrations_total counter\n# HELP ibex_verbs_registered_bytes Registered memory by this process, by kind.\n# TYPE ibex_verbs_registered_bytes gauge"
+    );
+    for r in stats {
+        let d = format!("shard=\"{s}\",device=\"{}\"", r.device);
+        let _ = writeln!(
+            o,
+            "ibex_verbs_registrations_total{{{d}}} {}",
+            r.registrations
+        );
+        for (kind, v) in [
+            ("slabs", r.slab_bytes),
+            ("pool", r.user_pool_bytes),
+            ("cache", r.cache_bytes),
+        ] {
+            let _ = writeln!(o, "ibex_verbs_registered_bytes{{{d},kind=\"{kind}\"}} {v}");
+        }
     }
 }
 

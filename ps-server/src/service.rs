@@ -280,6 +280,16 @@ impl PsService {
     }
 }
 
+/// Where a pull's snapshots go: the connection's registered pool when the worker reads
+/// them one-sided (they are exposed from there with no registration), else nowhere special.
+/// Asked where blocking is fine: the process's first ask registers the pool (verbs).
+fn pull_pool(
+    peer: &Option<PeerHandle>,
+) -> impl FnOnce() -> Option<Arc<ibex_transport::Pool>> + Send + 'static {
+    let peer = peer.clone().filter(PeerHandle::one_sided);
+    move || peer.as_ref().and_then(PeerHandle::pool)
+}
+
 #[tonic::async_trait]
 impl ParameterServer for PsService {
     async fn create_variables(
@@ -302,7 +312,7 @@ impl ParameterServer for PsService {
             let r = req.into_inner();
             self.release(peer.as_ref(), &r.release);
             self.shard.wait_for(r.step).await?;
-            let (step, vals) = self.shard.read(r.names).await?;
+            let (step, vals) = self.shard.read_to(r.names, pull_pool(&peer)).await?;
             Ok(pb::PullResponse {
                 step,
                 values: self.pull_tensors(peer.as_ref(), vals).await,
@@ -332,7 +342,7 @@ impl ParameterServer for PsService {
             let (_, names) = self.do_push(req).await?;
             // Sync: the values after step `step`; async: the values right after this push.
             self.shard.wait_for(step + 1).await?;
-            let (now, vals) = self.shard.read(names).await?;
+            let (now, vals) = self.shard.read_to(names, pull_pool(&peer)).await?;
             Ok(pb::PullResponse {
                 step: now,
                 values: self.pull_tensors(peer.as_ref(), vals).await,

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ibex_proto::ps::v1 as pb;
+use ibex_transport::Pool;
 use rayon::prelude::*;
 use tokio::sync::watch;
 use tonic::Status;
@@ -464,6 +465,17 @@ struct Steps {
 /// One variable's name, shape and values (little-endian f32 bytes), as read.
 pub type Values = (String, Vec<usize>, Bytes);
 
+/// `src` as little-endian bytes into `dst` (exactly `4 * src.len()` long): one memcpy on
+/// little-endian machines.
+fn copy_le(dst: &mut [u8], src: &[f32]) {
+    #[cfg(target_endian = "little")]
+    dst.copy_from_slice(bytemuck::cast_slice(src));
+    #[cfg(target_endian = "big")]
+    for (d, x) in dst.chunks_exact_mut(4).zip(src) {
+        d.copy_from_slice(&x.to_le_bytes());
+    }
+}
+
 /// Shard-wide settings.
 #[derive(Debug, Clone)]
 pub struct ShardConfig {
@@ -838,11 +850,29 @@ impl Shard {
 
     /// Current values of `names` and the step they reflect.
     pub async fn read(self: &Arc<Self>, names: Vec<String>) -> Result<(u64, Vec<Values>), Status> {
-        let me = self.clone();
-        blocking(move || me.read_blocking(names)).await
+        self.read_to(names, || None).await
     }
 
-    fn read_blocking(&self, names: Vec<String>) -> Result<(u64, Vec<Values>), Status> {
+    /// As [`Shard::read`], with each snapshot of at least `REMOTE_MIN_BYTES` copied into
+    /// `pool` (a connection's registered pool) while it has room, so that exposing it for a
+    /// one-sided pull costs no registration: a pool buffer comes back registered step after
+    /// step, where a heap buffer would be registered afresh (verbs) each time its address
+    /// changed. Snapshots that do not fit come from the shard's own buffers, as before.
+    /// `pool` is asked on the blocking thread, since the first ask may register the pool.
+    pub async fn read_to(
+        self: &Arc<Self>,
+        names: Vec<String>,
+        pool: impl FnOnce() -> Option<Arc<Pool>> + Send + 'static,
+    ) -> Result<(u64, Vec<Values>), Status> {
+        let me = self.clone();
+        blocking(move || me.read_blocking(names, pool().as_ref())).await
+    }
+
+    fn read_blocking(
+        &self,
+        names: Vec<String>,
+        pool: Option<&Arc<Pool>>,
+    ) -> Result<(u64, Vec<Values>), Status> {
         let step = self.step();
         let cells = {
             let table = self.table()?;
@@ -860,6 +890,13 @@ impl Shard {
             .into_iter()
             .zip(cells)
             .map(|(n, c)| {
+                let bytes = c.numel.saturating_mul(4);
+                if bytes >= ibex_proto::REMOTE_MIN_BYTES
+                    && let Some(mut out) = pool.and_then(|p| p.alloc(bytes).ok())
+                {
+                    copy_le(&mut out, &c.lock()?.var.data);
+                    return Ok((n, c.shape.clone(), out.freeze()));
+                }
                 let mut out = self
                     .bufs
                     .take(c.numel)
