@@ -178,6 +178,7 @@ fn render_registrations(o: &mut String, s: u32) {
         );
         for (kind, v) in [
             ("slabs", r.slab_bytes),
+            ("exposable", r.exposable_bytes),
             ("pool", r.user_pool_bytes),
             ("cache", r.cache_bytes),
         ] {

@@ -280,14 +280,13 @@ impl PsService {
     }
 }
 
-/// Where a pull's snapshots go: the connection's registered pool when the worker reads
-/// them one-sided (they are exposed from there with no registration), else nowhere special.
-/// Asked where blocking is fine: the process's first ask registers the pool (verbs).
+/// Where a pull's snapshots go: memory the connection exposes with no registration, when
+/// the worker reads them one-sided. Runs where blocking is fine: it may register (verbs).
 fn pull_pool(
     peer: &Option<PeerHandle>,
-) -> impl FnOnce() -> Option<Arc<ibex_transport::Pool>> + Send + 'static {
+) -> impl Fn(usize) -> Option<ibex_transport::PoolBufMut> + Send + 'static {
     let peer = peer.clone().filter(PeerHandle::one_sided);
-    move || peer.as_ref().and_then(PeerHandle::pool)
+    move |len| peer.as_ref().and_then(|p| p.alloc(len).ok())
 }
 
 #[tonic::async_trait]

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ibex_proto::ps::v1 as pb;
-use ibex_transport::Pool;
+use ibex_transport::PoolBufMut;
 use rayon::prelude::*;
 use tokio::sync::watch;
 use tonic::Status;
@@ -850,28 +850,28 @@ impl Shard {
 
     /// Current values of `names` and the step they reflect.
     pub async fn read(self: &Arc<Self>, names: Vec<String>) -> Result<(u64, Vec<Values>), Status> {
-        self.read_to(names, || None).await
+        self.read_to(names, |_| None).await
     }
 
     /// As [`Shard::read`], with each snapshot of at least `REMOTE_MIN_BYTES` copied into
-    /// `pool` (a connection's registered pool) while it has room, so that exposing it for a
-    /// one-sided pull costs no registration: a pool buffer comes back registered step after
-    /// step, where a heap buffer would be registered afresh (verbs) each time its address
-    /// changed. Snapshots that do not fit come from the shard's own buffers, as before.
-    /// `pool` is asked on the blocking thread, since the first ask may register the pool.
+    /// memory from `alloc` (a connection's registered memory) while it gives some, so that
+    /// exposing it for a one-sided pull costs no registration: registered memory comes back
+    /// step after step, where a heap buffer would be registered afresh (verbs) whenever its
+    /// address changed. Snapshots it has no room for come from the shard's own buffers.
+    /// `alloc` runs on the blocking thread, since it may register memory.
     pub async fn read_to(
         self: &Arc<Self>,
         names: Vec<String>,
-        pool: impl FnOnce() -> Option<Arc<Pool>> + Send + 'static,
+        alloc: impl Fn(usize) -> Option<PoolBufMut> + Send + 'static,
     ) -> Result<(u64, Vec<Values>), Status> {
         let me = self.clone();
-        blocking(move || me.read_blocking(names, pool().as_ref())).await
+        blocking(move || me.read_blocking(names, &alloc)).await
     }
 
     fn read_blocking(
         &self,
         names: Vec<String>,
-        pool: Option<&Arc<Pool>>,
+        alloc: &dyn Fn(usize) -> Option<PoolBufMut>,
     ) -> Result<(u64, Vec<Values>), Status> {
         let step = self.step();
         let cells = {
@@ -892,7 +892,7 @@ impl Shard {
             .map(|(n, c)| {
                 let bytes = c.numel.saturating_mul(4);
                 if bytes >= ibex_proto::REMOTE_MIN_BYTES
-                    && let Some(mut out) = pool.and_then(|p| p.alloc(bytes).ok())
+                    && let Some(mut out) = alloc(bytes)
                 {
                     copy_le(&mut out, &c.lock()?.var.data);
                     return Ok((n, c.shape.clone(), out.freeze()));

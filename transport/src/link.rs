@@ -19,7 +19,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 
 use crate::error::Error;
-use crate::pool::Pool;
+use crate::pool::{Pool, PoolBufMut};
 
 /// Something the link has for the driver.
 #[derive(Debug)]
@@ -73,6 +73,9 @@ pub trait Registrar: Send + Sync + std::fmt::Debug {
     fn reserve_recv(&self, len: usize) -> Result<(), Error>;
     /// The provider's registered pool, registered on the first call. May block then.
     fn pool(&self) -> Option<Arc<Pool>>;
+    /// `len` bytes of memory that exposing registers nothing for, taken from registered
+    /// memory grown on demand (bounded by `Config::pool_size`). May block to register.
+    fn alloc(&self, len: usize) -> Result<PoolBufMut, Error>;
     /// Drops a cached registration of exactly `ptr..ptr+len` that no exposure uses, and the
     /// reference to the buffer it holds: for memory going back to its owner. May block.
     fn forget(&self, ptr: usize, len: usize);

@@ -486,8 +486,15 @@ impl Connection {
         Ok(())
     }
 
-    /// Allocates a send buffer from the registered pool.
+    /// Allocates a buffer that sends and exposures move with no copy and no registration:
+    /// from the registered pool (shm), or from peer-readable slabs registered on demand and
+    /// shared by every connection of the process on that device (verbs; may block the
+    /// first time a slab must be registered).
     pub fn alloc(&self, len: usize) -> Result<PoolBufMut> {
+        let registrar = self.shared().lock().info.registrar.clone();
+        if let Some(r) = registrar {
+            return r.alloc(len);
+        }
         match self.pool() {
             Some(p) => p.alloc(len),
             None => Err(Error::Config("this provider has no registered pool".into())),

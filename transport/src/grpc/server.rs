@@ -419,6 +419,13 @@ impl PeerHandle {
         self.conn.pool()
     }
 
+    /// A buffer that [`PeerHandle::expose`] shares with no copy and no registration
+    /// ([`Connection::alloc`]): fill it, freeze it, expose it. May block the first time
+    /// registered memory must grow (verbs), so call it where blocking is fine.
+    pub fn alloc(&self, len: usize) -> Result<crate::PoolBufMut> {
+        self.conn.alloc(len)
+    }
+
     /// Who the client is, for logs.
     pub fn peer(&self) -> String {
         self.conn.peer()

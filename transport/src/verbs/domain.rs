@@ -11,6 +11,10 @@
 //!   larger single request) registered on demand, carved with the first-fit [`Pool`], and
 //!   deregistered by the domain's thread once they have been entirely free for a while. Total
 //!   bounded by `Config::verbs_mem_limit`. Never remotely readable: no rkey of it is given out.
+//! - **Peer-readable slabs** (`Registrar::alloc`, `Connection::alloc`): the same, registered
+//!   for remote read, for buffers the application allocates in order to expose them (staged
+//!   gradients, pull snapshots); bounded by `Config::pool_size`. Exposing them registers
+//!   nothing, and they stay registered from step to step.
 //! - **The user pool** (`Link::pool`): one per domain, `Config::pool_size` bytes, registered
 //!   for remote read the first time someone asks for it, never at connect.
 //! - **The registration cache** ([`RegCache`]): registrations of exposed buffers outlive their
@@ -55,8 +59,10 @@ pub(crate) const SLAB: usize = 4 << 20;
 const CACHE_ENTRIES: usize = 1024;
 /// How often the domain thread wakes without an event (trimming, stop checks).
 const TICK: Duration = Duration::from_millis(250);
-/// A slab free for this many ticks in a row is deregistered (one free slab is always kept).
-const IDLE_TICKS: u32 = 4;
+/// A slab free for this many ticks in a row (about 4 s) is deregistered (one free slab is
+/// always kept). Long enough that memory a training step frees and takes again a moment
+/// later (pull snapshots, read destinations) stays registered from step to step.
+const IDLE_TICKS: u32 = 16;
 
 /// A cached registration's key: the exact range, `(address, length)`.
 pub(crate) type CacheKey = (usize, usize);
@@ -92,6 +98,10 @@ pub struct RegStats {
     pub slab_bytes: usize,
     /// Number of local slabs.
     pub slabs: usize,
+    /// Bytes of peer-readable slabs (`Link::alloc`), and how many slabs.
+    pub exposable_bytes: usize,
+    /// Number of peer-readable slabs.
+    pub exposable_slabs: usize,
     /// Bytes of the user pool (0 until something asks for it).
     pub user_pool_bytes: usize,
     /// Bytes and entries in the registration cache (in use or idle).
@@ -141,6 +151,9 @@ struct QpSlot {
 pub(crate) struct Domain {
     pub dev: Device,
     pub local: SlabSet,
+    /// Slabs readable by peers, for buffers the application allocates in order to expose
+    /// them (`Link::alloc`): exposed with no registration, grown and trimmed like `local`.
+    exposable: SlabSet,
     cache: Mutex<RegCache>,
     user_pool: OnceLock<Option<UserPool>>,
     user_pool_size: usize,
@@ -184,16 +197,18 @@ impl Domain {
                 libc::fcntl(async_fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
             }
         }
-        let local = SlabSet {
-            pd: dev.pd.clone(),
-            limit: config.verbs_mem_limit,
-            slabs: Mutex::new(Vec::new()),
-            registering: Mutex::new(0),
-        };
+        let local = SlabSet::new(&dev, config.verbs_mem_limit, AccessFlags::LocalWrite);
+        // The bound that used to be the one-piece user pool's size.
+        let exposable = SlabSet::new(
+            &dev,
+            config.pool_size,
+            AccessFlags::LocalWrite | AccessFlags::RemoteRead,
+        );
         let name = dev.name.clone();
         let d = Arc::new(Domain {
             dev,
             local,
+            exposable,
             cache: Mutex::new(RegCache {
                 map: HashMap::new(),
                 lru: BTreeMap::new(),
@@ -223,6 +238,7 @@ impl Domain {
 
     pub fn stats(&self) -> RegStats {
         let (slab_bytes, slabs) = self.local.size();
+        let (exposable_bytes, exposable_slabs) = self.exposable.size();
         let (cache_bytes, cache_entries) = {
             let c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             (c.bytes, c.map.len())
@@ -237,6 +253,8 @@ impl Domain {
             inline_registrations: c.inline_registrations.load(Ordering::Relaxed),
             slab_bytes,
             slabs,
+            exposable_bytes,
+            exposable_slabs,
             user_pool_bytes: self
                 .user_pool
                 .get()
@@ -297,6 +315,22 @@ impl Domain {
         })
     }
 
+    /// Peer-readable memory for `len` bytes: exposing it registers nothing. Takes room in a
+    /// slab, registering one that fits when none has room (blocks then: call it off the
+    /// runtime, or accept a one-time stall for long-lived buffers).
+    pub fn alloc_exposable(&self, len: usize) -> Result<PoolBufMut> {
+        if let (Some((b, _)), _) = self.exposable.try_alloc(len) {
+            return Ok(b);
+        }
+        self.exposable.grow(len, &self.counters)?;
+        match self.exposable.try_alloc(len) {
+            (Some((b, _)), _) => Ok(b),
+            (None, _) => Err(Error::Config(format!(
+                "peer-readable memory for {len} bytes was taken by other connections at once; Config::pool_size (IBEX_POOL_SIZE) bounds it"
+            ))),
+        }
+    }
+
     /// The local key for `ptr..ptr+len` if this domain registered it for local writes.
     pub fn lkey_for(&self, ptr: *const u8, len: usize) -> Option<u32> {
         if let Some(Some(p)) = self.user_pool.get()
@@ -304,7 +338,9 @@ impl Domain {
         {
             return Some(p.lkey);
         }
-        self.local.lkey_for(ptr, len)
+        self.local
+            .lkey_for(ptr, len)
+            .or_else(|| self.exposable.keys_for(ptr, len).map(|k| k.0))
     }
 
     /// The user pool, registered on first call (blocks for the registration then).
@@ -344,6 +380,9 @@ impl Domain {
         if let Some(Some(p)) = self.user_pool.get()
             && p.pool.offset_of(buf.as_ptr(), buf.len()).is_some()
         {
+            return false;
+        }
+        if self.exposable.keys_for(buf.as_ptr(), buf.len()).is_some() {
             return false;
         }
         let c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -400,6 +439,10 @@ impl Domain {
         {
             self.counters.hits.fetch_add(1, Ordering::Relaxed);
             return Ok((p.rkey, None, Registration::Pool));
+        }
+        if let Some((_, rkey)) = self.exposable.keys_for(buf.as_ptr(), len) {
+            self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok((rkey, None, Registration::Pool));
         }
         let key = (ptr, len);
         {
@@ -544,6 +587,7 @@ impl Domain {
             drop(dead);
             if rc == 0 {
                 self.local.trim();
+                self.exposable.trim();
             }
         }
     }
@@ -616,6 +660,7 @@ impl Domain {
 struct RegSlab {
     pool: Arc<Pool>,
     lkey: u32,
+    rkey: u32,
     /// Ticks in a row the slab was found entirely free.
     idle: u32,
 }
@@ -624,12 +669,23 @@ struct RegSlab {
 pub(crate) struct SlabSet {
     pd: Arc<sideway::ibverbs::protection_domain::ProtectionDomain>,
     limit: usize,
+    access: AccessFlags,
     slabs: Mutex<Vec<RegSlab>>,
     /// Bytes being registered right now (counted against the limit).
     registering: Mutex<usize>,
 }
 
 impl SlabSet {
+    fn new(dev: &Device, limit: usize, access: AccessFlags) -> SlabSet {
+        SlabSet {
+            pd: dev.pd.clone(),
+            limit,
+            access,
+            slabs: Mutex::new(Vec::new()),
+            registering: Mutex::new(0),
+        }
+    }
+
     /// A buffer if some slab has room, and the free bytes left across all slabs.
     fn try_alloc(&self, len: usize) -> (Option<(PoolBufMut, u32)>, usize) {
         let slabs = self.slabs.lock().unwrap_or_else(|e| e.into_inner());
@@ -657,11 +713,16 @@ impl SlabSet {
     }
 
     fn lkey_for(&self, ptr: *const u8, len: usize) -> Option<u32> {
+        self.keys_for(ptr, len).map(|k| k.0)
+    }
+
+    /// The (local, remote) keys of the slab holding `ptr..ptr+len`.
+    fn keys_for(&self, ptr: *const u8, len: usize) -> Option<(u32, u32)> {
         let slabs = self.slabs.lock().unwrap_or_else(|e| e.into_inner());
         slabs
             .iter()
             .find(|s| s.pool.offset_of(ptr, len).is_some())
-            .map(|s| s.lkey)
+            .map(|s| (s.lkey, s.rkey))
     }
 
     /// Registers one more slab that fits `len` (blocks while registering).
@@ -680,10 +741,10 @@ impl SlabSet {
             *reg += size;
         }
         counters.reg_calls.fetch_add(1, Ordering::Relaxed);
-        let slab = Slab::new(&self.pd, size, AccessFlags::LocalWrite);
+        let slab = Slab::new(&self.pd, size, self.access);
         *self.registering.lock().unwrap_or_else(|e| e.into_inner()) -= size;
         let mut slab = slab?;
-        let (lkey, base, len) = (slab.lkey(), slab.base(), slab.len());
+        let (lkey, rkey, base, len) = (slab.lkey(), slab.rkey(), slab.base(), slab.len());
         // SAFETY: the slab owns the memory and its registration, never touches the memory
         // itself, and lives as long as the pool (its owner).
         let pool = unsafe { Pool::from_raw(base, len, Box::new(slab)) };
@@ -693,6 +754,7 @@ impl SlabSet {
             .push(RegSlab {
                 pool,
                 lkey,
+                rkey,
                 idle: 0,
             });
         Ok(())

@@ -20,6 +20,7 @@ use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use bytes::Bytes;
 use rdma_mummy_sys as sys;
@@ -38,6 +39,9 @@ use crate::pool::{Pool, PoolBufMut};
 
 pub(crate) const WR_RECV: u64 = 0;
 pub(crate) const WR_SQ: u64 = 1 << 62;
+/// How long a link keeps reading its CQ after the peer's bootstrap socket closed, for
+/// completions that trail the peer's acknowledged last sends. Only a vanished peer pays it.
+const PEER_EOF_GRACE: Duration = Duration::from_millis(250);
 const WR_KIND: u64 = 3 << 62;
 pub(crate) const IMM_FRAME: u32 = 0;
 pub(crate) const IMM_MARKER: u32 = u32::MAX;
@@ -198,6 +202,9 @@ pub struct VerbsLink {
     wcs: Vec<Wc>,
     events: VecDeque<LinkEvent>,
     dead: Option<Error>,
+    /// The bootstrap socket reported the peer gone: the error, once the grace for its last
+    /// frames' completions ends.
+    peer_eof: Option<(Error, Pin<Box<tokio::time::Sleep>>)>,
     closing: bool,
     shut: bool,
     send_waker: Option<Waker>,
@@ -241,6 +248,9 @@ impl Registrar for DomainRegistrar {
     }
     fn pool(&self) -> Option<Arc<Pool>> {
         self.0.user_pool()
+    }
+    fn alloc(&self, len: usize) -> Result<PoolBufMut> {
+        self.0.alloc_exposable(len)
     }
     fn forget(&self, ptr: usize, len: usize) {
         self.0.forget((ptr, len));
@@ -317,6 +327,7 @@ impl VerbsLink {
             wcs: Vec::with_capacity(64),
             events: VecDeque::new(),
             dead: None,
+            peer_eof: None,
             closing: false,
             shut: false,
             send_waker: None,
@@ -855,8 +866,22 @@ impl Link for VerbsLink {
                 }
                 Poll::Pending => {}
             }
-            if let Some(e) = self.poll_peer(cx) {
-                // Frames the peer sent before leaving may still sit in the CQ: deliver them first.
+            if self.peer_eof.is_none()
+                && let Some(e) = self.poll_peer(cx)
+            {
+                // Frames the peer sent before leaving may still sit in the CQ, or not be
+                // there yet: a peer that closes gracefully shuts its socket once its last
+                // sends are acknowledged, and the acknowledgement can overtake the
+                // completion on this side (Soft-RoCE). Keep reading the CQ for a moment,
+                // so the peer's last frames (its close among them) are delivered first.
+                self.reap();
+                self.peer_eof = Some((e, Box::pin(tokio::time::sleep(PEER_EOF_GRACE))));
+                continue;
+            }
+            if let Some((_, grace)) = &mut self.peer_eof
+                && grace.as_mut().poll(cx).is_ready()
+                && let Some((e, _)) = self.peer_eof.take()
+            {
                 self.reap();
                 self.die(e);
                 continue;
