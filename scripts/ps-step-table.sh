@@ -6,7 +6,11 @@
 # Build first: cargo build --release -p ibex-bench -p ibex-ps
 set -euo pipefail
 B="${1:-target/release}/ibex-bench"
-"$B" tensor --transport ibex-shm --json | grep '"memcpy"'
+# Single-thread memcpy twice: 16 MiB (the tensor bench's default; in L3 on large-cache CPUs)
+# and 64 MiB (out of cache, like the step's ~100 MB of variables).
+for size in 16M 64M; do
+  "$B" tensor --transport ibex-shm --size "$size" --json | grep '"memcpy"'
+done
 for steps in "20 3" "3 1"; do
   set -- $steps
   for t in tonic ibex-shm ibex-tcp; do

@@ -419,6 +419,9 @@ struct VarState {
     /// variables of that step are still collecting.
     applied: u64,
     pending: Pending,
+    /// The values as last read, shared by every pull until the next update: workers
+    /// pulling the same step get the same immutable buffer, copied once, not once each.
+    snap: Option<Bytes>,
 }
 
 /// A variable's table entry: what never changes outside the lock, the rest inside.
@@ -439,6 +442,7 @@ impl Cell {
                 var,
                 applied,
                 pending: Pending::default(),
+                snap: None,
             }),
         })
     }
@@ -890,19 +894,38 @@ impl Shard {
             .into_iter()
             .zip(cells)
             .map(|(n, c)| {
-                let bytes = c.numel.saturating_mul(4);
-                if bytes >= ibex_proto::REMOTE_MIN_BYTES
-                    && let Some(mut out) = alloc(bytes)
-                {
-                    copy_le(&mut out, &c.lock()?.var.data);
-                    return Ok((n, c.shape.clone(), out.freeze()));
+                if let Some(b) = c.lock()?.snap.clone() {
+                    return Ok((n, c.shape.clone(), b));
                 }
-                let mut out = self
-                    .bufs
-                    .take(c.numel)
-                    .map_err(|e| Status::resource_exhausted(format!("reading {n:?}: {e}")))?;
-                out.copy_from_slice(&c.lock()?.var.data);
-                Ok((n, c.shape.clone(), out.into_le_bytes()))
+                // Memory is found before the lock: `alloc` may register.
+                let bytes = c.numel.saturating_mul(4);
+                let pooled = (bytes >= ibex_proto::REMOTE_MIN_BYTES)
+                    .then(|| alloc(bytes))
+                    .flatten();
+                let dest = match pooled {
+                    Some(p) => Ok(p),
+                    None => Err(self.bufs.take(c.numel).map_err(|e| {
+                        Status::resource_exhausted(format!("reading {n:?}: {e}"))
+                    })?),
+                };
+                let mut st = c.lock()?;
+                if let Some(b) = &st.snap {
+                    // Another pull made it meanwhile; ours goes back unused.
+                    return Ok((n, c.shape.clone(), b.clone()));
+                }
+                // Registered memory when there was some, else the shard's own buffer.
+                let b = match dest {
+                    Ok(mut out) => {
+                        copy_le(&mut out, &st.var.data);
+                        out.freeze()
+                    }
+                    Err(mut out) => {
+                        out.copy_from_slice(&st.var.data);
+                        out.into_le_bytes()
+                    }
+                };
+                st.snap = Some(b.clone());
+                Ok((n, c.shape.clone(), b))
             })
             .collect::<Result<Vec<_>, Status>>()?;
         Ok((step, vals))
@@ -1056,6 +1079,8 @@ enum Ready {
 
 impl Ready {
     fn apply(self, st: &mut VarState, scale: f32, bufs: &Arc<BufPool>) -> Result<(), Status> {
+        // Readers keep the old snapshot; the next read copies the new values.
+        st.snap = None;
         match self {
             Ready::Dense(g) => {
                 // Unscaled values that can be seen as f32 (a pooled buffer, aligned body
