@@ -281,11 +281,16 @@ impl PsService {
 }
 
 /// Where a pull's snapshots go: memory the connection exposes with no registration, when
-/// the worker reads them one-sided. Runs where blocking is fine: it may register (verbs).
+/// the worker reads them one-sided and exposing other memory would register (verbs).
+/// Elsewhere (shm's CMA reads any memory) the shard's own buffers serve: taking the
+/// connection's pool there would only add the snapshots to the worker's mapped pages.
+/// Runs where blocking is fine: it may register.
 fn pull_pool(
     peer: &Option<PeerHandle>,
 ) -> impl Fn(usize) -> Option<ibex_transport::PoolBufMut> + Send + 'static {
-    let peer = peer.clone().filter(PeerHandle::one_sided);
+    let peer = peer
+        .clone()
+        .filter(|p| p.one_sided() && p.exposing_registers());
     move |len| peer.as_ref().and_then(|p| p.alloc(len).ok())
 }
 

@@ -904,9 +904,10 @@ impl Shard {
                     .flatten();
                 let dest = match pooled {
                     Some(p) => Ok(p),
-                    None => Err(self.bufs.take(c.numel).map_err(|e| {
-                        Status::resource_exhausted(format!("reading {n:?}: {e}"))
-                    })?),
+                    None => Err(self
+                        .bufs
+                        .take(c.numel)
+                        .map_err(|e| Status::resource_exhausted(format!("reading {n:?}: {e}")))?),
                 };
                 let mut st = c.lock()?;
                 if let Some(b) = &st.snap {

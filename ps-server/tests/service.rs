@@ -518,16 +518,10 @@ async fn metrics_carry_the_transport_counters() {
         ) >= 4.0,
         "{body}"
     );
-    // Each reply's snapshot of "big" lay in the connection's pool, so its exposure needed
-    // nothing registered (the hit rate verbs reports; shm would read any memory by CMA).
-    assert_eq!(
-        sample(&body, "ibex_transport_exposed_from_pool_total{shard=\"0\"}"),
-        3.0,
-        "{body}"
-    );
-    assert_eq!(
-        sample(&body, "ibex_transport_reg_cache_hit_ratio{shard=\"0\"}"),
-        1.0,
+    // shm reads any memory by CMA: the snapshots stay in the shard's own buffers and nothing
+    // is registered, so there is no hit rate to show (verbs shows one: verbs_many_workers).
+    assert!(
+        !body.contains("ibex_transport_reg_cache_hit_ratio"),
         "{body}"
     );
     // Counters survive the connection's end (Prometheus counters never go backwards).

@@ -450,6 +450,13 @@ impl Connection {
         self.shared().lock().info.one_sided
     }
 
+    /// True when exposing memory the provider did not allocate costs a registration (verbs):
+    /// memory meant to be exposed again and again is then best taken from
+    /// [`Connection::alloc`]. False where any memory is read as cheaply (shm's CMA).
+    pub fn exposing_registers(&self) -> bool {
+        self.shared().lock().info.registrar.is_some()
+    }
+
     /// The registered pool: buffers from it move with no copy on providers that can map
     /// them (shm). `None` if the provider has none.
     pub fn pool(&self) -> Option<Arc<Pool>> {

@@ -419,6 +419,12 @@ impl PeerHandle {
         self.conn.pool()
     }
 
+    /// True when exposing memory costs a registration unless it comes from
+    /// [`PeerHandle::alloc`] (verbs); see [`Connection::exposing_registers`].
+    pub fn exposing_registers(&self) -> bool {
+        self.conn.exposing_registers()
+    }
+
     /// A buffer that [`PeerHandle::expose`] shares with no copy and no registration
     /// ([`Connection::alloc`]): fill it, freeze it, expose it. May block the first time
     /// registered memory must grow (verbs), so call it where blocking is fine.
