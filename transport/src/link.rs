@@ -53,6 +53,14 @@ pub struct LinkInfo {
     /// probing at connect (verbs). Off where a read is one copy (shm's CMA) or a stream
     /// (tcp): there the probe's read samples cost more than any fragment size wins back.
     pub pipelined_reads: bool,
+    /// Reads the link has outstanding at once at most (verbs: the negotiated RDMA READ
+    /// depth). The connection is the one place that schedules reads: it holds further ones
+    /// back until one completes, over its own fragment reads and `read_remote` alike.
+    /// `usize::MAX` where any number may be posted.
+    pub read_depth: usize,
+    /// The longest single read the link takes (verbs: one RDMA READ work request); the
+    /// connection's fragments are never longer. `usize::MAX` where any length goes.
+    pub max_read: usize,
     /// Exposing memory or receiving into it needs registration, which the connection does
     /// ahead of time, off the runtime and outside its lock, through this (verbs). `None`
     /// where any memory will do.

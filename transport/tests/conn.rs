@@ -72,6 +72,7 @@ per_provider!(
     recv_into_too_small_keeps_message,
     send_owned_returns_buffer,
     expose_and_read_remote,
+    reads_past_the_link_read_depth_wait_their_turn,
     read_remote_out_of_range_is_refused,
     graceful_close_delivers_everything,
     stats_count_protocols,
@@ -214,6 +215,39 @@ async fn expose_and_read_remote(p: &str) {
         .expect("read_remote");
     assert_eq!(got.as_slice(), &data[..]);
     assert_eq!(b.stats().remote_read_bytes, data.len() as u64);
+}
+
+/// Far more fragment reads than the link takes at once (verbs: its RDMA READ depth), from
+/// several `read_remote` calls and a rendezvous message together: the connection's one read
+/// scheduler queues them, and every byte arrives.
+async fn reads_past_the_link_read_depth_wait_their_turn(p: &str) {
+    let cfg = Config {
+        fragment_size: Some(64 << 10),
+        ..fixed_threshold(4096)
+    };
+    let (a, b) = pair_with(p, "depth", cfg).await;
+    let bufs: Vec<Bytes> = (0..4).map(|i| pattern(2 << 20, 20 + i)).collect();
+    let mut exposed = Vec::new();
+    for d in &bufs {
+        exposed.push(a.expose(d.clone()).await.expect("expose"));
+    }
+    let msg = pattern(2 << 20, 30);
+    let sender = {
+        let (a, msg) = (a.clone(), msg.clone());
+        tokio::spawn(async move { a.send(msg).await })
+    };
+    let reads = exposed.iter().map(|rb| {
+        let b = b.clone();
+        let d = rb.descriptor();
+        async move { b.read_remote(d, RecvBuf::heap(2 << 20)).await }
+    });
+    let got = futures_util::future::join_all(reads).await;
+    for (i, (g, want)) in got.into_iter().zip(&bufs).enumerate() {
+        assert_eq!(g.expect("read_remote").as_slice(), &want[..], "read {i}");
+    }
+    assert_eq!(b.recv().await.expect("recv"), msg);
+    sender.await.expect("sender").expect("send");
+    assert_eq!(b.stats().remote_read_bytes, 4 * (2 << 20));
 }
 
 async fn read_remote_out_of_range_is_refused(p: &str) {

@@ -119,7 +119,7 @@ async fn bandwidth(mode: &str) {
         let mut next = 0;
         let mut done = 0;
         while done < n {
-            while next < n && next - done < 8 {
+            while next < n && next - done < 8.min(c.read_depth()) {
                 // SAFETY: `dst` outlives all reads (we wait for every ReadDone) and the link.
                 unsafe {
                     c.post_read(

@@ -83,6 +83,30 @@ async fn next(link: &mut VerbsLink) -> Result<LinkEvent, Error> {
         .expect("event within the time limit")
 }
 
+/// One read for [`read_all`]: id, descriptor, offset in the exposure, destination, length.
+type Read<'a> = (u64, &'a [u8], u64, *mut u8, usize);
+
+/// Posts `reads` as the connection does: at most the link's read depth outstanding, the
+/// next one as each completes. Returns each read's result by id, in completion order.
+/// Safety: every destination must outlive the call and the link.
+async unsafe fn read_all(c: &mut VerbsLink, reads: &[Read<'_>]) -> Vec<(u64, Result<(), Error>)> {
+    let depth = c.read_depth();
+    let (mut next_post, mut out) = (0, Vec::new());
+    while out.len() < reads.len() {
+        while next_post < reads.len() && next_post - out.len() < depth {
+            let (id, desc, off, dst, len) = reads[next_post];
+            // SAFETY: the caller keeps `dst` alive (see above).
+            unsafe { c.post_read(id, desc, off, dst, len) }.expect("post_read within the depth");
+            next_post += 1;
+        }
+        match next(c).await.expect("event") {
+            LinkEvent::ReadDone { id, result } => out.push((id, result)),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    out
+}
+
 async fn frame(link: &mut VerbsLink) -> Bytes {
     match next(link).await.expect("event") {
         LinkEvent::Frame(b) => b,
@@ -237,34 +261,23 @@ async fn rdma_read_in_fragments_with_several_outstanding() {
     let frag = 512 << 10;
     let mut dst = c.alloc_recv(len).expect("alloc_recv");
     let n = len / frag;
-    for i in 0..n {
-        // SAFETY: `dst` outlives every ReadDone we wait for below and the link.
-        unsafe {
-            c.post_read(
-                i as u64,
-                &exp.descriptor,
-                (i * frag) as u64,
-                dst.as_mut_ptr().add(i * frag),
-                frag,
-            )
-        }
-        .expect("post_read");
-    }
     let mut dst2 = c.alloc_recv(300_000).expect("alloc_recv");
-    // SAFETY: as above.
-    unsafe { c.post_read(100, &exp2.descriptor, 0, dst2.as_mut_ptr(), 300_000) }
-        .expect("post_read pool");
+    let mut reads: Vec<Read> = (0..n)
+        .map(|i| {
+            // SAFETY: `i * frag` lies inside `dst` (n * frag = len).
+            let p = unsafe { dst.as_mut_ptr().add(i * frag) };
+            (i as u64, &exp.descriptor[..], (i * frag) as u64, p, frag)
+        })
+        .collect();
+    reads.push((100, &exp2.descriptor[..], 0, dst2.as_mut_ptr(), 300_000));
+    // SAFETY: `dst` and `dst2` outlive the call and the link.
+    let results = unsafe { read_all(&mut c, &reads) }.await;
     let mut done = vec![false; n + 1];
-    for _ in 0..=n {
-        match next(&mut c).await.expect("event") {
-            LinkEvent::ReadDone { id, result } => {
-                result.expect("read succeeds");
-                let k = if id == 100 { n } else { id as usize };
-                assert!(!done[k], "duplicate ReadDone {id}");
-                done[k] = true;
-            }
-            other => panic!("unexpected {other:?}"),
-        }
+    for (id, result) in results {
+        result.expect("read succeeds");
+        let k = if id == 100 { n } else { id as usize };
+        assert!(!done[k], "duplicate ReadDone {id}");
+        done[k] = true;
     }
     assert!(dst.as_slice() == &data[..], "rendezvous data differs");
     assert!(dst2.as_slice() == &pooled[..], "pool data differs");
@@ -299,20 +312,25 @@ async fn rdma_read_in_fragments_with_several_outstanding() {
     assert_eq!(&frame(&mut s).await[..], b"done");
 }
 
+/// The link keeps no read queue: the connection schedules reads (`LinkInfo::read_depth`,
+/// `max_read`). Past the depth a post is refused at once, not queued or dropped; once one
+/// completes there is room again; a read longer than `max_read` is refused too. Every read
+/// that was taken completes with the right bytes.
 #[tokio::test]
-async fn reads_beyond_the_read_depth_queue_and_all_complete() {
+async fn reads_past_the_read_depth_or_max_read_are_refused_and_the_rest_complete() {
     let Some(env) = env() else { return };
     let cfg = small_config();
     let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
-    // The depth is bounded by both devices' max_qp_(init_)rd_atom; post three times that
-    // many reads at once: the link must hold the rest back, not fail or drop them.
+    // The depth is bounded by both devices' max_qp_(init_)rd_atom.
     let depth = c.read_depth();
     assert!((1..=16).contains(&depth), "read depth {depth}");
-    let (frag, n) = (16 << 10, depth * 3);
+    assert_eq!(c.info().read_depth, depth);
+    let max_read = c.info().max_read;
+    let (frag, n) = (16 << 10, depth + 1);
     let data = Bytes::from(pattern(11, frag * n));
     let exp = s.expose(data.clone()).expect("expose");
     let mut dst = c.alloc_recv(frag * n).expect("alloc_recv");
-    for i in 0..n {
+    let post = |c: &mut VerbsLink, i: usize, dst: &mut ibex_transport::link::RecvBuf| {
         // SAFETY: `dst` outlives every ReadDone we wait for below and the link.
         unsafe {
             c.post_read(
@@ -323,10 +341,22 @@ async fn reads_beyond_the_read_depth_queue_and_all_complete() {
                 frag,
             )
         }
-        .expect("post_read");
+    };
+    for i in 0..depth {
+        post(&mut c, i, &mut dst).expect("post_read within the depth");
     }
+    let e = post(&mut c, depth, &mut dst).expect_err("a read past the depth");
+    assert!(e.to_string().contains("read depth"), "{e}");
+    let mut big = c.alloc_recv(max_read + 1).expect("alloc_recv");
+    let long = Bytes::from(pattern(12, max_read + 1));
+    let exp_long = s.expose(long).expect("expose");
+    // SAFETY: as above.
+    let e = unsafe { c.post_read(999, &exp_long.descriptor, 0, big.as_mut_ptr(), max_read + 1) }
+        .expect_err("a read past max_read");
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
     let mut done = vec![false; n];
-    for _ in 0..n {
+    let mut taken = depth;
+    while done.iter().filter(|d| **d).count() < n {
         match next(&mut c).await.expect("event") {
             LinkEvent::ReadDone { id, result } => {
                 result.expect("read succeeds");
@@ -334,6 +364,10 @@ async fn reads_beyond_the_read_depth_queue_and_all_complete() {
                     !std::mem::replace(&mut done[id as usize], true),
                     "duplicate ReadDone {id}"
                 );
+                if taken < n {
+                    post(&mut c, taken, &mut dst).expect("room after a completion");
+                    taken += 1;
+                }
             }
             other => panic!("unexpected {other:?}"),
         }

@@ -137,6 +137,16 @@ pub(crate) struct ApiRead {
     tx: Option<oneshot::Sender<Result<RecvBuf, Error>>>,
 }
 
+/// One read for the link: a core fragment or a piece of a `read_remote`.
+struct LinkRead {
+    id: u64,
+    descriptor: Bytes,
+    offset: u64,
+    /// Destination address; its owner is in `dests` or `api_reads` until the read is done.
+    dst: usize,
+    len: usize,
+}
+
 /// Everything behind the lock.
 pub(crate) struct State {
     pub core: proto::Connection,
@@ -154,6 +164,11 @@ pub(crate) struct State {
     api_reads: HashMap<u64, ApiRead>,
     api_frags: HashMap<u64, u64>,
     next_api_id: u64,
+    /// Reads the link has outstanding, the core's and `read_remote`'s together: at most
+    /// `info.read_depth`.
+    reads_posted: usize,
+    /// Reads waiting for room under the link's read depth, oldest first.
+    read_wait: VecDeque<LinkRead>,
     probe_exposure: Option<u64>,
     pub closed: Option<Error>,
     /// Destinations that reads may still target: freed only after the link is gone.
@@ -203,6 +218,8 @@ impl State {
         // The driver runs the link's large copies outside the lock (`Driver::poll`).
         link.enable_work();
         let info = link.info();
+        let mut core = core;
+        core.set_max_read(info.max_read);
         // The pool is asked for on first use (`Connection::pool`): on verbs that registers
         // memory, which must not happen at connect or under this lock.
         let pool = None;
@@ -226,6 +243,8 @@ impl State {
             api_reads: HashMap::new(),
             api_frags: HashMap::new(),
             next_api_id: 0,
+            reads_posted: 0,
+            read_wait: VecDeque::new(),
             probe_exposure: None,
             closed: None,
             graveyard: Vec::new(),
@@ -378,8 +397,13 @@ impl State {
         }
         let req = API_READ_BIT | self.next_api_id;
         self.next_api_id += 1;
-        let frag = self.core.fragment_size().max(1);
+        // Pieces as long as the core's fragments, which the link takes whole.
+        let frag = self
+            .core
+            .fragment_size()
+            .clamp(1, self.info.max_read.max(1));
         let nfrags = len.div_ceil(frag).max(1);
+        let desc = Bytes::copy_from_slice(descriptor);
         let base = match staging.as_mut() {
             Some(s) => s.as_mut_ptr(),
             None => dst.as_mut_ptr(),
@@ -396,9 +420,15 @@ impl State {
             let flen = (len - off).min(frag);
             let id = API_READ_BIT | self.next_api_id;
             self.next_api_id += 1;
-            // SAFETY: `dst` is stored in `api_reads` below and only released when every
-            // fragment has completed or (on close) after the link is dropped.
-            let r = unsafe { link.post_read(id, descriptor, off as u64, base.add(off), flen) };
+            // `dst` (or `staging`) is stored in `api_reads` below and only released when
+            // every fragment has completed or (on close) after the link is dropped.
+            let r = self.submit_read(LinkRead {
+                id,
+                descriptor: desc.clone(),
+                offset: off as u64,
+                dst: base as usize + off,
+                len: flen,
+            });
             match r {
                 Ok(()) => {
                     self.api_frags.insert(id, req);
@@ -440,6 +470,50 @@ impl State {
             (None, None) => {
                 let _ = tx.send(Err(Error::LocallyClosed));
             }
+        }
+    }
+
+    /// Posts `r` now if the link has room under its read depth, else queues it. The one
+    /// read scheduler for both the core's fragments and `read_remote`'s pieces. An error
+    /// means the read was not posted and will not complete.
+    fn submit_read(&mut self, r: LinkRead) -> Result<(), Error> {
+        if self.reads_posted < self.info.read_depth.max(1) && self.read_wait.is_empty() {
+            self.post_link_read(r)
+        } else {
+            self.read_wait.push_back(r);
+            Ok(())
+        }
+    }
+
+    fn post_link_read(&mut self, r: LinkRead) -> Result<(), Error> {
+        let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
+        // SAFETY: `r.dst..+r.len` belongs to a buffer held in `dests` or `api_reads` (see
+        // `submit_read`'s callers) until this read completes or the link is dropped.
+        unsafe { link.post_read(r.id, &r.descriptor, r.offset, r.dst as *mut u8, r.len) }?;
+        self.reads_posted += 1;
+        Ok(())
+    }
+
+    /// Posts queued reads while the link has room; a read that cannot be posted completes
+    /// with its error.
+    fn pump_link_reads(&mut self, now: Instant, wake: &mut Wake) {
+        while self.reads_posted < self.info.read_depth.max(1) {
+            let Some(r) = self.read_wait.pop_front() else {
+                break;
+            };
+            let id = r.id;
+            if let Err(e) = self.post_link_read(r) {
+                self.read_finished(id, Err(e), now, wake);
+            }
+        }
+    }
+
+    fn read_finished(&mut self, id: u64, result: Result<(), Error>, now: Instant, wake: &mut Wake) {
+        if id & API_READ_BIT != 0 {
+            self.api_read_done(id, result);
+            wake.app = true;
+        } else {
+            self.core.read_completed(now, id, result);
         }
     }
 
@@ -506,22 +580,17 @@ impl State {
                     );
                     return false;
                 }
-                let ptr = dst.as_mut_ptr();
-                let Some(link) = self.link.as_mut() else {
-                    return false;
-                };
-                // SAFETY: the destination lives in `dests` until the message is delivered (all
-                // reads done) or, on close, in the graveyard until the link is dropped; the
-                // range was bounds-checked above.
-                let r = unsafe {
-                    link.post_read(
-                        id,
-                        &descriptor,
-                        remote_offset,
-                        ptr.add(local_offset as usize),
-                        len,
-                    )
-                };
+                let dst = dst.as_mut_ptr() as usize + local_offset as usize;
+                // The destination lives in `dests` until the message is delivered (all reads
+                // done) or, on close, in the graveyard until the link is dropped; the range was
+                // bounds-checked above.
+                let r = self.submit_read(LinkRead {
+                    id,
+                    descriptor,
+                    offset: remote_offset,
+                    dst,
+                    len,
+                });
                 if let Err(e) = r {
                     self.core.read_completed(now, id, Err(e));
                 }
@@ -683,6 +752,8 @@ impl State {
     /// Fails every application call still waiting; called once the core has closed.
     fn fail_pending(&mut self) {
         let err = self.closed_error();
+        // Their destinations are among what goes to the graveyard below.
+        self.read_wait.clear();
         for (_, s) in self.sends.drain() {
             if let Some(tx) = s.done {
                 let _ = tx.send(Err(err.clone()));
@@ -930,12 +1001,9 @@ impl State {
         match ev {
             Ok(LinkEvent::Frame(f)) => self.core.handle_frame(now, f),
             Ok(LinkEvent::ReadDone { id, result }) => {
-                if id & API_READ_BIT != 0 {
-                    self.api_read_done(id, result);
-                    wake.app = true;
-                } else {
-                    self.core.read_completed(now, id, result);
-                }
+                self.reads_posted = self.reads_posted.saturating_sub(1);
+                self.read_finished(id, result, now, wake);
+                self.pump_link_reads(now, wake);
             }
             Err(e) => self.core.link_failed(e),
         }

@@ -126,6 +126,8 @@ pub struct Connection {
     recv: BTreeMap<MsgId, InMsg>,
     /// Accepted messages with fragments still to issue; reads go out in message order.
     read_queue: BTreeSet<MsgId>,
+    /// The link's longest single read; fragments are never longer.
+    max_read: usize,
     /// Reads in flight: id -> message.
     reads: HashMap<u64, MsgId>,
     next_read_id: u64,
@@ -209,6 +211,7 @@ impl Connection {
             next_deliver: 0,
             recv: BTreeMap::new(),
             read_queue: BTreeSet::new(),
+            max_read: usize::MAX,
             reads: HashMap::new(),
             next_read_id: 0,
             unconsumed: HashMap::new(),
@@ -781,11 +784,18 @@ impl Connection {
 
     /// The rendezvous fragment size in force for this side's reads: configured, else the
     /// probe's verdict, else the default.
+    /// Never longer than the link's longest single read ([`Connection::set_max_read`]).
     pub fn fragment_size(&self) -> usize {
         self.cfg
             .fragment_size
             .or(self.fragment_verdict)
             .unwrap_or(self.cfg.default_fragment_size)
+            .min(self.max_read)
+    }
+
+    /// The link's longest single read (`LinkInfo::max_read`): fragments are cut to it.
+    pub fn set_max_read(&mut self, max_read: usize) {
+        self.max_read = max_read.max(1);
     }
 
     /// The fragment size the probe picked; `None` before it finished, if it did not

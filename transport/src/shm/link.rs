@@ -337,6 +337,8 @@ impl ShmLink {
             one_sided: p.cma,
             peer: format!("pid {} uid {}", p.peer_pid, p.peer_uid),
             pipelined_reads: false,
+            read_depth: usize::MAX,
+            max_read: usize::MAX,
             registrar: None,
         };
         Ok(ShmLink {

@@ -6,9 +6,11 @@
 //!   out. Sends are copied into send slots from the same slabs, also grown on demand (or
 //!   posted inline when small enough); only every Nth send asks for a completion, which on
 //!   RC also retires every unsignalled send before it.
-//! - Rendezvous: `expose` finds the buffer in the user pool or the domain's registration
-//!   cache (registering it there on a miss); the peer pulls it with RDMA READ. `post_read` splits a read into chunks and keeps at most
-//!   the negotiated READ depth outstanding, queueing the rest here.
+//! - Rendezvous: `expose` finds the buffer in the domain's peer-readable slabs, the user
+//!   pool or the registration cache (registering it there on a miss); the peer pulls it with
+//!   RDMA READ. One `post_read` is one work request: the connection schedules reads (it
+//!   cuts them to `LinkInfo::max_read` and keeps at most `LinkInfo::read_depth`, the
+//!   negotiated READ depth, outstanding), so the link keeps no read queue of its own.
 //! - Descriptor (20 bytes, little-endian): `addr u64 | len u64 | rkey u32`.
 //! - Work request ids: the top two bits say receive or send queue; the rest is the receive
 //!   slot or the send-queue sequence number. Send-queue completions arrive in posting order,
@@ -45,8 +47,10 @@ const PEER_EOF_GRACE: Duration = Duration::from_millis(250);
 const WR_KIND: u64 = 3 << 62;
 pub(crate) const IMM_FRAME: u32 = 0;
 pub(crate) const IMM_MARKER: u32 = u32::MAX;
-/// Largest single RDMA READ work request; bigger reads are split (ports cap message size).
-const READ_CHUNK: usize = 1 << 20;
+/// Largest single RDMA READ work request (`LinkInfo::max_read`): the connection's fragments
+/// are never longer, so one `post_read` is one work request. Ports cap the message size;
+/// 1 MiB is well under every cap and long enough to keep the wire busy.
+const MAX_READ: usize = 1 << 20;
 const DESC_LEN: usize = 20;
 /// Receive slots posted at connect: an idle connection costs this many slots, not the
 /// handshake's full count (which a busy one grows to; see `grow_recvs`).
@@ -99,8 +103,9 @@ enum SqKind {
     Send {
         slot: Option<(usize, usize)>,
     },
+    /// `id`: the caller's read id, reported in its `ReadDone`.
     Read {
-        op: u64,
+        id: u64,
     },
     Marker,
 }
@@ -108,21 +113,6 @@ enum SqKind {
 struct SqEntry {
     seq: u64,
     kind: SqKind,
-}
-
-struct Chunk {
-    op: u64,
-    raddr: u64,
-    rkey: u32,
-    laddr: u64,
-    lkey: u32,
-    len: u32,
-}
-
-struct ReadOp {
-    id: u64,
-    left: usize,
-    err: Option<Error>,
 }
 
 struct Exposed {
@@ -193,10 +183,8 @@ pub struct VerbsLink {
     signal_every: usize,
 
     max_rd: usize,
+    /// RDMA READs posted and not completed; the connection keeps it within `max_rd`.
     reads_in_flight: usize,
-    read_queue: VecDeque<Chunk>,
-    reads: HashMap<u64, ReadOp>,
-    next_op: u64,
     next_exposure: u64,
 
     wcs: Vec<Wc>,
@@ -320,9 +308,6 @@ impl VerbsLink {
             signal_every,
             max_rd: p.max_rd,
             reads_in_flight: 0,
-            read_queue: VecDeque::new(),
-            reads: HashMap::new(),
-            next_op: 0,
             next_exposure: 1,
             wcs: Vec::with_capacity(64),
             events: VecDeque::new(),
@@ -503,7 +488,6 @@ impl VerbsLink {
         if recvs * 2 >= self.recv_slots.len() && self.recv_slots.len() < self.n_recv {
             self.grow_recvs();
         }
-        self.pump_reads();
         if self.closing && self.sq.is_empty() {
             self.shutdown_socket();
         }
@@ -581,20 +565,20 @@ impl VerbsLink {
                     }
                 }
                 SqKind::Marker => {}
-                SqKind::Read { op } => {
+                SqKind::Read { id } => {
                     self.reads_in_flight -= 1;
                     let status = if this {
                         wc.status
                     } else {
                         sys::ibv_wc_status::IBV_WC_SUCCESS
                     };
-                    self.read_chunk_done(op, status);
+                    self.read_done(id, status);
                 }
             }
         }
     }
 
-    fn read_chunk_done(&mut self, op: u64, status: u32) {
+    fn read_done(&mut self, id: u64, status: u32) {
         use sys::ibv_wc_status::*;
         let err = match status {
             IBV_WC_SUCCESS => None,
@@ -612,65 +596,11 @@ impl VerbsLink {
         if let Some(e) = &err {
             self.die(e.clone());
         }
-        let Some(r) = self.reads.get_mut(&op) else {
-            return;
+        let result = match err {
+            Some(e) => Err(e),
+            None => Ok(()),
         };
-        r.left -= 1;
-        if r.err.is_none() {
-            r.err = err;
-        }
-        if r.left == 0
-            && let Some(r) = self.reads.remove(&op)
-        {
-            let result = match r.err {
-                Some(e) => Err(e),
-                None => Ok(()),
-            };
-            self.events
-                .push_back(LinkEvent::ReadDone { id: r.id, result });
-        }
-    }
-
-    /// Posts queued READ chunks up to the READ depth; fails them all once the link is dead.
-    fn pump_reads(&mut self) {
-        if let Some(dead) = self.dead.clone() {
-            while let Some(c) = self.read_queue.pop_front() {
-                if let Some(r) = self.reads.get_mut(&c.op) {
-                    r.err.get_or_insert_with(|| dead.clone());
-                }
-                self.read_chunk_done(c.op, sys::ibv_wc_status::IBV_WC_SUCCESS);
-            }
-            return;
-        }
-        while self.reads_in_flight < self.max_rd {
-            let Some(c) = self.read_queue.pop_front() else {
-                break;
-            };
-            let seq = self.next_seq;
-            let mut guard = self.qp.start_post_send();
-            let wr = guard
-                .construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled)
-                .setup_read(c.rkey, c.raddr);
-            // SAFETY: `laddr..+len` lies in registered memory that the caller of `post_read`
-            // keeps alive until the ReadDone (or until the link, and so the QP, is dropped).
-            unsafe { wr.setup_sge(c.lkey, c.laddr, c.len) };
-            if let Err(e) = guard.post() {
-                if let Some(r) = self.reads.get_mut(&c.op) {
-                    r.err.get_or_insert_with(|| {
-                        Error::io("posting an RDMA READ", std::io::Error::other(e.to_string()))
-                    });
-                }
-                self.read_chunk_done(c.op, sys::ibv_wc_status::IBV_WC_SUCCESS);
-                self.die(Error::io("posting an RDMA READ", std::io::Error::other(e)));
-                return self.pump_reads();
-            }
-            self.next_seq += 1;
-            self.reads_in_flight += 1;
-            self.sq.push_back(SqEntry {
-                seq,
-                kind: SqKind::Read { op: c.op },
-            });
-        }
+        self.events.push_back(LinkEvent::ReadDone { id, result });
     }
 
     /// Takes completions without waiting.
@@ -726,6 +656,8 @@ impl Link for VerbsLink {
             one_sided: true,
             peer: self.peer.clone(),
             pipelined_reads: true,
+            read_depth: self.max_rd,
+            max_read: MAX_READ,
             registrar: Some(Arc::new(DomainRegistrar(self.domain.clone()))),
         }
     }
@@ -989,30 +921,38 @@ impl Link for VerbsLink {
                     .into(),
             ));
         };
-        let op = self.next_op;
-        self.next_op += 1;
-        let chunks = len.div_ceil(READ_CHUNK);
-        self.reads.insert(
-            op,
-            ReadOp {
-                id,
-                left: chunks,
-                err: None,
-            },
-        );
-        for i in 0..chunks {
-            let off = i * READ_CHUNK;
-            let n = READ_CHUNK.min(len - off);
-            self.read_queue.push_back(Chunk {
-                op,
-                raddr: d.addr + offset + off as u64,
-                rkey: d.rkey,
-                laddr: dst as u64 + off as u64,
-                lkey,
-                len: n as u32,
+        if len > MAX_READ {
+            return Err(Error::TooLarge {
+                len: len as u64,
+                limit: MAX_READ as u64,
+                which: "one RDMA READ (LinkInfo::max_read): split the read",
             });
         }
-        self.pump_reads();
+        if self.reads_in_flight >= self.max_rd {
+            return Err(Error::Config(format!(
+                "{} RDMA READs already outstanding, the link's read depth (LinkInfo::read_depth): post the next once one completes",
+                self.reads_in_flight
+            )));
+        }
+        let seq = self.next_seq;
+        let mut guard = self.qp.start_post_send();
+        let wr = guard
+            .construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled)
+            .setup_read(d.rkey, d.addr + offset);
+        // SAFETY: `dst..+len` lies in registered memory (lkey_for found it) that the caller
+        // keeps alive until the ReadDone, or until the link, and so the QP, is dropped.
+        unsafe { wr.setup_sge(lkey, dst as u64, len as u32) };
+        if let Err(e) = guard.post() {
+            let e = Error::io("posting an RDMA READ", std::io::Error::other(e.to_string()));
+            self.die(e.clone());
+            return Err(e);
+        }
+        self.next_seq += 1;
+        self.reads_in_flight += 1;
+        self.sq.push_back(SqEntry {
+            seq,
+            kind: SqKind::Read { id },
+        });
         Ok(())
     }
 
