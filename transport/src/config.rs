@@ -42,8 +42,10 @@ pub struct Config {
     /// is always let through, so the bound is the larger of this and `max_message_size`
     /// (`IBEX_RNDV_RECV_BUDGET`; default 256 MiB).
     pub rndv_recv_budget: usize,
-    /// Size of the registered pool (shm: shared segment per connection; verbs: one slab per
-    /// process and device, registered the first time something asks for it).
+    /// Size of the registered pool (shm: shared segment per connection; verbs: the bound on
+    /// the peer-readable slabs `Connection::alloc` draws from, per process and device, and
+    /// the size of the one-piece `Connection::pool`, registered the first time something
+    /// asks for it). `IBEX_POOL_SIZE`.
     pub pool_size: usize,
     /// verbs: upper bound on the local memory this process registers on one device for eager
     /// slots, send slots and RDMA READ destinations, shared by all its connections there
@@ -138,7 +140,8 @@ impl Config {
     /// The default configuration with environment overrides applied
     /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_SPIN_US`,
     /// `IBEX_AUTH_TOKEN`, `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`,
-    /// `IBEX_RNDV_RECV_BUDGET`, `IBEX_KEEPALIVE_MS`, `IBEX_KEEPALIVE_TIMEOUT_MS`).
+    /// `IBEX_RNDV_RECV_BUDGET`, `IBEX_KEEPALIVE_MS`, `IBEX_KEEPALIVE_TIMEOUT_MS`,
+    /// `IBEX_POOL_SIZE`).
     pub fn from_env() -> Result<Self> {
         Config::default().with_env()
     }
@@ -161,6 +164,9 @@ impl Config {
         }
         if let Some(v) = env_usize("IBEX_REG_CACHE_SIZE")? {
             self.reg_cache_size = v;
+        }
+        if let Some(v) = env_usize("IBEX_POOL_SIZE")? {
+            self.pool_size = v;
         }
         if let Some(t) = env_millis("IBEX_PROBE_TIMEOUT_MS", 2000)? {
             self.probe_timeout = t;

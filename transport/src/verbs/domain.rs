@@ -197,11 +197,17 @@ impl Domain {
                 libc::fcntl(async_fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
             }
         }
-        let local = SlabSet::new(&dev, config.verbs_mem_limit, AccessFlags::LocalWrite);
+        let local = SlabSet::new(
+            &dev,
+            config.verbs_mem_limit,
+            "registered memory of this process on the device (Config::verbs_mem_limit, IBEX_VERBS_MEM_LIMIT): raise it, or lower Config::credits/slot_size or the messages in flight",
+            AccessFlags::LocalWrite,
+        );
         // The bound that used to be the one-piece user pool's size.
         let exposable = SlabSet::new(
             &dev,
             config.pool_size,
+            "peer-readable registered memory of this process on the device (Config::pool_size, IBEX_POOL_SIZE): raise it, or hold fewer exposed buffers at once",
             AccessFlags::LocalWrite | AccessFlags::RemoteRead,
         );
         let name = dev.name.clone();
@@ -669,6 +675,8 @@ struct RegSlab {
 pub(crate) struct SlabSet {
     pd: Arc<sideway::ibverbs::protection_domain::ProtectionDomain>,
     limit: usize,
+    /// The setting that bounds this set, for the error past it.
+    bound_by: &'static str,
     access: AccessFlags,
     slabs: Mutex<Vec<RegSlab>>,
     /// Bytes being registered right now (counted against the limit).
@@ -676,10 +684,11 @@ pub(crate) struct SlabSet {
 }
 
 impl SlabSet {
-    fn new(dev: &Device, limit: usize, access: AccessFlags) -> SlabSet {
+    fn new(dev: &Device, limit: usize, bound_by: &'static str, access: AccessFlags) -> SlabSet {
         SlabSet {
             pd: dev.pd.clone(),
             limit,
+            bound_by,
             access,
             slabs: Mutex::new(Vec::new()),
             registering: Mutex::new(0),
@@ -735,7 +744,7 @@ impl SlabSet {
                 return Err(Error::TooLarge {
                     len: (have + *reg + size) as u64,
                     limit: self.limit as u64,
-                    which: "registered memory of this process on the device (Config::verbs_mem_limit, IBEX_VERBS_MEM_LIMIT): raise it, or lower Config::credits/slot_size or the messages in flight",
+                    which: self.bound_by,
                 });
             }
             *reg += size;
