@@ -16,6 +16,12 @@
 //!   reports 23,851,784 = these minus the 17,216 gammas (its batch norms have `scale=False`)
 //!   plus 34,432 moving means and variances. With torchvision's auxiliary head
 //!   (`aux_logits=True`, its default): 292 tensors, 27,161,264 parameters.
+//! - WRN-16-4 for CIFAR-10: Zagoruyko & Komodakis 2016, "Wide Residual Networks" (2.7M
+//!   parameters in their table 1), as in their reference code: pre-activation basic blocks
+//!   (batch norm, ReLU, 3x3 conv, twice), convs without bias, a 1x1 projection where the
+//!   width changes, a final batch norm and a 10-way FC. 44 tensors, 2,748,890 parameters. A
+//!   small real model: what fits eight workers in the 2 GiB Soft-RoCE VM, while its wide
+//!   layers (up to 2.4 MB) still travel one-sided.
 
 use clap::ValueEnum;
 
@@ -28,6 +34,9 @@ pub enum Model {
     Vgg16,
     /// Inception-v3 without the auxiliary head: 284 tensors, 23.8M parameters.
     Inception3,
+    /// WRN-16-4 (CIFAR-10): 44 tensors, 2.7M parameters.
+    #[value(name = "wrn16-4")]
+    Wrn16x4,
 }
 
 impl Model {
@@ -37,6 +46,7 @@ impl Model {
             Model::Resnet50 => "resnet50",
             Model::Vgg16 => "vgg16",
             Model::Inception3 => "inception3",
+            Model::Wrn16x4 => "wrn16-4",
         }
     }
 
@@ -46,6 +56,7 @@ impl Model {
             Model::Resnet50 => resnet50(),
             Model::Vgg16 => vgg16(),
             Model::Inception3 => inception3(false),
+            Model::Wrn16x4 => wrn(16, 4, 10),
         }
     }
 }
@@ -89,6 +100,11 @@ impl Net {
         self.var(format!("{name}/bn/gamma"), vec![cout]);
         self.var(format!("{name}/bn/beta"), vec![cout]);
     }
+    /// Batch norm's trainable pair (pre-activation nets put it before the conv).
+    fn bn(&mut self, name: &str, c: usize) {
+        self.var(format!("{name}/gamma"), vec![c]);
+        self.var(format!("{name}/beta"), vec![c]);
+    }
     fn dense(&mut self, name: &str, cin: usize, cout: usize) {
         self.var(format!("{name}/kernel"), vec![cin, cout]);
         self.var(format!("{name}/bias"), vec![cout]);
@@ -96,6 +112,31 @@ impl Net {
 }
 
 const CLASSES: usize = 1000;
+
+/// A wide ResNet WRN-`depth`-`k` for 32x32 images: a 3x3 stem of 16, three groups of
+/// `(depth - 4) / 6` pre-activation blocks of widths 16k, 32k, 64k, final batch norm, FC.
+fn wrn(depth: usize, k: usize, classes: usize) -> Vec<Var> {
+    let mut n = Net::default();
+    n.var("conv1/kernel".into(), vec![3, 3, 3, 16]);
+    let blocks = (depth - 4) / 6;
+    let mut cin = 16;
+    for (g, width) in [16 * k, 32 * k, 64 * k].into_iter().enumerate() {
+        for b in 0..blocks {
+            let p = format!("group{}.{b}", g + 1);
+            n.bn(&format!("{p}.bn1"), cin);
+            n.var(format!("{p}.conv1/kernel"), vec![3, 3, cin, width]);
+            n.bn(&format!("{p}.bn2"), width);
+            n.var(format!("{p}.conv2/kernel"), vec![3, 3, width, width]);
+            if cin != width {
+                n.var(format!("{p}.shortcut/kernel"), vec![1, 1, cin, width]);
+            }
+            cin = width;
+        }
+    }
+    n.bn("bn", cin);
+    n.dense("fc", cin, classes);
+    n.0
+}
 
 /// ResNet-50 v1.5: stem, bottleneck stages of 3, 4, 6, 3 blocks (widths 64..512, expansion 4,
 /// a projection shortcut on each stage's first block), global pool, FC.
@@ -266,8 +307,26 @@ mod tests {
     }
 
     #[test]
+    fn wrn16_4_matches_the_paper() {
+        let v = Model::Wrn16x4.variables();
+        assert_eq!(v.len(), 44);
+        assert_eq!(kernels(&v, 4), 1 + 2 * 6 + 3);
+        assert_eq!(params(&v), 2_748_890);
+        // "2.7M" (Zagoruyko & Komodakis, table 1).
+        assert_eq!((params(&v) as f64 / 1e5).round(), 27.0);
+        // The widest layer travels one-sided (>= 256 KiB), the small ones inline.
+        let largest = v.iter().map(|x| x.numel() * 4).max().unwrap();
+        assert_eq!(largest, 3 * 3 * 256 * 256 * 4);
+    }
+
+    #[test]
     fn names_are_unique() {
-        for m in [Model::Resnet50, Model::Vgg16, Model::Inception3] {
+        for m in [
+            Model::Resnet50,
+            Model::Vgg16,
+            Model::Inception3,
+            Model::Wrn16x4,
+        ] {
             let v = m.variables();
             let mut names: Vec<&str> = v.iter().map(|x| x.name.as_str()).collect();
             names.sort_unstable();

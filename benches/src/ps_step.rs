@@ -365,6 +365,7 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
         return Err("--steps must be at least 1".into());
     }
     let mut ps_procs = Vec::new();
+    let mut metrics_ports = Vec::new();
     let addrs: Vec<String> = if a.connect.is_empty() {
         if a.ps == 0 {
             return Err("--ps must be at least 1".into());
@@ -375,6 +376,8 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
             .collect::<Res<Vec<String>>>()?;
         let spec = cluster(&addrs, a.workers, kind)?;
         for i in 0..a.ps {
+            let port = free_port()?;
+            metrics_ports.push(port);
             let mut c = Command::new(&bin);
             c.args([
                 "--listen",
@@ -387,6 +390,7 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
                 "sync",
             ]);
             c.args(["--sync-timeout-secs", "120"]);
+            c.args(["--metrics", &format!("127.0.0.1:{port}")]);
             ps_procs.push(Proc::spawn(format!("ibex-ps shard {i}"), c)?);
         }
         addrs
@@ -454,6 +458,7 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
         .iter()
         .map(|p| report::peak_rss_kib(p.child.id()))
         .sum();
+    report_registrations(&metrics_ports, steps + warmup);
     let mut results = Vec::new();
     for w in &mut workers {
         let lines = w
@@ -469,6 +474,45 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
         results.push(serde_json::from_str::<WorkerResult>(line)?);
     }
     fold(a, &results, server_rss_kib)
+}
+
+/// Where memory gets registered (verbs), what the PS shards' /metrics say about it over the
+/// whole run (warm-up included): exposures that needed no registration, ones that did, and
+/// `ibv_reg_mr` calls. Printed on stderr; nothing where no shard registers anything.
+fn report_registrations(ports: &[u16], steps: usize) {
+    let (mut hits, mut misses, mut regs, mut seen) = (0u64, 0u64, 0u64, false);
+    for &port in ports {
+        let Some(page) = scrape(port) else { continue };
+        let sum = |prefix: &str| -> u64 {
+            page.lines()
+                .filter(|l| l.starts_with(prefix))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+                .sum()
+        };
+        seen |= page.contains("ibex_verbs_registrations_total");
+        hits += sum("ibex_transport_reg_cache_hits_total")
+            + sum("ibex_transport_exposed_from_pool_total");
+        misses += sum("ibex_transport_reg_cache_misses_total");
+        regs += sum("ibex_verbs_registrations_total");
+    }
+    if seen {
+        eprintln!(
+            "ps-step: PS shards over {steps} steps (warm-up included): pull exposures {hits} needing no registration, {misses} registering ({:.1}% hits); ibv_reg_mr {regs} in all",
+            100.0 * hits as f64 / (hits + misses).max(1) as f64
+        );
+    }
+}
+
+/// A shard's /metrics page, or `None` if it does not answer within a few seconds.
+fn scrape(port: u16) -> Option<String> {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
 }
 
 fn fold(a: &PsStepArgs, results: &[WorkerResult], server_rss_kib: u64) -> Res<Record> {

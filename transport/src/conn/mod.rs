@@ -172,7 +172,8 @@ impl Connection {
     /// Sends straight from a buffer the caller owns and hands it back once the peer is done
     /// with it. Large messages are read by the peer from this buffer (no copy on this side;
     /// none at all for registered-pool buffers on shm). Eager-sized ones are copied into a
-    /// slot anyway, so they are copied and the buffer comes back at once.
+    /// slot anyway, so they are copied and the buffer comes back at once; so are, on verbs,
+    /// unregistered ones up to 1 MiB, copied into registered memory (see `BOUNCE_MAX`).
     pub async fn send_owned<B>(&self, buf: B) -> Result<B>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
@@ -204,7 +205,7 @@ impl Connection {
 
     async fn send_inner(
         &self,
-        msg: Bytes,
+        mut msg: Bytes,
         done: Option<oneshot::Sender<Result<()>>>,
     ) -> Result<()> {
         let shared = self.shared();
@@ -216,10 +217,22 @@ impl Connection {
             })
         };
         if let Some(r) = registrar {
-            // Registered here, before the lock, without an await: callers rely on a send
-            // that was polled once being queued in call order and not cut off half-way by
+            // Done here, before the lock, without an await: callers rely on a send that was
+            // polled once being queued in call order and not cut off half-way by
             // cancellation (the gRPC layer sends a head and then its body).
-            outside_runtime(|| r.prepare(&msg))?;
+            if msg.len() <= BOUNCE_MAX {
+                // A fresh buffer (an encoded gRPC body, say) would be registered for this one
+                // send and never hit the cache again: a copy into memory that is registered
+                // already costs less than `ibv_reg_mr` and its undoing.
+                msg = outside_runtime(|| -> Result<Bytes> {
+                    let mut b = r.alloc(msg.len())?;
+                    b.copy_from_slice(&msg);
+                    Ok(b.freeze())
+                })
+                .or_else(|_| outside_runtime(|| r.prepare(&msg)).map(|()| msg))?;
+            } else {
+                outside_runtime(|| r.prepare(&msg))?;
+            }
         }
         loop {
             let space = shared.send_space.notified();
@@ -915,6 +928,13 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 /// Runs blocking work synchronously without holding up the runtime: on a multi-thread
 /// runtime the worker hands its other tasks to the rest first (`block_in_place`); a
 /// current-thread runtime has no other worker to hand them to, so it runs in place.
+/// Rendezvous sends of unregistered memory up to this long are copied into registered memory
+/// instead of being registered (verbs): the memcpy of at most 1 MiB (about 50 µs here, less
+/// for the typical few-KiB body) is cheaper than registering and deregistering pages that
+/// the next send will not reuse. Longer ones are registered (and cached), where the copy
+/// would cost more than the registration.
+const BOUNCE_MAX: usize = 1 << 20;
+
 fn outside_runtime<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),

@@ -59,10 +59,11 @@ pub(crate) const SLAB: usize = 4 << 20;
 const CACHE_ENTRIES: usize = 1024;
 /// How often the domain thread wakes without an event (trimming, stop checks).
 const TICK: Duration = Duration::from_millis(250);
-/// A slab free for this many ticks in a row (about 4 s) is deregistered (one free slab is
-/// always kept). Long enough that memory a training step frees and takes again a moment
-/// later (pull snapshots, read destinations) stays registered from step to step.
-const IDLE_TICKS: u32 = 16;
+/// A slab free for this many ticks in a row (about 10 s) is deregistered (one free slab is
+/// always kept). Long enough that memory a training step frees and takes again a step
+/// later (pull snapshots, read destinations) stays registered from step to step, even at
+/// the seconds per step of an emulated device.
+const IDLE_TICKS: u32 = 40;
 
 /// A cached registration's key: the exact range, `(address, length)`.
 pub(crate) type CacheKey = (usize, usize);
