@@ -1270,4 +1270,31 @@ mod tests {
         assert_eq!(&vals[0].2[..], &[0.0f32.to_le_bytes(); 4].concat()[..]);
         done.store(true, std::sync::atomic::Ordering::Relaxed);
     }
+
+    /// Pulls of one version share one snapshot (one copy, not one per worker); an update
+    /// makes the next read copy afresh, while the old snapshot keeps the old values.
+    #[tokio::test]
+    async fn reads_of_one_version_share_a_snapshot_until_the_next_update() {
+        let s = shard();
+        let (_, a) = s.read(vec!["w".into()]).await.unwrap();
+        let (_, b) = s.read(vec!["w".into()]).await.unwrap();
+        assert_eq!(
+            a[0].2.as_ptr(),
+            b[0].2.as_ptr(),
+            "the second read copied again"
+        );
+        s.push(
+            0,
+            0,
+            vec![Grad::Dense {
+                name: "w".into(),
+                values: vec![2.0; 4].into(),
+            }],
+        )
+        .await
+        .unwrap();
+        let (_, c) = s.read(vec!["w".into()]).await.unwrap();
+        assert_eq!(&c[0].2[..], &[0.0f32.to_le_bytes(); 4].concat()[..]);
+        assert_eq!(&a[0].2[..], &[1.0f32.to_le_bytes(); 4].concat()[..]);
+    }
 }

@@ -84,6 +84,9 @@ pub trait Registrar: Send + Sync + std::fmt::Debug {
     /// `len` bytes of memory that exposing registers nothing for, taken from registered
     /// memory grown on demand (bounded by `Config::pool_size`). May block to register.
     fn alloc(&self, len: usize) -> Result<PoolBufMut, Error>;
+    /// As [`Registrar::alloc`] when registered memory has room now; `None` instead of
+    /// registering more. Never blocks.
+    fn try_alloc(&self, len: usize) -> Option<PoolBufMut>;
     /// Drops a cached registration of exactly `ptr..ptr+len` that no exposure uses, and the
     /// reference to the buffer it holds: for memory going back to its owner. May block.
     fn forget(&self, ptr: usize, len: usize);

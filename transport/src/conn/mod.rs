@@ -220,10 +220,17 @@ impl Connection {
             // Done here, before the lock, without an await: callers rely on a send that was
             // polled once being queued in call order and not cut off half-way by
             // cancellation (the gRPC layer sends a head and then its body).
-            if msg.len() <= BOUNCE_MAX {
+            if msg.len() <= BOUNCE_MAX
+                && let Some(mut b) = r.try_alloc(msg.len())
+            {
                 // A fresh buffer (an encoded gRPC body, say) would be registered for this one
                 // send and never hit the cache again: a copy into memory that is registered
-                // already costs less than `ibv_reg_mr` and its undoing.
+                // already costs less than `ibv_reg_mr` and its undoing. Usually a slab has
+                // room, and nothing here blocks.
+                b.copy_from_slice(&msg);
+                msg = b.freeze();
+            } else if msg.len() <= BOUNCE_MAX {
+                // No room: growing the slabs registers, so it runs off the runtime.
                 msg = outside_runtime(|| -> Result<Bytes> {
                     let mut b = r.alloc(msg.len())?;
                     b.copy_from_slice(&msg);
@@ -925,9 +932,6 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
         .map_err(|e| Error::io("registering memory", std::io::Error::other(e.to_string())))?
 }
 
-/// Runs blocking work synchronously without holding up the runtime: on a multi-thread
-/// runtime the worker hands its other tasks to the rest first (`block_in_place`); a
-/// current-thread runtime has no other worker to hand them to, so it runs in place.
 /// Rendezvous sends of unregistered memory up to this long are copied into registered memory
 /// instead of being registered (verbs): the memcpy of at most 1 MiB (about 50 µs here, less
 /// for the typical few-KiB body) is cheaper than registering and deregistering pages that
@@ -935,6 +939,9 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 /// would cost more than the registration.
 const BOUNCE_MAX: usize = 1 << 20;
 
+/// Runs blocking work synchronously without holding up the runtime: on a multi-thread
+/// runtime the worker hands its other tasks to the rest first (`block_in_place`); a
+/// current-thread runtime has no other worker to hand them to, so it runs in place.
 fn outside_runtime<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),

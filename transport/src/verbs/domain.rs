@@ -322,11 +322,16 @@ impl Domain {
         })
     }
 
+    /// Peer-readable memory for `len` bytes if a slab has room now. Never registers.
+    pub fn try_exposable(&self, len: usize) -> Option<PoolBufMut> {
+        self.exposable.try_alloc(len).0.map(|(b, _)| b)
+    }
+
     /// Peer-readable memory for `len` bytes: exposing it registers nothing. Takes room in a
     /// slab, registering one that fits when none has room (blocks then: call it off the
     /// runtime, or accept a one-time stall for long-lived buffers).
     pub fn alloc_exposable(&self, len: usize) -> Result<PoolBufMut> {
-        if let (Some((b, _)), _) = self.exposable.try_alloc(len) {
+        if let Some(b) = self.try_exposable(len) {
             return Ok(b);
         }
         self.exposable.grow(len, &self.counters)?;

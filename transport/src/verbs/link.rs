@@ -240,6 +240,9 @@ impl Registrar for DomainRegistrar {
     fn alloc(&self, len: usize) -> Result<PoolBufMut> {
         self.0.alloc_exposable(len)
     }
+    fn try_alloc(&self, len: usize) -> Option<PoolBufMut> {
+        self.0.try_exposable(len)
+    }
     fn forget(&self, ptr: usize, len: usize) {
         self.0.forget((ptr, len));
     }
