@@ -3,6 +3,7 @@
 //! Cross-process cases re-run this test binary as the peer (`IBEX_TEST_ROLE` set), so the
 //! peer is a real separate process that can be killed.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -381,6 +382,77 @@ async fn shm_pool_buffers_move_without_copy() {
         pool.free_bytes() > free_before,
         "pool buffer was not released after the view was dropped"
     );
+}
+
+/// All shm connections between the same two processes share one pool per side (here the
+/// "two processes" are the dialing and the accepting ends of this one): a buffer carved for
+/// one connection moves with no copy over another, and both directions keep working at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_connections_of_one_process_pair_share_one_pool() {
+    init_tracing();
+    let cfg = fixed_threshold(4096);
+    let l = listen(&uri("shm", "sharedpool"), cfg.clone())
+        .await
+        .expect("listen");
+    let at = l.local_uri();
+    let mut pairs = Vec::new();
+    for _ in 0..3 {
+        let (s, c) = tokio::join!(l.accept(), connect(&at, cfg.clone()));
+        pairs.push((c.expect("connect"), s.expect("accept")));
+    }
+    let dial = pairs[0].0.pool().unwrap();
+    let acc = pairs[0].1.pool().unwrap();
+    assert!(
+        !Arc::ptr_eq(&dial, &acc),
+        "the two ends carve separate pools"
+    );
+    for (c, s) in &pairs[1..] {
+        assert!(Arc::ptr_eq(&c.pool().unwrap(), &dial), "dialing ends share");
+        assert!(
+            Arc::ptr_eq(&s.pool().unwrap(), &acc),
+            "accepting ends share"
+        );
+    }
+
+    // Carved on connection 0, sent on 1 and 2 at once, both ways.
+    let mut jobs = Vec::new();
+    for (i, (c, s)) in pairs.iter().enumerate().skip(1) {
+        let mut up = pairs[0].0.alloc(3 << 20).expect("pool alloc");
+        up.iter_mut()
+            .enumerate()
+            .for_each(|(j, x)| *x = (j * 7 + i) as u8);
+        let up = up.freeze();
+        let mut down = pairs[0].1.alloc(2 << 20).expect("pool alloc");
+        down.iter_mut()
+            .enumerate()
+            .for_each(|(j, x)| *x = (j * 13 + i) as u8);
+        let down = down.freeze();
+        let (c, s) = (c.clone(), s.clone());
+        jobs.push(tokio::spawn(async move {
+            let (a, b) = tokio::join!(c.send(up.clone()), s.send(down.clone()));
+            a.unwrap();
+            b.unwrap();
+            let (got_up, got_down) = tokio::join!(s.recv(), c.recv());
+            assert_eq!(got_up.unwrap(), up);
+            assert_eq!(got_down.unwrap(), down);
+            for side in [&c, &s] {
+                let st = side.stats();
+                assert_eq!(st.rndv_mapped_msgs, 1, "{st}");
+                assert_eq!(st.payload_bytes_copied(), 0, "{st}");
+            }
+        }));
+    }
+    for j in jobs {
+        j.await.expect("transfer");
+    }
+    // Closing one connection leaves the pool to the others.
+    let (c0, s0) = pairs.remove(0);
+    c0.close().await;
+    drop((c0, s0));
+    let (c, s) = &pairs[0];
+    let buf = c.alloc(1 << 20).expect("pool alloc after a close").freeze();
+    c.send(buf.clone()).await.unwrap();
+    assert_eq!(s.recv().await.unwrap(), buf);
 }
 
 #[tokio::test]

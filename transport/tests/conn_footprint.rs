@@ -34,6 +34,14 @@ fn memfd_maps() -> (usize, u64) {
     (n, kib)
 }
 
+/// How many of this process's mappings are shm pools (ours and the peers').
+fn pool_maps() -> usize {
+    let s = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    s.lines()
+        .filter(|l| l.contains("/memfd:ibex-shm-pool"))
+        .count()
+}
+
 async fn footprint(provider: &str) {
     let n: usize = std::env::var("IBEX_TEST_CONNS")
         .ok()
@@ -58,7 +66,7 @@ async fn footprint(provider: &str) {
         }
         tasks
     });
-    let (rss0, maps0) = (status_kib("VmRSS:"), memfd_maps());
+    let (rss0, maps0, pools0) = (status_kib("VmRSS:"), memfd_maps(), pool_maps());
     let start = Instant::now();
     let mut conns = Vec::new();
     for _ in 0..n {
@@ -66,7 +74,7 @@ async fn footprint(provider: &str) {
     }
     let connect = start.elapsed();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (rss1, maps1) = (status_kib("VmRSS:"), memfd_maps());
+    let (rss1, maps1, pools1) = (status_kib("VmRSS:"), memfd_maps(), pool_maps());
     let mut jobs = Vec::new();
     for c in &conns {
         let c = c.clone();
@@ -79,6 +87,18 @@ async fn footprint(provider: &str) {
         j.await.expect("connection task");
     }
     let rss2 = status_kib("VmRSS:");
+    // Pool buffers (shm: zero copy), one connection after the other: connections of one
+    // process pair share one pool, so each reuses the pages the one before touched.
+    let mut rss3 = rss2;
+    if provider == "shm" {
+        for c in &conns {
+            let mut b = c.alloc(1 << 20).expect("pool alloc");
+            b.fill(7);
+            c.send(b.freeze()).await.expect("pool push");
+            assert_eq!(c.recv().await.expect("pull").len(), 1 << 20);
+        }
+        rss3 = status_kib("VmRSS:");
+    }
     for c in &conns {
         c.close().await;
     }
@@ -87,14 +107,22 @@ async fn footprint(provider: &str) {
         let _ = t.await;
     }
     println!(
-        "footprint {provider}: {n} connections, connect {:.1} ms each; RSS KiB before {rss0}, idle {rss1} (+{} per connection, both ends), after a 1 MiB push+pull each {rss2}; memfd mappings {} -> {} ({} -> {} KiB mapped), VmPin {} KiB",
+        "footprint {provider}: {n} connections, connect {:.1} ms each; RSS KiB before {rss0}, idle {rss1} (+{} per connection, both ends), after a 1 MiB push+pull each {rss2}, after a 1 MiB pool push on each in turn {rss3} (+{} KiB); memfd mappings {} -> {} ({} -> {} KiB mapped), VmPin {} KiB",
         connect.as_secs_f64() * 1e3 / n as f64,
         rss1.saturating_sub(rss0) / n as u64,
+        rss3.saturating_sub(rss2),
         maps0.0,
         maps1.0,
         maps0.1,
         maps1.1,
         status_kib("VmPin:"),
+    );
+    // One pool per side of the process pair, each mapped by the other end: four mappings
+    // in this one process (which is both ends), whatever the connection count.
+    assert!(
+        pools1 - pools0 <= 4,
+        "{n} {provider} connections between two ends added {} pool mappings; the pair should share one pool per side",
+        pools1 - pools0
     );
     // Loose bounds: pages are touched lazily on shm and tcp, so an idle connection's
     // resident cost is its slots and bookkeeping, not its 256 MiB pool.

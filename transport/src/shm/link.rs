@@ -25,6 +25,7 @@ use tokio::net::UnixStream;
 use super::cma;
 use super::ring::{Consumer, HEADER_BYTES, Producer, RingHeader};
 use super::segment::{self, MappedSlice, Mapping};
+use super::share::OwnPool;
 use crate::error::{Error, Result};
 use crate::link::{Exposure, Link, LinkEvent, LinkInfo, Registration, Work};
 use crate::pool::Pool;
@@ -195,8 +196,10 @@ pub(crate) struct Parts {
     pub tx_cap: usize,
     pub rx_map: Mapping,
     pub rx_cap: usize,
-    pub pool_map: Mapping,
-    pub peer_pool: Mapping,
+    /// Our pool, shared by every connection with this peer process (`share.rs`).
+    pub pool: Arc<OwnPool>,
+    /// The peer's pool, mapped once per peer process.
+    pub peer_pool: Arc<Mapping>,
     pub bounce: Mapping,
     pub bounce_slot: usize,
     pub peer_bounce: Mapping,
@@ -245,7 +248,9 @@ pub struct ShmLink {
     /// and again is not held up, and an idle link goes straight back to sleep.
     spin: Duration,
     tx_hot: bool,
-    pool: Arc<Pool>,
+    /// Holding the `OwnPool` (not just its `Pool`) keeps it in the process-pair registry
+    /// for as long as this link lives.
+    pool: Arc<OwnPool>,
     peer_pool: Arc<Mapping>,
     bounce: Mapping,
     bounce_slot: usize,
@@ -312,11 +317,6 @@ impl ShmLink {
                 ),
             )
         };
-        let pool_map = Arc::new(p.pool_map);
-        let (base, size) = (pool_map.ptr(), pool_map.len());
-        // SAFETY: the mapping is read-write, `size` bytes long, and kept alive by the Arc
-        // the pool owns; nothing else in this process carves it.
-        let pool = unsafe { Pool::from_raw(base, size, Box::new(pool_map)) };
         let nslots = p.bounce.len() / p.bounce_slot;
         let wrap = |fd: OwnedFd, what: &str| {
             // SAFETY: the `AsyncFd` owns the `OwnedFd`, which stays open and unchanged until
@@ -351,8 +351,8 @@ impl ShmLink {
             rx_sleeping: false,
             spin: p.spin,
             tx_hot: true,
-            pool,
-            peer_pool: Arc::new(p.peer_pool),
+            pool: p.pool,
+            peer_pool: p.peer_pool,
             bounce: p.bounce,
             bounce_slot: p.bounce_slot,
             peer_bounce: p.peer_bounce,
@@ -916,7 +916,7 @@ impl Link for ShmLink {
         let id = self.next_region;
         self.next_region += 1;
         let len = buf.len() as u64;
-        let (desc, zero_copy) = match self.pool.offset_of(buf.as_ptr(), buf.len()) {
+        let (desc, zero_copy) = match self.pool.pool.offset_of(buf.as_ptr(), buf.len()) {
             Some(off) => (
                 Desc::Pool {
                     offset: off as u64,
@@ -1088,7 +1088,7 @@ impl Link for ShmLink {
     }
 
     fn pool(&self) -> Option<Arc<Pool>> {
-        Some(self.pool.clone())
+        Some(self.pool.pool.clone())
     }
 
     fn enable_work(&mut self) {

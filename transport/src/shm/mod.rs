@@ -8,8 +8,9 @@
 //! Data paths of a [`ShmLink`]:
 //! - eager frames go through a lock-free SPSC ring (`ring.rs`) in a segment the sender owns
 //!   and the receiver maps, one ring per direction;
-//! - rendezvous from the registered pool ([`crate::link::Link::pool`], one memfd per side,
-//!   mapped read-only by the peer) needs no copy at all: the receiver maps the descriptor
+//! - rendezvous from the registered pool ([`crate::link::Link::pool`], one memfd per side
+//!   and process pair, shared by all the pair's connections (`share.rs`), mapped read-only
+//!   by the peer) needs no copy at all: the receiver maps the descriptor
 //!   ([`crate::link::Link::map_remote`]);
 //! - rendezvous from any other buffer is a single copy with CMA (`cma.rs`,
 //!   `process_vm_readv`) or, where CMA is denied, a pipelined copy through the owner's
@@ -26,6 +27,7 @@ mod link;
 pub(crate) mod ring;
 mod segment;
 mod setup;
+mod share;
 
 pub use link::ShmLink;
 pub use setup::{SETUP_TIMEOUT, ShmListener, check_peer_preface, connect, listen};

@@ -27,6 +27,7 @@ use super::cma;
 use super::link::{Parts, ShmLink};
 use super::ring::{self, HEADER_BYTES};
 use super::segment::{self, Mapping};
+use super::share;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::preface::{self, Preface, Provider};
@@ -151,7 +152,7 @@ impl ShmListener {
     pub async fn accept(&self) -> Result<ShmLink> {
         loop {
             let stream = self.accept_stream().await?;
-            match establish(stream, &self.config, &self.path).await? {
+            match establish(stream, &self.config, &self.path, false).await? {
                 Some(link) => return Ok(link),
                 None => {
                     tracing::debug!(path = %self.path.display(), "skipped a connection that closed before its hello")
@@ -274,7 +275,7 @@ pub async fn connect(path: &Path, config: &Config) -> Result<ShmLink> {
             e,
         )
     })?;
-    establish(stream, config, path).await?.ok_or_else(|| {
+    establish(stream, config, path, true).await?.ok_or_else(|| {
         Error::Handshake(format!(
             "the listener on {} closed the connection before its hello",
             path.display()
@@ -285,12 +286,17 @@ pub async fn connect(path: &Path, config: &Config) -> Result<ShmLink> {
 /// Sets up an accepted stream with no deadline of its own (the caller bounds it).
 /// `Ok(None)`: the peer hung up before sending a single byte.
 pub(crate) async fn accept_setup(stream: UnixStream, config: &Config) -> Result<Option<ShmLink>> {
-    handshake(stream, config).await
+    handshake(stream, config, false).await
 }
 
 /// `Ok(None)`: the peer hung up before sending a single byte.
-async fn establish(stream: UnixStream, config: &Config, path: &Path) -> Result<Option<ShmLink>> {
-    match tokio::time::timeout(SETUP_TIMEOUT, handshake(stream, config)).await {
+async fn establish(
+    stream: UnixStream,
+    config: &Config,
+    path: &Path,
+    dialer: bool,
+) -> Result<Option<ShmLink>> {
+    match tokio::time::timeout(SETUP_TIMEOUT, handshake(stream, config, dialer)).await {
         Ok(r) => r,
         Err(_) => Err(Error::Timeout(format!(
             "shm setup on {} did not finish within {SETUP_TIMEOUT:?}; is the peer an ibex process of the same version?",
@@ -448,7 +454,13 @@ fn socket_peer_cred(stream: &UnixStream) -> Result<(i32, u32)> {
     Ok((cred.pid, cred.uid))
 }
 
-async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<ShmLink>> {
+/// `dialer` tells the two ends of a connection to this same process apart (each gets its
+/// own pool, see `share.rs`).
+async fn handshake(
+    mut stream: UnixStream,
+    config: &Config,
+    dialer: bool,
+) -> Result<Option<ShmLink>> {
     // Environment switches are read first, so a bad value fails before any I/O.
     let spin = match std::env::var("IBEX_SHM_SPIN_US") {
         Ok(v) => Duration::from_micros(v.trim().parse::<u64>().map_err(|_| {
@@ -485,18 +497,19 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
         );
     }
 
-    // Our segments: the TX ring the peer asked for, our pool and bounce area.
+    // Our segments: the TX ring the peer asked for, our pool (shared by every connection
+    // with this peer process) and bounce area.
     let tx_cap = peer.rx_ring as usize;
     let tx_fd = segment::memfd(c"ibex-shm-ring", HEADER_BYTES + tx_cap)?;
-    let pool_fd = segment::memfd(c"ibex-shm-pool", me.pool_size as usize)?;
+    let pool_size = me.pool_size as usize;
+    let (pool, _) = share::own_pool(share::PeerKey::of(peer_pid, pool_size, dialer), pool_size)?;
     let bounce_fd = segment::memfd(c"ibex-shm-bounce", me.bounce_len())?;
     let data_efd = segment::eventfd()?;
     let space_efd = segment::eventfd()?;
-    let pool_ro = segment::reopen_readonly(pool_fd.as_fd())?;
     let bounce_ro = segment::reopen_readonly(bounce_fd.as_fd())?;
     let out = [
         tx_fd.as_fd(),
-        pool_ro.as_fd(),
+        pool.readonly.as_fd(),
         bounce_ro.as_fd(),
         data_efd.as_fd(),
         space_efd.as_fd(),
@@ -505,7 +518,7 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
         .async_io(Interest::WRITABLE, || send_fds(&stream, &out))
         .await
         .map_err(setup_io("sending shared-memory descriptors"))?;
-    drop((pool_ro, bounce_ro));
+    drop(bounce_ro);
     let mut got = stream
         .async_io(Interest::READABLE, || recv_fds(&stream))
         .await
@@ -540,13 +553,7 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
         true,
         "RX ring",
     )?;
-    let pool_map = Mapping::map(pool_fd.as_fd(), me.pool_size as usize, true, "pool")?;
-    let peer_pool = Mapping::map(
-        peer_pool_fd.as_fd(),
-        peer.pool_size as usize,
-        false,
-        "peer pool",
-    )?;
+    let (peer_pool, _) = share::peer_pool(peer_pool_fd.as_fd(), peer.pool_size as usize)?;
     let bounce = Mapping::map(bounce_fd.as_fd(), me.bounce_len(), true, "bounce area")?;
     let peer_bounce = Mapping::map(
         peer_bounce_fd.as_fd(),
@@ -555,7 +562,7 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
         "peer bounce area",
     )?;
     // The mappings keep the memfds alive; their descriptors are no longer needed.
-    drop((tx_fd, pool_fd, bounce_fd, got));
+    drop((tx_fd, bounce_fd, got));
 
     let cma = if force {
         Err("IBEX_SHM_FORCE_BOUNCE=1".to_string())
@@ -598,7 +605,7 @@ async fn handshake(mut stream: UnixStream, config: &Config) -> Result<Option<Shm
         tx_cap,
         rx_map,
         rx_cap: me.rx_ring as usize,
-        pool_map,
+        pool,
         peer_pool,
         bounce,
         bounce_slot: me.bounce_slot as usize,
