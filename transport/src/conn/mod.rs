@@ -205,42 +205,84 @@ impl Connection {
 
     async fn send_inner(
         &self,
-        mut msg: Bytes,
+        msg: Bytes,
         done: Option<oneshot::Sender<Result<()>>>,
     ) -> Result<()> {
-        let shared = self.shared();
+        let msg = self.stage(msg)?;
+        self.enqueue(|st| st.send(msg, done)).await
+    }
+
+    /// Queues `head` and then `body` as two adjacent messages: no other send of this
+    /// connection comes between them, whichever tasks send at the same time, so the peer
+    /// takes the message after `head` as its body without a send lock on this side (the
+    /// gRPC layer's packet and its large body frame). If `body` cannot be sent once `head`
+    /// is queued (too large for the peer, a failed registration), `abort(error)` is queued
+    /// in its place, so the peer's framing survives, and the error is returned.
+    pub(crate) async fn send_pair(
+        &self,
+        head: Bytes,
+        body: Bytes,
+        abort: impl FnOnce(&Error) -> Option<Bytes>,
+    ) -> Result<()> {
+        let body = self.stage(body);
+        self.enqueue(|st| {
+            st.send(head, None)?;
+            match body.and_then(|b| st.send(b, None)) {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    if let Some(a) = abort(&e) {
+                        let _ = st.send(a, None);
+                    }
+                    Err(e)
+                }
+            }
+        })
+        .await
+    }
+
+    /// Puts a message where the provider can expose it without registering per message
+    /// (verbs); returns it unchanged elsewhere. Synchronous, before any queueing: callers
+    /// rely on a send that was polled once being queued in call order and not cut off
+    /// half-way by cancellation.
+    fn stage(&self, msg: Bytes) -> Result<Bytes> {
         let registrar = {
-            let st = shared.lock();
+            let st = self.shared().lock();
             st.info.registrar.clone().filter(|r| {
                 st.core.classify(msg.len() as u64).ok() == Some(crate::proto::Protocol::Rendezvous)
                     && r.would_register(&msg)
             })
         };
-        if let Some(r) = registrar {
-            // Done here, before the lock, without an await: callers rely on a send that was
-            // polled once being queued in call order and not cut off half-way by
-            // cancellation (the gRPC layer sends a head and then its body).
-            if msg.len() <= BOUNCE_MAX
-                && let Some(mut b) = r.try_alloc(msg.len())
-            {
-                // A fresh buffer (an encoded gRPC body, say) would be registered for this one
-                // send and never hit the cache again: a copy into memory that is registered
-                // already costs less than `ibv_reg_mr` and its undoing. Usually a slab has
-                // room, and nothing here blocks.
+        let Some(r) = registrar else {
+            return Ok(msg);
+        };
+        if msg.len() <= BOUNCE_MAX
+            && let Some(mut b) = r.try_alloc(msg.len())
+        {
+            // A fresh buffer (an encoded gRPC body, say) would be registered for this one
+            // send and never hit the cache again: a copy into memory that is registered
+            // already costs less than `ibv_reg_mr` and its undoing. Usually a slab has
+            // room, and nothing here blocks.
+            b.copy_from_slice(&msg);
+            Ok(b.freeze())
+        } else if msg.len() <= BOUNCE_MAX {
+            // No room: growing the slabs registers, so it runs off the runtime.
+            outside_runtime(|| -> Result<Bytes> {
+                let mut b = r.alloc(msg.len())?;
                 b.copy_from_slice(&msg);
-                msg = b.freeze();
-            } else if msg.len() <= BOUNCE_MAX {
-                // No room: growing the slabs registers, so it runs off the runtime.
-                msg = outside_runtime(|| -> Result<Bytes> {
-                    let mut b = r.alloc(msg.len())?;
-                    b.copy_from_slice(&msg);
-                    Ok(b.freeze())
-                })
-                .or_else(|_| outside_runtime(|| r.prepare(&msg)).map(|()| msg))?;
-            } else {
-                outside_runtime(|| r.prepare(&msg))?;
-            }
+                Ok(b.freeze())
+            })
+            .or_else(|_| outside_runtime(|| r.prepare(&msg)).map(|()| msg))
+        } else {
+            outside_runtime(|| r.prepare(&msg))?;
+            Ok(msg)
         }
+    }
+
+    /// Waits until the send queue has room (or the connection closed), then runs `queue`
+    /// under the connection's lock and hands what it queued to the link right there: no
+    /// task switch to the driver when the link takes it at once.
+    async fn enqueue(&self, queue: impl FnOnce(&mut State) -> Result<()>) -> Result<()> {
+        let shared = self.shared();
         loop {
             let space = shared.send_space.notified();
             tokio::pin!(space);
@@ -248,9 +290,7 @@ impl Connection {
             {
                 let mut st = shared.lock();
                 if st.core.queued_data_frames() < st.send_queue_limit() || st.closed.is_some() {
-                    let r = st.send(msg, done);
-                    // Hand the frame to the link right here: no task switch to the driver
-                    // when the link takes it at once.
+                    let r = queue(&mut st);
                     let done_inline = r.is_ok() && st.transmit_inline() && !st.needs_driver();
                     drop(st);
                     if !done_inline {
@@ -962,4 +1002,95 @@ fn probe_buffer(len: usize) -> Bytes {
         all.push(b.clone());
     }
     b
+}
+
+#[cfg(all(test, not(ibex_loom)))]
+mod tests {
+    use super::*;
+
+    /// Pairs sent from many tasks at once, between single messages from others, arrive with
+    /// each body right after its head; a body the peer refuses is replaced by the abort.
+    async fn pairs_stay_adjacent(provider: &str) {
+        let at = match provider {
+            "shm" => format!(
+                "shm://{}",
+                std::env::temp_dir()
+                    .join(format!("ibex-unit-{}-pairs.sock", std::process::id()))
+                    .display()
+            ),
+            _ => "tcp://127.0.0.1:0".into(),
+        };
+        let cfg = Config {
+            max_message_size: 1 << 20,
+            ..Config::default()
+        };
+        let l = listen(&at, cfg.clone()).await.unwrap();
+        let at = l.local_uri();
+        let (b, a) = tokio::join!(l.accept(), connect(&at, cfg));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let tasks = 8u8;
+        let per_task = 40u32;
+        let mut jobs = Vec::new();
+        for t in 0..tasks {
+            let a = a.clone();
+            jobs.push(tokio::spawn(async move {
+                for i in 0..per_task {
+                    let head = Bytes::from(vec![b'H', t, i as u8]);
+                    if t == 0 {
+                        // Single messages in between.
+                        a.send(Bytes::from(vec![b'S', t, i as u8])).await.unwrap();
+                        continue;
+                    }
+                    // Alternate eager and rendezvous bodies; every 10th is over the limit.
+                    let len = match i % 10 {
+                        9 => 2 << 20,
+                        j if j % 2 == 0 => 100,
+                        _ => 200 << 10,
+                    };
+                    let body = Bytes::from(vec![t; len]);
+                    let r = a
+                        .send_pair(head, body, |_| Some(Bytes::from(vec![b'A', t, i as u8])))
+                        .await;
+                    assert_eq!(r.is_err(), len > 1 << 20, "{r:?}");
+                }
+            }));
+        }
+        let mut heads = 0;
+        let mut aborts = 0;
+        let total = per_task as usize * tasks as usize;
+        let mut seen = 0;
+        while seen < total {
+            let m = b.recv().await.unwrap();
+            match m[0] {
+                b'S' => seen += 1,
+                b'H' => {
+                    let body = b.recv().await.unwrap();
+                    if body.len() == 3 && body[0] == b'A' {
+                        assert_eq!(body[1..], m[1..], "the abort replaces its own body");
+                        aborts += 1;
+                    } else {
+                        assert!(body.iter().all(|&x| x == m[1]), "a body follows its head");
+                    }
+                    heads += 1;
+                    seen += 1;
+                }
+                other => panic!("unexpected message kind {other}"),
+            }
+        }
+        for j in jobs {
+            j.await.unwrap();
+        }
+        assert_eq!(heads, (tasks as usize - 1) * per_task as usize);
+        assert_eq!(aborts, (tasks as usize - 1) * (per_task as usize / 10));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pairs_stay_adjacent_over_shm() {
+        pairs_stay_adjacent("shm").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pairs_stay_adjacent_over_tcp() {
+        pairs_stay_adjacent("tcp").await;
+    }
 }

@@ -135,11 +135,10 @@ fn cost(len: usize) -> i64 {
     (len as i64).max(MIN_FRAME_COST)
 }
 
-/// One connection's sending side. Packets whose body travels as a separate message must be
-/// adjacent on the wire, so all sends of a connection go through one lock.
+/// One connection's sending side. A packet whose body frame travels as the next message is
+/// queued together with it ([`Connection::send_pair`]), so sends need no lock.
 pub(crate) struct Mux {
     conn: Connection,
-    send_lock: tokio::sync::Mutex<()>,
     side: Side,
 }
 
@@ -155,16 +154,9 @@ fn transport_status(e: &Error) -> Status {
 
 impl Mux {
     fn new(conn: Connection, side: Side) -> Mux {
-        Mux {
-            conn,
-            send_lock: tokio::sync::Mutex::new(()),
-            side,
-        }
+        Mux { conn, side }
     }
 
-    /// Sends `pkt`, with `data` as its body frame (inline when small, else as the next
-    /// message). Callers never drop this future half-way: it runs in tasks that stop only
-    /// between packets, so a body message never loses its packet.
     /// The largest body frame copied into its packet (see [`INLINE_MAX`]), and the piece
     /// size of large frames: two rendezvous fragments, so each piece's read is pipelined,
     /// and at least 1 MiB (measured: smaller pieces cost more in per-message work than the
@@ -177,6 +169,9 @@ impl Mux {
         )
     }
 
+    /// Sends `pkt`, with `data` as its body frame (inline when small, else as the next
+    /// message, queued in the same step as the packet: dropping this future never
+    /// separates the two).
     async fn send(&self, mut pkt: Packet, data: Option<Bytes>) -> Result<()> {
         let inline_max = self.sizes().0;
         let next = match data {
@@ -192,25 +187,22 @@ impl Mux {
         };
         let call = pkt.call;
         let head = pkt.encode()?;
-        let _order = self.send_lock.lock().await;
-        self.conn.send(head).await?;
-        if let Some(d) = next
-            && let Err(e) = self.conn.send(d).await
-        {
-            // The peer takes the next message as this body: when the transport refuses the
-            // body (too large for the peer), an abort of the call takes its place, so the
-            // connection's framing survives and only this call fails.
+        let Some(body) = next else {
+            return self.conn.send(head).await;
+        };
+        // The peer takes the next message as this body: when the transport refuses the body
+        // (too large for the peer), an abort of the call takes its place, so the connection's
+        // framing survives and only this call fails.
+        let side = self.side;
+        let abort = move |e: &Error| {
             let mut abort = Packet::new(call);
-            match self.side {
+            match side {
                 Side::Client => abort.reset = true,
-                Side::Server => abort.trailers = Some(pump::status_trailers(&transport_status(&e))),
+                Side::Server => abort.trailers = Some(pump::status_trailers(&transport_status(e))),
             }
-            if let Ok(b) = abort.encode() {
-                let _ = self.conn.send(b).await;
-            }
-            return Err(e);
-        }
-        Ok(())
+            abort.encode().ok()
+        };
+        self.conn.send_pair(head, body, abort).await
     }
 
     /// Resets call `id` on the peer from a context that cannot wait (a drop), once the
