@@ -90,6 +90,9 @@ impl Connection {
         let core = crate::proto::Connection::new(config, now);
         let shared = Arc::new_cyclic(|weak| {
             let mut state = State::new(core, link, weak.clone());
+            // With no spin budget, a receiver's request to spin would only wake the driver
+            // for nothing.
+            state.busy_poll = !config.spin.is_zero();
             if let Some(buf) = probe_buf
                 && let Some(link) = state.link.as_mut()
             {
@@ -498,9 +501,9 @@ impl Connection {
     }
 
     /// Whether a receiver waiting in `recv` makes the driver busy-poll the link before it
-    /// sleeps (on by default; shm only). Worth it when replies come from another process;
+    /// sleeps (on by default when `Config::spin` is not zero; shm only). Worth it when replies come from another process;
     /// harmful when they come from tasks on the receiver's own runtime, since the spin
-    /// keeps them from running. The gRPC layer turns it off for that reason.
+    /// keeps them from running.
     pub fn set_busy_poll(&self, on: bool) {
         self.shared().lock().busy_poll = on;
     }

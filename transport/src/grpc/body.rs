@@ -360,6 +360,9 @@ impl http_body::Body for IbexBody {
         }
         // What already arrived is delivered before a deadline is looked at.
         let mut budget = READ_BUDGET;
+        // Set once this task found nothing more to read: the inbox's registration made by the
+        // next look is then the one the task sleeps on.
+        let mut read_all = false;
         loop {
             return match this.rx.poll_recv(cx) {
                 Poll::Ready(Some(Inbound::Data(d))) => {
@@ -386,19 +389,19 @@ impl http_body::Body for IbexBody {
                     // Nothing for us yet: read the connection ourselves (whoever waits, reads).
                     if let Some(r) = &this.reader
                         && budget > 0
+                        && !read_all
                     {
+                        // A frame this task reads for its own inbox must not wake it while it
+                        // runs (tokio would re-queue it as a yield and wake an idle worker
+                        // thread): unregister while reading, and look again afterwards.
+                        drop(this.rx.waker.take());
                         match r.poll_read(cx) {
-                            Poll::Ready(true) => {
-                                budget -= 1;
-                                continue;
-                            }
-                            Poll::Ready(false) => {
-                                // Closed: our channel has been told; look once more.
-                                this.reader = None;
-                                continue;
-                            }
-                            Poll::Pending => {}
+                            Poll::Ready(true) => budget -= 1,
+                            // Closed: our channel has been told.
+                            Poll::Ready(false) => this.reader = None,
+                            Poll::Pending => read_all = true,
                         }
+                        continue;
                     } else if budget == 0 {
                         cx.waker().wake_by_ref();
                     }

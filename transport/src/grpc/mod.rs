@@ -39,7 +39,7 @@ mod wire;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -242,15 +242,20 @@ impl Mux {
 pub(crate) async fn read_while<F: Future>(src: &dyn ReadSource, fut: F) -> F::Output {
     let mut fut = std::pin::pin!(fut);
     std::future::poll_fn(|cx| {
+        // While this task reads for `fut` itself, `fut` is polled with a waker that does
+        // nothing: what the task reads for it would otherwise wake this very task while it
+        // runs, which tokio re-queues as a yield (waking an idle worker thread to steal it).
+        // The real waker goes to `fut` last, before the task sleeps.
+        let mut quiet = Context::from_waker(std::task::Waker::noop());
         for _ in 0..READ_BUDGET {
-            if let Poll::Ready(v) = fut.as_mut().poll(cx) {
+            if let Poll::Ready(v) = fut.as_mut().poll(&mut quiet) {
                 return Poll::Ready(v);
             }
             match src.poll_read(cx) {
                 Poll::Ready(true) => {}
-                // Closed: whatever `fut` waits on was failed with the connection.
-                Poll::Ready(false) => return fut.as_mut().poll(cx),
-                Poll::Pending => return Poll::Pending,
+                // Closed: whatever `fut` waits on was failed with the connection. Nothing
+                // to read now: `fut` takes the real waker (and may have become ready).
+                Poll::Ready(false) | Poll::Pending => return fut.as_mut().poll(cx),
             }
         }
         // Other calls' traffic kept coming: let the runtime run their tasks, then go on.
