@@ -1031,6 +1031,98 @@ mod ibex_only {
         srv.shutdown().await.unwrap();
     }
 
+    /// Counts the wakes of a future polled by hand, and those that come while it is being
+    /// polled: a task woken while it runs is re-queued by tokio as a yield, which wakes an
+    /// idle worker thread (a futex wake and a context switch) for nothing.
+    #[derive(Default)]
+    struct Wakes {
+        polling: std::sync::atomic::AtomicBool,
+        during_poll: std::sync::atomic::AtomicUsize,
+        notify: tokio::sync::Notify,
+    }
+
+    impl std::task::Wake for Wakes {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.wake_by_ref();
+        }
+        fn wake_by_ref(self: &std::sync::Arc<Self>) {
+            use std::sync::atomic::Ordering::SeqCst;
+            if self.polling.load(SeqCst) {
+                self.during_poll.fetch_add(1, SeqCst);
+            }
+            self.notify.notify_one();
+        }
+    }
+
+    async fn poll_by_hand<F: Future>(fut: F, wakes: &std::sync::Arc<Wakes>) -> F::Output {
+        use std::sync::atomic::Ordering::SeqCst;
+        let waker = std::task::Waker::from(wakes.clone());
+        let mut fut = std::pin::pin!(fut);
+        loop {
+            wakes.polling.store(true, SeqCst);
+            let r = fut
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(&waker));
+            wakes.polling.store(false, SeqCst);
+            if let std::task::Poll::Ready(v) = r {
+                return v;
+            }
+            wakes.notify.notified().await;
+        }
+    }
+
+    /// A caller reads the connection for its own call (whoever waits, reads); what it reads
+    /// for itself must not wake it while it runs. Unary calls (the response head) and a
+    /// bidirectional stream (each answer a frame of the response body) over shm.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_caller_reading_for_itself_does_not_wake_itself() {
+        within(async {
+            let (srv, _ev) = start::<IbexShm>(None, None).await;
+            let ch = Channel::connect_with_config(&srv.addr, ibex_config())
+                .await
+                .unwrap();
+            let mut c = BenchClient::new(ch);
+            for i in 0..50u8 {
+                let wakes = std::sync::Arc::new(Wakes::default());
+                let p = Payload {
+                    buffers: vec![pattern(64, i)],
+                };
+                let r = poll_by_hand(c.echo(p.clone()), &wakes).await.unwrap();
+                assert_eq!(r.into_inner(), p);
+                assert_eq!(
+                    wakes.during_poll.load(std::sync::atomic::Ordering::SeqCst),
+                    0,
+                    "call {i} woke its caller while the caller was running"
+                );
+            }
+            // A chat answers each message as it comes, so every answer is read by the
+            // task waiting for it.
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let mut answers = c
+                .chat(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            for i in 0..20u8 {
+                let p = Payload {
+                    buffers: vec![pattern(100, i)],
+                };
+                tx.send(p.clone()).await.unwrap();
+                let wakes = std::sync::Arc::new(Wakes::default());
+                let m = poll_by_hand(answers.message(), &wakes).await.unwrap();
+                assert_eq!(m, Some(p));
+                assert_eq!(
+                    wakes.during_poll.load(std::sync::atomic::Ordering::SeqCst),
+                    0,
+                    "answer {i} woke its reader while the reader was running"
+                );
+            }
+            drop(tx);
+            srv.shutdown().await.unwrap();
+        })
+        .await;
+    }
+
     /// One channel type and one server call for both worlds: `connect_any`/`serve_any` speak
     /// stock HTTP/2 for `http://` and Ibex for Ibex addresses, with the same generated
     /// client; the Ibex-only hooks say clearly that HTTP/2 has none.
