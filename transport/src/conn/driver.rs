@@ -851,8 +851,11 @@ impl Future for Driver {
         let mut st = shared.lock();
         let mut wake = Wake::default();
         let was_established = st.core.is_established();
+        // True while the turns leave the link unarmed: the driver must then poll again (a
+        // spin) or run an arming turn before it sleeps.
+        let mut spinning = this.spinning_since.is_some();
         loop {
-            if st.turn(&shared, cx, &mut this.timer, &mut wake) {
+            if st.turn(&shared, cx, &mut this.timer, &mut wake, spinning) {
                 drop(st);
                 shared.notify_changed();
                 shared.send_space.notify_waiters();
@@ -886,9 +889,15 @@ impl Future for Driver {
                 && st.link.as_ref().is_some_and(|l| l.busy_poll());
             if !can {
                 this.spinning_since = None;
+                if std::mem::take(&mut spinning) {
+                    continue;
+                }
                 break;
             }
             if this.spinning_since.is_none() && !this.adapt.may_spin() {
+                if std::mem::take(&mut spinning) {
+                    continue;
+                }
                 break;
             }
             let since = *this.spinning_since.get_or_insert_with(Instant::now);
@@ -909,7 +918,7 @@ impl Future for Driver {
                     // Budget spent: one more turn re-arms the link's wake-up, then sleep.
                     this.spinning_since = None;
                     this.adapt.miss();
-                    if st.turn(&shared, cx, &mut this.timer, &mut wake) {
+                    if st.turn(&shared, cx, &mut this.timer, &mut wake, false) {
                         drop(st);
                         shared.notify_changed();
                         shared.send_space.notify_waiters();
@@ -1013,13 +1022,17 @@ impl State {
     }
 
     /// One pass of the driver until nothing moves. Returns true once the connection is over
-    /// and the link released.
+    /// and the link released. `spinning`: the driver is busy-polling and will poll again at
+    /// once, so the link is asked with `try_event`, which does not arm its sleep (on shm,
+    /// an armed sleep makes the peer signal an eventfd, a syscall on each side, for a
+    /// message the spin would have caught). A turn that may end in sleep must not spin.
     fn turn(
         &mut self,
         shared: &Shared,
         cx: &mut Context<'_>,
         timer: &mut Pin<Box<tokio::time::Sleep>>,
         wake: &mut Wake,
+        spinning: bool,
     ) -> bool {
         loop {
             let now = Instant::now();
@@ -1053,7 +1066,12 @@ impl State {
                 let Some(link) = self.link.as_mut() else {
                     break;
                 };
-                match link.poll_event(cx) {
+                let polled = if spinning {
+                    link.try_event().map_or(Poll::Pending, Poll::Ready)
+                } else {
+                    link.poll_event(cx)
+                };
+                match polled {
                     Poll::Ready(ev) => {
                         let failed = ev.is_err();
                         // A fresh clock per event: the probe times its samples from the
