@@ -67,9 +67,16 @@ impl Shared {
     /// Wakes everything waiting for news: `changed`'s waiters and `poll_recv` readers.
     pub fn notify_changed(&self) {
         self.changed.notify_waiters();
-        let readers = std::mem::take(&mut *self.readers.lock().unwrap_or_else(|e| e.into_inner()));
-        for w in readers {
+        let lock = || self.readers.lock().unwrap_or_else(|e| e.into_inner());
+        // Woken outside the lock (a waker may run code); the emptied list goes back for the
+        // next registrations, so a round trip allocates no list.
+        let mut readers = std::mem::take(&mut *lock());
+        for w in readers.drain(..) {
             w.wake();
+        }
+        let mut now = lock();
+        if now.is_empty() {
+            *now = readers;
         }
     }
 

@@ -260,8 +260,9 @@ pub(crate) struct IbexBody {
     guard: Option<Box<dyn OnDrop>>,
     /// Where to read from while waiting for a frame, when no task reads for us.
     reader: Option<Arc<dyn ReadSource>>,
-    /// What the call says if its source vanished without an end (connection lost).
-    lost: Status,
+    /// What the call says if its source vanished without an end (connection lost); built
+    /// only then, not on every call.
+    lost: fn() -> Status,
     done: bool,
 }
 
@@ -291,7 +292,7 @@ impl IbexBody {
         mux: Arc<Mux>,
         call_id: u32,
         call: Arc<CallShared>,
-        lost: Status,
+        lost: fn() -> Status,
     ) -> IbexBody {
         IbexBody {
             rx,
@@ -383,7 +384,7 @@ impl http_body::Body for IbexBody {
                 }
                 Poll::Ready(None) => {
                     this.end();
-                    Poll::Ready(Some(Err(this.lost.clone())))
+                    Poll::Ready(Some(Err((this.lost)())))
                 }
                 Poll::Pending => {
                     // Nothing for us yet: read the connection ourselves (whoever waits, reads).

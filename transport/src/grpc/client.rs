@@ -676,8 +676,9 @@ impl Channel {
                     .unwrap_or_else(|| Status::internal("the call ended without a response")));
             }
         };
-        let lost =
-            Status::unavailable("the Ibex connection to the gRPC server was lost during the call");
+        let lost = || {
+            Status::unavailable("the Ibex connection to the gRPC server was lost during the call")
+        };
         let reader: Arc<dyn ReadSource> = shared.clone();
         let body = IbexBody::new(body_rx, shared.mux.clone(), id, call, lost)
             .with_deadline(deadline)

@@ -691,7 +691,7 @@ impl ConnCtx {
                 self.st.mux.clone(),
                 id,
                 call.clone(),
-                request_cut("the client's connection is gone"),
+                || request_cut("the client's connection is gone"),
             );
             let mut req = http::Request::new(IncomingBody::from(body));
             *req.method_mut() = http::Method::POST;
