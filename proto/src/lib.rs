@@ -10,12 +10,6 @@ pub mod tensor;
 
 pub use optimizer::Optimizer;
 
-/// Tensors at least this large travel as remote-buffer descriptors (`RemoteRef`) instead of
-/// inline bytes when the channel reads one-sided (shm CMA, RDMA), in both directions: the
-/// worker's pushes and the PS's pull replies. Below it the extra round trip of the read
-/// costs more than the copy it saves. One constant so both sides agree.
-pub const REMOTE_MIN_BYTES: usize = 256 << 10;
-
 /// `ibex.bench.v1`: the benchmark and conformance service `Bench`.
 pub mod bench {
     /// Version 1 of the package.

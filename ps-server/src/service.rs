@@ -218,19 +218,19 @@ impl PsService {
     }
 
     /// Reply tensors for a pull: on a channel that reads one-sided, each value buffer of at
-    /// least `REMOTE_MIN_BYTES` is exposed and sent as a descriptor with a lease, so the
+    /// least the connection's `remote_min` is exposed and sent as a descriptor with a lease, so the
     /// worker copies it once, straight into its own vector; smaller ones, other channels,
     /// and any past the connection's lease limits go inline. Each buffer is the snapshot
     /// `Shard::read` copied under the variable's lock, owned by the lease from here on, so
     /// no later step can change what the worker reads.
     async fn pull_tensors(&self, peer: Option<&PeerHandle>, vals: Vec<Values>) -> Vec<pb::Tensor> {
-        let Some(peer) = peer.filter(|p| p.one_sided()) else {
+        let Some((peer, min)) = peer.and_then(|p| Some((p, p.remote_min()?))) else {
             return self.tensors(vals);
         };
         let mut out = Vec::with_capacity(vals.len());
         for (name, shape, b) in vals {
             let len = b.len() as u64;
-            let lease = if b.len() >= ibex_proto::REMOTE_MIN_BYTES {
+            let lease = if b.len() >= min {
                 self.exposed.reserve(peer.id(), len)
             } else {
                 None
@@ -288,10 +288,16 @@ impl PsService {
 fn pull_pool(
     peer: &Option<PeerHandle>,
 ) -> impl Fn(usize) -> Option<ibex_transport::PoolBufMut> + Send + 'static {
+    // Only snapshots that will be answered by descriptor gain from registered memory.
     let peer = peer
         .clone()
-        .filter(|p| p.one_sided() && p.exposing_registers());
-    move |len| peer.as_ref().and_then(|p| p.alloc(len).ok())
+        .filter(|p| p.exposing_registers())
+        .and_then(|p| Some((p.remote_min()?, p)));
+    move |len| {
+        peer.as_ref()
+            .filter(|(min, _)| len >= *min)
+            .and_then(|(_, p)| p.alloc(len).ok())
+    }
 }
 
 #[tonic::async_trait]

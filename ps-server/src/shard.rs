@@ -857,9 +857,10 @@ impl Shard {
         self.read_to(names, |_| None).await
     }
 
-    /// As [`Shard::read`], with each snapshot of at least `REMOTE_MIN_BYTES` copied into
-    /// memory from `alloc` (a connection's registered memory) while it gives some, so that
-    /// exposing it for a one-sided pull costs no registration: registered memory comes back
+    /// As [`Shard::read`], with each snapshot copied into memory from `alloc` (a
+    /// connection's registered memory, offered for snapshots that will be answered by
+    /// descriptor) while it gives some, so that exposing it for a one-sided pull costs no
+    /// registration: registered memory comes back
     /// step after step, where a heap buffer would be registered afresh (verbs) whenever its
     /// address changed. Snapshots it has no room for come from the shard's own buffers.
     /// `alloc` runs on the blocking thread, since it may register memory.
@@ -899,9 +900,7 @@ impl Shard {
                 }
                 // Memory is found before the lock: `alloc` may register.
                 let bytes = c.numel.saturating_mul(4);
-                let pooled = (bytes >= ibex_proto::REMOTE_MIN_BYTES)
-                    .then(|| alloc(bytes))
-                    .flatten();
+                let pooled = alloc(bytes);
                 let dest = match pooled {
                     Some(p) => Ok(p),
                     None => Err(self

@@ -384,6 +384,29 @@ async fn shm_pool_buffers_move_without_copy() {
     );
 }
 
+/// The size from which a buffer goes by descriptor comes from the connection: half a
+/// fragment and at least twice the eager threshold where reads are one-sided, none on tcp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_min_derives_from_the_connection() {
+    let (a, b) = pair_with("shm", "remotemin", fixed_threshold(4096)).await;
+    let (threshold, fragment) = a.message_sizes();
+    assert_eq!(a.remote_min(), Some((fragment / 2).max(2 * threshold)));
+    assert_eq!(b.remote_min(), a.remote_min());
+    let big = Config {
+        slot_size: 512 << 10,
+        fragment_size: Some(128 << 10),
+        ..fixed_threshold(256 << 10)
+    };
+    let (c, _d) = pair_with("shm", "remotemin2", big).await;
+    assert_eq!(
+        c.remote_min(),
+        Some(512 << 10),
+        "never below twice the eager threshold"
+    );
+    let (t, _u) = pair_with("tcp", "remotemin", fixed_threshold(4096)).await;
+    assert_eq!(t.remote_min(), None, "tcp reads are served by the owner");
+}
+
 /// All shm connections between the same two processes share one pool per side (here the
 /// "two processes" are the dialing and the accepting ends of this one): a buffer carved for
 /// one connection moves with no copy over another, and both directions keep working at once.

@@ -21,9 +21,6 @@ use crate::types::VarSpec;
 /// How long `connect` keeps retrying a PS that is not up yet.
 const CONNECT_RETRY: Duration = Duration::from_secs(30);
 
-/// See [`ibex_proto::REMOTE_MIN_BYTES`]: the PS uses the same threshold for pull replies.
-pub(crate) const REMOTE_MIN_BYTES: usize = ibex_proto::REMOTE_MIN_BYTES;
-
 /// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
 const MAX_MESSAGE: usize = 1 << 30;
 
@@ -595,7 +592,9 @@ impl Worker {
         };
         let mut keep = None;
         match &self.clients[ps] {
-            c if len >= REMOTE_MIN_BYTES && c.ch.one_sided() => {
+            // The threshold comes from the connection (`Channel::remote_min`), as the PS's
+            // for its pull replies.
+            c if c.ch.remote_min().is_some_and(|min| len >= min) => {
                 let remote = c.ch.expose(bytes).await?;
                 t.data = Some(pb::tensor::Data::Remote(pb::RemoteRef {
                     descriptor: remote.descriptor(),

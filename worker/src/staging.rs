@@ -8,7 +8,7 @@
 //! part's PS connection pool and reused every step after, as BytePS caches its buffers per
 //! key. [`Worker::push_staged`] / [`Worker::push_pull_staged`] send from them:
 //!
-//! * on a one-sided channel (shm, verbs) a part of at least `REMOTE_MIN_BYTES` goes as a
+//! * on a one-sided channel (shm, verbs) a part of at least the channel's `remote_min` goes as a
 //!   remote-buffer descriptor; since the buffer lies in the connection's registered pool,
 //!   shm sends a pool descriptor that the PS reads through its mapping of that pool, with no
 //!   copy on the worker at all;

@@ -12,7 +12,7 @@ use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, Worker
 
 const LR: f32 = 0.1;
 /// 640 x 512 f32 = 1.25 MiB: split into two parts of 640 KiB, each above the descriptor
-/// threshold (256 KiB).
+/// threshold (`remote_min`: 256 KiB on shm's defaults).
 const BIG: [usize; 2] = [640, 512];
 
 fn var(name: &str, shape: &[usize]) -> VarSpec {

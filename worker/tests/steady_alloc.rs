@@ -5,7 +5,7 @@
 //! every step cost a page fault per 4 KiB touched, which `docs/benchmarks.md` measured at a
 //! quarter of the step.
 //!
-//! Pulls too: values of 256 KiB and more come back as descriptors of the PS's pooled
+//! Pulls too: values of at least the connection's `remote_min` (256 KiB here) come back as descriptors of the PS's pooled
 //! snapshots, read one-sided into the caller's vectors, so no response body carries them.
 
 mod common;

@@ -533,6 +533,13 @@ impl Channel {
         self.connection().is_some_and(|c| c.one_sided())
     }
 
+    /// The smallest buffer worth sending by descriptor on this channel
+    /// ([`Connection::remote_min`]); `None` when the channel cannot read one-sided (tcp,
+    /// HTTP/2, no connection yet).
+    pub fn remote_min(&self) -> Option<usize> {
+        self.connection().and_then(|c| c.remote_min())
+    }
+
     /// The Ibex connection in use (stats, pool); `None` over HTTP/2, or while a lazy or
     /// reconnecting channel has none.
     pub fn connection(&self) -> Option<Connection> {

@@ -394,6 +394,13 @@ impl PeerHandle {
         self.conn.one_sided()
     }
 
+    /// The smallest buffer worth answering by descriptor on this connection
+    /// ([`Connection::remote_min`](crate::Connection::remote_min)); `None` when the client's
+    /// reads would not be one-sided.
+    pub fn remote_min(&self) -> Option<usize> {
+        self.conn.remote_min()
+    }
+
     /// Names the connection: the same for every request on it, never reused by another
     /// connection of this process. Handlers key per-connection state on it (what a client
     /// may release, how much it holds) without keeping the connection itself alive.
@@ -686,13 +693,9 @@ impl ConnCtx {
                 );
             }
             let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
-            let body = IbexBody::new(
-                rx,
-                self.st.mux.clone(),
-                id,
-                call.clone(),
-                || request_cut("the client's connection is gone"),
-            );
+            let body = IbexBody::new(rx, self.st.mux.clone(), id, call.clone(), || {
+                request_cut("the client's connection is gone")
+            });
             let mut req = http::Request::new(IncomingBody::from(body));
             *req.method_mut() = http::Method::POST;
             *req.uri_mut() = path.parse().map_err(|_| {
