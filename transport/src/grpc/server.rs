@@ -578,10 +578,14 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
     let peer = conn.peer();
     // Why the connection is closed from this side, for the peer's error.
     let mut broken = String::new();
+    // One wait for the whole connection: a fresh one per turn of the loop registered and
+    // unregistered with the flag's `Notify` (two locks) on every message.
+    let stop = shutdown.wait();
+    tokio::pin!(stop);
     loop {
         tokio::select! {
             biased;
-            _ = shutdown.wait(), if !cx.draining => {
+            _ = &mut stop, if !cx.draining => {
                 cx.draining = true;
                 let mut p = Packet::new(0);
                 p.goaway = true;
