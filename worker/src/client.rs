@@ -517,9 +517,7 @@ impl Worker {
             .clients
             .iter()
             .enumerate()
-            .filter_map(|(i, c)| match c {
-                c => c.ch.connection().map(|conn| (i, conn.stats())),
-            })
+            .filter_map(|(i, c)| c.ch.connection().map(|conn| (i, conn.stats())))
             .collect();
         p
     }

@@ -352,7 +352,7 @@ impl ReadSource for Shared {
             Ok(Got::One(p, d)) => self.dispatch(p, d),
             Ok(Got::Aborted(p, abort)) => {
                 self.dispatch(p, None);
-                self.dispatch(abort, None);
+                self.dispatch(*abort, None);
             }
             Err(e) => {
                 drop(demux);

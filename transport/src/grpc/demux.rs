@@ -18,7 +18,7 @@ pub(crate) enum Got {
     One(Packet, Option<Bytes>),
     /// A packet whose separate body the sender's transport refused, and the abort of the
     /// call that the sender put in the body's place (only this call fails).
-    Aborted(Packet, Packet),
+    Aborted(Packet, Box<Packet>),
 }
 
 /// Reassembles packets from one connection's messages, in order.
@@ -49,7 +49,7 @@ impl Demux {
             }
             return match Packet::decode(msg, self.request, &self.limits) {
                 Ok(abort) if abort.call == packet.call && abort.data.is_none() => {
-                    Ok(Got::Aborted(packet, abort))
+                    Ok(Got::Aborted(packet, Box::new(abort)))
                 }
                 _ => Err(Error::Protocol(format!(
                     "gRPC call framing: expected a body of {len} bytes for call {}",

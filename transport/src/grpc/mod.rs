@@ -91,7 +91,7 @@ pub mod fuzzing {
             let packets = match demux.push(m.clone()) {
                 Ok(Got::Nothing) => continue,
                 Ok(Got::One(p, _)) => vec![p],
-                Ok(Got::Aborted(p, a)) => vec![p, a],
+                Ok(Got::Aborted(p, a)) => vec![p, *a],
                 Err(_) => return Ok(n),
             };
             for p in packets {

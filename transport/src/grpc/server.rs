@@ -618,7 +618,7 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
                     Ok(Got::Nothing) => Ok(()),
                     Ok(Got::One(p, data)) => cx.dispatch(p, data),
                     Ok(Got::Aborted(p, abort)) => {
-                        cx.dispatch(p, None).and_then(|()| cx.dispatch(abort, None))
+                        cx.dispatch(p, None).and_then(|()| cx.dispatch(*abort, None))
                     }
                     Err(e) => Err(e),
                 };
