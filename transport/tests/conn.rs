@@ -384,6 +384,100 @@ async fn shm_pool_buffers_move_without_copy() {
     );
 }
 
+/// Connections from another process share one pool per side, and each side maps the
+/// other's once: the child dials three times and sends one pool buffer over all three; here
+/// the three arrive as views of the same mapping (same address), with no copy, and the
+/// three accepted connections carve one pool. The child checks the same of ours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_connections_from_another_process_share_one_pool() {
+    init_tracing();
+    let cfg = fixed_threshold(4096);
+    let l = listen(&uri("shm", "xproc"), cfg).await.expect("listen");
+    let kid = std::process::Command::new(std::env::current_exe().expect("current_exe"))
+        .args([
+            "--exact",
+            "shm_pool_sharing_dialer",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("IBEX_TEST_AT", l.local_uri())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawning the dialing process");
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        conns.push(l.accept().await.expect("accept"));
+    }
+    let pool = conns[0].pool().unwrap();
+    let mut addrs = Vec::new();
+    for c in &conns {
+        assert!(
+            Arc::ptr_eq(&c.pool().unwrap(), &pool),
+            "one pool for the pair"
+        );
+        let m = c.recv().await.unwrap();
+        assert_eq!(m, pattern(1 << 20, 9));
+        addrs.push(m.as_ptr() as usize);
+        let st = c.stats();
+        assert_eq!(st.rndv_mapped_msgs, 1, "{st}");
+        assert_eq!(st.payload_bytes_copied(), 0, "{st}");
+    }
+    assert!(
+        addrs.iter().all(|&a| a == addrs[0]),
+        "the peer's pool is mapped once: {addrs:x?}"
+    );
+    let mut reply = conns[0].alloc(1 << 20).unwrap();
+    reply.copy_from_slice(&pattern(1 << 20, 4));
+    let reply = reply.freeze();
+    for c in &conns {
+        c.send(reply.clone()).await.unwrap();
+    }
+    let out = tokio::task::spawn_blocking(move || kid.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "the dialing process failed:\n{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "helper: run by shm_connections_from_another_process_share_one_pool in a process of its own"]
+async fn shm_pool_sharing_dialer() {
+    let at = std::env::var("IBEX_TEST_AT").expect("IBEX_TEST_AT");
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        conns.push(connect(&at, fixed_threshold(4096)).await.expect("connect"));
+    }
+    let pool = conns[0].pool().unwrap();
+    let mut buf = conns[0].alloc(1 << 20).unwrap();
+    buf.copy_from_slice(&pattern(1 << 20, 9));
+    let buf = buf.freeze();
+    for c in &conns {
+        assert!(
+            Arc::ptr_eq(&c.pool().unwrap(), &pool),
+            "one pool for the pair"
+        );
+        c.send(buf.clone()).await.unwrap();
+    }
+    let mut addrs = Vec::new();
+    for c in &conns {
+        let m = c.recv().await.unwrap();
+        assert_eq!(m, pattern(1 << 20, 4));
+        addrs.push(m.as_ptr() as usize);
+        assert_eq!(c.stats().payload_bytes_copied(), 0);
+    }
+    assert!(addrs.iter().all(|&a| a == addrs[0]), "{addrs:x?}");
+    for c in &conns {
+        c.close().await;
+    }
+}
+
 /// The size from which a buffer goes by descriptor comes from the connection: half a
 /// fragment and at least twice the eager threshold where reads are one-sided, none on tcp.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
