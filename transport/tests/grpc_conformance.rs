@@ -1034,9 +1034,11 @@ mod ibex_only {
     /// Counts the wakes of a future polled by hand, and those that come while it is being
     /// polled: a task woken while it runs is re-queued by tokio as a yield, which wakes an
     /// idle worker thread (a futex wake and a context switch) for nothing.
+    /// Only wakes from the polling thread itself count: the connection's driver may wake the
+    /// caller from another thread at any time, which is how it should learn of news.
     #[derive(Default)]
     struct Wakes {
-        polling: std::sync::atomic::AtomicBool,
+        polling: std::sync::Mutex<Option<std::thread::ThreadId>>,
         during_poll: std::sync::atomic::AtomicUsize,
         notify: tokio::sync::Notify,
     }
@@ -1046,24 +1048,23 @@ mod ibex_only {
             self.wake_by_ref();
         }
         fn wake_by_ref(self: &std::sync::Arc<Self>) {
-            use std::sync::atomic::Ordering::SeqCst;
-            if self.polling.load(SeqCst) {
-                self.during_poll.fetch_add(1, SeqCst);
+            if *self.polling.lock().unwrap() == Some(std::thread::current().id()) {
+                self.during_poll
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
             self.notify.notify_one();
         }
     }
 
     async fn poll_by_hand<F: Future>(fut: F, wakes: &std::sync::Arc<Wakes>) -> F::Output {
-        use std::sync::atomic::Ordering::SeqCst;
         let waker = std::task::Waker::from(wakes.clone());
         let mut fut = std::pin::pin!(fut);
         loop {
-            wakes.polling.store(true, SeqCst);
+            *wakes.polling.lock().unwrap() = Some(std::thread::current().id());
             let r = fut
                 .as_mut()
                 .poll(&mut std::task::Context::from_waker(&waker));
-            wakes.polling.store(false, SeqCst);
+            *wakes.polling.lock().unwrap() = None;
             if let std::task::Poll::Ready(v) = r {
                 return v;
             }

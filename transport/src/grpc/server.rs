@@ -808,13 +808,20 @@ async fn answer(
         .await;
         routes.call(req).await
     };
+    if call.done.is_set() {
+        // Cancelled before its handler ran.
+        return;
+    }
+    // The handler first, as tonic's own deadline layer polls it: one that answers at once
+    // never registers for cancellation or the deadline (a lock on the call's `Notify` and a
+    // timer entry per call).
     let resp = tokio::select! {
         biased;
-        _ = call.done.wait() => None,
         r = handler => match r {
             Ok(resp) => Some(resp),
             Err(never) => match never {},
         },
+        _ = call.done.wait() => None,
         _ = sleep => {
             // The handler is dropped here; the client learns why in a trailers-only answer.
             let (parts, ()) = Status::deadline_exceeded("Deadline expired before the handler answered").into_http::<()>().into_parts();
