@@ -327,8 +327,11 @@ fn get_headers(b: &mut Bytes, limits: &Limits) -> Result<HeaderMap> {
     for _ in 0..n {
         let len = get_u16(b, "header name")? as usize;
         need(b, len, "header name")?;
-        let name = HeaderName::from_bytes(&b.split_to(len))
+        // Parsed from the slice: a name is copied (or matched to a standard one) anyway, so
+        // it needs no `Bytes` of its own (two reference-count updates).
+        let name = HeaderName::from_bytes(&b[..len])
             .map_err(|_| proto_err("invalid header name".into()))?;
+        b.advance(len);
         let v = take(b, "header value")?;
         size = size.saturating_add(len + v.len() + HEADER_ENTRY_OVERHEAD);
         if size > limits.max_header_list_size {
