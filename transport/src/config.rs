@@ -42,10 +42,11 @@ pub struct Config {
     /// is always let through, so the bound is the larger of this and `max_message_size`
     /// (`IBEX_RNDV_RECV_BUDGET`; default 256 MiB).
     pub rndv_recv_budget: usize,
-    /// Size of the registered pool (shm: shared segment per connection; verbs: the bound on
-    /// the peer-readable slabs `Connection::alloc` draws from, per process and device, and
-    /// the size of the one-piece `Connection::pool`, registered the first time something
-    /// asks for it). `IBEX_POOL_SIZE`.
+    /// Size of the registered pool (shm: one shared segment per side and peer process, used
+    /// by all connections between the two; verbs: the bound on the peer-readable slabs
+    /// `Connection::alloc` draws from, per process and device, and the size of the one-piece
+    /// `Connection::pool`, registered the first time something asks for it).
+    /// `IBEX_POOL_SIZE`.
     pub pool_size: usize,
     /// verbs: upper bound on the local memory this process registers on one device for eager
     /// slots, send slots and RDMA READ destinations, shared by all its connections there
