@@ -218,9 +218,9 @@ impl PsService {
     }
 
     /// Reply tensors for a pull: on a channel that reads one-sided, each value buffer of at
-    /// least the connection's `remote_min` is exposed and sent as a descriptor with a lease, so the
-    /// worker copies it once, straight into its own vector; smaller ones, other channels,
-    /// and any past the connection's lease limits go inline. Each buffer is the snapshot
+    /// least the connection's `remote_min` is exposed and sent as a descriptor with a lease,
+    /// so the worker copies it once, straight into its own vector; smaller ones, other
+    /// channels, and any past the connection's lease limits go inline. Each buffer is the snapshot
     /// `Shard::read` copied under the variable's lock, owned by the lease from here on, so
     /// no later step can change what the worker reads.
     async fn pull_tensors(&self, peer: Option<&PeerHandle>, vals: Vec<Values>) -> Vec<pb::Tensor> {

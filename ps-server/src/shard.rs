@@ -1197,6 +1197,20 @@ fn add_rows(rows: &mut BTreeMap<u64, Vec<f32>>, ids: &[u64], values: &F32s) {
 mod tests {
     use super::*;
 
+    /// Worker 0's step-0 push of 2.0 into each of `w`'s four elements.
+    async fn push_twos(s: &Arc<Shard>) {
+        s.push(
+            0,
+            0,
+            vec![Grad::Dense {
+                name: "w".into(),
+                values: vec![2.0; 4].into(),
+            }],
+        )
+        .await
+        .unwrap();
+    }
+
     fn shard() -> Arc<Shard> {
         let s = Shard::new(ShardConfig {
             shard: 0,
@@ -1254,16 +1268,7 @@ mod tests {
         assert_eq!(step, 0);
         assert_eq!(&vals[0].2[..], &[1.0f32.to_le_bytes(); 4].concat()[..]);
         // A push applies and the read sees it, through the same locks.
-        s.push(
-            0,
-            0,
-            vec![Grad::Dense {
-                name: "w".into(),
-                values: vec![2.0; 4].into(),
-            }],
-        )
-        .await
-        .unwrap();
+        push_twos(&s).await;
         let (step, vals) = s.read(vec!["w".into()]).await.unwrap();
         assert_eq!(step, 1);
         assert_eq!(&vals[0].2[..], &[0.0f32.to_le_bytes(); 4].concat()[..]);
@@ -1282,16 +1287,7 @@ mod tests {
             b[0].2.as_ptr(),
             "the second read copied again"
         );
-        s.push(
-            0,
-            0,
-            vec![Grad::Dense {
-                name: "w".into(),
-                values: vec![2.0; 4].into(),
-            }],
-        )
-        .await
-        .unwrap();
+        push_twos(&s).await;
         let (_, c) = s.read(vec!["w".into()]).await.unwrap();
         assert_eq!(&c[0].2[..], &[0.0f32.to_le_bytes(); 4].concat()[..]);
         assert_eq!(&a[0].2[..], &[1.0f32.to_le_bytes(); 4].concat()[..]);

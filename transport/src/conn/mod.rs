@@ -501,9 +501,9 @@ impl Connection {
     }
 
     /// Whether a receiver waiting in `recv` makes the driver busy-poll the link before it
-    /// sleeps (on by default when `Config::spin` is not zero; shm only). Worth it when replies come from another process;
-    /// harmful when they come from tasks on the receiver's own runtime, since the spin
-    /// keeps them from running.
+    /// sleeps (on by default when `Config::spin` is not zero; shm only). Worth it when
+    /// replies come from another process; harmful when they come from tasks on the
+    /// receiver's own runtime, since the spin keeps them from running.
     pub fn set_busy_poll(&self, on: bool) {
         self.shared().lock().busy_poll = on;
     }
