@@ -51,6 +51,9 @@ pub(crate) struct Shared {
     pub recv_lock: tokio::sync::Mutex<()>,
     /// Tasks waiting in [`super::Connection::poll_recv`]: woken with `changed`'s waiters.
     pub readers: Mutex<Vec<std::task::Waker>>,
+    /// `info.registrar` is set (fixed for the connection's life): lets sends skip the lock
+    /// when there is nothing to stage.
+    pub registers: bool,
 }
 
 impl Shared {

@@ -114,6 +114,7 @@ impl Connection {
                 released: std::sync::Mutex::new(Vec::new()),
                 recv_lock: tokio::sync::Mutex::new(()),
                 readers: std::sync::Mutex::new(Vec::new()),
+                registers: info.registrar.is_some(),
             }
         });
         tokio::spawn(Driver::new(shared.clone(), config.spin));
@@ -248,8 +249,12 @@ impl Connection {
     /// rely on a send that was polled once being queued in call order and not cut off
     /// half-way by cancellation.
     fn stage(&self, msg: Bytes) -> Result<Bytes> {
+        let shared = self.shared();
+        if !shared.registers {
+            return Ok(msg);
+        }
         let registrar = {
-            let st = self.shared().lock();
+            let st = shared.lock();
             st.info.registrar.clone().filter(|r| {
                 st.core.classify(msg.len() as u64).ok() == Some(crate::proto::Protocol::Rendezvous)
                     && r.would_register(&msg)
@@ -286,13 +291,22 @@ impl Connection {
     /// task switch to the driver when the link takes it at once.
     async fn enqueue(&self, queue: impl FnOnce(&mut State) -> Result<()>) -> Result<()> {
         let shared = self.shared();
+        let mut queue = Some(queue);
+        // First without registering for space: the queue is almost never full, and a
+        // `Notify` registration is two more lock round trips on every send.
+        let mut registered = false;
         loop {
             let space = shared.send_space.notified();
             tokio::pin!(space);
-            space.as_mut().enable();
+            if registered {
+                space.as_mut().enable();
+            }
             {
                 let mut st = shared.lock();
                 if st.core.queued_data_frames() < st.send_queue_limit() || st.closed.is_some() {
+                    let Some(queue) = queue.take() else {
+                        return Err(Error::LocallyClosed);
+                    };
                     let r = queue(&mut st);
                     let done_inline = r.is_ok() && st.transmit_inline() && !st.needs_driver();
                     drop(st);
@@ -301,6 +315,11 @@ impl Connection {
                     }
                     return r;
                 }
+            }
+            if !registered {
+                // Full: look again once registered, so space made in between is not missed.
+                registered = true;
+                continue;
             }
             shared.wake_driver();
             space.await;

@@ -110,7 +110,8 @@ impl Packet {
     /// Encodes the packet. `Data::Next` only records the length; the caller sends the bytes.
     pub(crate) fn encode(&self) -> Result<Bytes> {
         let mut flags = 0u8;
-        let mut b = BytesMut::with_capacity(64 + self.inline_len());
+        // Sized exactly: growing mid-encode reallocated and copied once or twice per call.
+        let mut b = BytesMut::with_capacity(self.encoded_len());
         b.put_u32(self.call);
         b.put_u8(0);
         if let Some(h) = &self.head {
@@ -163,11 +164,27 @@ impl Packet {
         Ok(b.freeze())
     }
 
-    fn inline_len(&self) -> usize {
-        match &self.data {
-            Some(Data::Inline(d)) => d.len(),
-            _ => 0,
+    /// The size [`Packet::encode`] writes (fields past the wire's limits make encode fail
+    /// anyway, so their size here only needs to be a sane capacity).
+    fn encoded_len(&self) -> usize {
+        fn headers_len(h: &HeaderMap) -> usize {
+            2 + h
+                .iter()
+                .map(|(n, v)| 2 + n.as_str().len() + 4 + v.len())
+                .sum::<usize>()
         }
+        let head = match &self.head {
+            Some(Head::Request { path, headers }) => 4 + 2 + path.len() + headers_len(headers),
+            Some(Head::Response { headers, .. }) => 4 + 2 + headers_len(headers),
+            None => 0,
+        };
+        let data = match &self.data {
+            Some(Data::Inline(d)) => 4 + d.len(),
+            Some(Data::Next(_)) => 8,
+            None => 0,
+        };
+        let trailers = self.trailers.as_ref().map_or(0, |t| 4 + headers_len(t));
+        5 + head + data + trailers + if self.window.is_some() { 4 } else { 0 }
     }
 
     /// Decodes a packet; any malformation is a protocol error (the connection is unusable).
@@ -431,6 +448,29 @@ mod tests {
         p.reset = true;
         let d = Packet::decode(p.encode().unwrap(), true, &Limits::default()).unwrap();
         assert!(d.reset && !d.goaway && d.head.is_none() && d.data.is_none());
+    }
+
+    #[test]
+    fn encode_allocates_exactly_what_it_writes() {
+        let mut req = Packet::new(7);
+        req.head = Some(Head::Request {
+            path: "/pkg.Svc/Method".into(),
+            headers: headers(),
+        });
+        req.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x03abc")));
+        req.window = Some(9);
+        let mut resp = Packet::new(8);
+        resp.head = Some(Head::Response {
+            status: StatusCode::OK,
+            headers: headers(),
+        });
+        resp.data = Some(Data::Next(1 << 30));
+        resp.trailers = Some(headers());
+        let mut bare = Packet::new(9);
+        bare.reset = true;
+        for p in [req, resp, bare] {
+            assert_eq!(p.encode().unwrap().len(), p.encoded_len(), "{p:?}");
+        }
     }
 
     /// A hand-built packet with `n` empty-valued headers named `h`.
