@@ -501,6 +501,69 @@ async fn remote_min_derives_from_the_connection() {
     assert_eq!(t.remote_min(), None, "tcp reads are served by the owner");
 }
 
+/// Whoever waits, reads: with a spin budget, a receiver waiting for a reply reads it from
+/// the link on its own task; with none, the driver task delivers everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_receiver_reads_the_link_itself() {
+    for (spin, tag) in [
+        (Duration::from_millis(5), "inline"),
+        (Duration::ZERO, "noinline"),
+    ] {
+        let config = Config {
+            spin,
+            ..fixed_threshold(4096)
+        };
+        let (a, b) = pair_with("shm", tag, config).await;
+        let echo = tokio::spawn(async move {
+            for _ in 0..200 {
+                let m = b.recv().await.unwrap();
+                b.send(m).await.unwrap();
+            }
+            b
+        });
+        for i in 0..200u32 {
+            let m = Bytes::from(i.to_be_bytes().to_vec());
+            a.send(m.clone()).await.unwrap();
+            assert_eq!(a.recv().await.unwrap(), m);
+        }
+        let b = echo.await.unwrap();
+        let (ra, rb) = (a.stats().inline_reads, b.stats().inline_reads);
+        if spin.is_zero() {
+            assert_eq!((ra, rb), (0, 0), "no spin budget: the driver delivers");
+        } else {
+            // A generous budget on an idle pair: nearly every reply comes within it. Not
+            // all: a receiver that finds its message already delivered takes it as is.
+            assert!(ra > 100 && rb > 100, "inline reads: {ra} and {rb} of 200");
+        }
+    }
+}
+
+/// A receiver that starts spinning on the link and then stops polling (its future dropped
+/// mid-spin) must not leave the link to nobody: the driver takes it back when the lease
+/// runs out, so a rendezvous message, which only the driver completes when no one is
+/// receiving, still arrives and its sender learns it did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_stops_spinning_hands_the_link_back() {
+    let config = Config {
+        spin: Duration::from_millis(20),
+        ..fixed_threshold(4096)
+    };
+    let (a, b) = pair_with("shm", "handback", config).await;
+    for _ in 0..3 {
+        // Poll once (the receiver starts its spin and disarms the link), then drop it.
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        assert!(a.poll_recv(&mut cx).is_pending());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let big = pattern(256 << 10, 7);
+        tokio::time::timeout(Duration::from_secs(10), b.send_wait(big.clone()))
+            .await
+            .expect("the sender learned the receiver has its data")
+            .unwrap();
+        assert_eq!(a.recv().await.unwrap(), big);
+    }
+}
+
 /// All shm connections between the same two processes share one pool per side (here the
 /// "two processes" are the dialing and the accepting ends of this one): a buffer carved for
 /// one connection moves with no copy over another, and both directions keep working at once.

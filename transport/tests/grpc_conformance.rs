@@ -1074,12 +1074,17 @@ mod ibex_only {
 
     /// A caller reads the connection for its own call (whoever waits, reads); what it reads
     /// for itself must not wake it while it runs. Unary calls (the response head) and a
-    /// bidirectional stream (each answer a frame of the response body) over shm.
+    /// bidirectional stream (each answer a frame of the response body) over shm. With no
+    /// spin budget: a spinning caller wakes itself on purpose, once per spin step.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_caller_reading_for_itself_does_not_wake_itself() {
         within(async {
             let (srv, _ev) = start::<IbexShm>(None, None).await;
-            let ch = Channel::connect_with_config(&srv.addr, ibex_config())
+            let config = ibex_transport::Config {
+                spin: std::time::Duration::ZERO,
+                ..ibex_config()
+            };
+            let ch = Channel::connect_with_config(&srv.addr, config)
                 .await
                 .unwrap();
             let mut c = BenchClient::new(ch);

@@ -191,9 +191,152 @@ pub(crate) struct State {
     pub spin_requested: bool,
     /// Whether receivers may request spinning ([`super::Connection::set_busy_poll`]).
     pub busy_poll: bool,
+    /// Receivers that read the link themselves ([`State::read_inline`]).
+    pub inline: InlineRead,
     pub stats: super::ConnStats,
     /// For guards that report drops back to the driver.
     self_ref: std::sync::Weak<Shared>,
+}
+
+/// Whoever waits, reads: a receiver that finds nothing delivered polls the link itself
+/// ([`State::read_inline`]) and spins on it for the spin budget, so a message that comes
+/// within the budget is handled on the receiver's own task, with no hop through the
+/// driver task (on 2 cores, half a microsecond each way: the driver's turn, a wake-up and
+/// a task switch). Polling without arming the link's sleep leaves it unarmed; the lease
+/// says until when a receiver may be back for it, and the driver arms the link once the
+/// lease has run out, so a receiver that stops spinning (or is dropped) never strands a
+/// message.
+#[derive(Default)]
+pub(crate) struct InlineRead {
+    /// The receiver spinning now, and when its spin began. One at a time: it reads for
+    /// everyone (the others are woken by what it delivers).
+    spinner: Option<(std::task::Waker, Instant)>,
+    /// The link stays unarmed until then (a receiver is spinning or just read a message
+    /// and is likely back within its budget); the driver arms it after.
+    pub lease: Option<Instant>,
+    adapt: SpinAdapt,
+    /// The spin budget ([`crate::Config::spin`]); zero: receivers never read inline.
+    pub spin: Duration,
+}
+
+/// What a receiver that found nothing delivered should do.
+pub(crate) enum Take {
+    Got(Result<Bytes, Error>),
+    /// Poll again soon (wake itself): it spins on the link.
+    Spin,
+    /// Sleep until woken (the driver delivers).
+    Wait,
+}
+
+impl State {
+    /// Pops the next delivered message, or the reason the connection closed. The second
+    /// value: a full batch of credits is owed (wake the driver).
+    fn pop_delivered(&mut self) -> Option<(Result<Bytes, Error>, bool)> {
+        if let Some(ready) = self.delivered.pop_front() {
+            let credit_due = self.consume(ready.msg());
+            return Some((Ok(ready.into_bytes()), credit_due));
+        }
+        self.closed.as_ref().map(|e| (Err(e.clone()), false))
+    }
+
+    /// Takes the next message for a receiver whose task wakes with `me`, reading the link
+    /// itself when the link is worth spinning on ([`InlineRead`]). Returns what the caller
+    /// must do after releasing the lock: (what to do, wake the driver, wake the others).
+    pub fn take(&mut self, me: &std::task::Waker) -> (Take, bool, bool) {
+        let spin = self.inline.spin;
+        if let Some((r, credit_due)) = self.pop_delivered() {
+            return (Take::Got(r), credit_due, false);
+        }
+        let inline = self.busy_poll
+            && !spin.is_zero()
+            && !self.core.is_closed()
+            && self.link.as_ref().is_some_and(|l| l.busy_poll());
+        if !inline {
+            // The driver delivers; where the link is worth spinning on but inline reads
+            // are off, the driver spins for this receiver.
+            self.spin_requested = self.busy_poll;
+            return (Take::Wait, self.busy_poll, false);
+        }
+        let mine = match &self.inline.spinner {
+            Some((w, _)) => {
+                if !w.will_wake(me) {
+                    // Another receiver spins and reads for this one too.
+                    return (Take::Wait, false, false);
+                }
+                true
+            }
+            None => false,
+        };
+        if !mine && !self.inline.adapt.may_spin() {
+            // Spinning has not been paying: leave the link to the driver, armed.
+            let lease = self.inline.lease.take().is_some();
+            return (Take::Wait, lease, false);
+        }
+        let now = Instant::now();
+        let mut wake = Wake::default();
+        self.read_inline(&mut wake);
+        if let Some((r, _)) = self.pop_delivered() {
+            if r.is_ok() {
+                self.stats.inline_reads += 1;
+            }
+            if self.inline.spinner.take().is_some() {
+                self.inline.adapt.hit();
+            }
+            // Likely back within its budget: keep the link unarmed until then. The driver
+            // runs once after this task yields: it sends what the message called for
+            // (credits, completions) and arms the link if the lease has run out.
+            self.inline.lease = Some(now + spin);
+            let others = !self.delivered.is_empty() || self.closed.is_some();
+            return (Take::Got(r), true, others);
+        }
+        match self.inline.spinner {
+            Some((_, since)) if now.duration_since(since) < spin => (Take::Spin, false, false),
+            Some(_) => {
+                // The budget is spent: the driver arms the link, then sleeps.
+                self.inline.spinner = None;
+                self.inline.lease = None;
+                self.inline.adapt.miss();
+                (Take::Wait, true, false)
+            }
+            None => {
+                self.inline.spinner = Some((me.clone(), now));
+                let fresh = self.inline.lease.is_none();
+                self.inline.lease = Some(now + spin);
+                // A fresh lease: the driver learns when to take the link back.
+                (Take::Spin, fresh, false)
+            }
+        }
+    }
+
+    /// Handles link events on a receiver's task, as the driver would, until one delivers a
+    /// message. Polls without arming the link's sleep ([`Link::try_event`]).
+    fn read_inline(&mut self, wake: &mut Wake) {
+        for _ in 0..EVENTS_PER_TURN {
+            if !self.delivered.is_empty() || self.closed.is_some() {
+                return;
+            }
+            let Some(ev) = self.link.as_mut().and_then(|l| l.try_event()) else {
+                return;
+            };
+            let failed = ev.is_err();
+            self.handle_event(ev, Instant::now(), wake);
+            if failed {
+                return;
+            }
+        }
+    }
+
+    /// The driver takes the link back once the lease has run out: true if it did.
+    fn lease_ran_out(&mut self, now: Instant) -> bool {
+        if self.inline.lease.is_none_or(|l| l > now) {
+            return false;
+        }
+        self.inline.lease = None;
+        if self.inline.spinner.take().is_some() {
+            self.inline.adapt.miss();
+        }
+        true
+    }
 }
 
 /// Wraps a zero-copy view of the peer's pool: when the application drops the last
@@ -262,6 +405,7 @@ impl State {
             close_reason: String::new(),
             spin_requested: false,
             busy_poll: true,
+            inline: InlineRead::default(),
             stats,
             self_ref,
         }
@@ -1047,6 +1191,9 @@ impl State {
         loop {
             let now = Instant::now();
             let mut progress = false;
+            // While a receiver holds the lease, it polls the link: arming it now would make
+            // the peer signal us for messages the receiver is about to take.
+            let spinning = spinning || self.inline.lease.is_some();
 
             let released =
                 std::mem::take(&mut *shared.released.lock().unwrap_or_else(|e| e.into_inner()));
@@ -1126,10 +1273,20 @@ impl State {
                 }
             }
 
-            // Timers.
-            if let Some(deadline) = self.core.poll_timeout() {
+            // Timers: the core's, and the end of a receiver's lease on the link.
+            if self.lease_ran_out(now) {
+                progress = true;
+            }
+            let core_deadline = self.core.poll_timeout();
+            let deadline = match (core_deadline, self.inline.lease) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            if let Some(deadline) = deadline {
                 if deadline <= now {
-                    self.core.handle_timeout(now);
+                    if core_deadline.is_some_and(|d| d <= now) {
+                        self.core.handle_timeout(now);
+                    }
                     progress = true;
                 } else {
                     let d = tokio::time::Instant::from_std(deadline);

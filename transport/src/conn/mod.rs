@@ -26,7 +26,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::link::{Link, RecvBuf};
 use crate::pool::{Pool, PoolBufMut};
-use driver::{Driver, Posted, ReadyMsg, Released, Shared, State};
+use driver::{Driver, Posted, ReadyMsg, Released, Shared, State, Take};
 
 /// One message connection. Cheap to clone; the connection closes gracefully when the last
 /// clone is dropped (or at [`Connection::close`]).
@@ -93,6 +93,7 @@ impl Connection {
             // With no spin budget, a receiver's request to spin would only wake the driver
             // for nothing.
             state.busy_poll = !config.spin.is_zero();
+            state.inline.spin = config.spin;
             if let Some(buf) = probe_buf
                 && let Some(link) = state.link.as_mut()
             {
@@ -334,8 +335,12 @@ impl Connection {
             let notified = shared.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(r) = self.try_take() {
-                return r;
+            loop {
+                match std::future::poll_fn(|cx| Poll::Ready(self.try_take(cx.waker()))).await {
+                    Take::Got(r) => return r,
+                    Take::Spin => yield_once().await,
+                    Take::Wait => break,
+                }
             }
             notified.await;
         }
@@ -358,37 +363,31 @@ impl Connection {
                 readers.push(cx.waker().clone());
             }
         }
-        match self.try_take() {
-            Some(r) => Poll::Ready(r),
-            None => Poll::Pending,
+        match self.try_take(cx.waker()) {
+            Take::Got(r) => Poll::Ready(r),
+            Take::Spin => {
+                // Spinning cooperatively: back to the runtime, which runs whatever else
+                // is ready on this thread (the handler that will produce the reply may be
+                // one), then polls this task again.
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            Take::Wait => Poll::Pending,
         }
     }
 
-    /// Takes the next delivered message, or the reason the connection closed; `None` (and a
-    /// spin request where busy-polling is on) when there is nothing yet.
-    fn try_take(&self) -> Option<Result<Bytes>> {
+    /// Takes the next delivered message, or the reason the connection closed, for a task
+    /// that wakes with `me`; reads the link itself where that pays ([`State::take`]).
+    fn try_take(&self, me: &std::task::Waker) -> Take {
         let shared = self.shared();
-        let spin = {
-            let mut st = shared.lock();
-            if let Some(ready) = st.delivered.pop_front() {
-                let credit_due = st.consume(ready.msg());
-                drop(st);
-                if credit_due {
-                    shared.wake_driver();
-                }
-                return Some(Ok(ready.into_bytes()));
-            }
-            if let Some(e) = &st.closed {
-                return Some(Err(e.clone()));
-            }
-            st.spin_requested = st.busy_poll;
-            st.busy_poll
-        };
-        // The link wakes the driver when data comes; it only needs a nudge to spin.
-        if spin {
+        let (take, driver, others) = shared.lock().take(me);
+        if driver {
             shared.wake_driver();
         }
-        None
+        if others {
+            shared.notify_changed();
+        }
+        take
     }
 
     /// Receives the next message into `buf`, returning it with the message length. When
@@ -1019,6 +1018,22 @@ const BOUNCE_MAX: usize = 1 << 20;
 /// Runs blocking work synchronously without holding up the runtime: on a multi-thread
 /// runtime the worker hands its other tasks to the rest first (`block_in_place`); a
 /// current-thread runtime has no other worker to hand them to, so it runs in place.
+/// Returns to the runtime once, waking itself: a cooperative spin's step. Not
+/// `tokio::task::yield_now`, which defers the wake-up until the runtime has polled its I/O
+/// driver (an `epoll_wait` per step).
+async fn yield_once() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if std::mem::replace(&mut yielded, true) {
+            Poll::Ready(())
+        } else {
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await
+}
+
 fn outside_runtime<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),

@@ -35,6 +35,9 @@ pub struct ConnStats {
     pub reg_cache_hits: u64,
     /// Exposed buffers that had to be registered (verbs): each costs a kernel call and pinning.
     pub reg_cache_misses: u64,
+    /// Messages a waiting receiver read from the link on its own task (whoever waits,
+    /// reads) rather than taking them from the driver task.
+    pub inline_reads: u64,
 }
 
 impl ConnStats {
