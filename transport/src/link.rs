@@ -446,6 +446,12 @@ pub trait Link: Send + 'static {
         Vec::new()
     }
 
+    /// True while [`Link::take_work`] has copies waiting (for a caller other than the
+    /// driver that polled the link and must hand them over).
+    fn has_work(&self) -> bool {
+        false
+    }
+
     /// The result of a [`Work`]: the provider reports it as the read's `ReadDone`.
     fn work_done(&mut self, id: u64, result: Result<(), Error>) {
         let _ = (id, result);

@@ -1099,6 +1099,10 @@ impl Link for ShmLink {
         self.work.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
+    fn has_work(&self) -> bool {
+        self.work.as_ref().is_some_and(|w| !w.is_empty())
+    }
+
     fn work_done(&mut self, id: u64, result: Result<()>) {
         self.completions.push_back((id, result));
     }
