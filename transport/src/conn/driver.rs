@@ -225,20 +225,22 @@ pub(crate) struct InlineRead {
     /// answer: a receiver is polled many times per wait (every wake of a task that also
     /// waits on other things), and counting those polls used the back-off up at once.
     asked: Option<bool>,
-    /// The spin budget ([`crate::Config::spin`]); zero: receivers never read inline.
+    /// The spin budget ([`crate::Config::spin`]); under
+    /// [`crate::config::INLINE_READ_MIN_SPIN`], receivers never read inline.
     pub spin: Duration,
     /// How long spins that caught their message waited, smoothed (nanoseconds).
     hit_wait_ns: u64,
 }
 
 impl InlineRead {
-    /// Spins wait a few times as long as answered spins have been waiting, within the
-    /// configured budget: a miss then costs a few typical replies' time, not the whole
-    /// budget, which on a crowded machine is CPU the peer needs to answer at all. Never
-    /// under 30 µs: with a 5-20 µs floor, a 64 B ping-pong's ordinary stragglers missed,
-    /// slept on the eventfd, and its p99 doubled.
+    /// The whole budget while spins keep catching their messages; once they have missed
+    /// lately, a few times as long as answered spins have been waiting: a miss then costs
+    /// a few typical replies' time, not the whole budget, which on a crowded machine is
+    /// CPU the peer needs to answer at all. Never under 30 µs: with a 5-20 µs floor, a
+    /// 64 B ping-pong's ordinary stragglers missed, slept on the eventfd, and its p99
+    /// doubled.
     fn budget(&self) -> Duration {
-        if self.hit_wait_ns == 0 {
+        if self.hit_wait_ns == 0 || self.adapt.backoff == 0 {
             return self.spin;
         }
         Duration::from_nanos(4 * self.hit_wait_ns)
@@ -285,7 +287,7 @@ impl State {
             return (Take::Got(r), credit_due, false);
         }
         let inline = self.busy_poll
-            && !spin.is_zero()
+            && spin >= crate::config::INLINE_READ_MIN_SPIN
             && !self.core.is_closed()
             && self.link.as_ref().is_some_and(|l| l.busy_poll());
         if !inline {
@@ -1411,18 +1413,25 @@ mod tests {
         }
         assert_eq!(
             r.budget(),
+            r.spin,
+            "no spin missed lately: the whole budget"
+        );
+        r.adapt.miss();
+        assert_eq!(
+            r.budget(),
             Duration::from_micros(30),
-            "fast answers: the floor"
+            "fast answers after a miss: the floor"
         );
         for _ in 0..50 {
             r.learn(Duration::from_micros(100));
         }
         assert_eq!(r.budget(), r.spin, "never past the configured budget");
-        let tiny = InlineRead {
+        let mut tiny = InlineRead {
             spin: Duration::from_micros(10),
             hit_wait_ns: 1,
             ..Default::default()
         };
+        tiny.adapt.miss();
         assert_eq!(tiny.budget(), tiny.spin, "a budget under the floor is kept");
     }
 

@@ -180,6 +180,8 @@ impl Server {
 pub struct Honest {
     pub done: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
+    /// Why the client stopped, once it has: the assertion that finds it stopped says so.
+    failed: Arc<std::sync::Mutex<Option<String>>>,
     task: tokio::task::JoinHandle<Result<u64, String>>,
 }
 
@@ -191,7 +193,29 @@ impl Honest {
         let done = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let (d, s) = (done.clone(), stop.clone());
+        let failed = Arc::new(std::sync::Mutex::new(None));
+        let f = failed.clone();
         let task = tokio::spawn(async move {
+            let r = Self::echo_loop(c, d, s).await;
+            if let Err(e) = &r {
+                *f.lock().unwrap() = Some(e.clone());
+            }
+            r
+        });
+        Honest {
+            done,
+            stop,
+            failed,
+            task,
+        }
+    }
+
+    async fn echo_loop(
+        c: Connection,
+        d: Arc<AtomicU64>,
+        s: Arc<AtomicBool>,
+    ) -> Result<u64, String> {
+        {
             let sizes = [64usize, 4 << 10, 300 << 10, 1 << 20];
             let mut i = 0u64;
             while !s.load(Ordering::Relaxed) {
@@ -210,8 +234,7 @@ impl Honest {
                 d.store(i, Ordering::Relaxed);
             }
             Ok(i)
-        });
-        Honest { done, stop, task }
+        }
     }
 
     /// Waits until the client has completed `n` more round trips: proof that it is being
@@ -222,7 +245,8 @@ impl Honest {
         while self.done.load(Ordering::Relaxed) < from + n {
             assert!(
                 !self.task.is_finished(),
-                "the honest client stopped while {while_}"
+                "the honest client stopped while {while_}: {:?}",
+                self.failed.lock().unwrap()
             );
             assert!(
                 t.elapsed() < Duration::from_secs(30),
