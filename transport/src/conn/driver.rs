@@ -1146,16 +1146,16 @@ impl Future for Driver {
                     break;
                 }
                 None => {
-                    // Budget spent: one more turn re-arms the link's wake-up, then sleep.
+                    // Budget spent: one more full pass re-arms the link's wake-up, then
+                    // sleep. A full pass, not a bare turn: a message that arrives in that
+                    // turn may post reads that are link work (shm copies), and only the
+                    // loop runs those. Breaking after the turn left them unrun with nothing
+                    // to wake the driver: the message hung (hostile_shm's honest client,
+                    // about once in 30 k round trips under load).
                     this.spinning_since = None;
                     this.adapt.miss();
-                    if st.turn(&shared, cx, &mut this.timer, &mut wake, false) {
-                        drop(st);
-                        shared.notify_changed();
-                        shared.send_space.notify_waiters();
-                        return Poll::Ready(());
-                    }
-                    break;
+                    spinning = false;
+                    continue;
                 }
             }
         }

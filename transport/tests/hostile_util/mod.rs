@@ -225,7 +225,12 @@ impl Honest {
                     .map_err(|e| format!("send {i}: {e}"))?;
                 let got = tokio::time::timeout(Duration::from_secs(30), c.recv())
                     .await
-                    .map_err(|_| format!("echo {i} not answered within 30 s"))?
+                    .map_err(|_| {
+                        format!(
+                            "echo {i} not answered within 30 s; the client's stats: {:?}",
+                            c.stats()
+                        )
+                    })?
                     .map_err(|e| format!("echo {i}: {e}"))?;
                 if got != want {
                     return Err(format!("echo {i} came back different"));
