@@ -521,8 +521,16 @@ async fn a_waiting_receiver_reads_the_link_itself() {
             }
             b
         });
+        // Every fourth a rendezvous message: read inline, its RTS posts reads that are
+        // link work, which the driver must still be woken to run. Made beforehand, so the
+        // peer answers within any spin budget.
+        let big = pattern(300 << 10, 9);
         for i in 0..200u32 {
-            let m = Bytes::from(i.to_be_bytes().to_vec());
+            let m = if i % 4 == 3 {
+                big.clone()
+            } else {
+                Bytes::from(i.to_be_bytes().to_vec())
+            };
             a.send(m.clone()).await.unwrap();
             assert_eq!(a.recv().await.unwrap(), m);
         }
@@ -531,9 +539,14 @@ async fn a_waiting_receiver_reads_the_link_itself() {
         if spin < ibex_transport::config::INLINE_READ_MIN_SPIN {
             assert_eq!((ra, rb), (0, 0), "the default budget: the driver delivers");
         } else {
-            // A generous budget on an idle pair: nearly every reply comes within it. Not
-            // all: a receiver that finds its message already delivered takes it as is.
-            assert!(ra > 100 && rb > 100, "inline reads: {ra} and {rb} of 200");
+            // A generous budget on an idle pair: most eager replies come within it. Not
+            // all: a receiver that finds its message already delivered takes it as is, and
+            // while the driver runs a rendezvous message's reads it may take the next one
+            // (how many depends on timing, so the bound is loose).
+            assert!(
+                ra + rb >= 30,
+                "inline reads: {ra} and {rb} of 2 x 150 eager messages"
+            );
         }
     }
 }

@@ -320,7 +320,7 @@ impl State {
         }
         let now = Instant::now();
         let mut wake = Wake::default();
-        self.read_inline(&mut wake);
+        let handled = self.read_inline(&mut wake);
         if let Some((r, _)) = self.pop_delivered() {
             if r.is_ok() {
                 self.stats.inline_reads += 1;
@@ -340,16 +340,13 @@ impl State {
             // What the message called for (an acknowledgement, credits) goes out from here
             // too; the driver is woken only for what needs it: a link that pushed back,
             // copies to run, closing, a lease its timer does not cover.
-            let sent = self.transmit_inline();
-            let driver = !sent
-                || self.needs_driver()
-                || self.link.as_ref().is_some_and(|l| l.has_work())
-                || !self.backstop_covers();
+            let driver = self.after_inline() || !self.backstop_covers();
             return (Take::Got(r), driver, others);
         }
+        let driver = handled && self.after_inline();
         match self.inline.spinner {
             Some((_, since)) if now.duration_since(since) < self.inline.budget() => {
-                (Take::Spin, false, false)
+                (Take::Spin, driver, false)
             }
             Some(_) => {
                 // The budget is spent: the driver arms the link, then sleeps.
@@ -362,27 +359,41 @@ impl State {
                 self.inline.spinner = Some((me.clone(), now));
                 self.inline.lease = Some(now + spin);
                 // The driver's timer must be set to take the link back in time.
-                (Take::Spin, !self.backstop_covers(), false)
+                (Take::Spin, driver || !self.backstop_covers(), false)
             }
         }
     }
 
     /// Handles link events on a receiver's task, as the driver would, until one delivers a
     /// message. Polls without arming the link's sleep ([`Link::try_event`]).
-    fn read_inline(&mut self, wake: &mut Wake) {
+    /// Returns true if it handled anything.
+    fn read_inline(&mut self, wake: &mut Wake) -> bool {
+        let mut handled = false;
         for _ in 0..EVENTS_PER_TURN {
             if !self.delivered.is_empty() || self.closed.is_some() {
-                return;
+                break;
             }
             let Some(ev) = self.link.as_mut().and_then(|l| l.try_event()) else {
-                return;
+                break;
             };
+            handled = true;
             let failed = ev.is_err();
             self.handle_event(ev, Instant::now(), wake);
             if failed {
-                return;
+                break;
             }
         }
+        handled
+    }
+
+    /// After events were handled inline: sends what they called for (acknowledgements,
+    /// credits) and says whether the driver must run now: for a link that pushed back, for
+    /// copies to run (an RTS read inline posts its reads, which on shm are link work only
+    /// the driver runs; left to the lease they would wait out the whole spin budget), or
+    /// to close.
+    fn after_inline(&mut self) -> bool {
+        let sent = self.transmit_inline();
+        !sent || self.needs_driver() || self.link.as_ref().is_some_and(|l| l.has_work())
     }
 
     /// The driver's timer fires no later than the lease ends (it then extends itself to
