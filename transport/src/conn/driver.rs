@@ -339,8 +339,10 @@ impl State {
             let others = others_wait || !self.delivered.is_empty() || self.closed.is_some();
             // What the message called for (an acknowledgement, credits) goes out from here
             // too; the driver is woken only for what needs it: a link that pushed back,
-            // copies to run, closing, a lease its timer does not cover.
-            let driver = self.after_inline() || !self.backstop_covers();
+            // copies to run, closing, a lease its timer does not cover, or a link left
+            // unarmed with no lease (others wait: the driver must arm it now, since a
+            // woken reader that may not spin leaves it to the driver).
+            let driver = self.after_inline() || others_wait || !self.backstop_covers();
             return (Take::Got(r), driver, others);
         }
         let driver = handled && self.after_inline();
