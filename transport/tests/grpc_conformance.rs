@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use grpc_common::service::{ERROR_DETAILS, ERROR_MESSAGE, Event};
-use grpc_common::transports::{IbexShm, IbexTcp, Stock};
+use grpc_common::transports::{IbexShm, IbexTcp, Services, Stock};
 use grpc_common::{BenchImpl, Chan, Events, ServerHandle, Transport, pattern};
 use http_body_util::BodyExt;
 use ibex_proto::bench::v1::bench_client::BenchClient;
@@ -48,7 +48,7 @@ async fn start<T: Transport>(
 ) -> (ServerHandle, Events) {
     let (svc, ev) = BenchImpl::new();
     (
-        T::serve(Routes::new(svc.server(max_decode, max_encode))).await,
+        T::serve(Services::new(svc.server(max_decode, max_encode))).await,
         ev,
     )
 }
@@ -349,6 +349,9 @@ mod cases {
         // Unknown method: tonic's router answers Unimplemented, trailers-only.
         let (head, _, _) =
             raw_call(&chan, "/ibex.bench.v1.Bench/Nope", "", Payload::default()).await;
+        assert_eq!(head.headers.get("grpc-status").unwrap(), "12");
+        // Unknown service: the router's fallback, the same answer.
+        let (head, _, _) = raw_call(&chan, "/no.Such/Method", "", Payload::default()).await;
         assert_eq!(head.headers.get("grpc-status").unwrap(), "12");
         srv.shutdown().await.unwrap();
     }
@@ -698,7 +701,8 @@ mod cases {
     /// Interceptors on both sides, as production services use them, with tonic's own
     /// types: `BenchServer::with_interceptor` served as is, `BenchClient::with_interceptor`
     /// over the transport's channel. The server's refuses calls without the token; a
-    /// client's that refuses never sends the call.
+    /// client's that refuses never sends the call. Served as tonic `Routes`
+    /// (`Builder::add_routes`), so this case covers the calls Ibex hands to tonic's router.
     pub async fn interceptors<T: Transport>() {
         use ibex_proto::bench::v1::bench_server::BenchServer;
         fn check_auth(req: Request<()>) -> Result<Request<()>, Status> {
@@ -708,7 +712,10 @@ mod cases {
             }
         }
         let (svc, _ev) = BenchImpl::new();
-        let srv = T::serve(Routes::new(BenchServer::with_interceptor(svc, check_auth))).await;
+        let srv = T::serve(Services::routes(Routes::new(
+            BenchServer::with_interceptor(svc, check_auth),
+        )))
+        .await;
         let ch = T::connect(&srv.addr).await.unwrap();
         let mut plain = BenchClient::new(ch.clone());
         let e = plain.echo(Payload::default()).await.unwrap_err();
@@ -770,7 +777,7 @@ mod cases {
     /// reaches the new server on a later call, as tonic's channel does.
     pub async fn reconnect<T: Transport>() {
         let (svc, _ev) = BenchImpl::new();
-        let srv = T::serve(Routes::new(svc.server(None, None))).await;
+        let srv = T::serve(Services::new(svc.server(None, None))).await;
         let addr = srv.addr.clone();
         let mut c = BenchClient::new(T::connect(&addr).await.unwrap());
         assert!(c.echo(Payload::default()).await.is_ok());
@@ -778,7 +785,7 @@ mod cases {
         let e = c.echo(Payload::default()).await.unwrap_err();
         assert!(T::GONE_CODES.contains(&e.code()), "{e:?}");
         let (svc, _ev) = BenchImpl::new();
-        let srv = T::serve_at(&addr, Routes::new(svc.server(None, None))).await;
+        let srv = T::serve_at(&addr, Services::new(svc.server(None, None))).await;
         let want = vec![pattern(10, 1)];
         let mut attempts = 0;
         loop {
@@ -1369,8 +1376,8 @@ mod ibex_only {
 
     async fn start_at(uri: String) -> (ServerHandle, Events) {
         let (svc, ev) = BenchImpl::new();
-        let routes = Routes::new(svc.server(None, None));
-        (grpc_common::transports::ibex_serve(uri, routes).await, ev)
+        let services = Services::new(svc.server(None, None));
+        (grpc_common::transports::ibex_serve(uri, services).await, ev)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

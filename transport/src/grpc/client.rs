@@ -583,11 +583,12 @@ impl Channel {
             .headers
             .entry(http::header::USER_AGENT)
             .or_insert_with(|| shared.user_agent.clone());
+        // A generated client's path is static: this clone copies nothing.
         let path = parts
             .uri
             .path_and_query()
-            .map_or("/", |p| p.as_str())
-            .to_string();
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
         let deadline = parse_timeout(&parts.headers).map(|t| tokio::time::Instant::now() + t);
         let call = CallShared::new();
         let (head_tx, head_rx) = oneshot::channel();

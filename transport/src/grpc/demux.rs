@@ -83,7 +83,7 @@ mod tests {
     fn head(call: u32) -> Packet {
         let mut p = Packet::new(call);
         p.head = Some(Head::Request {
-            path: "/s/m".into(),
+            path: http::uri::PathAndQuery::from_static("/s/m"),
             headers: HeaderMap::new(),
         });
         p

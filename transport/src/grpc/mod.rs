@@ -33,6 +33,7 @@ mod body;
 mod client;
 mod demux;
 mod pump;
+mod router;
 mod server;
 mod wire;
 

@@ -19,6 +19,7 @@ use tower::Service;
 use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::demux::{Demux, Got};
 use super::pump::{Side, pump};
+use super::router::{Handler, Router};
 use super::wire::{Head, Limits, Packet};
 use super::{CallShared, Flag, Mux, parse_timeout};
 use crate::config::Config;
@@ -41,7 +42,10 @@ impl Server {
 /// Collects services, then serves them: `Server::builder().add_service(svc).serve(uri)`.
 #[derive(Debug, Default)]
 pub struct Builder {
+    /// Every service, for stock HTTP/2 (`serve_any`) and as the Ibex router's fallback.
     routes: Option<Routes>,
+    /// The services added one by one, which Ibex connections call without tonic's router.
+    router: Router,
     config: Option<Config>,
     /// Listener settings from tonic-named methods, applied over `config`.
     tcp_keepalive: Option<Option<std::time::Duration>>,
@@ -247,6 +251,7 @@ impl Builder {
         S::Response: axum::response::IntoResponse,
         S::Future: Send + 'static,
     {
+        self.router.add_service(svc.clone());
         self.routes = Some(self.routes.take().unwrap_or_default().add_service(svc));
         self
     }
@@ -334,7 +339,8 @@ impl Builder {
     ) -> Result<()> {
         let mut limits = self.limits;
         limits.keepalive = self.keepalive();
-        let routes = self.routes.unwrap_or_default().prepare();
+        let mut router = self.router;
+        router.set_fallback(self.routes.unwrap_or_default());
         let shutdown = Arc::new(Flag::default());
         // `accept` is cancel-safe (each peer's set-up runs in the listener's own tasks, under
         // a deadline), so it can sit in the select with the rest.
@@ -348,9 +354,9 @@ impl Builder {
                     Ok(conn) => {
                         let stats = self.stats.clone();
                         let id = stats.add(&conn);
-                        let (routes, shutdown) = (routes.clone(), shutdown.clone());
+                        let (router, shutdown) = (router.clone(), shutdown.clone());
                         conns.spawn(async move {
-                            serve_conn(conn, routes, shutdown, limits).await;
+                            serve_conn(conn, router, shutdown, limits).await;
                             stats.remove(id);
                         });
                     }
@@ -532,7 +538,7 @@ struct ConnCtx {
     peer: PeerHandle,
     info: ConnectInfo,
     tcp_info: Option<tonic::transport::server::TcpConnectInfo>,
-    routes: Routes,
+    router: Router,
     limits: ServeLimits,
     /// Body bytes held for this connection's handlers (see [`Held`]).
     held: Arc<Held>,
@@ -543,7 +549,7 @@ struct ConnCtx {
     running: FuturesUnordered<Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
-async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limits: ServeLimits) {
+async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limits: ServeLimits) {
     if let Some((interval, timeout)) = limits.keepalive
         && let Err(e) = conn.set_keepalive(Some(interval), timeout)
     {
@@ -560,7 +566,7 @@ async fn serve_conn(conn: Connection, routes: Routes, shutdown: Arc<Flag>, limit
         },
         info: ConnectInfo::of(&conn),
         tcp_info: None,
-        routes,
+        router,
         limits,
         held: Held::new(limits.max_held),
         draining: false,
@@ -700,11 +706,9 @@ impl ConnCtx {
             let body = IbexBody::new(rx, self.st.mux.clone(), id, call.clone(), || {
                 request_cut("the client's connection is gone")
             });
-            let mut req = http::Request::new(IncomingBody::from(body));
+            let mut req = http::Request::new(tonic::body::Body::new(IncomingBody::from(body)));
             *req.method_mut() = http::Method::POST;
-            *req.uri_mut() = path.parse().map_err(|_| {
-                Error::Protocol(format!("gRPC call framing: bad method path {path:?}"))
-            })?;
+            *req.uri_mut() = http::Uri::from(path);
             *req.version_mut() = http::Version::HTTP_2;
             *req.headers_mut() = headers;
             req.extensions_mut().insert(self.peer.clone());
@@ -712,12 +716,12 @@ impl ConnCtx {
             if let Some(t) = &self.tcp_info {
                 req.extensions_mut().insert(t.clone());
             }
+            let handler = self.router.call(req);
             self.running.push(Box::pin(run_call(
                 self.st.clone(),
                 id,
                 call,
-                req,
-                self.routes.clone(),
+                handler,
                 deadline,
             )));
         }
@@ -767,11 +771,10 @@ async fn run_call(
     st: Arc<ConnState>,
     id: u32,
     call: Arc<CallShared>,
-    req: http::Request<IncomingBody>,
-    routes: Routes,
+    handler: Handler,
     deadline: Option<Instant>,
 ) {
-    let answered = std::panic::AssertUnwindSafe(answer(&st, id, &call, req, routes, deadline))
+    let answered = std::panic::AssertUnwindSafe(answer(&st, id, &call, handler, deadline))
         .catch_unwind()
         .await;
     if answered.is_err() {
@@ -790,8 +793,7 @@ async fn answer(
     st: &ConnState,
     id: u32,
     call: &CallShared,
-    req: http::Request<IncomingBody>,
-    mut routes: Routes,
+    handler: Handler,
     deadline: Option<Instant>,
 ) {
     let sleep = async {
@@ -799,14 +801,6 @@ async fn answer(
             Some(d) => tokio::time::sleep_until(d).await,
             None => std::future::pending().await,
         }
-    };
-    let handler = async {
-        // `Routes` is always ready (an axum router).
-        let _ = std::future::poll_fn(|cx| {
-            Service::<http::Request<IncomingBody>>::poll_ready(&mut routes, cx)
-        })
-        .await;
-        routes.call(req).await
     };
     if call.done.is_set() {
         // Cancelled before its handler ran.

@@ -21,6 +21,7 @@
 //! whatever is ready at once travels in one packet (a unary request is one message).
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
 use crate::error::{Error, Result};
@@ -69,8 +70,13 @@ impl Default for Limits {
 /// The head block of a packet.
 #[derive(Debug)]
 pub(crate) enum Head {
-    /// Client to server: the method path and the request headers.
-    Request { path: String, headers: HeaderMap },
+    /// Client to server: the method path and the request headers. A `PathAndQuery`, so
+    /// the server's request URI is a view of the packet and a generated client's static
+    /// path goes out without a copy.
+    Request {
+        path: PathAndQuery,
+        headers: HeaderMap,
+    },
     /// Server to client: the HTTP status and the response headers.
     Response {
         status: StatusCode,
@@ -119,7 +125,7 @@ impl Packet {
             let at = reserve_len(&mut b);
             match h {
                 Head::Request { path, headers } => {
-                    put_str16(&mut b, path.as_bytes(), "method path")?;
+                    put_str16(&mut b, path.as_str().as_bytes(), "method path")?;
                     put_headers(&mut b, headers)?;
                 }
                 Head::Response { status, headers } => {
@@ -174,7 +180,9 @@ impl Packet {
                 .sum::<usize>()
         }
         let head = match &self.head {
-            Some(Head::Request { path, headers }) => 4 + 2 + path.len() + headers_len(headers),
+            Some(Head::Request { path, headers }) => {
+                4 + 2 + path.as_str().len() + headers_len(headers)
+            }
             Some(Head::Response { headers, .. }) => 4 + 2 + headers_len(headers),
             None => 0,
         };
@@ -196,12 +204,22 @@ impl Packet {
         if flags & HEAD != 0 {
             let mut h = take(&mut b, "head block")?;
             p.head = Some(if request {
-                let path = get_str16(&mut h, "method path")?;
-                if !path.starts_with('/') {
+                let len = get_u16(&mut h, "method path")? as usize;
+                need(&h, len, "method path")?;
+                let raw = h.split_to(len);
+                if !raw.starts_with(b"/") {
                     return Err(proto_err(format!(
-                        "method path {path:?} does not start with '/'"
+                        "method path {:?} does not start with '/'",
+                        String::from_utf8_lossy(&raw)
                     )));
                 }
+                // A view of the packet: no copy, no allocation.
+                let path = PathAndQuery::from_maybe_shared(raw.clone()).map_err(|_| {
+                    proto_err(format!(
+                        "bad method path {:?}",
+                        String::from_utf8_lossy(&raw)
+                    ))
+                })?;
                 Head::Request {
                     path,
                     headers: get_headers(&mut h, limits)?,
@@ -322,13 +340,6 @@ fn take(b: &mut Bytes, what: &str) -> Result<Bytes> {
     Ok(b.split_to(len))
 }
 
-fn get_str16(b: &mut Bytes, what: &str) -> Result<String> {
-    let len = get_u16(b, what)? as usize;
-    need(b, len, what)?;
-    String::from_utf8(b.split_to(len).to_vec())
-        .map_err(|_| proto_err(format!("{what} is not UTF-8")))
-}
-
 fn get_headers(b: &mut Bytes, limits: &Limits) -> Result<HeaderMap> {
     let n = usize::from(get_u16(b, "header count")?);
     // Checked before anything is allocated: the count sizes the map.
@@ -346,8 +357,7 @@ fn get_headers(b: &mut Bytes, limits: &Limits) -> Result<HeaderMap> {
         need(b, len, "header name")?;
         // Parsed from the slice: a name is copied (or matched to a standard one) anyway, so
         // it needs no `Bytes` of its own (two reference-count updates).
-        let name = HeaderName::from_bytes(&b[..len])
-            .map_err(|_| proto_err("invalid header name".into()))?;
+        let name = header_name(&b[..len])?;
         b.advance(len);
         let v = take(b, "header value")?;
         size = size.saturating_add(len + v.len() + HEADER_ENTRY_OVERHEAD);
@@ -362,6 +372,28 @@ fn get_headers(b: &mut Bytes, limits: &Limits) -> Result<HeaderMap> {
         h.append(name, value);
     }
     Ok(h)
+}
+
+/// Names that gRPC calls carry, as constants: a name parsed from bytes that is not one of
+/// HTTP's standard ones is copied into an allocation of its own, and every response has at
+/// least `grpc-status`.
+const KNOWN_NAMES: [HeaderName; 9] = [
+    HeaderName::from_static("grpc-status"),
+    HeaderName::from_static("grpc-message"),
+    HeaderName::from_static("grpc-timeout"),
+    HeaderName::from_static("grpc-encoding"),
+    HeaderName::from_static("grpc-accept-encoding"),
+    HeaderName::from_static("grpc-status-details-bin"),
+    HeaderName::from_static("content-type"),
+    HeaderName::from_static("user-agent"),
+    HeaderName::from_static("te"),
+];
+
+fn header_name(b: &[u8]) -> Result<HeaderName> {
+    if let Some(known) = KNOWN_NAMES.iter().find(|k| k.as_str().as_bytes() == b) {
+        return Ok(known.clone());
+    }
+    HeaderName::from_bytes(b).map_err(|_| proto_err("invalid header name".into()))
 }
 
 fn header_limit(why: String) -> Error {
@@ -397,16 +429,19 @@ mod tests {
     fn request_packet_round_trips() {
         let mut p = Packet::new(7);
         p.head = Some(Head::Request {
-            path: "/pkg.Svc/Method".into(),
+            path: PathAndQuery::from_static("/pkg.Svc/Method"),
             headers: headers(),
         });
         p.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x03abc")));
         p.end = true;
-        let d = Packet::decode(p.encode().unwrap(), true, &Limits::default()).unwrap();
+        let wire = p.encode().unwrap();
+        let d = Packet::decode(wire.clone(), true, &Limits::default()).unwrap();
         assert_eq!(d.call, 7);
         match d.head {
             Some(Head::Request { path, headers: h }) => {
                 assert_eq!(path, "/pkg.Svc/Method");
+                // The path is a view of the packet, not a copy.
+                assert!(wire.as_ptr_range().contains(&path.as_str().as_ptr()));
                 assert_eq!(h, headers());
                 assert_eq!(h.get_all("x-multi").iter().collect::<Vec<_>>(), ["a", "b"]);
             }
@@ -454,7 +489,7 @@ mod tests {
     fn encode_allocates_exactly_what_it_writes() {
         let mut req = Packet::new(7);
         req.head = Some(Head::Request {
-            path: "/pkg.Svc/Method".into(),
+            path: PathAndQuery::from_static("/pkg.Svc/Method"),
             headers: headers(),
         });
         req.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x03abc")));
@@ -527,7 +562,7 @@ mod tests {
     fn malformed_packets_are_protocol_errors() {
         let mut p = Packet::new(1);
         p.head = Some(Head::Request {
-            path: "/a/b".into(),
+            path: PathAndQuery::from_static("/a/b"),
             headers: headers(),
         });
         p.data = Some(Data::Inline(Bytes::from_static(b"xyz")));
@@ -549,18 +584,24 @@ mod tests {
                 .to_string()
                 .contains("unexpected bytes")
         );
-        // A path without the leading slash.
+        // A path without the leading slash, and one that is no URI path (the path's first
+        // byte is at 11: call id, flags, head length, path length).
         let mut bad = Packet::new(1);
         bad.head = Some(Head::Request {
-            path: "a/b".into(),
+            path: PathAndQuery::from_static("/a/b"),
             headers: HeaderMap::new(),
         });
-        assert!(
-            Packet::decode(bad.encode().unwrap(), true, &Limits::default())
-                .unwrap_err()
-                .to_string()
-                .contains("does not start with '/'")
-        );
+        let bad = bad.encode().unwrap().to_vec();
+        assert_eq!(&bad[11..15], b"/a/b");
+        for (at, byte, why) in [
+            (11, b'a', "does not start with '/'"),
+            (13, b' ', "bad method path"),
+        ] {
+            let mut b = bad.clone();
+            b[at] = byte;
+            let e = Packet::decode(b.into(), true, &Limits::default()).unwrap_err();
+            assert!(e.to_string().contains(why), "{e}");
+        }
         // An invalid HTTP status, a bad header name.
         let raw = [0, 0, 0, 1, HEAD, 0, 0, 0, 4, 0, 5, 0, 0];
         assert!(

@@ -1,5 +1,6 @@
-//! The transports the conformance cases run over. Each gives a server fed with tonic
-//! [`Routes`] and a client channel boxed to one type ([`Chan`]), so the cases are written once.
+//! The transports the conformance cases run over. Each gives a server fed with the cases'
+//! [`Services`] and a client channel boxed to one type ([`Chan`]), so the cases are written
+//! once.
 
 use std::future::Future;
 
@@ -10,6 +11,41 @@ use tonic::service::Routes;
 use tonic::{Code, Request, Status};
 use tower::ServiceExt;
 use tower::util::BoxCloneSyncService;
+
+/// The services a case serves, in both forms a server takes them: stock tonic gets
+/// [`Routes`], Ibex gets each service through `Builder::add_service`, as users write it
+/// (Ibex calls those without tonic's router; `Routes` go through it).
+pub struct Services {
+    routes: Routes,
+    add: Box<dyn FnOnce(ibex_transport::grpc::Builder) -> ibex_transport::grpc::Builder + Send>,
+}
+
+impl Services {
+    pub fn new<S>(svc: S) -> Services
+    where
+        S: tower::Service<http::Request<tonic::body::Body>, Error = std::convert::Infallible>
+            + tonic::server::NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Response: axum::response::IntoResponse,
+        S::Future: Send + 'static,
+    {
+        Services {
+            routes: Routes::new(svc.clone()),
+            add: Box::new(move |b| b.add_service(svc)),
+        }
+    }
+
+    /// Served through tonic's router on Ibex too (`Builder::add_routes`).
+    pub fn routes(routes: Routes) -> Services {
+        Services {
+            routes: routes.clone(),
+            add: Box::new(move |b| b.add_routes(routes)),
+        }
+    }
+}
 
 /// Errors as tonic's client machinery accepts them.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -90,10 +126,10 @@ pub trait Transport {
     /// transport says `Unavailable`).
     const GONE_CODES: &'static [Code];
     /// Starts a server for `routes` on a fresh address.
-    fn serve(routes: Routes) -> impl Future<Output = ServerHandle> + Send;
+    fn serve(services: Services) -> impl Future<Output = ServerHandle> + Send;
     /// Starts a server again at the address of an earlier one (its `ServerHandle::addr`):
     /// a restarted server, as clients see it.
-    fn serve_at(addr: &str, routes: Routes) -> impl Future<Output = ServerHandle> + Send;
+    fn serve_at(addr: &str, services: Services) -> impl Future<Output = ServerHandle> + Send;
     /// A client channel to `addr`.
     fn connect(addr: &str) -> impl Future<Output = Result<Chan, String>> + Send;
     /// An address nobody serves.
@@ -123,17 +159,17 @@ impl Transport for Stock {
     // canceled", connection closed)`.
     const GONE_CODES: &'static [Code] = &[Code::Unavailable, Code::Cancelled];
 
-    async fn serve(routes: Routes) -> ServerHandle {
-        Self::serve_at("127.0.0.1:0", routes).await
+    async fn serve(services: Services) -> ServerHandle {
+        Self::serve_at("127.0.0.1:0", services).await
     }
 
-    async fn serve_at(addr: &str, routes: Routes) -> ServerHandle {
+    async fn serve_at(addr: &str, services: Services) -> ServerHandle {
         let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             tonic::transport::Server::builder()
-                .add_routes(routes)
+                .add_routes(services.routes)
                 .serve_with_incoming_shutdown(
                     tonic::transport::server::TcpIncoming::from(listener),
                     async {
@@ -176,21 +212,20 @@ pub fn ibex_config() -> ibex_transport::Config {
     }
 }
 
-pub async fn ibex_serve(uri: String, routes: Routes) -> ServerHandle {
-    ibex_serve_with(uri, routes, ibex_config()).await
+pub async fn ibex_serve(uri: String, services: Services) -> ServerHandle {
+    ibex_serve_with(uri, services, ibex_config()).await
 }
 
 async fn ibex_serve_with(
     uri: String,
-    routes: Routes,
+    services: Services,
     config: ibex_transport::Config,
 ) -> ServerHandle {
     let listener = ibex_transport::listen(&uri, config).await.unwrap();
     let addr = listener.local_uri();
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        ibex_transport::grpc::Server::builder()
-            .add_routes(routes)
+        (services.add)(ibex_transport::grpc::Server::builder())
             .serve_with_listener(listener, async {
                 let _ = rx.await;
             })
@@ -234,12 +269,12 @@ impl Transport for IbexShm {
     const DEADLINE_CODE: Code = Code::DeadlineExceeded;
     const GONE_CODES: &'static [Code] = &[Code::Unavailable];
 
-    async fn serve(routes: Routes) -> ServerHandle {
-        ibex_serve(shm_uri(), routes).await
+    async fn serve(services: Services) -> ServerHandle {
+        ibex_serve(shm_uri(), services).await
     }
 
-    async fn serve_at(addr: &str, routes: Routes) -> ServerHandle {
-        ibex_serve(addr.to_string(), routes).await
+    async fn serve_at(addr: &str, services: Services) -> ServerHandle {
+        ibex_serve(addr.to_string(), services).await
     }
 
     async fn connect(addr: &str) -> Result<Chan, String> {
@@ -258,12 +293,12 @@ impl Transport for IbexTcp {
     const DEADLINE_CODE: Code = Code::DeadlineExceeded;
     const GONE_CODES: &'static [Code] = &[Code::Unavailable];
 
-    async fn serve(routes: Routes) -> ServerHandle {
-        ibex_serve("tcp://127.0.0.1:0".into(), routes).await
+    async fn serve(services: Services) -> ServerHandle {
+        ibex_serve("tcp://127.0.0.1:0".into(), services).await
     }
 
-    async fn serve_at(addr: &str, routes: Routes) -> ServerHandle {
-        ibex_serve(addr.to_string(), routes).await
+    async fn serve_at(addr: &str, services: Services) -> ServerHandle {
+        ibex_serve(addr.to_string(), services).await
     }
 
     async fn connect(addr: &str) -> Result<Chan, String> {
@@ -326,20 +361,20 @@ impl Transport for IbexVerbs {
     const DEADLINE_CODE: Code = Code::DeadlineExceeded;
     const GONE_CODES: &'static [Code] = &[Code::Unavailable];
 
-    async fn serve(routes: Routes) -> ServerHandle {
+    async fn serve(services: Services) -> ServerHandle {
         let at = std::env::var("IBEX_TEST_LISTEN_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into());
         ibex_serve_with(
             format!("verbs://{at}"),
-            routes,
+            services,
             verbs_config("IBEX_TEST_SERVER_DEV"),
         )
         .await
     }
 
-    async fn serve_at(addr: &str, routes: Routes) -> ServerHandle {
+    async fn serve_at(addr: &str, services: Services) -> ServerHandle {
         ibex_serve_with(
             addr.to_string(),
-            routes,
+            services,
             verbs_config("IBEX_TEST_SERVER_DEV"),
         )
         .await
