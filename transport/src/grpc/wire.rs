@@ -20,7 +20,7 @@
 //! `HEAD *DATA [TRAILERS | END]` each way, the model of gRPC's own in-memory transport;
 //! whatever is ready at once travels in one packet (a unary request is one message).
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
@@ -118,8 +118,8 @@ impl Packet {
         let mut flags = 0u8;
         // Sized exactly: growing mid-encode reallocated and copied once or twice per call.
         let mut b = BytesMut::with_capacity(self.encoded_len());
-        b.put_u32(self.call);
-        b.put_u8(0);
+        b.extend_from_slice(&self.call.to_be_bytes());
+        b.extend_from_slice(&[0]);
         if let Some(h) = &self.head {
             flags |= HEAD;
             let at = reserve_len(&mut b);
@@ -129,7 +129,7 @@ impl Packet {
                     put_headers(&mut b, headers)?;
                 }
                 Head::Response { status, headers } => {
-                    b.put_u16(status.as_u16());
+                    b.extend_from_slice(&(status.as_u16()).to_be_bytes());
                     put_headers(&mut b, headers)?;
                 }
             }
@@ -138,12 +138,15 @@ impl Packet {
         match &self.data {
             Some(Data::Inline(d)) => {
                 flags |= DATA;
-                b.put_u32(u32::try_from(d.len()).map_err(|_| too_big("inline body frame"))?);
-                b.put_slice(d);
+                b.extend_from_slice(
+                    &(u32::try_from(d.len()).map_err(|_| too_big("inline body frame"))?)
+                        .to_be_bytes(),
+                );
+                b.extend_from_slice(d);
             }
             Some(Data::Next(len)) => {
                 flags |= DATA_NEXT;
-                b.put_u64(*len);
+                b.extend_from_slice(&(*len).to_be_bytes());
             }
             None => {}
         }
@@ -155,7 +158,7 @@ impl Packet {
         }
         if let Some(w) = self.window {
             flags |= WINDOW;
-            b.put_u32(w);
+            b.extend_from_slice(&w.to_be_bytes());
         }
         if self.end {
             flags |= END;
@@ -274,7 +277,7 @@ fn too_big(what: &str) -> Error {
 
 fn reserve_len(b: &mut BytesMut) -> usize {
     let at = b.len();
-    b.put_u32(0);
+    b.extend_from_slice(&0u32.to_be_bytes());
     at
 }
 
@@ -287,19 +290,21 @@ fn patch_len(b: &mut BytesMut, at: usize) -> Result<()> {
 fn put_str16(b: &mut BytesMut, s: &[u8], what: &str) -> Result<()> {
     let len = u16::try_from(s.len())
         .map_err(|_| Error::Protocol(format!("gRPC call framing: {what} longer than 64 KiB")))?;
-    b.put_u16(len);
-    b.put_slice(s);
+    b.extend_from_slice(&len.to_be_bytes());
+    b.extend_from_slice(s);
     Ok(())
 }
 
 fn put_headers(b: &mut BytesMut, h: &HeaderMap) -> Result<()> {
     let n = u16::try_from(h.len())
         .map_err(|_| Error::Protocol("gRPC call framing: more than 65535 headers".into()))?;
-    b.put_u16(n);
+    b.extend_from_slice(&n.to_be_bytes());
     for (name, value) in h {
         put_str16(b, name.as_str().as_bytes(), "header name")?;
-        b.put_u32(u32::try_from(value.len()).map_err(|_| too_big("header value"))?);
-        b.put_slice(value.as_bytes());
+        b.extend_from_slice(
+            &(u32::try_from(value.len()).map_err(|_| too_big("header value"))?).to_be_bytes(),
+        );
+        b.extend_from_slice(value.as_bytes());
     }
     Ok(())
 }
@@ -415,6 +420,7 @@ fn expect_empty(b: &Bytes, what: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::BufMut;
 
     fn headers() -> HeaderMap {
         let mut h = HeaderMap::new();

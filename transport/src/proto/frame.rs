@@ -14,7 +14,7 @@
 //! [`Frame::decode`] checks every length and bound and never panics: a peer is not trusted.
 //! Eager payloads and descriptors come out as zero-copy slices of the input.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 
 /// Bytes of every frame header.
 pub const HEADER_LEN: usize = 12;
@@ -391,13 +391,13 @@ impl Frame {
     pub fn encode(&self, out: &mut BytesMut) {
         let body = &self.body;
         out.reserve(self.encoded_len());
-        out.put_u8(MAGIC);
-        out.put_u8(super::VERSION);
-        out.put_u8(body.kind());
-        out.put_u8(body.flags());
-        out.put_u32_le(self.credits);
+        out.extend_from_slice(&[MAGIC]);
+        out.extend_from_slice(&[super::VERSION]);
+        out.extend_from_slice(&[body.kind()]);
+        out.extend_from_slice(&[body.flags()]);
+        out.extend_from_slice(&self.credits.to_le_bytes());
         let len_at = out.len();
-        out.put_u32_le(0);
+        out.extend_from_slice(&0u32.to_le_bytes());
         let body_start = out.len();
         match body {
             Body::Hello {
@@ -407,44 +407,44 @@ impl Frame {
                 fragment_size,
                 ext,
             } => {
-                out.put_u32_le(*slots);
-                out.put_u32_le(*slot_size);
-                out.put_u64_le(*max_message);
-                out.put_u32_le(*fragment_size);
+                out.extend_from_slice(&(*slots).to_le_bytes());
+                out.extend_from_slice(&(*slot_size).to_le_bytes());
+                out.extend_from_slice(&(*max_message).to_le_bytes());
+                out.extend_from_slice(&(*fragment_size).to_le_bytes());
                 put_prefixed(out, ext, MAX_EXT_LEN);
             }
             Body::Eager { msgs } => {
                 let msgs = &msgs[..msgs.len().min(u16::MAX as usize)];
-                out.put_u16_le(msgs.len() as u16);
+                out.extend_from_slice(&(msgs.len() as u16).to_le_bytes());
                 for m in msgs {
                     let m = &m[..m.len().min(u32::MAX as usize)];
-                    out.put_u32_le(m.len() as u32);
-                    out.put_slice(m);
+                    out.extend_from_slice(&(m.len() as u32).to_le_bytes());
+                    out.extend_from_slice(m);
                 }
             }
             Body::Rts { seq, len, desc } => {
-                out.put_u64_le(*seq);
-                out.put_u64_le(*len);
+                out.extend_from_slice(&(*seq).to_le_bytes());
+                out.extend_from_slice(&(*len).to_le_bytes());
                 put_prefixed(out, desc, MAX_DESC_LEN);
             }
-            Body::RndvDone { seq, .. } => out.put_u64_le(*seq),
+            Body::RndvDone { seq, .. } => out.extend_from_slice(&(*seq).to_le_bytes()),
             Body::Credit => {}
             Body::ProbeEager { probe_id, pad } => {
-                out.put_u32_le(*probe_id);
-                out.put_slice(pad);
+                out.extend_from_slice(&(*probe_id).to_le_bytes());
+                out.extend_from_slice(pad);
             }
-            Body::ProbeAck { probe_id } => out.put_u32_le(*probe_id),
+            Body::ProbeAck { probe_id } => out.extend_from_slice(&(*probe_id).to_le_bytes()),
             Body::ProbeRts {
                 probe_id,
                 len,
                 desc,
             } => {
-                out.put_u32_le(*probe_id);
-                out.put_u64_le(*len);
+                out.extend_from_slice(&(*probe_id).to_le_bytes());
+                out.extend_from_slice(&(*len).to_le_bytes());
                 put_prefixed(out, desc, MAX_DESC_LEN);
             }
             Body::Close { code, reason } => {
-                out.put_u32_le(*code);
+                out.extend_from_slice(&(*code).to_le_bytes());
                 put_prefixed(
                     out,
                     truncate_utf8(reason, u16::MAX as usize).as_bytes(),
@@ -457,9 +457,9 @@ impl Frame {
                 fragment,
                 desc,
             } => {
-                out.put_u32_le(*probe_id);
-                out.put_u64_le(*len);
-                out.put_u32_le(*fragment);
+                out.extend_from_slice(&(*probe_id).to_le_bytes());
+                out.extend_from_slice(&(*len).to_le_bytes());
+                out.extend_from_slice(&(*fragment).to_le_bytes());
                 put_prefixed(out, desc, MAX_DESC_LEN);
             }
         }
@@ -618,9 +618,9 @@ impl HelloExt {
     /// The extension block announcing `self`.
     pub fn encode(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(8);
-        out.put_u16_le(EXT_FEATURES);
-        out.put_u16_le(4);
-        out.put_u32_le(self.features);
+        out.extend_from_slice(&EXT_FEATURES.to_le_bytes());
+        out.extend_from_slice(&4u16.to_le_bytes());
+        out.extend_from_slice(&self.features.to_le_bytes());
         out.freeze()
     }
 
@@ -661,8 +661,8 @@ fn read_desc(r: &mut Reader<'_>) -> Result<Bytes, FrameError> {
 
 fn put_prefixed(out: &mut BytesMut, data: &[u8], max: usize) {
     let data = &data[..data.len().min(max)];
-    out.put_u16_le(data.len() as u16);
-    out.put_slice(data);
+    out.extend_from_slice(&(data.len() as u16).to_le_bytes());
+    out.extend_from_slice(data);
 }
 
 /// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
