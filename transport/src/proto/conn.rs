@@ -139,6 +139,9 @@ pub struct Connection {
     mapped_unreleased: BTreeSet<MsgId>,
     /// Rendezvous receives past the budget, in arrival order (messages and probe samples).
     deferred: VecDeque<MsgId>,
+    /// The list an eager frame's messages are packed into, kept between frames: a fresh one
+    /// was an allocation per data frame.
+    pack_buf: Vec<Bytes>,
     /// Bytes charged to the receive budget, per message: from `BeginRecv` until the
     /// application takes the message (or a probe sample is read, or a mapping needs none).
     charged: HashMap<MsgId, u64>,
@@ -218,6 +221,7 @@ impl Connection {
             groups: HashMap::new(),
             mapped_unreleased: BTreeSet::new(),
             deferred: VecDeque::new(),
+            pack_buf: Vec::new(),
             charged: HashMap::new(),
             charged_bytes: 0,
             owed: 0,
@@ -886,7 +890,7 @@ impl Connection {
     /// The next data frame from the queue: an RTS alone, or as many consecutive eager
     /// messages as fit one of the peer's slots.
     fn pack(&mut self, slot: usize) -> Body {
-        let mut msgs = Vec::new();
+        let mut msgs = std::mem::take(&mut self.pack_buf);
         let mut size = HEADER_LEN + 2;
         while let Some(Out::Eager(m)) = self.data.front() {
             let next = size + 4 + m.len();
@@ -901,6 +905,7 @@ impl Connection {
         if msgs.is_empty()
             && let Some(Out::Rts { seq, len, desc }) = self.data.pop_front()
         {
+            self.pack_buf = msgs;
             self.stats.rndv_msgs_sent += 1;
             self.stats.rndv_bytes_sent += len;
             self.rts_sent.insert(seq);
@@ -923,7 +928,15 @@ impl Connection {
         self.recv_window += self.owed;
         self.owed = 0;
         self.stats.frames_sent += 1;
-        frame.to_bytes()
+        let bytes = frame.to_bytes();
+        // Kept unless a burst grew it (a frame may pack thousands of tiny messages).
+        if let Body::Eager { mut msgs } = frame.body
+            && msgs.capacity() <= 256
+        {
+            msgs.clear();
+            self.pack_buf = msgs;
+        }
+        bytes
     }
 
     // ---- receive side ----
