@@ -1201,10 +1201,15 @@ mod ibex_only {
     /// Interceptors as production services use them, unchanged from stock tonic: an
     /// intercepted server goes into `add_service`, and the generated client's
     /// `with_interceptor` takes an Ibex channel. The server's interceptor rejects calls
-    /// without the token and lets the others through.
+    /// without the token and lets the others through. An interceptor runs when the
+    /// connection's task calls the service, so one that panics must fail only its own call
+    /// (as a panicking handler does), never the connection.
     async fn interceptors(uri: String) {
         use ibex_proto::bench::v1::bench_server::BenchServer;
         fn check_auth(req: Request<()>) -> Result<Request<()>, Status> {
+            if req.metadata().contains_key("x-panic") {
+                panic!("interceptor panics on purpose (test)");
+            }
             match req.metadata().get("authorization") {
                 Some(t) if t == "Bearer secret" => Ok(req),
                 _ => Err(Status::unauthenticated("no valid token")),
@@ -1236,6 +1241,13 @@ mod ibex_only {
             Ok(req)
         });
         assert!(authed.echo(Payload::default()).await.is_ok());
+        let mut bad = Request::new(Payload::default());
+        bad.metadata_mut().insert("x-panic", "1".parse().unwrap());
+        let e = plain.echo(bad).await.unwrap_err();
+        assert_eq!(e.code(), Code::Cancelled, "{e:?}");
+        // The same connection goes on.
+        assert!(authed.echo(Payload::default()).await.is_ok());
+        assert!(!ch.connection().unwrap().is_closed());
         drop((plain, authed, ch));
         tx.send(()).unwrap();
         server.await.unwrap().unwrap();

@@ -716,7 +716,16 @@ impl ConnCtx {
             if let Some(t) = &self.tcp_info {
                 req.extensions_mut().insert(t.clone());
             }
-            let handler = self.router.call(req);
+            // The service is called here, on the connection's own clone of it, so its
+            // synchronous part (an interceptor, a tower layer) runs on this task: a panic
+            // there must fail only this call, as one in the handler's future does. A call
+            // whose head came with its reset never reaches the service.
+            let handler = if p.reset {
+                Err(false)
+            } else {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.router.call(req)))
+                    .map_err(|_| true)
+            };
             self.running.push(Box::pin(run_call(
                 self.st.clone(),
                 id,
@@ -771,13 +780,18 @@ async fn run_call(
     st: Arc<ConnState>,
     id: u32,
     call: Arc<CallShared>,
-    handler: Handler,
+    handler: std::result::Result<Handler, bool>,
     deadline: Option<Instant>,
 ) {
-    let answered = std::panic::AssertUnwindSafe(answer(&st, id, &call, handler, deadline))
-        .catch_unwind()
-        .await;
-    if answered.is_err() {
+    let panicked = match handler {
+        Ok(handler) => std::panic::AssertUnwindSafe(answer(&st, id, &call, handler, deadline))
+            .catch_unwind()
+            .await
+            .is_err(),
+        // `true`: the service panicked when called; `false`: cancelled before it ran.
+        Err(panicked) => panicked,
+    };
+    if panicked {
         // The panic has been reported by the hook; the client learns that its call died.
         tracing::error!(call = id, peer = %st.mux.conn.peer(), "gRPC handler panicked; resetting the call");
         let mut p = Packet::new(id);
