@@ -11,6 +11,7 @@
 pub mod config;
 pub mod error;
 pub mod link;
+mod map;
 pub mod pool;
 pub mod preface;
 pub mod proto;

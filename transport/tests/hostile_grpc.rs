@@ -624,3 +624,50 @@ async fn held_bodies_are_bounded_per_connection_over_tcp() {
 async fn held_bodies_are_bounded_per_connection_over_shm() {
     held_bodies_are_bounded_per_connection(&shm_uri()).await;
 }
+
+/// A client that sends many calls before it reads any answer: the server's answers pile up
+/// past the transport's send queue (answers that find the queue full wait in the call's
+/// own future instead of going out in place), and every call still gets its answer, once.
+async fn answers_wait_for_a_client_that_reads_late(listen_uri: &str) {
+    hostile_util::count_panics();
+    let listener = ibex_transport::listen(listen_uri, ibex_config())
+        .await
+        .expect("listen");
+    let uri = listener.local_uri();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        ibex_transport::grpc::Server::builder()
+            .add_service(BenchImpl::new().0.server(Some(64 << 20), None))
+            .serve_with_listener(listener, async {
+                let _ = stop_rx.await;
+            }),
+    );
+    let c = ibex_transport::connect(&uri, ibex_config()).await.unwrap();
+    let msg = grpc_message(16);
+    let calls: Vec<u32> = (0..1000u32).map(|i| 1 + 2 * i).collect();
+    for &id in &calls {
+        let p = packet(id, Some(head_block("Echo", 2, GRPC)), Some(&msg), None, END);
+        tokio::time::timeout(WITHIN, c.send(p))
+            .await
+            .expect("the server stopped taking calls")
+            .expect("send");
+    }
+    // Let the server answer all it can before anything is read.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let got = statuses_of(&c, &calls).await.expect("the connection ended");
+    assert!(got.iter().all(|s| s == "0"), "statuses: {got:?}");
+    drop(c);
+    drop(stop_tx);
+    server.await.unwrap().unwrap();
+    assert_eq!(hostile_util::panics(), 0, "something panicked (see above)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_wait_for_a_client_that_reads_late_over_tcp() {
+    answers_wait_for_a_client_that_reads_late("tcp://127.0.0.1:0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_wait_for_a_client_that_reads_late_over_shm() {
+    answers_wait_for_a_client_that_reads_late(&shm_uri()).await;
+}

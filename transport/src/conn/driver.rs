@@ -8,7 +8,9 @@
 //! through [`Shared::released`].
 
 use std::any::Any;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use crate::map::Map;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -164,15 +166,15 @@ pub(crate) struct State {
     pub info: LinkInfo,
     pub pool: Option<Arc<Pool>>,
     pending_tx: Option<Bytes>,
-    sends: HashMap<MsgId, PendingSend>,
-    dests: HashMap<MsgId, Dest>,
+    sends: Map<MsgId, PendingSend>,
+    dests: Map<MsgId, Dest>,
     pub delivered: VecDeque<ReadyMsg>,
     /// Messages the application has taken so far (= the id of the next one it will take).
     pub consumed: u64,
     pub posted: Option<Posted>,
     pub next_token: u64,
-    api_reads: HashMap<u64, ApiRead>,
-    api_frags: HashMap<u64, u64>,
+    api_reads: Map<u64, ApiRead>,
+    api_frags: Map<u64, u64>,
     next_api_id: u64,
     /// Reads the link has outstanding, the core's and `read_remote`'s together: at most
     /// `info.read_depth`.
@@ -469,14 +471,14 @@ impl State {
             info,
             pool,
             pending_tx: None,
-            sends: HashMap::new(),
-            dests: HashMap::new(),
+            sends: Map::default(),
+            dests: Map::default(),
             delivered: VecDeque::new(),
             consumed: 0,
             posted: None,
             next_token: 0,
-            api_reads: HashMap::new(),
-            api_frags: HashMap::new(),
+            api_reads: Map::default(),
+            api_frags: Map::default(),
             next_api_id: 0,
             reads_posted: 0,
             read_wait: VecDeque::new(),

@@ -303,18 +303,12 @@ impl Connection {
                 space.as_mut().enable();
             }
             {
-                let mut st = shared.lock();
+                let st = shared.lock();
                 if st.core.queued_data_frames() < st.send_queue_limit() || st.closed.is_some() {
                     let Some(queue) = queue.take() else {
                         return Err(Error::LocallyClosed);
                     };
-                    let r = queue(&mut st);
-                    let done_inline = r.is_ok() && st.transmit_inline() && !st.needs_driver();
-                    drop(st);
-                    if !done_inline {
-                        shared.wake_driver();
-                    }
-                    return r;
+                    return queue_now(shared, st, queue);
                 }
             }
             if !registered {
@@ -325,6 +319,20 @@ impl Connection {
             shared.wake_driver();
             space.await;
         }
+    }
+
+    /// Queues `msg` if the send queue has room now, without waiting; hands it back when the
+    /// queue is full (then [`Connection::send`] waits for room). For callers that finish
+    /// their work in one poll and would otherwise keep a send future for the rare full
+    /// queue (the gRPC server's answer to a call whose handler is ready at once).
+    pub(crate) fn try_send(&self, msg: Bytes) -> Result<Option<Bytes>> {
+        let msg = self.stage(msg)?;
+        let shared = self.shared();
+        let st = shared.lock();
+        if st.core.queued_data_frames() >= st.send_queue_limit() && st.closed.is_none() {
+            return Ok(Some(msg));
+        }
+        queue_now(shared, st, |st| st.send(msg, None)).map(|()| None)
     }
 
     /// Receives the next message. After the connection closed, returns why.
@@ -715,6 +723,23 @@ impl Connection {
             notified.await;
         }
     }
+}
+
+/// Runs `queue` under the connection's lock `st` (the send queue has room) and hands what
+/// it queued to the link right there: no task switch to the driver when the link takes it
+/// at once.
+fn queue_now(
+    shared: &Arc<Shared>,
+    mut st: std::sync::MutexGuard<'_, State>,
+    queue: impl FnOnce(&mut State) -> Result<()>,
+) -> Result<()> {
+    let r = queue(&mut st);
+    let done_inline = r.is_ok() && st.transmit_inline() && !st.needs_driver();
+    drop(st);
+    if !done_inline {
+        shared.wake_driver();
+    }
+    r
 }
 
 struct SharedOwner<B>(Arc<B>);

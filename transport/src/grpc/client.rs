@@ -1,6 +1,6 @@
 //! The client: [`Channel`], a `tower::Service` that generated tonic clients accept.
 
-use std::collections::HashMap;
+use crate::map::Map;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -13,9 +13,9 @@ use tonic::Status;
 
 use super::body::{IbexBody, Inbound, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
 use super::demux::{Demux, Got};
-use super::pump::{Pumped, Side, pump};
+use super::pump::{Now, Prepend, Pumped, Side, pump, pump_now};
 use super::wire::{Head, Limits, Packet};
-use super::{CallShared, Mux, RemoteBuf, parse_timeout, read_while};
+use super::{CallShared, Encoded, Mux, RemoteBuf, parse_timeout, read_while, transport_status};
 use crate::config::Config;
 use crate::conn::Connection;
 use crate::error::{Error, Result};
@@ -194,7 +194,7 @@ struct Shared {
 
 #[derive(Default)]
 struct Calls {
-    map: HashMap<u32, Call>,
+    map: Map<u32, Call>,
     next_id: u32,
     /// Why the connection is unusable, once it is.
     closed: Option<Status>,
@@ -365,6 +365,15 @@ impl ReadSource for Shared {
         }
         Poll::Ready(true)
     }
+}
+
+/// A request's sending half that could not finish at once.
+// Moved once, straight into the call's future (or dropped): boxing the large variant
+// would add an allocation and save no copy.
+#[allow(clippy::large_enum_variant)]
+enum Later<B> {
+    Unsent(Encoded),
+    Rest((Packet, Option<Bytes>), Prepend<B>),
 }
 
 /// Held by a call's future and then its response body: dropping it before the call ended
@@ -629,33 +638,54 @@ impl Channel {
             path,
             headers: parts.headers,
         });
-        let pump_shared = shared.clone();
-        let pump_call = call.clone();
-        let mut sending = Box::pin(async move {
-            let reader: &Shared = &pump_shared;
-            if let Pumped::Failed(s) = pump(
-                &pump_shared.mux,
-                id,
-                &pump_call,
-                head,
-                body,
-                Side::Client,
-                None,
-                Some(reader),
-            )
-            .await
-            {
-                // The request body failed or was refused: the call fails with that status.
-                pump_shared.fail_call(id, s);
+        // A unary request is complete at once: it goes out here, in one packet, with no
+        // future for it. Whatever would wait goes on in the sending future below.
+        let later = match pump_now(&shared.mux, head, Box::pin(body), Side::Client) {
+            Now::Sent => {
+                call.head_sent.set();
+                None
             }
-        });
-        // A request that is complete at once (unary) usually goes out in this first poll,
-        // which saves a task hop; whatever would wait finishes in its own task. Either way
-        // the sending future is never dropped half-way.
-        let finished =
-            std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx).is_ready())).await;
-        if !finished {
-            tokio::spawn(sending);
+            Now::Failed(s) => {
+                call.head_sent.set();
+                shared.fail_call(id, s);
+                None
+            }
+            Now::Unsent(unsent) => Some(Later::Unsent(unsent)),
+            Now::Rest { first, body } => Some(Later::Rest(first, body)),
+        };
+        if let Some(later) = later {
+            let pump_shared = shared.clone();
+            let pump_call = call.clone();
+            let mut sending = Box::pin(async move {
+                let mux = &pump_shared.mux;
+                let pumped = match later {
+                    Later::Unsent(unsent) => {
+                        let r = unsent.send(mux).await;
+                        pump_call.head_sent.set();
+                        match r {
+                            Ok(()) => Pumped::Done,
+                            Err(e) => Pumped::Failed(transport_status(&e)),
+                        }
+                    }
+                    Later::Rest(first, body) => {
+                        let reader: &Shared = &pump_shared;
+                        let side = Side::Client;
+                        pump(mux, id, &pump_call, first, body, side, None, Some(reader)).await
+                    }
+                };
+                if let Pumped::Failed(s) = pumped {
+                    // The request body failed or was refused: the call fails with that status.
+                    pump_shared.fail_call(id, s);
+                }
+            });
+            // What is left usually goes out in this first poll, which saves a task hop;
+            // whatever would wait finishes in its own task. Either way the sending future
+            // is never dropped half-way.
+            let finished =
+                std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx).is_ready())).await;
+            if !finished {
+                tokio::spawn(sending);
+            }
         }
 
         // Whoever waits, reads: this task takes the answer off the connection itself.

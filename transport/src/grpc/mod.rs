@@ -143,6 +143,19 @@ pub(crate) struct Mux {
     side: Side,
 }
 
+/// A packet [`Mux::send_now`] could not send at once.
+pub(crate) struct Encoded {
+    call: u32,
+    head: Bytes,
+    body: Option<Bytes>,
+}
+
+impl Encoded {
+    async fn send(self, mux: &Mux) -> Result<()> {
+        mux.send_encoded(self.call, self.head, self.body).await
+    }
+}
+
 /// The status a call gets when the transport refuses one of its messages.
 fn transport_status(e: &Error) -> Status {
     match e {
@@ -170,11 +183,15 @@ impl Mux {
         )
     }
 
-    /// Sends `pkt`, with `data` as its body frame (inline when small, else as the next
-    /// message, queued in the same step as the packet: dropping this future never
-    /// separates the two).
-    async fn send(&self, mut pkt: Packet, data: Option<Bytes>) -> Result<()> {
-        let inline_max = self.sizes().0;
+    /// The largest body frame that rides inside its packet.
+    fn inline_max(&self) -> usize {
+        self.sizes().0
+    }
+
+    /// Encodes `pkt` with `data` as its body frame: inline when small, else announced in
+    /// the packet and returned to go as the next message.
+    fn encode(&self, mut pkt: Packet, data: Option<Bytes>) -> Result<(Bytes, Option<Bytes>)> {
+        let inline_max = self.inline_max();
         let next = match data {
             Some(d) if d.len() > inline_max => {
                 pkt.data = Some(Data::Next(d.len() as u64));
@@ -186,9 +203,25 @@ impl Mux {
             }
             None => None,
         };
+        Ok((pkt.encode()?, next))
+    }
+
+    /// Sends `pkt`, with `data` as its body frame (inline when small, else as the next
+    /// message, queued in the same step as the packet: dropping this future never
+    /// separates the two). The packet is encoded before the future is made, so the future
+    /// holds bytes, not the packet (it lives inside every call's future).
+    fn send(&self, pkt: Packet, data: Option<Bytes>) -> impl Future<Output = Result<()>> + '_ {
         let call = pkt.call;
-        let head = pkt.encode()?;
-        let Some(body) = next else {
+        let encoded = self.encode(pkt, data);
+        async move {
+            let (head, body) = encoded?;
+            self.send_encoded(call, head, body).await
+        }
+    }
+
+    /// Sends a packet of call `call` that [`Mux::encode`] made.
+    async fn send_encoded(&self, call: u32, head: Bytes, body: Option<Bytes>) -> Result<()> {
+        let Some(body) = body else {
             return self.conn.send(head).await;
         };
         // The peer takes the next message as this body: when the transport refuses the body
@@ -204,6 +237,20 @@ impl Mux {
             abort.encode().ok()
         };
         self.conn.send_pair(head, body, abort).await
+    }
+
+    /// Sends `pkt` and its body frame now if they make one message and the transport's
+    /// queue has room; otherwise returns them encoded, for [`Mux::send_encoded`].
+    fn send_now(&self, pkt: Packet, data: Option<Bytes>) -> Result<Option<Encoded>> {
+        let call = pkt.call;
+        let (head, body) = self.encode(pkt, data)?;
+        if body.is_some() {
+            return Ok(Some(Encoded { call, head, body }));
+        }
+        Ok(self
+            .conn
+            .try_send(head)?
+            .map(|head| Encoded { call, head, body }))
     }
 
     /// Resets call `id` on the peer from a context that cannot wait (a drop), once the

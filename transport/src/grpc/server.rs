@@ -4,11 +4,11 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
-use std::pin::Pin;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tonic::Status;
@@ -18,14 +18,15 @@ use tower::Service;
 
 use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::demux::{Demux, Got};
-use super::pump::{Side, pump};
+use super::pump::{self, Now, Side, pump};
 use super::router::{Handler, Router};
 use super::wire::{Head, Limits, Packet};
-use super::{CallShared, Flag, Mux, parse_timeout};
+use super::{CallShared, Encoded, Flag, Mux, parse_timeout};
 use crate::config::Config;
 use crate::conn::{ConnStats, Connection, Listener};
 use crate::error::{Error, Result};
 use crate::link::RecvBuf;
+use crate::map::Map;
 use crate::pool::Pool;
 
 /// The gRPC server over Ibex. Start with [`Server::builder`].
@@ -248,7 +249,7 @@ impl Builder {
             + Send
             + Sync
             + 'static,
-        S::Response: axum::response::IntoResponse,
+        S::Response: axum::response::IntoResponse + 'static,
         S::Future: Send + 'static,
     {
         self.router.add_service(svc.clone());
@@ -518,7 +519,7 @@ fn date_header() -> http::HeaderValue {
 /// One accepted connection's calls.
 struct ConnState {
     mux: Arc<Mux>,
-    calls: Mutex<HashMap<u32, ServerCall>>,
+    calls: Mutex<Map<u32, ServerCall>>,
 }
 
 struct ServerCall {
@@ -527,13 +528,17 @@ struct ServerCall {
 }
 
 impl ConnState {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, ServerCall>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Map<u32, ServerCall>> {
         self.calls.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
+/// Starts a call's future ([`run_call`]); a pointer to it names the future's type, so the
+/// running calls are stored unboxed.
+type StartCall<F> = fn(Arc<ConnState>, u32, Arc<CallShared>, Start, Option<Instant>) -> F;
+
 /// What one connection's task needs besides the connection.
-struct ConnCtx {
+struct ConnCtx<F> {
     st: Arc<ConnState>,
     peer: PeerHandle,
     info: ConnectInfo,
@@ -546,7 +551,8 @@ struct ConnCtx {
     /// The calls in flight. They run on this task, the one that reads the connection: a
     /// handler that is ready at once answers in the poll that brought its request, with no
     /// task hop, and its reply goes straight onto the link.
-    running: FuturesUnordered<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    running: FuturesUnordered<F>,
+    start: StartCall<F>,
 }
 
 async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limits: ServeLimits) {
@@ -558,7 +564,7 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
     let mut cx = ConnCtx {
         st: Arc::new(ConnState {
             mux: Arc::new(Mux::new(conn.clone(), Side::Server)),
-            calls: Mutex::new(HashMap::new()),
+            calls: Mutex::new(Map::default()),
         }),
         peer: PeerHandle {
             conn: conn.clone(),
@@ -571,6 +577,7 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
         held: Held::new(limits.max_held),
         draining: false,
         running: FuturesUnordered::new(),
+        start: run_call,
     };
     cx.tcp_info = cx
         .info
@@ -647,7 +654,7 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
     conn.close_with(&broken).await;
 }
 
-impl ConnCtx {
+impl<F: Future<Output = ()>> ConnCtx<F> {
     /// A trailers-only answer to a call that never reaches a handler.
     fn refuse(&self, id: u32, status: Status) {
         let (parts, ()) = status.into_http::<()>().into_parts();
@@ -662,6 +669,7 @@ impl ConnCtx {
 
     fn dispatch(&mut self, p: Packet, data: Option<Bytes>) -> Result<()> {
         let id = p.call;
+        let mut started = None;
         if let Some(Head::Request { path, headers }) = p.head {
             if self.draining {
                 // Raced with our GOAWAY: refuse, as HTTP/2 refuses streams past GOAWAY.
@@ -720,26 +728,53 @@ impl ConnCtx {
             // synchronous part (an interceptor, a tower layer) runs on this task: a panic
             // there must fail only this call, as one in the handler's future does. A call
             // whose head came with its reset never reaches the service.
-            let handler = if p.reset {
-                Err(false)
-            } else {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.router.call(req)))
-                    .map_err(|_| true)
-            };
-            self.running.push(Box::pin(run_call(
-                self.st.clone(),
-                id,
+            started = Some((
+                if p.reset {
+                    Start::Ended(false)
+                } else {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.router.call(req)))
+                        .map_or(Start::Ended(true), Start::Handler)
+                },
                 call,
-                handler,
                 deadline,
-            )));
+            ));
         }
+        self.deliver(id, p.window, data, p.end, p.reset)?;
+        // The handler runs once its request's first packet is in its body.
+        if let Some((start, call, deadline)) = started {
+            let start = match start {
+                Start::Handler(h) => answer_now(&self.st.mux, id, &call, h),
+                other => other,
+            };
+            match start {
+                Start::Done => {
+                    call.finish();
+                    self.st.lock().remove(&id);
+                }
+                start => {
+                    self.running
+                        .push((self.start)(self.st.clone(), id, call, start, deadline))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands what a packet carries for call `id` to the call.
+    fn deliver(
+        &self,
+        id: u32,
+        window: Option<u32>,
+        data: Option<Bytes>,
+        end: bool,
+        reset: bool,
+    ) -> Result<()> {
         let calls = self.st.lock();
         // Packets for calls that already ended here are dropped.
         let Some(c) = calls.get(&id) else {
             return Ok(());
         };
-        if let Some(w) = p.window {
+        if let Some(w) = window {
             c.shared.grant(w);
         }
         if let Some(d) = data {
@@ -753,10 +788,10 @@ impl ConnCtx {
             }
             c.body.send(Inbound::Data(d));
         }
-        if p.end {
+        if end {
             c.body.send(Inbound::End);
         }
-        if p.reset {
+        if reset {
             // The client cancelled: the handler's future is dropped by `answer`.
             c.body
                 .send(Inbound::Error(request_cut("the client cancelled the call")));
@@ -776,20 +811,110 @@ fn request_cut(why: &str) -> Status {
     ))
 }
 
+/// Where a call stands when its connection's task first takes it up.
+// Moved once, straight into the call's future (or dropped): boxing the large variant
+// would add an allocation and save no copy.
+#[allow(clippy::large_enum_variant)]
+enum Start {
+    /// The service was not called: `true` when it panicked as it was called, `false` when
+    /// the call was cancelled first.
+    Ended(bool),
+    /// The handler has not answered yet.
+    Handler(Handler),
+    /// The handler answered; `first` is the response's first packet, `body` the rest.
+    Answered {
+        first: (Packet, Option<Bytes>),
+        body: pump::Prepend<tonic::body::Body>,
+    },
+    /// The whole response is one packet, which waits for room in the send queue.
+    Unsent(Encoded),
+    /// The whole response went out.
+    Done,
+}
+
+/// The first try at a call, on the task that read its request: a handler that is ready at
+/// once (most unary ones) is answered here, and a response whose body is ready too goes
+/// out as one packet with no future made for the call. Whatever would wait comes back to
+/// run as the call's future: the handler, the response not yet complete, or a packet the
+/// send queue has no room for yet.
+fn answer_now(mux: &Mux, id: u32, call: &CallShared, mut handler: Handler) -> Start {
+    if call.done.is_set() {
+        // Cancelled before its handler ran.
+        return Start::Ended(false);
+    }
+    let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // A handler left pending here is polled again by its future with the task's waker.
+        let mut cx = Context::from_waker(Waker::noop());
+        let resp = match handler.as_mut().poll(&mut cx) {
+            Poll::Pending => return Start::Handler(handler),
+            Poll::Ready(Ok(resp)) => resp,
+            Poll::Ready(Err(never)) => match never {},
+        };
+        drop(handler);
+        let (parts, body) = resp.into_parts();
+        match pump::pump_now(mux, response_head(id, parts), body, Side::Server) {
+            Now::Sent => Start::Done,
+            Now::Unsent(unsent) => Start::Unsent(unsent),
+            Now::Rest { first, body } => Start::Answered { first, body },
+            // The connection is failing; the client learns it from the connection.
+            Now::Failed(s) => {
+                tracing::debug!(status = %s.message(), call = id, "gRPC response not sent");
+                Start::Done
+            }
+        }
+    }));
+    tried.unwrap_or(Start::Ended(true))
+}
+
+/// The head packet of a response.
+fn response_head(id: u32, mut parts: http::response::Parts) -> Packet {
+    parts
+        .headers
+        .entry(http::header::DATE)
+        .or_insert_with(date_header);
+    let mut head = Packet::new(id);
+    head.head = Some(Head::Response {
+        status: parts.status,
+        headers: parts.headers,
+    });
+    head
+}
+
 async fn run_call(
     st: Arc<ConnState>,
     id: u32,
     call: Arc<CallShared>,
-    handler: std::result::Result<Handler, bool>,
+    start: Start,
     deadline: Option<Instant>,
 ) {
-    let panicked = match handler {
-        Ok(handler) => std::panic::AssertUnwindSafe(answer(&st, id, &call, handler, deadline))
-            .catch_unwind()
-            .await
-            .is_err(),
-        // `true`: the service panicked when called; `false`: cancelled before it ran.
-        Err(panicked) => panicked,
+    let panicked = match start {
+        Start::Handler(handler) => {
+            std::panic::AssertUnwindSafe(answer(&st, id, &call, handler, deadline))
+                .catch_unwind()
+                .await
+                .is_err()
+        }
+        Start::Answered { first, body } => std::panic::AssertUnwindSafe(pump(
+            &st.mux,
+            id,
+            &call,
+            first,
+            body,
+            Side::Server,
+            deadline,
+            None,
+        ))
+        .catch_unwind()
+        .await
+        .is_err(),
+        Start::Unsent(unsent) => {
+            if let Err(e) = unsent.send(&st.mux).await {
+                tracing::debug!(%e, call = id, "gRPC response not sent");
+            }
+            false
+        }
+        Start::Ended(panicked) => panicked,
+        Start::Done => false,
     };
     if panicked {
         // The panic has been reported by the hook; the client learns that its call died.
@@ -841,16 +966,18 @@ async fn answer(
         }
     };
     if let Some(resp) = resp {
-        let (mut parts, body) = resp.into_parts();
-        parts
-            .headers
-            .entry(http::header::DATE)
-            .or_insert_with(date_header);
-        let mut head = Packet::new(id);
-        head.head = Some(Head::Response {
-            status: parts.status,
-            headers: parts.headers,
-        });
-        pump(&st.mux, id, call, head, body, Side::Server, deadline, None).await;
+        let (parts, body) = resp.into_parts();
+        let head = response_head(id, parts);
+        pump(
+            &st.mux,
+            id,
+            call,
+            (head, None),
+            body,
+            Side::Server,
+            deadline,
+            None,
+        )
+        .await;
     }
 }

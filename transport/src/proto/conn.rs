@@ -7,7 +7,9 @@
 //! same frames without touching message numbering. `docs/protocol.md` walks through the
 //! state machines.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::map::Map;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -129,12 +131,12 @@ pub struct Connection {
     /// The link's longest single read; fragments are never longer.
     max_read: usize,
     /// Reads in flight: id -> message.
-    reads: HashMap<u64, MsgId>,
+    reads: Map<u64, MsgId>,
     next_read_id: u64,
     /// Delivered messages whose credit waits for `consumed`.
-    unconsumed: HashMap<MsgId, CreditTag>,
+    unconsumed: Map<MsgId, CreditTag>,
     /// Coalesced frames not yet fully consumed: first message -> messages left.
-    groups: HashMap<MsgId, u16>,
+    groups: Map<MsgId, u16>,
     /// Mapped messages whose `RndvDone` waits for `release_recv`.
     mapped_unreleased: BTreeSet<MsgId>,
     /// Rendezvous receives past the budget, in arrival order (messages and probe samples).
@@ -144,7 +146,7 @@ pub struct Connection {
     pack_buf: Vec<Bytes>,
     /// Bytes charged to the receive budget, per message: from `BeginRecv` until the
     /// application takes the message (or a probe sample is read, or a mapping needs none).
-    charged: HashMap<MsgId, u64>,
+    charged: Map<MsgId, u64>,
     /// Sum of `charged`.
     charged_bytes: u64,
     /// Credits owed to the peer (sent in the next frame's header).
@@ -215,14 +217,14 @@ impl Connection {
             recv: BTreeMap::new(),
             read_queue: BTreeSet::new(),
             max_read: usize::MAX,
-            reads: HashMap::new(),
+            reads: Map::default(),
             next_read_id: 0,
-            unconsumed: HashMap::new(),
-            groups: HashMap::new(),
+            unconsumed: Map::default(),
+            groups: Map::default(),
             mapped_unreleased: BTreeSet::new(),
             deferred: VecDeque::new(),
             pack_buf: Vec::new(),
-            charged: HashMap::new(),
+            charged: Map::default(),
             charged_bytes: 0,
             owed: 0,
             recv_window: config.credits,

@@ -12,7 +12,9 @@
 //! byte and shuts the socket down, so the peer tells a close (`PeerClosed`) from a crash
 //! (`PeerGone`, plain end of stream) once it has drained the ring.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use crate::map::Map;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -262,12 +264,12 @@ pub struct ShmLink {
     peer_space_efd: OwnedFd,
     cma: bool,
     /// Exposed buffers by id (pool ones too, so `withdraw` gives every buffer back).
-    regions: HashMap<u64, Bytes>,
+    regions: Map<u64, Bytes>,
     next_region: u64,
     completions: VecDeque<(u64, Result<()>)>,
     /// Large copies for the driver to run outside the connection lock, when it asked.
     work: Option<Vec<Work>>,
-    reads: HashMap<u64, BounceRead>,
+    reads: Map<u64, BounceRead>,
     next_rid: u64,
     serving: VecDeque<Serve>,
     free_slots: Vec<u32>,
@@ -362,11 +364,11 @@ impl ShmLink {
             peer_data_efd: p.peer_data_efd,
             peer_space_efd: p.peer_space_efd,
             cma: p.cma,
-            regions: HashMap::new(),
+            regions: Map::default(),
             next_region: 1,
             completions: VecDeque::new(),
             work: None,
-            reads: HashMap::new(),
+            reads: Map::default(),
             next_rid: 1,
             serving: VecDeque::new(),
             free_slots: (0..nslots as u32).rev().collect(),
