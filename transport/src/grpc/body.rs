@@ -190,6 +190,7 @@ pub struct IncomingBody {
 
 enum Kind {
     Ibex(IbexBody),
+    Complete(Complete),
     Http(tonic::body::Body),
 }
 
@@ -199,12 +200,65 @@ impl IncomingBody {
             kind: Kind::Http(b),
         }
     }
+
+    /// A call half that arrived whole in one packet (a unary request or response): its
+    /// body frame, then its trailers (client side) or its end. No inbox, no flow control,
+    /// nothing to wait for. On the server, `held` keeps the bytes on the connection's
+    /// account until the handler takes them, as an inbox does.
+    pub(crate) fn complete(
+        data: Option<Bytes>,
+        trailers: Option<HeaderMap>,
+        held: Option<Arc<Held>>,
+    ) -> IncomingBody {
+        if let (Some(h), Some(d)) = (&held, &data) {
+            h.take(d.len());
+        }
+        IncomingBody {
+            kind: Kind::Complete(Complete {
+                data,
+                trailers,
+                held,
+            }),
+        }
+    }
+}
+
+/// See [`IncomingBody::complete`].
+struct Complete {
+    data: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+    held: Option<Arc<Held>>,
+}
+
+impl Complete {
+    fn next(&mut self) -> Option<Frame<Bytes>> {
+        if let Some(d) = self.data.take() {
+            if let Some(h) = &self.held {
+                h.release(d.len());
+            }
+            return Some(Frame::data(d));
+        }
+        self.trailers.take().map(Frame::trailers)
+    }
+}
+
+impl Drop for Complete {
+    fn drop(&mut self) {
+        if let (Some(h), Some(d)) = (&self.held, &self.data) {
+            h.release(d.len());
+        }
+    }
 }
 
 impl std::fmt::Debug for IncomingBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.kind {
             Kind::Ibex(b) => b.fmt(f),
+            Kind::Complete(c) => f
+                .debug_struct("IncomingBody")
+                .field("complete", &true)
+                .field("data", &c.data.as_ref().map(Bytes::len))
+                .finish(),
             Kind::Http(_) => f.write_str("IncomingBody(HTTP/2)"),
         }
     }
@@ -236,6 +290,7 @@ impl http_body::Body for IncomingBody {
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         match &mut self.get_mut().kind {
             Kind::Ibex(b) => Pin::new(b).poll_frame(cx),
+            Kind::Complete(c) => Poll::Ready(c.next().map(Ok)),
             Kind::Http(b) => Pin::new(b).poll_frame(cx),
         }
     }
@@ -243,6 +298,7 @@ impl http_body::Body for IncomingBody {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Ibex(b) => b.is_end_stream(),
+            Kind::Complete(c) => c.data.is_none() && c.trailers.is_none(),
             Kind::Http(b) => http_body::Body::is_end_stream(b),
         }
     }
@@ -424,5 +480,39 @@ impl http_body::Body for IbexBody {
 
     fn is_end_stream(&self) -> bool {
         self.done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn a_whole_body_stays_on_the_connections_account_until_taken() {
+        let held = Held::new(1 << 20);
+        let data = Bytes::from_static(&[7u8; 100]);
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+
+        let body = IncomingBody::complete(Some(data.clone()), Some(trailers), Some(held.clone()));
+        assert_eq!(held.bytes.load(Ordering::Acquire), 100);
+        let got = body.collect().await.ok().map(|c| {
+            let t = c.trailers().cloned();
+            (c.to_bytes(), t)
+        });
+        let (bytes, t) = got.unwrap_or_default();
+        assert_eq!(bytes, data);
+        assert_eq!(
+            t.map(|t| t["grpc-status"].clone()),
+            Some(http::HeaderValue::from_static("0"))
+        );
+        assert_eq!(held.bytes.load(Ordering::Acquire), 0);
+
+        // A handler that never reads it gives the bytes back when it drops it.
+        let body = IncomingBody::complete(Some(data), None, Some(held.clone()));
+        assert_eq!(held.bytes.load(Ordering::Acquire), 100);
+        drop(body);
+        assert_eq!(held.bytes.load(Ordering::Acquire), 0);
     }
 }

@@ -21,7 +21,15 @@ use crate::conn::Connection;
 use crate::error::{Error, Result};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-type HeadResult = std::result::Result<(StatusCode, HeaderMap), Status>;
+/// A response head, with the rest of the response when it came whole in the same packet
+/// (a unary answer): its body frame and its trailers.
+struct RespHead {
+    status: StatusCode,
+    headers: HeaderMap,
+    whole: Option<(Option<Bytes>, Option<HeaderMap>)>,
+}
+
+type HeadResult = std::result::Result<RespHead, Status>;
 
 /// A gRPC client channel over one Ibex connection. Cheap to clone; all clones multiplex
 /// their calls on the same connection. Hand it to any generated client:
@@ -240,7 +248,7 @@ impl Shared {
     }
 
     /// Dispatches one packet from the server.
-    fn dispatch(&self, p: Packet, data: Option<Bytes>) {
+    fn dispatch(&self, mut p: Packet, mut data: Option<Bytes>) {
         let mut calls = self.lock();
         if p.goaway {
             calls.draining = true;
@@ -253,10 +261,19 @@ impl Shared {
         if let Some(w) = p.window {
             c.shared.grant(w);
         }
-        if let Some(Head::Response { status, headers }) = p.head
+        let mut went_whole = false;
+        if let Some(Head::Response { status, headers }) = p.head.take()
             && let Some(h) = c.head.take()
         {
-            let _ = h.send(Ok((status, headers)));
+            // A whole response goes to the caller in one piece, with no inbox on the way.
+            went_whole =
+                p.end && !p.reset && data.as_ref().is_none_or(|d| c.shared.received(d.len()));
+            let whole = went_whole.then(|| (data.take(), p.trailers.take()));
+            let _ = h.send(Ok(RespHead {
+                status,
+                headers,
+                whole,
+            }));
         }
         if let Some(d) = data {
             if !c.shared.received(d.len()) {
@@ -270,7 +287,7 @@ impl Shared {
         }
         if let Some(t) = p.trailers {
             c.body.send(Inbound::Trailers(t));
-        } else if p.end {
+        } else if p.end && !went_whole {
             c.body.send(Inbound::End);
         }
         if p.reset {
@@ -699,7 +716,11 @@ impl Channel {
             },
             None => head_rx.await,
         };
-        let (status, headers) = match head {
+        let RespHead {
+            status,
+            headers,
+            whole,
+        } = match head {
             Ok(Ok(h)) => h,
             Ok(Err(s)) => {
                 guard.disarm();
@@ -714,15 +735,27 @@ impl Channel {
                     .unwrap_or_else(|| Status::internal("the call ended without a response")));
             }
         };
-        let lost = || {
-            Status::unavailable("the Ibex connection to the gRPC server was lost during the call")
+        let body = match whole {
+            // The call is over: nothing to cancel, wait for or read.
+            Some((data, trailers)) => {
+                guard.disarm();
+                IncomingBody::complete(data, trailers, None)
+            }
+            None => {
+                let lost = || {
+                    Status::unavailable(
+                        "the Ibex connection to the gRPC server was lost during the call",
+                    )
+                };
+                let reader: Arc<dyn ReadSource> = shared.clone();
+                let body = IbexBody::new(body_rx, shared.mux.clone(), id, call, lost)
+                    .with_deadline(deadline)
+                    .with_guard(Box::new(guard))
+                    .with_reader(reader);
+                IncomingBody::from(body)
+            }
         };
-        let reader: Arc<dyn ReadSource> = shared.clone();
-        let body = IbexBody::new(body_rx, shared.mux.clone(), id, call, lost)
-            .with_deadline(deadline)
-            .with_guard(Box::new(guard))
-            .with_reader(reader);
-        let mut resp = http::Response::new(IncomingBody::from(body));
+        let mut resp = http::Response::new(body);
         *resp.status_mut() = status;
         *resp.headers_mut() = headers;
         *resp.version_mut() = http::Version::HTTP_2;

@@ -523,7 +523,8 @@ struct ConnState {
 }
 
 struct ServerCall {
-    body: InboxTx,
+    /// `None` when the request came whole in its first packet.
+    body: Option<InboxTx>,
     shared: Arc<CallShared>,
 }
 
@@ -645,9 +646,11 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
     }
     // Whatever is still running has lost its client (or the connection broke the protocol).
     for (_, c) in cx.st.lock().drain() {
-        c.body.send(Inbound::Error(request_cut(
-            "the client's connection is gone",
-        )));
+        if let Some(b) = &c.body {
+            b.send(Inbound::Error(request_cut(
+                "the client's connection is gone",
+            )));
+        }
         c.shared.finish();
     }
     while cx.running.next().await.is_some() {}
@@ -667,7 +670,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         self.st.mux.send_detached(r);
     }
 
-    fn dispatch(&mut self, p: Packet, data: Option<Bytes>) -> Result<()> {
+    fn dispatch(&mut self, p: Packet, mut data: Option<Bytes>) -> Result<()> {
         let id = p.call;
         let mut started = None;
         if let Some(Head::Request { path, headers }) = p.head {
@@ -682,7 +685,24 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 return Ok(());
             }
             let call = CallShared::new();
-            let (tx, rx) = inbox(Some(self.held.clone()));
+            // A request that came whole in this packet (a unary one) needs no inbox.
+            let complete = p.end && !p.reset;
+            if complete
+                && let Some(d) = &data
+                && !call.received(d.len())
+            {
+                return Err(overrun(id));
+            }
+            let (tx, body) = if complete {
+                let held = Some(self.held.clone());
+                (None, IncomingBody::complete(data.take(), None, held))
+            } else {
+                let (tx, rx) = inbox(Some(self.held.clone()));
+                let body = IbexBody::new(rx, self.st.mux.clone(), id, call.clone(), || {
+                    request_cut("the client's connection is gone")
+                });
+                (Some(tx), IncomingBody::from(body))
+            };
             {
                 let mut calls = self.st.lock();
                 if calls.contains_key(&id) {
@@ -711,10 +731,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 );
             }
             let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
-            let body = IbexBody::new(rx, self.st.mux.clone(), id, call.clone(), || {
-                request_cut("the client's connection is gone")
-            });
-            let mut req = http::Request::new(tonic::body::Body::new(IncomingBody::from(body)));
+            let mut req = http::Request::new(tonic::body::Body::new(body));
             *req.method_mut() = http::Method::POST;
             *req.uri_mut() = http::Uri::from(path);
             *req.version_mut() = http::Version::HTTP_2;
@@ -739,6 +756,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 deadline,
             ));
         }
+        // For a request that came whole, its body has all this already (no inbox).
         self.deliver(id, p.window, data, p.end, p.reset)?;
         // The handler runs once its request's first packet is in its body.
         if let Some((start, call, deadline)) = started {
@@ -779,26 +797,33 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         }
         if let Some(d) = data {
             if !c.shared.received(d.len()) {
-                // As HTTP/2's FLOW_CONTROL_ERROR: no honest client sends past the window, and
-                // going on would buffer whatever it sends next.
-                return Err(Error::Protocol(format!(
-                    "gRPC call framing: the client overran call {id}'s flow-control window of {} bytes",
-                    super::WINDOW
-                )));
+                return Err(overrun(id));
             }
-            c.body.send(Inbound::Data(d));
+            if let Some(b) = &c.body {
+                b.send(Inbound::Data(d));
+            }
         }
-        if end {
-            c.body.send(Inbound::End);
+        if end && let Some(b) = &c.body {
+            b.send(Inbound::End);
         }
         if reset {
             // The client cancelled: the handler's future is dropped by `answer`.
-            c.body
-                .send(Inbound::Error(request_cut("the client cancelled the call")));
+            if let Some(b) = &c.body {
+                b.send(Inbound::Error(request_cut("the client cancelled the call")));
+            }
             c.shared.finish();
         }
         Ok(())
     }
+}
+
+/// As HTTP/2's FLOW_CONTROL_ERROR: no honest client sends past the window, and going on
+/// would buffer whatever it sends next.
+fn overrun(id: u32) -> Error {
+    Error::Protocol(format!(
+        "gRPC call framing: the client overran call {id}'s flow-control window of {} bytes",
+        super::WINDOW
+    ))
 }
 
 /// What a request stream says when its client went away before ending it. Not
