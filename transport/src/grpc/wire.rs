@@ -225,7 +225,7 @@ impl Packet {
                 })?;
                 Head::Request {
                     path,
-                    headers: get_headers(&mut h, limits)?,
+                    headers: get_headers(&mut h, limits, 0)?,
                 }
             } else {
                 let code = get_u16(&mut h, "HTTP status")?;
@@ -233,7 +233,9 @@ impl Packet {
                     .map_err(|_| proto_err(format!("invalid HTTP status {code}")))?;
                 Head::Response {
                     status,
-                    headers: get_headers(&mut h, limits)?,
+                    // tonic's client merges the trailers into the response's headers: room
+                    // for them now saves growing (and rehashing) the map then.
+                    headers: get_headers(&mut h, limits, TRAILER_ROOM)?,
                 }
             });
             expect_empty(&h, "head block")?;
@@ -251,7 +253,7 @@ impl Packet {
         }
         if flags & TRAILERS != 0 {
             let mut t = take(&mut b, "trailers block")?;
-            p.trailers = Some(get_headers(&mut t, limits)?);
+            p.trailers = Some(get_headers(&mut t, limits, 0)?);
             expect_empty(&t, "trailers block")?;
         }
         if flags & WINDOW != 0 {
@@ -345,7 +347,12 @@ fn take(b: &mut Bytes, what: &str) -> Result<Bytes> {
     Ok(b.split_to(len))
 }
 
-fn get_headers(b: &mut Bytes, limits: &Limits) -> Result<HeaderMap> {
+/// Entries a response head's map is made with room for beyond its own (see
+/// [`Packet::decode`]): `grpc-status`, `grpc-message` and a few more.
+const TRAILER_ROOM: usize = 4;
+
+/// Decodes a header list into a map with room for `room` more entries.
+fn get_headers(b: &mut Bytes, limits: &Limits, room: usize) -> Result<HeaderMap> {
     let n = usize::from(get_u16(b, "header count")?);
     // Checked before anything is allocated: the count sizes the map.
     let max_entries = limits.max_header_list_size / HEADER_ENTRY_OVERHEAD;
@@ -355,7 +362,7 @@ fn get_headers(b: &mut Bytes, limits: &Limits) -> Result<HeaderMap> {
             limits.max_header_list_size
         )));
     }
-    let mut h = HeaderMap::with_capacity(n);
+    let mut h = HeaderMap::with_capacity(n + room);
     let mut size = 0usize;
     for _ in 0..n {
         let len = get_u16(b, "header name")? as usize;
