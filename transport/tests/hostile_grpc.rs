@@ -271,22 +271,35 @@ impl Honest {
     }
 }
 
-async fn suite(listen_uri: &str) {
-    hostile_util::count_panics();
-    let listener = ibex_transport::listen(listen_uri, ibex_config())
+/// Listens on `listen_uri` and serves `builder` there until the returned sender fires or
+/// is dropped.
+async fn serve(
+    listen_uri: &str,
+    config: ibex_transport::Config,
+    builder: ibex_transport::grpc::Builder,
+) -> (
+    String,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<ibex_transport::Result<()>>,
+) {
+    let listener = ibex_transport::listen(listen_uri, config)
         .await
         .expect("listen");
     let uri = listener.local_uri();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(builder.serve_with_listener(listener, async {
+        let _ = stop_rx.await;
+    }));
+    (uri, stop_tx, server)
+}
+
+async fn suite(listen_uri: &str) {
+    hostile_util::count_panics();
     let (svc, _events) = BenchImpl::new();
-    let server = tokio::spawn(
-        ibex_transport::grpc::Server::builder()
-            .max_concurrent_calls(MAX_CALLS)
-            .add_service(svc.server(Some(64 << 20), None))
-            .serve_with_listener(listener, async {
-                let _ = stop_rx.await;
-            }),
-    );
+    let builder = ibex_transport::grpc::Server::builder()
+        .max_concurrent_calls(MAX_CALLS)
+        .add_service(svc.server(Some(64 << 20), None));
+    let (uri, stop_tx, server) = serve(listen_uri, ibex_config(), builder).await;
     let honest = Honest::start(&uri).await;
     honest.served("warming up").await;
     let raw = || async {
@@ -543,18 +556,11 @@ async fn held_bodies_are_bounded_per_connection(listen_uri: &str) {
         rndv_recv_budget: BUDGET,
         ..ibex_config()
     };
-    let listener = ibex_transport::listen(listen_uri, cfg)
-        .await
-        .expect("listen");
-    let uri = listener.local_uri();
     let builder = ibex_transport::grpc::Server::builder()
         .initial_connection_window_size(WINDOW)
         .add_service(BenchImpl::new().0.server(Some(64 << 20), None));
     let stats = builder.stats();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(builder.serve_with_listener(listener, async {
-        let _ = stop_rx.await;
-    }));
+    let (uri, stop_tx, server) = serve(listen_uri, cfg, builder).await;
     let honest = Honest::start(&uri).await;
     honest.served("warming up").await;
 
@@ -630,18 +636,9 @@ async fn held_bodies_are_bounded_per_connection_over_shm() {
 /// own future instead of going out in place), and every call still gets its answer, once.
 async fn answers_wait_for_a_client_that_reads_late(listen_uri: &str) {
     hostile_util::count_panics();
-    let listener = ibex_transport::listen(listen_uri, ibex_config())
-        .await
-        .expect("listen");
-    let uri = listener.local_uri();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(
-        ibex_transport::grpc::Server::builder()
-            .add_service(BenchImpl::new().0.server(Some(64 << 20), None))
-            .serve_with_listener(listener, async {
-                let _ = stop_rx.await;
-            }),
-    );
+    let builder = ibex_transport::grpc::Server::builder()
+        .add_service(BenchImpl::new().0.server(Some(64 << 20), None));
+    let (uri, stop_tx, server) = serve(listen_uri, ibex_config(), builder).await;
     let c = ibex_transport::connect(&uri, ibex_config()).await.unwrap();
     let msg = grpc_message(16);
     let calls: Vec<u32> = (0..1000u32).map(|i| 1 + 2 * i).collect();
