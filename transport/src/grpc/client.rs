@@ -657,7 +657,10 @@ impl Channel {
         });
         // A unary request is complete at once: it goes out here, in one packet, with no
         // future for it. Whatever would wait goes on in the sending future below.
-        let later = match pump_now(&shared.mux, head, Box::pin(body), Side::Client) {
+        // A generated client's request body is tonic's already: `Body::new` passes it through
+        // (anything else is boxed once), and it can be polled unpinned.
+        let body = tonic::body::Body::new(body);
+        let later = match pump_now(&shared.mux, head, body, Side::Client) {
             Now::Sent => {
                 call.head_sent.set();
                 None
