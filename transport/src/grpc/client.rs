@@ -261,13 +261,14 @@ impl Shared {
         if let Some(w) = p.window {
             c.shared.grant(w);
         }
+        // Counted once against the call's window; a server that overran it fails the call.
+        let in_window = data.as_ref().is_none_or(|d| c.shared.received(d.len()));
         let mut went_whole = false;
         if let Some(Head::Response { status, headers }) = p.head.take()
             && let Some(h) = c.head.take()
         {
             // A whole response goes to the caller in one piece, with no inbox on the way.
-            went_whole =
-                p.end && !p.reset && data.as_ref().is_none_or(|d| c.shared.received(d.len()));
+            went_whole = p.end && !p.reset && in_window;
             let whole = went_whole.then(|| (data.take(), p.trailers.take()));
             let _ = h.send(Ok(RespHead {
                 status,
@@ -276,7 +277,7 @@ impl Shared {
             }));
         }
         if let Some(d) = data {
-            if !c.shared.received(d.len()) {
+            if !in_window {
                 c.body.send(Inbound::Error(Status::resource_exhausted(
                     "the server overran the call's flow-control window",
                 )));
