@@ -17,7 +17,7 @@ use futures_util::task::AtomicWaker;
 use tonic::Status;
 
 use super::wire::Packet;
-use super::{CallShared, Mux, WINDOW, cost};
+use super::{CallShared, Mux};
 
 /// What the reader hands a call.
 #[derive(Debug)]
@@ -386,18 +386,11 @@ impl IbexBody {
         }
     }
 
-    /// Gives consumed bytes back to the sender once half a window has gone by, so the
-    /// sender never stalls on a reader that keeps up.
+    /// Gives consumed bytes back to the sender (see [`CallShared::consumed`]).
     fn consume(&mut self, len: usize) {
-        self.consumed += cost(len);
-        if self.consumed >= WINDOW / 2 {
-            let grant = self.consumed.min(i64::from(u32::MAX));
-            self.consumed -= grant;
-            self.call
-                .recv_outstanding
-                .fetch_sub(grant, std::sync::atomic::Ordering::AcqRel);
+        if let Some(grant) = self.call.consumed(&mut self.consumed, len) {
             let mut p = Packet::new(self.call_id);
-            p.window = Some(grant as u32);
+            p.window = Some(grant);
             self.mux.send_detached(p);
         }
     }

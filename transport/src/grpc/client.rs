@@ -1,6 +1,5 @@
 //! The client: [`Channel`], a `tower::Service` that generated tonic clients accept.
 
-use crate::map::Map;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -12,6 +11,7 @@ use tokio::sync::oneshot;
 use tonic::Status;
 
 use super::body::{IbexBody, Inbound, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
+use super::calls::{CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
 use super::pump::{Now, Prepend, Pumped, Side, pump, pump_now};
 use super::wire::{Head, Limits, Packet};
@@ -123,7 +123,7 @@ impl Inner {
         }
         let Some(target) = &self.target else {
             return Err(cur
-                .and_then(|s| s.lock().closed.clone())
+                .and_then(|s| s.lock().closed().cloned())
                 .unwrap_or_else(|| {
                     Status::unavailable(
                         "the Ibex connection to the gRPC server is gone, and this channel was \
@@ -192,22 +192,12 @@ impl Inner {
 /// the task that made it, with no hop between tasks.
 struct Shared {
     mux: Arc<Mux>,
-    calls: Mutex<Calls>,
+    calls: Mutex<CallTable<Call>>,
     /// Held while one message is taken off the connection and dispatched, so messages are
     /// demultiplexed and delivered in connection order whichever task reads them.
     demux: Mutex<Demux>,
     /// Made once per connection: calls set it unless the caller did.
     user_agent: http::HeaderValue,
-}
-
-#[derive(Default)]
-struct Calls {
-    map: Map<u32, Call>,
-    next_id: u32,
-    /// Why the connection is unusable, once it is.
-    closed: Option<Status>,
-    /// The server sent GOAWAY: it finishes what it has and takes nothing new.
-    draining: bool,
 }
 
 struct Call {
@@ -216,8 +206,24 @@ struct Call {
     shared: Arc<CallShared>,
 }
 
+impl Slot for Call {
+    fn call(&self) -> &CallShared {
+        &self.shared
+    }
+}
+
+impl Call {
+    /// Fails the call with `status`, wherever its caller is waiting.
+    fn fail(mut self, status: Status) {
+        if let Some(h) = self.head.take() {
+            let _ = h.send(Err(status.clone()));
+        }
+        self.body.send(Inbound::Error(status));
+    }
+}
+
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Calls> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, CallTable<Call>> {
         // A panic while holding this lock leaves plain data behind; keep serving.
         self.calls.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -225,50 +231,41 @@ impl Shared {
     /// The connection is gone: every call fails with `status`, new ones too.
     fn fail_all(&self, status: Status) {
         let mut calls = self.lock();
-        calls.closed = Some(status.clone());
-        for (_, mut c) in calls.map.drain() {
-            if let Some(h) = c.head.take() {
-                let _ = h.send(Err(status.clone()));
-            }
-            c.body.send(Inbound::Error(status.clone()));
-            c.shared.finish();
+        for c in calls.close(status.clone()) {
+            c.fail(status.clone());
         }
     }
 
     /// Ends one call here with `status` (its request could not be sent).
     fn fail_call(&self, id: u32, status: Status) {
-        let mut calls = self.lock();
-        if let Some(mut c) = calls.map.remove(&id) {
-            if let Some(h) = c.head.take() {
-                let _ = h.send(Err(status.clone()));
-            }
-            c.body.send(Inbound::Error(status));
-            c.shared.finish();
+        if let Some(c) = self.lock().remove(id) {
+            c.fail(status);
         }
     }
 
     /// Dispatches one packet from the server.
     fn dispatch(&self, mut p: Packet, mut data: Option<Bytes>) {
         let mut calls = self.lock();
-        if p.goaway {
-            calls.draining = true;
-            return;
-        }
-        // Packets for calls already over (cancelled here, or finished) are dropped.
-        let Some(c) = calls.map.get_mut(&p.call) else {
-            return;
+        let mut owned;
+        let (c, ended): (&mut Call, bool) = match calls.packet(&p, data.as_ref().map(Bytes::len)) {
+            Verdict::Dropped => return,
+            Verdict::Overrun(c) => {
+                drop(calls);
+                self.overrun(p, c);
+                return;
+            }
+            Verdict::Call(Entry::Live(c) | Entry::Cancelled(c)) => (c, false),
+            Verdict::Call(Entry::Ended(c)) => {
+                owned = c;
+                (&mut owned, true)
+            }
         };
-        if let Some(w) = p.window {
-            c.shared.grant(w);
-        }
-        // Counted once against the call's window; a server that overran it fails the call.
-        let in_window = data.as_ref().is_none_or(|d| c.shared.received(d.len()));
         let mut went_whole = false;
         if let Some(Head::Response { status, headers }) = p.head.take()
             && let Some(h) = c.head.take()
         {
             // A whole response goes to the caller in one piece, with no inbox on the way.
-            went_whole = p.end && !p.reset && in_window;
+            went_whole = p.end && !p.reset;
             let whole = went_whole.then(|| (data.take(), p.trailers.take()));
             let _ = h.send(Ok(RespHead {
                 status,
@@ -277,13 +274,6 @@ impl Shared {
             }));
         }
         if let Some(d) = data {
-            if !in_window {
-                c.body.send(Inbound::Error(Status::resource_exhausted(
-                    "the server overran the call's flow-control window",
-                )));
-                self.reset_locked(&mut calls, p.call);
-                return;
-            }
             c.body.send(Inbound::Data(d));
         }
         if let Some(t) = p.trailers {
@@ -299,25 +289,42 @@ impl Shared {
             }
             c.body.send(Inbound::Error(s));
         }
-        if (p.end || p.reset)
-            && let Some(mut c) = calls.map.remove(&p.call)
+        if ended && let Some(h) = c.head.take() {
+            let _ = h.send(Err(Status::internal(
+                "the server ended the call without a response head",
+            )));
+        }
+    }
+
+    /// The server sent call `c` more than its window: the call fails here and is reset
+    /// on the server.
+    fn overrun(&self, mut p: Packet, mut c: Call) {
+        if let Some(Head::Response { status, headers }) = p.head.take()
+            && let Some(h) = c.head.take()
         {
-            if let Some(h) = c.head.take() {
-                let _ = h.send(Err(Status::internal(
-                    "the server ended the call without a response head",
-                )));
-            }
-            c.shared.finish();
+            let _ = h.send(Ok(RespHead {
+                status,
+                headers,
+                whole: None,
+            }));
+        }
+        let shared = c.shared.clone();
+        c.fail(Status::resource_exhausted(
+            "the server overran the call's flow-control window",
+        ));
+        if self.lock().closed().is_none() {
+            self.mux.reset_detached(p.call, shared);
         }
     }
 
     /// Ends a call from this side and tells the server.
-    fn reset_locked(&self, calls: &mut Calls, id: u32) {
-        if let Some(c) = calls.map.remove(&id) {
-            c.shared.finish();
-            if calls.closed.is_none() {
-                self.mux.reset_detached(id, c.shared);
-            }
+    fn reset(&self, id: u32) {
+        let mut calls = self.lock();
+        if let Some(c) = calls.remove(id)
+            && calls.closed().is_none()
+        {
+            drop(calls);
+            self.mux.reset_detached(id, c.shared);
         }
     }
 }
@@ -327,15 +334,14 @@ impl Shared {
         Arc::new(Shared {
             user_agent: user_agent(conn.provider()),
             mux: Arc::new(Mux::new(conn, Side::Client)),
-            calls: Mutex::new(Calls::default()),
+            calls: Mutex::new(CallTable::new(Side::Client, usize::MAX)),
             demux: Mutex::new(Demux::new(false, limits)),
         })
     }
 
     /// No new call can use this connection.
     fn is_gone(&self) -> bool {
-        let calls = self.lock();
-        calls.closed.is_some() || calls.draining || self.mux.conn.is_closed()
+        self.lock().refusal().is_some() || self.mux.conn.is_closed()
     }
 
     fn gone(&self, e: Error) -> Status {
@@ -346,7 +352,7 @@ impl Shared {
     }
 
     fn is_closed(&self) -> bool {
-        self.lock().closed.is_some()
+        self.lock().closed().is_some()
     }
 }
 
@@ -411,9 +417,7 @@ impl OnDrop for CallGuard {
 impl Drop for CallGuard {
     fn drop(&mut self) {
         if self.armed {
-            let shared = &self.shared;
-            let mut calls = shared.lock();
-            shared.reset_locked(&mut calls, self.id);
+            self.shared.reset(self.id);
         }
     }
 }
@@ -620,31 +624,11 @@ impl Channel {
         let call = CallShared::new();
         let (head_tx, head_rx) = oneshot::channel();
         let (body_tx, body_rx) = inbox(None);
-        let id = {
-            let mut calls = shared.lock();
-            if let Some(s) = &calls.closed {
-                return Err(s.clone());
-            }
-            if calls.draining {
-                return Err(Status::unavailable(
-                    "the gRPC server is shutting down and takes no new calls on this connection; connect again",
-                ));
-            }
-            let mut id = calls.next_id;
-            while calls.map.contains_key(&id) {
-                id = id.wrapping_add(1);
-            }
-            calls.next_id = id.wrapping_add(1);
-            calls.map.insert(
-                id,
-                Call {
-                    head: Some(head_tx),
-                    body: body_tx,
-                    shared: call.clone(),
-                },
-            );
-            id
-        };
+        let id = shared.lock().open(Call {
+            head: Some(head_tx),
+            body: body_tx,
+            shared: call.clone(),
+        })?;
         let mut guard = CallGuard {
             shared: shared.clone(),
             id,
@@ -734,8 +718,8 @@ impl Channel {
                 guard.disarm();
                 return Err(shared
                     .lock()
-                    .closed
-                    .clone()
+                    .closed()
+                    .cloned()
                     .unwrap_or_else(|| Status::internal("the call ended without a response")));
             }
         };

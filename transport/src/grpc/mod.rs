@@ -30,6 +30,7 @@
 //! extensions.
 
 mod body;
+mod calls;
 mod client;
 mod demux;
 mod pump;
@@ -65,8 +66,13 @@ use wire::{Data, INLINE_MAX, PACKET_ROOM, Packet};
 pub mod fuzzing {
     use bytes::{Buf, Bytes};
 
+    use std::sync::Arc;
+
+    use super::CallShared;
+    use super::calls::{Admit, CallTable, Entry, Slot, Verdict};
     use super::demux::{Demux, Got};
-    use super::wire::{Limits, Packet};
+    use super::pump::Side;
+    use super::wire::{Data, Limits, Packet};
 
     /// Splits a fuzz input into transport messages: each is a u16 (big endian) length and
     /// that many bytes; a short tail is the last message.
@@ -80,13 +86,25 @@ pub mod fuzzing {
         out
     }
 
+    /// The calls a fuzzed client has open, and the fuzzed server's limit.
+    const CALLS: u32 = 8;
+
     /// Feeds `messages` to one connection's call demultiplexer, as a server
-    /// (`request`) or a client would receive them. Every packet it accepts must re-encode
-    /// to bytes that decode to the same packet. Returns how many packets came out before
-    /// the first framing error (which ends a real connection), or the broken invariant.
+    /// (`request`) or a client would receive them, and what comes out to the side's call
+    /// table (a client with calls `0..8` open). Every packet it accepts must re-encode to
+    /// bytes that decode to the same packet, and the server's table must keep its limit.
+    /// Returns how many packets came out before the first framing error (which ends a
+    /// real connection), or the broken invariant.
     pub fn feed(messages: &[Bytes], request: bool) -> Result<usize, String> {
         let limits = Limits::default();
         let mut demux = Demux::new(request, limits);
+        let side = if request { Side::Server } else { Side::Client };
+        let mut table = CallTable::new(side, CALLS as usize);
+        if !request {
+            for _ in 0..CALLS {
+                let _ = table.open(Fuzzed(CallShared::new()));
+            }
+        }
         let mut n = 0;
         for m in messages {
             let packets = match demux.push(m.clone()) {
@@ -107,9 +125,49 @@ pub mod fuzzing {
                     return Err("re-encoding is not stable".into());
                 }
                 n += 1;
+                if !to_table(&mut table, p, request)? {
+                    return Ok(n);
+                }
             }
         }
         Ok(n)
+    }
+
+    struct Fuzzed(Arc<CallShared>);
+
+    impl Slot for Fuzzed {
+        fn call(&self) -> &CallShared {
+            &self.0
+        }
+    }
+
+    /// What a side does with a packet's call state; false where the connection ends.
+    fn to_table(table: &mut CallTable<Fuzzed>, p: Packet, request: bool) -> Result<bool, String> {
+        let len = match &p.data {
+            Some(Data::Inline(d)) => Some(d.len()),
+            Some(Data::Next(len)) => Some(*len as usize),
+            None => None,
+        };
+        if request && p.head.is_some() {
+            match table.admit(p.call) {
+                Err(_) => return Ok(false),
+                Ok(Admit::Refuse(_)) => return Ok(true),
+                Ok(Admit::Open) => table.insert(p.call, Fuzzed(CallShared::new())),
+            }
+        }
+        let ended = match table.packet(&p, len) {
+            Verdict::Overrun(_) => return Ok(!request),
+            Verdict::Call(Entry::Cancelled(c)) => Some(c.0.clone()),
+            _ => None,
+        };
+        // A cancelled handler's future is gone at once here.
+        if let Some(c) = ended {
+            table.end(p.call, &c);
+        }
+        if table.len() > CALLS as usize {
+            return Err("the server's table went past its limit on calls".into());
+        }
+        Ok(true)
     }
 }
 
@@ -188,21 +246,9 @@ impl Mux {
         self.sizes().0
     }
 
-    /// Encodes `pkt` with `data` as its body frame: inline when small, else announced in
-    /// the packet and returned to go as the next message.
-    fn encode(&self, mut pkt: Packet, data: Option<Bytes>) -> Result<(Bytes, Option<Bytes>)> {
-        let inline_max = self.inline_max();
-        let next = match data {
-            Some(d) if d.len() > inline_max => {
-                pkt.data = Some(Data::Next(d.len() as u64));
-                Some(d)
-            }
-            Some(d) => {
-                pkt.data = Some(Data::Inline(d));
-                None
-            }
-            None => None,
-        };
+    /// Encodes `pkt` with `data` as its body frame (see [`attach`]).
+    fn encode(&self, pkt: Packet, data: Option<Bytes>) -> Result<(Bytes, Option<Bytes>)> {
+        let (pkt, next) = attach(pkt, data, self.inline_max());
         Ok((pkt.encode()?, next))
     }
 
@@ -283,6 +329,27 @@ impl Mux {
             });
         }
     }
+}
+
+/// Puts `data` in `pkt` as its body frame when it is at most `inline_max` bytes; a larger
+/// one is announced in the packet and returned, to go as the next message.
+pub(crate) fn attach(
+    mut pkt: Packet,
+    data: Option<Bytes>,
+    inline_max: usize,
+) -> (Packet, Option<Bytes>) {
+    let next = match data {
+        Some(d) if d.len() > inline_max => {
+            pkt.data = Some(Data::Next(d.len() as u64));
+            Some(d)
+        }
+        Some(d) => {
+            pkt.data = Some(Data::Inline(d));
+            None
+        }
+        None => None,
+    };
+    (pkt, next)
 }
 
 /// Waits for `fut`, reading the connection from `src` meanwhile, so that what `fut` waits
@@ -384,6 +451,18 @@ impl CallShared {
         self.send_space.notify_waiters();
     }
 
+    /// Takes `len` bytes of window if there is any left (a frame may go while the window
+    /// is positive, so one larger than the window still goes, alone).
+    fn try_acquire(&self, len: usize) -> bool {
+        match self.send_window.lock() {
+            Ok(mut w) if *w > 0 => {
+                *w -= cost(len);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Waits for window, then takes `len` bytes of it. False once the call is over.
     async fn acquire(&self, len: usize) -> bool {
         loop {
@@ -393,10 +472,7 @@ impl CallShared {
             if self.done.is_set() {
                 return false;
             }
-            if let Ok(mut w) = self.send_window.lock()
-                && *w > 0
-            {
-                *w -= cost(len);
+            if self.try_acquire(len) {
                 return true;
             }
             n.await;
@@ -407,6 +483,20 @@ impl CallShared {
     fn received(&self, len: usize) -> bool {
         let before = self.recv_outstanding.fetch_add(cost(len), Ordering::AcqRel);
         before < WINDOW
+    }
+
+    /// Accounts `len` bytes the reader took; `consumed` is the reader's count not yet given
+    /// back. Returns the window to grant the sender, once half a window has gone by, so a
+    /// sender never stalls on a reader that keeps up.
+    fn consumed(&self, consumed: &mut i64, len: usize) -> Option<u32> {
+        *consumed += cost(len);
+        if *consumed < WINDOW / 2 {
+            return None;
+        }
+        let grant = (*consumed).min(i64::from(u32::MAX));
+        *consumed -= grant;
+        self.recv_outstanding.fetch_sub(grant, Ordering::AcqRel);
+        Some(grant as u32)
     }
 }
 

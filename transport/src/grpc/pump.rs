@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use super::body::ReadSource;
-use super::wire::Packet;
+use super::wire::{Head, Packet};
 use super::{CallShared, Encoded, Mux, read_while, transport_status};
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -71,6 +71,18 @@ pub(crate) fn status_trailers(status: &Status) -> HeaderMap {
         .add_header(&mut h);
     }
     h
+}
+
+/// A response that is only a status: its head, ended, as gRPC's trailers-only answer.
+pub(crate) fn trailers_only(id: u32, status: Status) -> Packet {
+    let (parts, ()) = status.into_http::<()>().into_parts();
+    let mut p = Packet::new(id);
+    p.head = Some(Head::Response {
+        status: parts.status,
+        headers: parts.headers,
+    });
+    p.end = true;
+    p
 }
 
 fn sent(r: crate::error::Result<()>) -> Pumped {

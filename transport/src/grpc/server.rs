@@ -17,8 +17,9 @@ use tonic::service::Routes;
 use tower::Service;
 
 use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
+use super::calls::{Admit, CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
-use super::pump::{self, Now, Side, pump};
+use super::pump::{self, Now, Side, pump, trailers_only};
 use super::router::{Handler, Router};
 use super::wire::{Head, Limits, Packet};
 use super::{CallShared, Encoded, Flag, Mux, parse_timeout};
@@ -26,7 +27,6 @@ use crate::config::Config;
 use crate::conn::{ConnStats, Connection, Listener};
 use crate::error::{Error, Result};
 use crate::link::RecvBuf;
-use crate::map::Map;
 use crate::pool::Pool;
 
 /// The gRPC server over Ibex. Start with [`Server::builder`].
@@ -519,7 +519,7 @@ fn date_header() -> http::HeaderValue {
 /// One accepted connection's calls.
 struct ConnState {
     mux: Arc<Mux>,
-    calls: Mutex<Map<u32, ServerCall>>,
+    calls: Mutex<CallTable<ServerCall>>,
 }
 
 struct ServerCall {
@@ -528,8 +528,14 @@ struct ServerCall {
     shared: Arc<CallShared>,
 }
 
+impl Slot for ServerCall {
+    fn call(&self) -> &CallShared {
+        &self.shared
+    }
+}
+
 impl ConnState {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Map<u32, ServerCall>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, CallTable<ServerCall>> {
         self.calls.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -545,7 +551,6 @@ struct ConnCtx<F> {
     info: ConnectInfo,
     tcp_info: Option<tonic::transport::server::TcpConnectInfo>,
     router: Router,
-    limits: ServeLimits,
     /// Body bytes held for this connection's handlers (see [`Held`]).
     held: Arc<Held>,
     draining: bool,
@@ -565,7 +570,7 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
     let mut cx = ConnCtx {
         st: Arc::new(ConnState {
             mux: Arc::new(Mux::new(conn.clone(), Side::Server)),
-            calls: Mutex::new(Map::default()),
+            calls: Mutex::new(CallTable::new(Side::Server, limits.max_concurrent_calls)),
         }),
         peer: PeerHandle {
             conn: conn.clone(),
@@ -574,7 +579,6 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
         info: ConnectInfo::of(&conn),
         tcp_info: None,
         router,
-        limits,
         held: Held::new(limits.max_held),
         draining: false,
         running: FuturesUnordered::new(),
@@ -601,6 +605,7 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
             biased;
             _ = &mut stop, if !cx.draining => {
                 cx.draining = true;
+                cx.st.lock().drain();
                 let mut p = Packet::new(0);
                 p.goaway = true;
                 let _ = cx.st.mux.send(p, None).await;
@@ -645,13 +650,11 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
         }
     }
     // Whatever is still running has lost its client (or the connection broke the protocol).
-    for (_, c) in cx.st.lock().drain() {
+    let gone = request_cut("the client's connection is gone");
+    for c in cx.st.lock().close(gone.clone()) {
         if let Some(b) = &c.body {
-            b.send(Inbound::Error(request_cut(
-                "the client's connection is gone",
-            )));
+            b.send(Inbound::Error(gone.clone()));
         }
-        c.shared.finish();
     }
     while cx.running.next().await.is_some() {}
     conn.close_with(&broken).await;
@@ -660,39 +663,17 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
 impl<F: Future<Output = ()>> ConnCtx<F> {
     /// A trailers-only answer to a call that never reaches a handler.
     fn refuse(&self, id: u32, status: Status) {
-        let (parts, ()) = status.into_http::<()>().into_parts();
-        let mut r = Packet::new(id);
-        r.head = Some(Head::Response {
-            status: parts.status,
-            headers: parts.headers,
-        });
-        r.end = true;
-        self.st.mux.send_detached(r);
+        self.st.mux.send_detached(trailers_only(id, status));
     }
 
-    fn dispatch(&mut self, p: Packet, mut data: Option<Bytes>) -> Result<()> {
+    fn dispatch(&mut self, mut p: Packet, mut data: Option<Bytes>) -> Result<()> {
         let id = p.call;
+        let data_len = data.as_ref().map(Bytes::len);
         let mut started = None;
-        if let Some(Head::Request { path, headers }) = p.head {
-            if self.draining {
-                // Raced with our GOAWAY: refuse, as HTTP/2 refuses streams past GOAWAY.
-                self.refuse(
-                    id,
-                    Status::unavailable(
-                        "the gRPC server is shutting down; retry on a new connection",
-                    ),
-                );
-                return Ok(());
-            }
+        if let Some(Head::Request { path, headers }) = p.head.take() {
             let call = CallShared::new();
             // A request that came whole in this packet (a unary one) needs no inbox.
             let complete = p.end && !p.reset;
-            if complete
-                && let Some(d) = &data
-                && !call.received(d.len())
-            {
-                return Err(overrun(id));
-            }
             let (tx, body) = if complete {
                 let held = Some(self.held.clone());
                 (None, IncomingBody::complete(data.take(), None, held))
@@ -705,30 +686,20 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             };
             {
                 let mut calls = self.st.lock();
-                if calls.contains_key(&id) {
-                    return Err(Error::Protocol(format!(
-                        "gRPC call framing: call id {id} opened twice"
-                    )));
-                }
-                if calls.len() >= self.limits.max_concurrent_calls {
-                    drop(calls);
-                    self.refuse(
+                match calls.admit(id)? {
+                    Admit::Open => calls.insert(
                         id,
-                        Status::resource_exhausted(format!(
-                            "the server allows at most {} calls in flight per connection \
-                             (grpc::Builder::max_concurrent_calls); wait for some to finish",
-                            self.limits.max_concurrent_calls
-                        )),
-                    );
-                    return Ok(());
+                        ServerCall {
+                            body: tx,
+                            shared: call.clone(),
+                        },
+                    ),
+                    Admit::Refuse(status) => {
+                        drop(calls);
+                        self.refuse(id, status);
+                        return Ok(());
+                    }
                 }
-                calls.insert(
-                    id,
-                    ServerCall {
-                        body: tx,
-                        shared: call.clone(),
-                    },
-                );
             }
             let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
             let mut req = http::Request::new(tonic::body::Body::new(body));
@@ -756,8 +727,9 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 deadline,
             ));
         }
-        // For a request that came whole, its body has all this already (no inbox).
-        self.deliver(id, p.window, data, p.end, p.reset)?;
+        // For a request that came whole, its body has all this already (no inbox); it is
+        // still counted against the call's window here.
+        self.deliver(&p, data, data_len)?;
         // The handler runs once its request's first packet is in its body.
         if let Some((start, call, deadline)) = started {
             let start = match start {
@@ -765,10 +737,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 other => other,
             };
             match start {
-                Start::Done => {
-                    call.finish();
-                    self.st.lock().remove(&id);
-                }
+                Start::Done => self.st.lock().end(id, &call),
                 start => {
                     self.running
                         .push((self.start)(self.st.clone(), id, call, start, deadline))
@@ -778,40 +747,36 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         Ok(())
     }
 
-    /// Hands what a packet carries for call `id` to the call.
-    fn deliver(
-        &self,
-        id: u32,
-        window: Option<u32>,
-        data: Option<Bytes>,
-        end: bool,
-        reset: bool,
-    ) -> Result<()> {
-        let calls = self.st.lock();
-        // Packets for calls that already ended here are dropped.
-        let Some(c) = calls.get(&id) else {
+    /// Hands what packet `p` carries (its body frame is `data`, of `data_len` bytes) to
+    /// its call.
+    fn deliver(&self, p: &Packet, data: Option<Bytes>, data_len: Option<usize>) -> Result<()> {
+        let mut calls = self.st.lock();
+        let c = match calls.packet(p, data_len) {
+            Verdict::Dropped => return Ok(()),
+            Verdict::Overrun(c) => {
+                if let Some(b) = &c.body {
+                    b.send(Inbound::Error(request_cut(
+                        "the client overran the call's flow-control window",
+                    )));
+                }
+                return Err(overrun(p.call));
+            }
+            Verdict::Call(Entry::Live(c) | Entry::Cancelled(c)) => c,
+            // Only a client's table ends calls on a packet.
+            Verdict::Call(Entry::Ended(_)) => return Ok(()),
+        };
+        let Some(b) = &c.body else {
             return Ok(());
         };
-        if let Some(w) = window {
-            c.shared.grant(w);
-        }
         if let Some(d) = data {
-            if !c.shared.received(d.len()) {
-                return Err(overrun(id));
-            }
-            if let Some(b) = &c.body {
-                b.send(Inbound::Data(d));
-            }
+            b.send(Inbound::Data(d));
         }
-        if end && let Some(b) = &c.body {
+        if p.end {
             b.send(Inbound::End);
         }
-        if reset {
+        if p.reset {
             // The client cancelled: the handler's future is dropped by `answer`.
-            if let Some(b) = &c.body {
-                b.send(Inbound::Error(request_cut("the client cancelled the call")));
-            }
-            c.shared.finish();
+            b.send(Inbound::Error(request_cut("the client cancelled the call")));
         }
         Ok(())
     }
@@ -948,8 +913,7 @@ async fn run_call(
         p.reset = true;
         let _ = st.mux.send(p, None).await;
     }
-    call.finish();
-    st.lock().remove(&id);
+    st.lock().end(id, &call);
 }
 
 /// Runs the handler and sends its response, within the deadline and until cancelled.
@@ -982,11 +946,8 @@ async fn answer(
         _ = call.done.wait() => None,
         _ = sleep => {
             // The handler is dropped here; the client learns why in a trailers-only answer.
-            let (parts, ()) = Status::deadline_exceeded("Deadline expired before the handler answered").into_http::<()>().into_parts();
-            let mut p = Packet::new(id);
-            p.head = Some(Head::Response { status: parts.status, headers: parts.headers });
-            p.end = true;
-            let _ = st.mux.send(p, None).await;
+            let late = Status::deadline_exceeded("Deadline expired before the handler answered");
+            let _ = st.mux.send(trailers_only(id, late), None).await;
             None
         }
     };
