@@ -9,6 +9,8 @@
 //! each other over a simulated connection, deterministically, the way `tests/proto_sim.rs`
 //! drives the transport core.
 
+use std::collections::hash_map::Entry as MapEntry;
+
 use tonic::Status;
 
 use super::CallShared;
@@ -113,6 +115,7 @@ impl<T: Slot> CallTable<T> {
 
     /// Whether the server takes call `id`, whose request head just came. An id already in
     /// use is the client breaking the framing: the connection cannot go on.
+    #[inline]
     pub(crate) fn admit(&self, id: u32) -> crate::error::Result<Admit> {
         if self.draining {
             // Raced with our GOAWAY: refused, as HTTP/2 refuses streams past GOAWAY.
@@ -136,22 +139,24 @@ impl<T: Slot> CallTable<T> {
     }
 
     /// Adds a call the server admitted.
+    #[inline]
     pub(crate) fn insert(&mut self, id: u32, value: T) {
         self.map.insert(id, value);
     }
 
     /// Accounts one inbound packet of a call in progress: `data` is the length of its body
     /// frame, if it has one.
+    #[inline]
     pub(crate) fn packet(&mut self, p: &Packet, data: Option<usize>) -> Verdict<'_, T> {
         if p.goaway {
             self.draining = true;
             return Verdict::Dropped;
         }
-        let id = p.call;
-        let Some(c) = self.map.get(&id) else {
+        // One lookup, whatever the packet does to the call.
+        let MapEntry::Occupied(slot) = self.map.entry(p.call) else {
             return Verdict::Dropped;
         };
-        let call = c.call();
+        let call = slot.get().call();
         if let Some(w) = p.window {
             call.grant(w);
         }
@@ -159,47 +164,41 @@ impl<T: Slot> CallTable<T> {
         if let Some(len) = data
             && !call.received(len)
         {
-            return match self.remove(id) {
-                Some(c) => Verdict::Overrun(c),
-                None => Verdict::Dropped,
-            };
+            let c = slot.remove();
+            c.call().finish();
+            return Verdict::Overrun(c);
         }
         match self.side {
             // The server's end is the end of the call: the request half is over (or no
             // longer wanted) by then.
-            Side::Client if p.end || p.reset => match self.remove(id) {
-                Some(c) => Verdict::Call(Entry::Ended(c)),
-                None => Verdict::Dropped,
-            },
+            Side::Client if p.end || p.reset => {
+                let c = slot.remove();
+                c.call().finish();
+                Verdict::Call(Entry::Ended(c))
+            }
             // The client's end only half-closes; its reset cancels.
-            Side::Server if p.reset => match self.map.get_mut(&id) {
-                Some(c) => {
-                    c.call().finish();
-                    Verdict::Call(Entry::Cancelled(c))
-                }
-                None => Verdict::Dropped,
-            },
-            _ => match self.map.get_mut(&id) {
-                Some(c) => Verdict::Call(Entry::Live(c)),
-                None => Verdict::Dropped,
-            },
+            Side::Server if p.reset => {
+                call.finish();
+                Verdict::Call(Entry::Cancelled(slot.into_mut()))
+            }
+            _ => Verdict::Call(Entry::Live(slot.into_mut())),
         }
     }
 
     /// The server's future of call `id` is gone: the call leaves the table, unless the id
     /// is already another call's.
+    #[inline]
     pub(crate) fn end(&mut self, id: u32, call: &CallShared) {
         call.finish();
-        if self
-            .map
-            .get(&id)
-            .is_some_and(|c| std::ptr::eq(c.call(), call))
+        if let MapEntry::Occupied(slot) = self.map.entry(id)
+            && std::ptr::eq(slot.get().call(), call)
         {
-            self.map.remove(&id);
+            slot.remove();
         }
     }
 
     /// Takes a call out of the table (its end here) and finishes its state.
+    #[inline]
     pub(crate) fn remove(&mut self, id: u32) -> Option<T> {
         let c = self.map.remove(&id)?;
         c.call().finish();
@@ -286,8 +285,8 @@ mod tests {
     struct Wire(VecDeque<Bytes>);
 
     impl Wire {
-        fn send(&mut self, p: Packet, data: Option<Bytes>) {
-            let (p, next) = attach(p, data, INLINE_MAX);
+        fn send(&mut self, mut p: Packet, data: Option<Bytes>) {
+            let next = attach(&mut p, data, INLINE_MAX);
             self.0.push_back(p.encode().expect("encode"));
             self.0.extend(next);
         }

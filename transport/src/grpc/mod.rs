@@ -247,8 +247,8 @@ impl Mux {
     }
 
     /// Encodes `pkt` with `data` as its body frame (see [`attach`]).
-    fn encode(&self, pkt: Packet, data: Option<Bytes>) -> Result<(Bytes, Option<Bytes>)> {
-        let (pkt, next) = attach(pkt, data, self.inline_max());
+    fn encode(&self, mut pkt: Packet, data: Option<Bytes>) -> Result<(Bytes, Option<Bytes>)> {
+        let next = attach(&mut pkt, data, self.inline_max());
         Ok((pkt.encode()?, next))
     }
 
@@ -333,12 +333,9 @@ impl Mux {
 
 /// Puts `data` in `pkt` as its body frame when it is at most `inline_max` bytes; a larger
 /// one is announced in the packet and returned, to go as the next message.
-pub(crate) fn attach(
-    mut pkt: Packet,
-    data: Option<Bytes>,
-    inline_max: usize,
-) -> (Packet, Option<Bytes>) {
-    let next = match data {
+#[inline]
+pub(crate) fn attach(pkt: &mut Packet, data: Option<Bytes>, inline_max: usize) -> Option<Bytes> {
+    match data {
         Some(d) if d.len() > inline_max => {
             pkt.data = Some(Data::Next(d.len() as u64));
             Some(d)
@@ -348,8 +345,7 @@ pub(crate) fn attach(
             None
         }
         None => None,
-    };
-    (pkt, next)
+    }
 }
 
 /// Waits for `fut`, reading the connection from `src` meanwhile, so that what `fut` waits
