@@ -10,7 +10,7 @@ use http::{HeaderMap, StatusCode};
 use tokio::sync::oneshot;
 use tonic::Status;
 
-use super::body::{IbexBody, Inbound, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
+use super::body::{IbexBody, Inbound, Inbox, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
 use super::calls::{CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
 use super::pump::{Now, Prepend, Pumped, Side, pump, pump_now};
@@ -21,12 +21,18 @@ use crate::conn::Connection;
 use crate::error::{Error, Result};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-/// A response head, with the rest of the response when it came whole in the same packet
-/// (a unary answer): its body frame and its trailers.
+/// A response head, and how the rest of the response comes.
 struct RespHead {
     status: StatusCode,
     headers: HeaderMap,
-    whole: Option<(Option<Bytes>, Option<HeaderMap>)>,
+    rest: Rest,
+}
+
+enum Rest {
+    /// In the head's packet (a unary answer): its body frame and its trailers.
+    Whole(Option<Bytes>, Option<HeaderMap>),
+    /// Frame by frame, through this inbox.
+    Stream(Arc<Inbox>),
 }
 
 type HeadResult = std::result::Result<RespHead, Status>;
@@ -202,7 +208,11 @@ struct Shared {
 
 struct Call {
     head: Option<oneshot::Sender<HeadResult>>,
-    body: InboxTx,
+    /// The response body's inbox, made when something comes for it: an answer that comes
+    /// whole (most unary ones) needs none.
+    body: Option<InboxTx>,
+    /// Its receiving end, until the response head takes it to the caller.
+    body_rx: Option<Arc<Inbox>>,
     shared: Arc<CallShared>,
 }
 
@@ -213,12 +223,27 @@ impl Slot for Call {
 }
 
 impl Call {
+    fn body(&mut self) -> &InboxTx {
+        self.body.get_or_insert_with(|| {
+            let (tx, rx) = inbox(None);
+            self.body_rx = Some(rx);
+            tx
+        })
+    }
+
+    /// The receiving end of the body's inbox, for the caller.
+    fn take_body(&mut self) -> Arc<Inbox> {
+        self.body();
+        self.body_rx.take().unwrap_or_else(|| inbox(None).1)
+    }
+
     /// Fails the call with `status`, wherever its caller is waiting.
     fn fail(mut self, status: Status) {
         if let Some(h) = self.head.take() {
-            let _ = h.send(Err(status.clone()));
+            let _ = h.send(Err(status));
+        } else if let Some(b) = &self.body {
+            b.send(Inbound::Error(status));
         }
-        self.body.send(Inbound::Error(status));
     }
 }
 
@@ -265,29 +290,34 @@ impl Shared {
             && let Some(h) = c.head.take()
         {
             // A whole response goes to the caller in one piece, with no inbox on the way.
-            went_whole = p.end && !p.reset;
-            let whole = went_whole.then(|| (data.take(), p.trailers.take()));
+            went_whole = p.end && !p.reset && c.body.is_none();
+            let rest = if went_whole {
+                Rest::Whole(data.take(), p.trailers.take())
+            } else {
+                Rest::Stream(c.take_body())
+            };
             let _ = h.send(Ok(RespHead {
                 status,
                 headers,
-                whole,
+                rest,
             }));
         }
         if let Some(d) = data {
-            c.body.send(Inbound::Data(d));
+            c.body().send(Inbound::Data(d));
         }
         if let Some(t) = p.trailers {
-            c.body.send(Inbound::Trailers(t));
+            c.body().send(Inbound::Trailers(t));
         } else if p.end && !went_whole {
-            c.body.send(Inbound::End);
+            c.body().send(Inbound::End);
         }
         if p.reset {
             // Cancelled, as stock tonic reports the HTTP/2 reset of a panicked handler.
             let s = Status::cancelled("the server aborted the call (its handler panicked)");
             if let Some(h) = c.head.take() {
-                let _ = h.send(Err(s.clone()));
+                let _ = h.send(Err(s));
+            } else if let Some(b) = &c.body {
+                b.send(Inbound::Error(s));
             }
-            c.body.send(Inbound::Error(s));
         }
         if ended && let Some(h) = c.head.take() {
             let _ = h.send(Err(Status::internal(
@@ -305,7 +335,7 @@ impl Shared {
             let _ = h.send(Ok(RespHead {
                 status,
                 headers,
-                whole: None,
+                rest: Rest::Stream(c.take_body()),
             }));
         }
         let shared = c.shared.clone();
@@ -623,10 +653,10 @@ impl Channel {
         let deadline = parse_timeout(&parts.headers).map(|t| tokio::time::Instant::now() + t);
         let call = CallShared::new();
         let (head_tx, head_rx) = oneshot::channel();
-        let (body_tx, body_rx) = inbox(None);
         let id = shared.lock().open(Call {
             head: Some(head_tx),
-            body: body_tx,
+            body: None,
+            body_rx: None,
             shared: call.clone(),
         })?;
         let mut guard = CallGuard {
@@ -707,7 +737,7 @@ impl Channel {
         let RespHead {
             status,
             headers,
-            whole,
+            rest,
         } = match head {
             Ok(Ok(h)) => h,
             Ok(Err(s)) => {
@@ -723,13 +753,13 @@ impl Channel {
                     .unwrap_or_else(|| Status::internal("the call ended without a response")));
             }
         };
-        let body = match whole {
+        let body = match rest {
             // The call is over: nothing to cancel, wait for or read.
-            Some((data, trailers)) => {
+            Rest::Whole(data, trailers) => {
                 guard.disarm();
                 IncomingBody::complete(data, trailers, None)
             }
-            None => {
+            Rest::Stream(body_rx) => {
                 let lost = || {
                     Status::unavailable(
                         "the Ibex connection to the gRPC server was lost during the call",
