@@ -14,7 +14,7 @@ use super::body::{IbexBody, Inbound, Inbox, InboxTx, IncomingBody, OnDrop, ReadS
 use super::calls::{CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
 use super::pump::{Now, Prepend, Pumped, Side, pump, pump_now};
-use super::wire::{Head, Limits, Packet};
+use super::wire::{GRPC_TIMEOUT, Head, Limits, Packet};
 use super::{CallShared, Encoded, Mux, RemoteBuf, parse_timeout, read_while, transport_status};
 use crate::config::Config;
 use crate::conn::Connection;
@@ -632,7 +632,7 @@ impl Channel {
             if asked.is_none_or(|a| a > t) {
                 // As tonic's endpoint timeout: the shorter one wins, and the server learns it.
                 parts.headers.insert(
-                    "grpc-timeout",
+                    GRPC_TIMEOUT,
                     http::HeaderValue::from_str(&format!("{}m", t.as_millis().max(1)))
                         .unwrap_or_else(|_| http::HeaderValue::from_static("1m")),
                 );

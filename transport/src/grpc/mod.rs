@@ -498,7 +498,7 @@ impl CallShared {
 
 /// Parses `grpc-timeout` (`1-8 digits` + `H M S m u n`), as tonic's own server does.
 fn parse_timeout(headers: &http::HeaderMap) -> Option<Duration> {
-    let v = headers.get("grpc-timeout")?.to_str().ok()?;
+    let v = headers.get(wire::GRPC_TIMEOUT)?.to_str().ok()?;
     if v.len() < 2 || v.len() > 9 {
         return None;
     }

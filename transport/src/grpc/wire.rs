@@ -403,6 +403,10 @@ static KNOWN_NAMES: [HeaderName; 10] = [
     HeaderName::from_static("date"),
 ];
 
+/// `grpc-timeout`, looked up once per call on each side: a lookup by `&str` parses and
+/// validates the name every time.
+pub(crate) static GRPC_TIMEOUT: &HeaderName = &KNOWN_NAMES[2];
+
 fn header_name(b: &[u8]) -> Result<HeaderName> {
     if let Some(known) = KNOWN_NAMES.iter().find(|k| k.as_str().as_bytes() == b) {
         return Ok(known.clone());
