@@ -71,8 +71,8 @@ impl Default for Limits {
 #[derive(Debug)]
 pub(crate) enum Head {
     /// Client to server: the method path and the request headers. A `PathAndQuery`, so
-    /// the server's request URI is a view of the packet and a generated client's static
-    /// path goes out without a copy.
+    /// the server's request URI is the connection's parsed path (see [`Paths`]) and a
+    /// generated client's static path goes out without a copy.
     Request {
         path: PathAndQuery,
         headers: HeaderMap,
@@ -200,7 +200,17 @@ impl Packet {
 
     /// Decodes a packet; any malformation is a protocol error (the connection is unusable).
     /// `request` says which head the receiver expects (true on the server).
-    pub(crate) fn decode(mut b: Bytes, request: bool, limits: &Limits) -> Result<Packet> {
+    pub(crate) fn decode(b: Bytes, request: bool, limits: &Limits) -> Result<Packet> {
+        Packet::decode_with(b, request, limits, &mut Paths::default())
+    }
+
+    /// [`Packet::decode`], with the method paths the connection has seen.
+    pub(crate) fn decode_with(
+        mut b: Bytes,
+        request: bool,
+        limits: &Limits,
+        paths: &mut Paths,
+    ) -> Result<Packet> {
         let call = get_u32(&mut b, "call id")?;
         let flags = get_u8(&mut b, "flags")?;
         let mut p = Packet::new(call);
@@ -216,13 +226,7 @@ impl Packet {
                         String::from_utf8_lossy(&raw)
                     )));
                 }
-                // A view of the packet: no copy, no allocation.
-                let path = PathAndQuery::from_maybe_shared(raw.clone()).map_err(|_| {
-                    proto_err(format!(
-                        "bad method path {:?}",
-                        String::from_utf8_lossy(&raw)
-                    ))
-                })?;
+                let path = paths.get(raw)?;
                 Head::Request {
                     path,
                     headers: get_headers(&mut h, limits, 0)?,
@@ -386,6 +390,43 @@ fn get_headers(b: &mut Bytes, limits: &Limits, room: usize) -> Result<HeaderMap>
     Ok(h)
 }
 
+/// The method paths one connection has seen, parsed once: a connection calls a handful of
+/// methods over and over, and parsing a path (checking every byte) cost about 700
+/// instructions a call. Holds the first [`Paths::MAX`] distinct paths; others are parsed
+/// each time, so a peer that sends many distinct paths gains nothing and costs no memory.
+#[derive(Debug, Default)]
+pub(crate) struct Paths(Vec<PathAndQuery>);
+
+impl Paths {
+    const MAX: usize = 16;
+
+    fn get(&mut self, raw: Bytes) -> Result<PathAndQuery> {
+        if let Some(p) = self
+            .0
+            .iter()
+            .find(|p| p.as_str().as_bytes() == raw.as_ref())
+        {
+            return Ok(p.clone());
+        }
+        // A copy of its own, so that a cached path does not keep the packet's buffer.
+        let owned = if self.0.len() < Self::MAX {
+            Bytes::copy_from_slice(&raw)
+        } else {
+            raw
+        };
+        let path = PathAndQuery::from_maybe_shared(owned.clone()).map_err(|_| {
+            proto_err(format!(
+                "bad method path {:?}",
+                String::from_utf8_lossy(&owned)
+            ))
+        })?;
+        if self.0.len() < Self::MAX {
+            self.0.push(path.clone());
+        }
+        Ok(path)
+    }
+}
+
 /// Names that gRPC calls carry, made once: a name parsed from bytes that is not one of
 /// HTTP's standard ones is copied into an allocation of its own, and every response has at
 /// least `grpc-status`. A `static`, not a `const`: a const array is built (and dropped) anew
@@ -445,6 +486,30 @@ mod tests {
     }
 
     #[test]
+    fn method_paths_are_parsed_once_per_connection_and_the_cache_is_bounded() {
+        let mut paths = Paths::default();
+        let packet = Bytes::from_static(b"..../pkg.Svc/Method....");
+        let a = paths.get(packet.slice(4..19)).unwrap();
+        assert_eq!(a.as_str(), "/pkg.Svc/Method");
+        let b = paths
+            .get(Bytes::copy_from_slice(b"/pkg.Svc/Method"))
+            .unwrap();
+        assert_eq!(b, a);
+        assert_eq!(paths.0.len(), 1, "a path seen again is not added again");
+        for i in 0..100 {
+            let p = paths.get(Bytes::from(format!("/pkg.Svc/M{i}"))).unwrap();
+            assert_eq!(p.as_str(), format!("/pkg.Svc/M{i}"));
+        }
+        assert_eq!(
+            paths.0.len(),
+            Paths::MAX,
+            "a peer's distinct paths cost no memory"
+        );
+        let e = paths.get(Bytes::from_static(b"/bad path")).unwrap_err();
+        assert!(e.to_string().contains("bad method path"), "{e}");
+    }
+
+    #[test]
     fn request_packet_round_trips() {
         let mut p = Packet::new(7);
         p.head = Some(Head::Request {
@@ -459,8 +524,8 @@ mod tests {
         match d.head {
             Some(Head::Request { path, headers: h }) => {
                 assert_eq!(path, "/pkg.Svc/Method");
-                // The path is a view of the packet, not a copy.
-                assert!(wire.as_ptr_range().contains(&path.as_str().as_ptr()));
+                // The path is the connection's cached copy: it does not keep the packet.
+                assert!(!wire.as_ptr_range().contains(&path.as_str().as_ptr()));
                 assert_eq!(h, headers());
                 assert_eq!(h.get_all("x-multi").iter().collect::<Vec<_>>(), ["a", "b"]);
             }
