@@ -346,7 +346,12 @@ impl Connection {
             loop {
                 match std::future::poll_fn(|cx| Poll::Ready(self.try_take(cx.waker()))).await {
                     Take::Got(r) => return r,
-                    Take::Spin => yield_once().await,
+                    Take::Spin(yield_os) => {
+                        if yield_os {
+                            std::thread::yield_now();
+                        }
+                        yield_once().await
+                    }
                     Take::Wait => break,
                 }
             }
@@ -373,10 +378,14 @@ impl Connection {
         }
         match self.try_take(cx.waker()) {
             Take::Got(r) => Poll::Ready(r),
-            Take::Spin => {
+            Take::Spin(yield_os) => {
                 // Spinning cooperatively: back to the runtime, which runs whatever else
                 // is ready on this thread (the handler that will produce the reply may be
-                // one), then polls this task again.
+                // one), then polls this task again; now and then the core goes back to
+                // the OS too.
+                if yield_os {
+                    std::thread::yield_now();
+                }
                 cx.waker().wake_by_ref();
                 Poll::Pending
             }
