@@ -1079,6 +1079,56 @@ mod ibex_only {
         }
     }
 
+    /// 1000 calls at once on one connection with busy-polling on both ends, twenty rounds:
+    /// every call finishes. The send queues fill, and the credits that make room come in
+    /// on receivers reading the link themselves; those reads once made room without
+    /// waking the senders waiting for it, and about one round in twenty hung for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_calls_with_busy_polling_all_finish() {
+        within(async {
+            let busy = ibex_transport::Config {
+                spin: std::time::Duration::from_micros(500),
+                ..ibex_config()
+            };
+            let (svc, _ev) = BenchImpl::new();
+            let listener = ibex_transport::listen(&shm_uri(), busy.clone())
+                .await
+                .unwrap();
+            let addr = listener.local_uri();
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(
+                ibex_transport::grpc::Server::builder()
+                    .add_service(svc.server(None, None))
+                    .serve_with_listener(listener, async {
+                        let _ = rx.await;
+                    }),
+            );
+            for round in 0..20u32 {
+                let ch = Channel::connect_with_config(&addr, busy.clone())
+                    .await
+                    .unwrap();
+                let calls: Vec<_> = (0..1000u32)
+                    .map(|i| {
+                        let mut c = BenchClient::new(ch.clone());
+                        tokio::spawn(async move {
+                            let p = Payload {
+                                buffers: vec![Bytes::from(i.to_le_bytes().to_vec())],
+                            };
+                            let r = c.echo(p.clone()).await.unwrap().into_inner();
+                            assert_eq!(r, p, "round {round}: call {i} got another's reply");
+                        })
+                    })
+                    .collect();
+                for call in calls {
+                    call.await.unwrap();
+                }
+            }
+            let _ = tx.send(());
+            server.await.unwrap().unwrap();
+        })
+        .await;
+    }
+
     /// A caller reads the connection for its own call (whoever waits, reads); what it reads
     /// for itself must not wake it while it runs. Unary calls (the response head) and a
     /// bidirectional stream (each answer a frame of the response body) over shm. With no

@@ -304,7 +304,7 @@ impl Connection {
             }
             {
                 let st = shared.lock();
-                if st.core.queued_data_frames() < st.send_queue_limit() || st.closed.is_some() {
+                if !st.queue_full() || st.closed.is_some() {
                     let Some(queue) = queue.take() else {
                         return Err(Error::LocallyClosed);
                     };
@@ -329,7 +329,7 @@ impl Connection {
         let msg = self.stage(msg)?;
         let shared = self.shared();
         let st = shared.lock();
-        if st.core.queued_data_frames() >= st.send_queue_limit() && st.closed.is_none() {
+        if st.queue_full() && st.closed.is_none() {
             return Ok(Some(msg));
         }
         queue_now(shared, st, |st| st.send(msg, None)).map(|()| None)
@@ -397,7 +397,14 @@ impl Connection {
     /// that wakes with `me`; reads the link itself where that pays ([`State::take`]).
     fn try_take(&self, me: &std::task::Waker) -> Take {
         let shared = self.shared();
-        let (take, driver, others) = shared.lock().take(me);
+        let (take, driver, others, space) = {
+            let mut st = shared.lock();
+            let (take, driver, others) = st.take(me);
+            (take, driver, others, std::mem::take(&mut st.space_freed))
+        };
+        if space {
+            shared.send_space.notify_waiters();
+        }
         if driver {
             shared.wake_driver();
         }
