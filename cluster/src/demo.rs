@@ -74,19 +74,10 @@ pub fn tail(path: &Path, lines: usize) -> String {
     v[v.len().saturating_sub(lines)..].join("\n")
 }
 
-/// `count` distinct ports that were free a moment ago (bound together, then released).
+/// `count` distinct local ports that were free a moment ago.
 pub fn free_ports(count: usize) -> Result<Vec<u16>, String> {
-    let held: Vec<std::net::TcpListener> = (0..count)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("cannot find free local ports: {e}"))?;
-    held.iter()
-        .map(|l| {
-            l.local_addr()
-                .map(|a| a.port())
-                .map_err(|e| format!("cannot find free local ports: {e}"))
-        })
-        .collect()
+    ibex_worker::free_ports("127.0.0.1", count)
+        .map_err(|e| format!("cannot find free local ports: {e}"))
 }
 
 /// A fresh job directory under the system temp dir.

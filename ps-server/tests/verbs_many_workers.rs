@@ -55,15 +55,9 @@ async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
         .ok()
         .and_then(|a| a.rsplit_once(':').map(|(h, _)| h.to_string()))
         .unwrap_or_else(|| "127.0.0.1".into());
-    let port = std::net::TcpListener::bind(format!("{host}:0"))
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = ibex_worker::free_ports(&host, 1).expect("a free port")[0];
     let addr = format!("{host}:{port}");
-    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let metrics_port = ibex_worker::free_ports("127.0.0.1", 1).expect("a free port")[0];
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ibex-ps"));
     cmd.args(["--listen", &format!("verbs://{addr}"), "--mode", "async"])
         .args(["--num-workers", &n.to_string()])
@@ -262,12 +256,9 @@ async fn sync_steps_hit_the_registration_cache() {
         .ok()
         .and_then(|a| a.rsplit_once(':').map(|(h, _)| h.to_string()))
         .unwrap_or_else(|| "127.0.0.1".into());
-    let free = |h: &str| {
-        std::net::TcpListener::bind(format!("{h}:0"))
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port()
-    };
+    // Distinct even when the kernel hands a just-released port out again (it did: the
+    // metrics endpoint once took the shard's port).
+    let free = |h: &str| ibex_worker::free_ports(h, 1).expect("a free port")[0];
     let addr = format!("{host}:{}", free(&host));
     let metrics_port = free("127.0.0.1");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ibex-ps"));

@@ -280,6 +280,39 @@ impl ClusterSpec {
     }
 }
 
+/// `count` distinct TCP ports on `host` that were free a moment ago, for jobs whose tasks
+/// all run here (the demo, tests).
+///
+/// A port is bound and released, so another process could take it before its task binds;
+/// that window is accepted. Within this process no port is handed out twice: the kernel
+/// readily gives a just-released port to the next `bind(0)`, and two tasks told the same
+/// port (a shard and its metrics endpoint, say) would fail with "address in use".
+pub fn free_ports(host: &str, count: usize) -> std::io::Result<Vec<u16>> {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    // Hold every listener until all are picked, so this call's ports differ too.
+    let mut held = Vec::with_capacity(count);
+    let mut ports = Vec::with_capacity(count);
+    let mut tries = 0;
+    while ports.len() < count {
+        tries += 1;
+        if tries > 64 * (count + 1) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("no port on {host} that this process has not handed out already"),
+            ));
+        }
+        let l = std::net::TcpListener::bind((host, 0))?;
+        let p = l.local_addr()?.port();
+        held.push(l);
+        if !given.contains(&p) {
+            given.push(p);
+            ports.push(p);
+        }
+    }
+    Ok(ports)
+}
+
 fn transport_from_env() -> Result<TransportKind, SpecError> {
     match std::env::var("IBEX_TRANSPORT") {
         Ok(t) if !t.trim().is_empty() => t.parse(),
@@ -543,6 +576,21 @@ fn expand_name(name: &str, whole: &str, out: &mut Vec<String>) -> Result<(), Spe
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn free_ports_are_never_handed_out_twice_in_a_process() {
+        // One at a time, as tests ask for them: the kernel often returns a just-released
+        // port to the next bind(0), which once gave a shard and its metrics the same port.
+        let mut all: Vec<u16> = (0..50)
+            .map(|_| free_ports("127.0.0.1", 1).unwrap()[0])
+            .collect();
+        all.extend(free_ports("127.0.0.1", 20).unwrap());
+        let n = all.len();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), n, "a port was handed out twice");
+        assert!(all.iter().all(|&p| p != 0));
+    }
 
     #[test]
     fn toml_round_trip_and_default_transport() {

@@ -7,13 +7,9 @@ use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, TransportKind};
 use tokio::sync::oneshot;
 
-/// A free TCP port (the kernel picks it; the tiny window before reuse is acceptable in tests).
+/// A local port nothing listens on right now, never one this process handed out before.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    ibex_worker::free_ports("127.0.0.1", 1).expect("a free port")[0]
 }
 
 /// Running in-process shards; dropping stops them.

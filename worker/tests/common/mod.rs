@@ -5,13 +5,9 @@ use std::time::Duration;
 use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, TransportKind};
 
-/// A port nothing listens on right now.
+/// A local port nothing listens on right now, never one this process handed out before.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    ibex_worker::free_ports("127.0.0.1", 1).expect("a free port")[0]
 }
 
 /// Starts `num_ps` sync-mode PS shards for `workers` workers on the current runtime; returns
