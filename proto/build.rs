@@ -16,12 +16,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={}", root.join(p).display());
     }
     let fds = protox::compile(PROTOS, [&root])?;
-    tonic_prost_build::configure()
-        // Bulk data must stay zero-copy after decoding: `Bytes` slices, not `Vec<u8>`.
-        .bytes(".")
-        // Channels are built by the caller (stock tonic or Ibex), so no `connect` helper
-        // tied to tonic's own transport.
-        .build_transport(false)
-        .compile_fds(fds)?;
+    let mut config = prost_build::Config::new();
+    // Bulk data must stay zero-copy after decoding: `Bytes` slices, not `Vec<u8>`.
+    config.bytes(["."]);
+    // tonic's clients and servers, with unary calls on Ibex's direct path.
+    config.service_generator(ibex_codegen::direct(
+        tonic_prost_build::configure()
+            // Channels are built by the caller (stock tonic or Ibex), so no `connect`
+            // helper tied to tonic's own transport.
+            .build_transport(false)
+            .service_generator(),
+    ));
+    config.compile_fds(fds)?;
     Ok(())
 }

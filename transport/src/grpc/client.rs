@@ -72,7 +72,7 @@ impl std::fmt::Debug for Channel {
 
 /// What all clones of an Ibex channel share: the connection in use, and where to connect
 /// again once it is gone.
-struct Inner {
+pub(crate) struct Inner {
     current: Mutex<Option<Arc<Shared>>>,
     /// `None` for [`Channel::new`] (a connection made elsewhere cannot be made again).
     target: Option<Target>,
@@ -535,7 +535,7 @@ impl Channel {
         self.ibex().is_some()
     }
 
-    fn ibex(&self) -> Option<&Arc<Inner>> {
+    pub(crate) fn ibex(&self) -> Option<&Arc<Inner>> {
         match &self.kind {
             Kind::Ibex(inner) => Some(inner),
             Kind::Http(_) => None,
@@ -617,7 +617,36 @@ impl Channel {
         B: http_body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let (mut parts, body) = req.into_parts();
+        let (parts, body) = req.into_parts();
+        // A generated client's path is static: this clone copies nothing.
+        let path = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+        // A generated client's request body is tonic's already: `Body::new` passes it through
+        // (anything else is boxed once), and it can be polled unpinned.
+        let answer =
+            Self::exchange(inner, parts.headers, path, tonic::body::Body::new(body)).await?;
+        let body = match answer.rest {
+            Reply::Whole(data, trailers) => IncomingBody::complete(data, trailers, None),
+            Reply::Stream(body) => body,
+        };
+        let mut resp = http::Response::new(body);
+        *resp.status_mut() = answer.status;
+        *resp.headers_mut() = answer.headers;
+        *resp.version_mut() = http::Version::HTTP_2;
+        Ok(resp)
+    }
+
+    /// One call on an Ibex channel: sends the request (head `headers` for `path`, then
+    /// `body`) and returns the response head with how the rest comes.
+    pub(crate) async fn exchange(
+        inner: Arc<Inner>,
+        mut headers: HeaderMap,
+        path: http::uri::PathAndQuery,
+        body: tonic::body::Body,
+    ) -> std::result::Result<Answer, Status> {
         // A concurrency-limited channel holds a slot until the response head is in, as
         // tower's ConcurrencyLimit does.
         let _slot =
@@ -628,10 +657,10 @@ impl Channel {
                 None => None,
             };
         if let Some(t) = inner.settings.timeout {
-            let asked = parse_timeout(&parts.headers);
+            let asked = parse_timeout(&headers);
             if asked.is_none_or(|a| a > t) {
                 // As tonic's endpoint timeout: the shorter one wins, and the server learns it.
-                parts.headers.insert(
+                headers.insert(
                     GRPC_TIMEOUT,
                     http::HeaderValue::from_str(&format!("{}m", t.as_millis().max(1)))
                         .unwrap_or_else(|_| http::HeaderValue::from_static("1m")),
@@ -640,17 +669,10 @@ impl Channel {
         }
         let shared = inner.connection().await?;
         // As tonic's channel does, plus what carries the call.
-        parts
-            .headers
+        headers
             .entry(http::header::USER_AGENT)
             .or_insert_with(|| shared.user_agent.clone());
-        // A generated client's path is static: this clone copies nothing.
-        let path = parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-        let deadline = parse_timeout(&parts.headers).map(|t| tokio::time::Instant::now() + t);
+        let deadline = parse_timeout(&headers).map(|t| tokio::time::Instant::now() + t);
         let call = CallShared::new();
         let (head_tx, head_rx) = oneshot::channel();
         let id = shared.lock().open(Call {
@@ -666,15 +688,9 @@ impl Channel {
         };
 
         let mut head = Packet::new(id);
-        head.head = Some(Head::Request {
-            path,
-            headers: parts.headers,
-        });
+        head.head = Some(Head::Request { path, headers });
         // A unary request is complete at once: it goes out here, in one packet, with no
         // future for it. Whatever would wait goes on in the sending future below.
-        // A generated client's request body is tonic's already: `Body::new` passes it through
-        // (anything else is boxed once), and it can be polled unpinned.
-        let body = tonic::body::Body::new(body);
         let later = match pump_now(&shared.mux, head, body, Side::Client) {
             Now::Sent => {
                 call.head_sent.set();
@@ -753,11 +769,11 @@ impl Channel {
                     .unwrap_or_else(|| Status::internal("the call ended without a response")));
             }
         };
-        let body = match rest {
+        let rest = match rest {
             // The call is over: nothing to cancel, wait for or read.
             Rest::Whole(data, trailers) => {
                 guard.disarm();
-                IncomingBody::complete(data, trailers, None)
+                Reply::Whole(data, trailers)
             }
             Rest::Stream(body_rx) => {
                 let lost = || {
@@ -770,15 +786,29 @@ impl Channel {
                     .with_deadline(deadline)
                     .with_guard(Box::new(guard))
                     .with_reader(reader);
-                IncomingBody::from(body)
+                Reply::Stream(IncomingBody::from(body))
             }
         };
-        let mut resp = http::Response::new(body);
-        *resp.status_mut() = status;
-        *resp.headers_mut() = headers;
-        *resp.version_mut() = http::Version::HTTP_2;
-        Ok(resp)
+        Ok(Answer {
+            status,
+            headers,
+            rest,
+        })
     }
+}
+
+/// A response head from [`Channel::exchange`], and how the rest of the response comes.
+pub(crate) struct Answer {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) rest: Reply,
+}
+
+pub(crate) enum Reply {
+    /// The call is over: its one body frame, if any, and its trailers.
+    Whole(Option<Bytes>, Option<HeaderMap>),
+    /// The body, read as it comes (it holds the call open until it ends or is dropped).
+    Stream(IncomingBody),
 }
 
 /// Channel settings that tonic users reach for, in the shape of tonic's `Endpoint`:

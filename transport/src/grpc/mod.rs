@@ -33,6 +33,7 @@ mod body;
 mod calls;
 mod client;
 mod demux;
+mod direct;
 mod pump;
 mod router;
 mod server;
@@ -49,6 +50,7 @@ use tokio::sync::Notify;
 
 pub use body::IncomingBody;
 pub use client::{Channel, Endpoint};
+pub use direct::{DirectClient, serve_unary};
 pub use server::{Builder, ConnectInfo, PeerHandle, Server, ServerStats};
 
 pub use crate::conn::RemoteBuf;

@@ -19,6 +19,7 @@ use tower::Service;
 use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::calls::{Admit, CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
+use super::direct::WholeRequest;
 use super::pump::{self, Now, Side, pump, trailers_only};
 use super::router::{Handler, Router};
 use super::wire::{Head, Limits, Packet};
@@ -674,8 +675,10 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             let call = CallShared::new();
             // A request that came whole in this packet (a unary one) needs no inbox.
             let complete = p.end && !p.reset;
+            let mut whole = None;
             let (tx, body) = if complete {
                 let held = Some(self.held.clone());
+                whole = data.clone().map(WholeRequest);
                 (None, IncomingBody::complete(data.take(), None, held))
             } else {
                 let (tx, rx) = inbox(Some(self.held.clone()));
@@ -711,6 +714,10 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             req.extensions_mut().insert(self.info.clone());
             if let Some(t) = &self.tcp_info {
                 req.extensions_mut().insert(t.clone());
+            }
+            // For a route generated with ibex-codegen: it decodes this frame itself.
+            if let Some(w) = whole {
+                req.extensions_mut().insert(w);
             }
             // The service is called here, on the connection's own clone of it, so its
             // synchronous part (an interceptor, a tower layer) runs on this task: a panic

@@ -1,0 +1,235 @@
+//! Build-time code generation for Ibex: tonic's generated gRPC clients and servers, with
+//! their unary calls on Ibex's direct path.
+//!
+//! tonic's `Grpc::unary` builds, for every call, an encoder body, a streaming decoder,
+//! compression state and status header maps. Over Ibex a unary request and its answer are
+//! each one packet, so `ibex_transport::grpc` can decode and encode the protobuf message
+//! itself and skip all of that (see `transport/src/grpc/direct.rs`). This crate wraps
+//! tonic-prost-build's generator so that the code it writes takes that path:
+//!
+//! - a generated client over an Ibex `Channel` makes its unary calls directly; over any
+//!   other channel (stock tonic, an interceptor, `http://`) it is tonic's client, unchanged;
+//! - a generated server's unary routes decode a request that came whole over Ibex
+//!   themselves, and leave everything else (stock HTTP/2, compression, several messages)
+//!   to tonic.
+//!
+//! The types and their APIs are tonic's own, so user code does not change; only `build.rs`:
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let fds = prost_types::FileDescriptorSet::default();
+//! let mut config = prost_build::Config::new();
+//! config.bytes(["."]);
+//! config.service_generator(ibex_codegen::direct(
+//!     tonic_prost_build::configure().build_transport(false).service_generator(),
+//! ));
+//! config.compile_fds(fds)?;
+//! # Ok(()) }
+//! ```
+//!
+//! The crate that includes the generated code must depend on `ibex-transport` (feature
+//! `grpc`, the default). The wrapper edits tonic-prost-build 0.14's output at a few fixed
+//! places; if a tonic release moves one, the build fails and names it rather than
+//! generating code that silently skips the direct path.
+
+use prost_build::{Service, ServiceGenerator};
+
+/// Wraps tonic-prost-build's service generator (`Builder::service_generator()`) so that
+/// the unary methods it generates go through Ibex's direct path.
+pub fn direct(tonic: Box<dyn ServiceGenerator>) -> Box<dyn ServiceGenerator> {
+    Box::new(Direct { tonic })
+}
+
+struct Direct {
+    tonic: Box<dyn ServiceGenerator>,
+}
+
+impl ServiceGenerator for Direct {
+    fn generate(&mut self, service: Service, buf: &mut String) {
+        let start = buf.len();
+        let name = service.name.clone();
+        let unary = service
+            .methods
+            .iter()
+            .filter(|m| !m.client_streaming && !m.server_streaming)
+            .count();
+        self.tonic.generate(service, buf);
+        match rewrite(&buf[start..], &name, unary) {
+            Ok(code) => buf.replace_range(start.., &code),
+            // A build script reports by failing; the message names what moved.
+            Err(e) => panic!(
+                "ibex-codegen: service {name}: {e}. ibex-codegen edits tonic-prost-build 0.14's \
+                 output; build with the tonic-prost-build version in Cargo.lock, or use \
+                 tonic_prost_build directly (no direct path)"
+            ),
+        }
+    }
+
+    fn finalize(&mut self, buf: &mut String) {
+        self.tonic.finalize(buf);
+    }
+
+    fn finalize_package(&mut self, package: &str, buf: &mut String) {
+        self.tonic.finalize_package(package, buf);
+    }
+}
+
+/// tonic's code for service `name` (with `unary` unary methods), edited for the direct path.
+fn rewrite(code: &str, name: &str, unary: usize) -> Result<String, String> {
+    // tonic writes the client's module, then the server's.
+    let split = match code.find(&format!("pub struct {name}Server<T")) {
+        Some(at) => code[..at].rfind("pub mod ").unwrap_or(0),
+        None => code.len(),
+    };
+    let (client_code, server_code) = code.split_at(split);
+    let mut out = if client_code.contains(&format!("pub struct {name}Client<T>")) {
+        client(client_code.to_string(), name, unary)?
+    } else {
+        client_code.to_string()
+    };
+    if server_code.is_empty() {
+        return Ok(out);
+    }
+    out.push_str(&replace(
+        server_code,
+        "grpc.unary(method, req).await",
+        "::ibex_transport::grpc::serve_unary(&mut grpc, method, req, \
+         max_decoding_message_size, max_encoding_message_size).await",
+        unary,
+    )?);
+    Ok(out)
+}
+
+fn client(code: String, name: &str, unary: usize) -> Result<String, String> {
+    const DIRECT: &str = "::ibex_transport::grpc::DirectClient";
+    let mut code = code;
+    for (from, to, n) in [
+        (
+            "inner: tonic::client::Grpc<T>,".to_string(),
+            format!("inner: tonic::client::Grpc<T>,\n        direct: Option<{DIRECT}>,"),
+            1,
+        ),
+        // Telling an Ibex channel apart takes `Any`.
+        (
+            format!("impl<T> {name}Client<T>\n    where\n"),
+            format!("impl<T> {name}Client<T>\n    where\n        T: 'static,\n"),
+            1,
+        ),
+        (
+            "F: tonic::service::Interceptor,".into(),
+            "F: tonic::service::Interceptor + 'static,".into(),
+            1,
+        ),
+        (
+            "let inner = tonic::client::Grpc::new(inner);".into(),
+            format!("let direct = {DIRECT}::of(&inner);\n            let inner = tonic::client::Grpc::new(inner);"),
+            1,
+        ),
+        (
+            "let inner = tonic::client::Grpc::with_origin(inner, origin);".into(),
+            format!("let direct = {DIRECT}::of(&inner);\n            let inner = tonic::client::Grpc::with_origin(inner, origin);"),
+            1,
+        ),
+        ("Self { inner }".into(), "Self { inner, direct }".into(), 2),
+        // The direct path sends and accepts plain messages only.
+        (
+            "self.inner = self.inner.send_compressed(encoding);".into(),
+            "self.inner = self.inner.send_compressed(encoding);\n            self.direct = None;".into(),
+            1,
+        ),
+        (
+            "self.inner = self.inner.accept_compressed(encoding);".into(),
+            "self.inner = self.inner.accept_compressed(encoding);\n            self.direct = None;".into(),
+            1,
+        ),
+        (
+            "self.inner = self.inner.max_decoding_message_size(limit);".into(),
+            "self.inner = self.inner.max_decoding_message_size(limit);\n            \
+             if let Some(d) = &mut self.direct {\n                d.max_decoding_message_size(limit);\n            }"
+                .into(),
+            1,
+        ),
+        (
+            "self.inner = self.inner.max_encoding_message_size(limit);".into(),
+            "self.inner = self.inner.max_encoding_message_size(limit);\n            \
+             if let Some(d) = &mut self.direct {\n                d.max_encoding_message_size(limit);\n            }"
+                .into(),
+            1,
+        ),
+    ] {
+        code = replace(&code, &from, &to, n)?;
+    }
+    // Each unary method answers from the direct path first, before tonic's readiness
+    // check and method extension, which the direct path does not use.
+    const CALL: &str = "self.inner.unary(req, path, codec).await";
+    let calls: Vec<usize> = code.match_indices(CALL).map(|(i, _)| i).collect();
+    if calls.len() != unary {
+        return Err(format!(
+            "expected {unary} unary client calls (`{CALL}`), found {}",
+            calls.len()
+        ));
+    }
+    for &at in calls.iter().rev() {
+        let fn_at = code[..at]
+            .rfind("pub async fn ")
+            .ok_or("a unary call outside a client method")?;
+        // `from_static(` and the literal, which the formatter may put on its own line.
+        const PATH: &str = "PathAndQuery::from_static(";
+        let p = code[fn_at..at]
+            .find(PATH)
+            .map(|i| fn_at + i + PATH.len())
+            .and_then(|p| code[p..at].find('"').map(|i| p + i + 1))
+            .ok_or("a unary client method without a static path")?;
+        let path_end = code[p..]
+            .find('"')
+            .map(|i| p + i)
+            .ok_or("an unterminated method path")?;
+        let path = code[p..path_end].to_string();
+        let ret = code[fn_at..at]
+            .find(") -> ")
+            .map(|i| fn_at + i)
+            .ok_or("a unary client method without a return type")?;
+        let open = code[ret..at]
+            .find('{')
+            .map(|i| ret + i + 1)
+            .ok_or("a unary client method without a body")?;
+        code.insert_str(
+            open,
+            &format!(
+                "\n            if let Some(d) = &self.direct {{\n                \
+                 return d.unary(request.into_request(), \
+                 http::uri::PathAndQuery::from_static(\"{path}\")).await;\n            }}"
+            ),
+        );
+    }
+    Ok(code)
+}
+
+/// `code` with each of the `n` occurrences of `from` replaced; any other count is an error.
+fn replace(code: &str, from: &str, to: &str, n: usize) -> Result<String, String> {
+    let found = code.matches(from).count();
+    if found != n {
+        return Err(format!(
+            "expected `{from}` {n} time(s), found it {found} time(s)"
+        ));
+    }
+    Ok(code.replace(from, to))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_moved_anchor_is_named() {
+        let e = rewrite("pub struct EchoClient<T> { other: u8 }", "Echo", 1).unwrap_err();
+        assert!(e.contains("inner: tonic::client::Grpc<T>,"), "{e}");
+        let e = rewrite(
+            "pub struct EchoServer<T> { inner: Arc<T> } grpc.unary(method, req).await",
+            "Echo",
+            2,
+        )
+        .unwrap_err();
+        assert!(e.contains("found it 1 time(s)"), "{e}");
+    }
+}

@@ -1,0 +1,367 @@
+//! The direct unary path: a unary call over Ibex without tonic's per-call machinery.
+//!
+//! Generated code built with `ibex-codegen` calls into this module from its unary methods
+//! (client) and its unary routes (server). A request or response that is one uncompressed
+//! protobuf message is encoded and decoded here with prost, straight from the bytes the
+//! connection delivered, and the answer goes back as one packet. tonic's `Grpc::unary`
+//! builds, for every call, an encoder body, a streaming decoder, compression state and
+//! status header maps; on a 64 B call that was about a third of each side's instructions.
+//!
+//! Everything that the direct path does not cover goes through tonic unchanged: a channel
+//! or server that is not Ibex (`http://`), an intercepted client, compression on either
+//! side, a request that is not exactly one message. The answers are tonic's: the same
+//! status codes and messages for oversize, malformed and compressed messages, metadata and
+//! trailers merged as tonic merges them.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderValue, StatusCode};
+use http_body::Body;
+use tonic::codec::Codec;
+use tonic::metadata::MetadataMap;
+use tonic::server::{Grpc, UnaryService};
+use tonic::{Code, Status};
+
+use super::body::IncomingBody;
+use super::client::{Channel, Inner, Reply};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// tonic's default limit on a decoded message, on both sides.
+const DEFAULT_MAX_DECODING: usize = 4 << 20;
+
+/// The gRPC message prefix: a compression flag and a big-endian length.
+const PREFIX: usize = 5;
+
+static GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+static GRPC_ENCODING: http::HeaderName = http::HeaderName::from_static("grpc-encoding");
+static GRPC_ACCEPT_ENCODING: http::HeaderName =
+    http::HeaderName::from_static("grpc-accept-encoding");
+
+/// A whole unary request as an Ibex connection delivered it: its one body frame. The
+/// server puts it in the request's extensions; [`serve_unary`] takes it out.
+#[derive(Clone, Debug)]
+pub(crate) struct WholeRequest(pub(crate) Bytes);
+
+/// One unary route of a generated server: the direct path when the request came whole
+/// over Ibex as one uncompressed message, tonic's `Grpc::unary` otherwise.
+///
+/// `max_decoding` and `max_encoding` are the service's own limits (`None`: tonic's
+/// defaults, 4 MiB and none).
+#[doc(hidden)]
+pub async fn serve_unary<C, S, B>(
+    grpc: &mut Grpc<C>,
+    mut service: S,
+    mut req: http::Request<B>,
+    max_decoding: Option<usize>,
+    max_encoding: Option<usize>,
+) -> http::Response<tonic::body::Body>
+where
+    C: Codec,
+    C::Decode: prost::Message + Default + Send + 'static,
+    C::Encode: prost::Message + Send + 'static,
+    S: UnaryService<C::Decode, Response = C::Encode>,
+    B: Body + Send + 'static,
+    B::Error: Into<BoxError> + Send,
+{
+    let whole = match req.extensions_mut().remove::<WholeRequest>() {
+        Some(w) if plain(req.headers()) => w.0,
+        _ => return grpc.unary(service, req).await,
+    };
+    let limit = max_decoding.unwrap_or(DEFAULT_MAX_DECODING);
+    let msg = match one_message(&whole, limit) {
+        Framed::One(m) => m,
+        // tonic's decoder says what is wrong with anything else, in its own words.
+        Framed::Other => return grpc.unary(service, req).await,
+        Framed::Bad(status) => return status.into_http(),
+    };
+    let msg = match <C::Decode as prost::Message>::decode(msg) {
+        Ok(m) => m,
+        // As tonic-prost's decoder.
+        Err(e) => return Status::internal(e.to_string()).into_http(),
+    };
+    let (parts, _body) = req.into_parts();
+    let request = tonic::Request::from_parts(
+        MetadataMap::from_headers(parts.headers),
+        parts.extensions,
+        msg,
+    );
+    let (metadata, reply, extensions) = match service.call(request).await {
+        Ok(r) => r.into_parts(),
+        Err(status) => return status.into_http(),
+    };
+    let data = match encode(&reply, max_encoding.unwrap_or(usize::MAX)) {
+        Ok(d) => d,
+        Err(status) => return status.into_http(),
+    };
+    let mut headers = metadata.into_headers();
+    sanitize(&mut headers);
+    headers.insert(http::header::CONTENT_TYPE, grpc_content_type());
+    let mut trailers = HeaderMap::with_capacity(1);
+    trailers.insert(GRPC_STATUS.clone(), HeaderValue::from_static("0"));
+    let body = IncomingBody::complete(Some(data), Some(trailers), None);
+    let mut resp = http::Response::new(tonic::body::Body::new(body));
+    *resp.version_mut() = http::Version::HTTP_2;
+    *resp.headers_mut() = headers;
+    *resp.extensions_mut() = extensions;
+    resp
+}
+
+/// The direct side of a generated client: present when its channel is an Ibex one.
+#[doc(hidden)]
+#[derive(Clone)]
+pub struct DirectClient {
+    inner: std::sync::Arc<Inner>,
+    max_decoding: usize,
+    max_encoding: usize,
+}
+
+impl std::fmt::Debug for DirectClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectClient")
+            .field("max_decoding", &self.max_decoding)
+            .field("max_encoding", &self.max_encoding)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DirectClient {
+    /// The direct path for a generated client over `channel`: `Some` when it is an Ibex
+    /// [`Channel`], `None` for anything else (stock tonic, an intercepted service, `http://`).
+    pub fn of<T: 'static>(channel: &T) -> Option<DirectClient> {
+        let c = (channel as &dyn std::any::Any).downcast_ref::<Channel>()?;
+        Some(DirectClient {
+            inner: c.ibex()?.clone(),
+            max_decoding: DEFAULT_MAX_DECODING,
+            max_encoding: usize::MAX,
+        })
+    }
+
+    /// As the generated client's `max_decoding_message_size`.
+    pub fn max_decoding_message_size(&mut self, limit: usize) {
+        self.max_decoding = limit;
+    }
+
+    /// As the generated client's `max_encoding_message_size`.
+    pub fn max_encoding_message_size(&mut self, limit: usize) {
+        self.max_encoding = limit;
+    }
+
+    /// One unary call to `path`, as tonic's `Grpc::unary` makes it.
+    pub async fn unary<M, R>(
+        &self,
+        request: tonic::Request<M>,
+        path: http::uri::PathAndQuery,
+    ) -> Result<tonic::Response<R>, Status>
+    where
+        M: prost::Message,
+        R: prost::Message + Default,
+    {
+        let (metadata, _extensions, msg) = request.into_parts();
+        let data = encode(&msg, self.max_encoding)?;
+        let mut headers = metadata.into_headers();
+        sanitize(&mut headers);
+        headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+        headers.insert(http::header::CONTENT_TYPE, grpc_content_type());
+        let body = tonic::body::Body::new(IncomingBody::complete(Some(data), None, None));
+        let answer = Channel::exchange(self.inner.clone(), headers, path, body).await?;
+        let mut headers = answer.headers;
+        // A trailers-only answer: its status is in the head.
+        if let Some(s) = Status::from_header_map(&headers) {
+            if s.code() != Code::Ok {
+                return Err(s);
+            }
+            return Err(Status::internal("Missing response message."));
+        }
+        let (data, trailers) = match answer.rest {
+            Reply::Whole(data, trailers) => (data.unwrap_or_default(), trailers),
+            Reply::Stream(body) => collect(body, self.max_decoding).await?,
+        };
+        let trailers = trailers.unwrap_or_default();
+        if !ok(&trailers) {
+            return Err(status_of(answer.status, &trailers));
+        }
+        let msg = match one_message(&data, self.max_decoding) {
+            Framed::One(m) => m,
+            Framed::Bad(s) => return Err(s),
+            Framed::Other if data.is_empty() => {
+                return Err(Status::internal("Missing response message."));
+            }
+            Framed::Other => return Err(not_one_message(data.len())),
+        };
+        let msg = R::decode(msg).map_err(|e| Status::internal(e.to_string()))?;
+        // As tonic: the response's metadata is its head and its trailers.
+        for (name, value) in trailers {
+            if let Some(name) = name {
+                headers.append(name, value);
+            }
+        }
+        Ok(tonic::Response::from_parts(
+            MetadataMap::from_headers(headers),
+            msg,
+            tonic::Extensions::new(),
+        ))
+    }
+}
+
+/// No compression asked for either way: the direct path encodes and decodes plain
+/// messages only.
+fn plain(headers: &HeaderMap) -> bool {
+    headers
+        .get(&GRPC_ENCODING)
+        .is_none_or(|e| e.as_bytes() == b"identity")
+        && !headers.contains_key(&GRPC_ACCEPT_ENCODING)
+}
+
+/// What a body frame holds.
+enum Framed {
+    /// Exactly one uncompressed message within the limit: the message's bytes.
+    One(Bytes),
+    /// Something a message decoder handles (or rejects) better: several messages, a
+    /// compressed one, a truncated one, none.
+    Other,
+    /// A message over the limit, refused as tonic refuses it.
+    Bad(Status),
+}
+
+fn one_message(frame: &Bytes, limit: usize) -> Framed {
+    if frame.len() < PREFIX || frame[0] != 0 {
+        return Framed::Other;
+    }
+    let len = u32::from_be_bytes([frame[1], frame[2], frame[3], frame[4]]) as usize;
+    if len > limit {
+        return Framed::Bad(Status::out_of_range(format!(
+            "Error, decoded message length too large: found {len} bytes, the limit is: {limit} bytes"
+        )));
+    }
+    if frame.len() - PREFIX != len {
+        return Framed::Other;
+    }
+    Framed::One(frame.slice(PREFIX..))
+}
+
+fn not_one_message(len: usize) -> Status {
+    Status::internal(format!(
+        "protocol error: a unary response of {len} bytes is not one uncompressed gRPC message"
+    ))
+}
+
+/// A message with its gRPC prefix, refused as tonic's encoder refuses one over `limit`.
+fn encode<M: prost::Message>(msg: &M, limit: usize) -> Result<Bytes, Status> {
+    let len = msg.encoded_len();
+    if len > limit {
+        return Err(Status::out_of_range(format!(
+            "Error, encoded message length too large: found {len} bytes, the limit is: {limit} bytes"
+        )));
+    }
+    let Ok(prefix) = u32::try_from(len) else {
+        return Err(Status::resource_exhausted(format!(
+            "a {len}-byte message does not fit gRPC's 4 GiB message limit"
+        )));
+    };
+    let mut buf = BytesMut::with_capacity(PREFIX + len);
+    buf.put_u8(0);
+    buf.put_u32(prefix);
+    msg.encode(&mut buf)
+        .map_err(|e| Status::internal(format!("encoding the message: {e}")))?;
+    Ok(buf.freeze())
+}
+
+/// tonic's `GRPC_RESERVED_HEADERS`: what user metadata may not set.
+fn sanitize(headers: &mut HeaderMap) {
+    static RESERVED: [http::HeaderName; 5] = [
+        http::header::TE,
+        http::header::CONTENT_TYPE,
+        http::HeaderName::from_static("grpc-message"),
+        http::HeaderName::from_static("grpc-message-type"),
+        http::HeaderName::from_static("grpc-status"),
+    ];
+    // Most calls carry no metadata at all.
+    if headers.is_empty() {
+        return;
+    }
+    for name in &RESERVED {
+        headers.remove(name);
+    }
+}
+
+fn grpc_content_type() -> HeaderValue {
+    HeaderValue::from_static("application/grpc")
+}
+
+/// Trailers that say the call succeeded.
+fn ok(trailers: &HeaderMap) -> bool {
+    trailers
+        .get(&GRPC_STATUS)
+        .is_some_and(|s| s.as_bytes() == b"0")
+}
+
+/// The status a failed or malformed answer carries, as tonic infers it.
+fn status_of(http_status: StatusCode, trailers: &HeaderMap) -> Status {
+    if let Some(s) = Status::from_header_map(trailers) {
+        return s;
+    }
+    if http_status != StatusCode::OK {
+        let code = match http_status {
+            StatusCode::BAD_REQUEST => Code::Internal,
+            StatusCode::UNAUTHORIZED => Code::Unauthenticated,
+            StatusCode::FORBIDDEN => Code::PermissionDenied,
+            StatusCode::NOT_FOUND => Code::Unimplemented,
+            StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT => Code::Unavailable,
+            _ => Code::Unknown,
+        };
+        return Status::new(
+            code,
+            format!(
+                "grpc-status header missing, mapped from HTTP status code {}",
+                http_status.as_u16()
+            ),
+        );
+    }
+    Status::internal("protocol error: the response ended without a grpc-status")
+}
+
+/// A response body that came in pieces, gathered up to one message of `limit` bytes.
+async fn collect(
+    mut body: IncomingBody,
+    limit: usize,
+) -> Result<(Bytes, Option<HeaderMap>), Status> {
+    // One frame is kept as it came; only a message in several is copied together.
+    let mut parts: Vec<Bytes> = Vec::new();
+    let mut have = 0usize;
+    let mut trailers = None;
+    while let Some(frame) =
+        std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
+    {
+        match frame?.into_data() {
+            Ok(d) => {
+                have += d.len();
+                if have > PREFIX.saturating_add(limit) {
+                    return Err(Status::out_of_range(format!(
+                        "Error, decoded message length too large: found more than {limit} bytes, the limit is: {limit} bytes"
+                    )));
+                }
+                parts.push(d);
+            }
+            Err(f) => {
+                if let Ok(t) = f.into_trailers() {
+                    trailers = Some(t);
+                }
+            }
+        }
+    }
+    let data = match parts.len() {
+        0 => Bytes::new(),
+        1 => parts.swap_remove(0),
+        _ => {
+            let mut m = BytesMut::with_capacity(have);
+            for p in &parts {
+                m.extend_from_slice(p);
+            }
+            m.freeze()
+        }
+    };
+    Ok((data, trailers))
+}
