@@ -375,16 +375,23 @@ fn get_headers(b: &mut Bytes, limits: &Limits, room: usize) -> Result<HeaderMap>
         // it needs no `Bytes` of its own (two reference-count updates).
         let name = header_name(&b[..len])?;
         b.advance(len);
-        let v = take(b, "header value")?;
-        size = size.saturating_add(len + v.len() + HEADER_ENTRY_OVERHEAD);
+        let vlen = get_u32(b, "header value")? as usize;
+        need(b, vlen, "header value")?;
+        size = size.saturating_add(len + vlen + HEADER_ENTRY_OVERHEAD);
         if size > limits.max_header_list_size {
             return Err(header_limit(format!(
                 "the header list exceeds {} bytes (name + value + 32 per entry)",
                 limits.max_header_list_size
             )));
         }
-        let value = HeaderValue::from_maybe_shared(v)
-            .map_err(|_| proto_err(format!("invalid value for header {name}")))?;
+        let value = match KNOWN_VALUES.iter().find(|k| k.as_bytes() == &b[..vlen]) {
+            Some(known) => {
+                b.advance(vlen);
+                known.clone()
+            }
+            None => HeaderValue::from_maybe_shared(b.split_to(vlen))
+                .map_err(|_| proto_err(format!("invalid value for header {name}")))?,
+        };
         h.append(name, value);
     }
     Ok(h)
@@ -442,6 +449,14 @@ static KNOWN_NAMES: [HeaderName; 10] = [
     HeaderName::from_static("user-agent"),
     HeaderName::from_static("te"),
     HeaderName::from_static("date"),
+];
+
+/// Values nearly every call carries (`content-type`, `grpc-status: 0`, `te`): a static one
+/// is neither validated byte by byte nor holds a reference to the packet's buffer.
+static KNOWN_VALUES: [HeaderValue; 3] = [
+    HeaderValue::from_static("application/grpc"),
+    HeaderValue::from_static("0"),
+    HeaderValue::from_static("trailers"),
 ];
 
 /// `grpc-timeout`, looked up once per call on each side: a lookup by `&str` parses and
