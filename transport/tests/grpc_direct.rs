@@ -16,6 +16,7 @@ use grpc_common::{BenchImpl, ServerHandle, pattern};
 use ibex_proto::bench::v1::Payload;
 use ibex_proto::bench::v1::bench_client::BenchClient;
 use ibex_transport::grpc::{Channel, DirectClient};
+use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Code, Request, Status};
@@ -98,6 +99,11 @@ fn request(buffers: Vec<Bytes>, md: &[(&'static str, &str)]) -> Request<Payload>
     for (k, v) in md {
         r.metadata_mut().insert(*k, v.parse().unwrap());
     }
+    // Binary metadata, and a reserved header user code may not set (both paths drop it).
+    r.metadata_mut()
+        .insert_bin("x-raw-bin", MetadataValue::from_bytes(b"\x00\xfe"));
+    r.metadata_mut()
+        .insert("grpc-status", "13".parse().unwrap());
     r
 }
 
@@ -128,6 +134,10 @@ async fn same_answers(uri: fn() -> String) {
         };
         assert_eq!(bufs, vec![data, pattern(7, 1)], "{len} B");
         assert!(md.contains(&("echo-x-a".into(), b"b".to_vec())), "{md:?}");
+        assert!(
+            md.iter().any(|(k, _)| k == "echo-x-raw-bin"),
+            "binary metadata echoed: {md:?}"
+        );
     }
     // A handler's error, with details and metadata.
     let got = both(&mut p, vec![], &[("x-mode", "fail")]).await;

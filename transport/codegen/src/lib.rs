@@ -219,6 +219,88 @@ fn replace(code: &str, from: &str, to: &str, n: usize) -> Result<String, String>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prost_build::{Comments, Method};
+
+    fn method(name: &str, client_streaming: bool, server_streaming: bool) -> Method {
+        Method {
+            name: name.to_lowercase(),
+            proto_name: name.into(),
+            comments: Comments::default(),
+            input_type: "super::Req".into(),
+            output_type: "super::Resp".into(),
+            input_proto_type: ".pkg.Req".into(),
+            output_proto_type: ".pkg.Resp".into(),
+            options: Default::default(),
+            client_streaming,
+            server_streaming,
+        }
+    }
+
+    fn service(package: &str, methods: Vec<Method>) -> Service {
+        Service {
+            name: "Svc".into(),
+            proto_name: "Svc".into(),
+            package: package.into(),
+            comments: Comments::default(),
+            methods,
+            options: Default::default(),
+        }
+    }
+
+    /// tonic-prost-build's real output for `svc`, through the wrapper.
+    fn generate(svc: Service, client: bool, server: bool) -> String {
+        let tonic = tonic_prost_build::configure()
+            .build_client(client)
+            .build_server(server)
+            .build_transport(false)
+            .service_generator();
+        let mut buf = String::new();
+        direct(tonic).generate(svc, &mut buf);
+        buf
+    }
+
+    #[test]
+    fn every_unary_method_and_route_takes_the_direct_path() {
+        let methods = vec![
+            method("One", false, false),
+            method("Two", false, false),
+            method("Up", true, false),
+            method("Down", false, true),
+            method("Both", true, true),
+        ];
+        let code = generate(service("pkg.v1", methods), true, true);
+        assert_eq!(
+            code.matches("DirectClient::of(&inner)").count(),
+            2,
+            "new, with_origin"
+        );
+        assert_eq!(code.matches("return d").count(), 2, "{code}");
+        assert!(code.contains("from_static(\"/pkg.v1.Svc/One\")"), "{code}");
+        assert!(code.contains("from_static(\"/pkg.v1.Svc/Two\")"), "{code}");
+        assert_eq!(
+            code.matches("::ibex_transport::grpc::serve_unary").count(),
+            2
+        );
+        // Streaming calls stay tonic's.
+        assert!(code.contains("self.inner.streaming("), "{code}");
+        assert!(code.contains("grpc.server_streaming("), "{code}");
+    }
+
+    #[test]
+    fn services_without_unary_methods_or_without_a_side_still_generate() {
+        let stream_only = vec![method("Down", false, true), method("Up", true, false)];
+        let code = generate(service("", stream_only), true, true);
+        assert!(
+            !code.contains("serve_unary") && !code.contains("return d"),
+            "{code}"
+        );
+        assert!(code.contains("direct: Option<"), "{code}");
+        let code = generate(service("p", vec![method("One", false, false)]), false, true);
+        assert_eq!(code.matches("serve_unary").count(), 1, "{code}");
+        let code = generate(service("p", vec![method("One", false, false)]), true, false);
+        assert!(code.contains("from_static(\"/p.Svc/One\")"), "{code}");
+        assert!(!code.contains("serve_unary"), "{code}");
+    }
 
     #[test]
     fn a_moved_anchor_is_named() {

@@ -172,35 +172,43 @@ impl DirectClient {
             }
             return Err(Status::internal("Missing response message."));
         }
+        // As tonic: a call that fails after its head carries the head's metadata too.
+        let with_head = |s: Status| with_metadata(s, &headers);
         let (data, trailers) = match answer.rest {
             Reply::Whole(data, trailers) => (data.unwrap_or_default(), trailers),
-            Reply::Stream(body) => collect(body, self.max_decoding).await?,
+            Reply::Stream(body) => collect(body, self.max_decoding).await.map_err(with_head)?,
         };
         let trailers = trailers.unwrap_or_default();
         if !ok(&trailers) {
-            return Err(status_of(answer.status, &trailers));
+            return Err(with_head(status_of(answer.status, &trailers)));
         }
         let msg = match one_message(&data, self.max_decoding) {
             Framed::One(m) => m,
-            Framed::Bad(s) => return Err(s),
+            Framed::Bad(s) => return Err(with_head(s)),
             Framed::Other if data.is_empty() => {
-                return Err(Status::internal("Missing response message."));
+                return Err(with_head(Status::internal("Missing response message.")));
             }
-            Framed::Other => return Err(not_one_message(data.len())),
+            Framed::Other => return Err(with_head(not_one_message(data.len()))),
         };
-        let msg = R::decode(msg).map_err(|e| Status::internal(e.to_string()))?;
-        // As tonic: the response's metadata is its head and its trailers.
-        for (name, value) in trailers {
-            if let Some(name) = name {
-                headers.append(name, value);
-            }
-        }
+        let msg = R::decode(msg).map_err(|e| with_head(Status::internal(e.to_string())))?;
+        // As tonic: the response's metadata is its head, then its trailers (a trailer
+        // replaces a head entry of the same name).
+        headers.extend(trailers);
         Ok(tonic::Response::from_parts(
             MetadataMap::from_headers(headers),
             msg,
             tonic::Extensions::new(),
         ))
     }
+}
+
+/// `status` with `head`'s entries merged into its metadata, as tonic's client merges a
+/// response's head into the status of a call that fails after it.
+fn with_metadata(mut status: Status, head: &HeaderMap) -> Status {
+    let mut md = std::mem::take(status.metadata_mut()).into_headers();
+    md.extend(head.clone());
+    *status.metadata_mut() = MetadataMap::from_headers(md);
+    status
 }
 
 /// No compression asked for either way: the direct path encodes and decodes plain
