@@ -14,7 +14,7 @@
 //! trailers merged as tonic merges them.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, StatusCode};
+use http::{HeaderMap, StatusCode};
 use http_body::Body;
 use tonic::codec::Codec;
 use tonic::metadata::MetadataMap;
@@ -23,6 +23,10 @@ use tonic::{Code, Status};
 
 use super::body::IncomingBody;
 use super::client::{Channel, Inner, Reply};
+use super::wire::{
+    GRPC_ACCEPT_ENCODING, GRPC_CONTENT_TYPE, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, STATUS_OK,
+    TE_TRAILERS,
+};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -31,11 +35,6 @@ const DEFAULT_MAX_DECODING: usize = 4 << 20;
 
 /// The gRPC message prefix: a compression flag and a big-endian length.
 const PREFIX: usize = 5;
-
-static GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
-static GRPC_ENCODING: http::HeaderName = http::HeaderName::from_static("grpc-encoding");
-static GRPC_ACCEPT_ENCODING: http::HeaderName =
-    http::HeaderName::from_static("grpc-accept-encoding");
 
 /// A whole unary request as an Ibex connection delivered it: its one body frame. The
 /// server puts it in the request's extensions; [`serve_unary`] takes it out.
@@ -95,9 +94,9 @@ where
     };
     let mut headers = metadata.into_headers();
     sanitize(&mut headers);
-    headers.insert(http::header::CONTENT_TYPE, grpc_content_type());
+    headers.insert(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE.clone());
     let mut trailers = HeaderMap::with_capacity(1);
-    trailers.insert(GRPC_STATUS.clone(), HeaderValue::from_static("0"));
+    trailers.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
     let body = IncomingBody::complete(Some(data), Some(trailers), None);
     let mut resp = http::Response::new(tonic::body::Body::new(body));
     *resp.version_mut() = http::Version::HTTP_2;
@@ -160,8 +159,8 @@ impl DirectClient {
         let data = encode(&msg, self.max_encoding)?;
         let mut headers = metadata.into_headers();
         sanitize(&mut headers);
-        headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
-        headers.insert(http::header::CONTENT_TYPE, grpc_content_type());
+        headers.insert(http::header::TE, TE_TRAILERS.clone());
+        headers.insert(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE.clone());
         let body = tonic::body::Body::new(IncomingBody::complete(Some(data), None, None));
         let answer = Channel::exchange(self.inner.clone(), headers, path, body).await?;
         let mut headers = answer.headers;
@@ -216,10 +215,10 @@ fn with_metadata(mut status: Status, head: &HeaderMap) -> Status {
 fn plain(headers: &HeaderMap) -> bool {
     // One pass over the few entries a request has: cheaper than two hashed lookups.
     headers.iter().all(|(k, v)| {
-        if *k == GRPC_ENCODING {
+        if k == GRPC_ENCODING {
             v.as_bytes() == b"identity"
         } else {
-            *k != GRPC_ACCEPT_ENCODING
+            k != GRPC_ACCEPT_ENCODING
         }
     })
 }
@@ -280,30 +279,27 @@ fn encode<M: prost::Message>(msg: &M, limit: usize) -> Result<Bytes, Status> {
 
 /// tonic's `GRPC_RESERVED_HEADERS`: what user metadata may not set.
 fn sanitize(headers: &mut HeaderMap) {
-    static RESERVED: [http::HeaderName; 5] = [
-        http::header::TE,
-        http::header::CONTENT_TYPE,
-        http::HeaderName::from_static("grpc-message"),
-        http::HeaderName::from_static("grpc-message-type"),
-        http::HeaderName::from_static("grpc-status"),
+    static MESSAGE_TYPE: http::HeaderName = http::HeaderName::from_static("grpc-message-type");
+    static RESERVED: [&http::HeaderName; 5] = [
+        &http::header::TE,
+        &http::header::CONTENT_TYPE,
+        GRPC_MESSAGE,
+        &MESSAGE_TYPE,
+        GRPC_STATUS,
     ];
     // Most calls carry no metadata at all.
     if headers.is_empty() {
         return;
     }
-    for name in &RESERVED {
+    for name in RESERVED {
         headers.remove(name);
     }
-}
-
-fn grpc_content_type() -> HeaderValue {
-    HeaderValue::from_static("application/grpc")
 }
 
 /// Trailers that say the call succeeded.
 fn ok(trailers: &HeaderMap) -> bool {
     trailers
-        .get(&GRPC_STATUS)
+        .get(GRPC_STATUS)
         .is_some_and(|s| s.as_bytes() == b"0")
 }
 

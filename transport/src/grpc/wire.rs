@@ -462,6 +462,14 @@ static KNOWN_VALUES: [HeaderValue; 3] = [
 /// `grpc-timeout`, looked up once per call on each side: a lookup by `&str` parses and
 /// validates the name every time.
 pub(crate) static GRPC_TIMEOUT: &HeaderName = &KNOWN_NAMES[2];
+pub(crate) static GRPC_STATUS: &HeaderName = &KNOWN_NAMES[0];
+pub(crate) static GRPC_MESSAGE: &HeaderName = &KNOWN_NAMES[1];
+pub(crate) static GRPC_ENCODING: &HeaderName = &KNOWN_NAMES[3];
+pub(crate) static GRPC_ACCEPT_ENCODING: &HeaderName = &KNOWN_NAMES[4];
+/// `content-type: application/grpc`, `grpc-status: 0` and `te: trailers`.
+pub(crate) static GRPC_CONTENT_TYPE: &HeaderValue = &KNOWN_VALUES[0];
+pub(crate) static STATUS_OK: &HeaderValue = &KNOWN_VALUES[1];
+pub(crate) static TE_TRAILERS: &HeaderValue = &KNOWN_VALUES[2];
 
 fn header_name(b: &[u8]) -> Result<HeaderName> {
     if let Some(known) = KNOWN_NAMES.iter().find(|k| k.as_str().as_bytes() == b) {
