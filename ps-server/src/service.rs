@@ -349,9 +349,15 @@ impl ParameterServer for PsService {
         self.timed("PushPull", async {
             let step = req.get_ref().step;
             let peer = req.extensions().get::<PeerHandle>().cloned();
+            // A hostile step (u64::MAX) must not overflow the step to wait for.
+            let next = step.checked_add(1).ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "PushPull step {step} has no next step; send the step the worker is on"
+                ))
+            })?;
             let (_, names) = self.do_push(req).await?;
             // Sync: the values after step `step`; async: the values right after this push.
-            self.shard.wait_for(step + 1).await?;
+            self.shard.wait_for(next).await?;
             let (now, vals) = self.shard.read_to(names, pull_pool(&peer)).await?;
             Ok(pb::PullResponse {
                 step: now,
