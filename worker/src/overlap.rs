@@ -116,7 +116,15 @@ impl StepPush {
     /// and waits at the PS, so it costs no extra round trip after the last push lands.
     pub async fn finish_pull(self, names: &[&str]) -> Result<Vec<Vec<f32>>, WorkerError> {
         let worker = self.worker.clone();
-        let next = self.step + 1;
+        // The PS refuses a step of u64::MAX too; saying so here names the caller's mistake.
+        let Some(next) = self.step.checked_add(1) else {
+            let step = self.step;
+            // The pushes still land, as they would if only the pull failed.
+            self.finish().await?;
+            return Err(WorkerError::Usage(format!(
+                "step {step} has no next step to pull; number steps below u64::MAX"
+            )));
+        };
         let pushed = self.finish();
         let pull = worker.pull(names, next);
         tokio::pin!(pushed, pull);
