@@ -155,7 +155,11 @@ async fn the_pull_waits_for_every_worker_and_errors_end_the_step() {
     );
 
     // The last step number has no next step: a usage error, not an overflow to step 0.
-    let e = w0.begin_step(u64::MAX).finish_pull(&NAMES).await.unwrap_err();
+    let e = w0
+        .begin_step(u64::MAX)
+        .finish_pull(&NAMES)
+        .await
+        .unwrap_err();
     assert!(
         matches!(&e, WorkerError::Usage(m) if m.contains("u64::MAX")),
         "{e:?}"

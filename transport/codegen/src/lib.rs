@@ -90,14 +90,49 @@ fn rewrite(code: &str, name: &str, unary: usize) -> Result<String, String> {
     if server_code.is_empty() {
         return Ok(out);
     }
-    out.push_str(&replace(
-        server_code,
-        "grpc.unary(method, req).await",
-        "::ibex_transport::grpc::serve_unary(&mut grpc, method, req, \
+    out.push_str(&server(server_code, unary)?);
+    Ok(out)
+}
+
+/// Each unary route answers through `serve_unary`, and its method type (`EchoSvc<T>`, a
+/// handle on the service) becomes `Clone`, so that the route can offer itself to the Ibex
+/// server as a direct route. `Self` (the generated server type) tells the server that the
+/// route is the service it was given, not one behind a wrapper.
+fn server(code: &str, unary: usize) -> Result<String, String> {
+    const CALL: &str = "grpc.unary(method, req).await";
+    let mut code = replace(
+        code,
+        CALL,
+        "::ibex_transport::grpc::serve_unary::<Self, _, _, _>(&mut grpc, method, req, \
          max_decoding_message_size, max_encoding_message_size).await",
         unary,
-    )?);
-    Ok(out)
+    )?;
+    const SERVE: &str = "::ibex_transport::grpc::serve_unary::<Self";
+    let calls: Vec<usize> = code.match_indices(SERVE).map(|(i, _)| i).collect();
+    for &at in calls.iter().rev() {
+        // `struct EchoSvc<T: Echo>(pub Arc<T>);`, the route's method type.
+        let def = code[..at]
+            .rfind("struct ")
+            .ok_or("a unary route without its method struct")?;
+        let end = code[def..at]
+            .find(';')
+            .map(|i| def + i)
+            .ok_or("an unterminated method struct")?;
+        let text = &code[def + "struct ".len()..end];
+        let (name, bound) = text
+            .strip_suffix(">(pub Arc<T>)")
+            .and_then(|t| t.split_once("<T: "))
+            .ok_or_else(|| {
+                format!("a unary route's method struct is not `struct NameSvc<T: Trait>(pub Arc<T>)`: `{text}`")
+            })?;
+        let clone = format!(
+            "\n                    impl<T: {bound}> Clone for {name}<T> {{\n                        \
+             fn clone(&self) -> Self {{\n                            Self(Arc::clone(&self.0))\n                        \
+             }}\n                    }}"
+        );
+        code.insert_str(end + 1, &clone);
+    }
+    Ok(code)
 }
 
 fn client(code: String, name: &str, unary: usize) -> Result<String, String> {
@@ -278,9 +313,13 @@ mod tests {
         assert!(code.contains("from_static(\"/pkg.v1.Svc/One\")"), "{code}");
         assert!(code.contains("from_static(\"/pkg.v1.Svc/Two\")"), "{code}");
         assert_eq!(
-            code.matches("::ibex_transport::grpc::serve_unary").count(),
+            code.matches("::ibex_transport::grpc::serve_unary::<Self, _, _, _>(")
+                .count(),
             2
         );
+        assert!(code.contains("impl<T: Svc> Clone for OneSvc<T>"), "{code}");
+        assert!(code.contains("impl<T: Svc> Clone for TwoSvc<T>"), "{code}");
+        assert!(!code.contains("Clone for UpSvc"), "{code}");
         // Streaming calls stay tonic's.
         assert!(code.contains("self.inner.streaming("), "{code}");
         assert!(code.contains("grpc.server_streaming("), "{code}");

@@ -13,6 +13,11 @@
 //! status codes and messages for oversize, malformed and compressed messages, metadata and
 //! trailers merged as tonic merges them.
 
+use std::any::TypeId;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderMap, StatusCode};
 use http_body::Body;
@@ -41,27 +46,156 @@ const PREFIX: usize = 5;
 #[derive(Clone, Debug)]
 pub(crate) struct WholeRequest(pub(crate) Bytes);
 
+/// The first whole request of a method path on a connection carries this: the generated
+/// route answers it by leaving a [`DirectRoute`] in `slot`, but only when it belongs to the
+/// very service the server was given (`outer`, the type `add_service` took). A service
+/// behind an interceptor or a tower layer of the user's never offers one, so its calls
+/// keep going through that wrapper.
+#[derive(Clone)]
+pub(crate) struct DirectProbe {
+    pub(crate) outer: TypeId,
+    pub(crate) slot: Arc<OnceLock<DirectRoute>>,
+}
+
+/// What a direct route answers: the response headers (metadata, sanitized, with the
+/// content type), the prefixed message and the response's extensions, or the call's
+/// status.
+pub(crate) type DirectAnswer = Result<(HeaderMap, Bytes, http::Extensions), Status>;
+
+/// A running direct call.
+pub(crate) type DirectFuture = Pin<Box<dyn Future<Output = DirectAnswer> + Send>>;
+
+type RouteFn = dyn Fn(Bytes, HeaderMap, http::Extensions) -> DirectFuture + Send + Sync;
+
+/// A generated unary route that the server calls itself, with no `http::Request`, router,
+/// boxed service or response body: the request's message (unprefixed), its headers and
+/// extensions in, the answer out.
+#[derive(Clone)]
+pub(crate) struct DirectRoute {
+    /// The service's decoding limit: a larger message takes the route tonic's way, which
+    /// refuses it in tonic's words.
+    pub(crate) max_decoding: usize,
+    call: Arc<RouteFn>,
+}
+
+impl DirectRoute {
+    fn new<S, Req>(service: S, max_decoding: Option<usize>, max_encoding: Option<usize>) -> Self
+    where
+        S: UnaryService<Req> + Clone + Send + Sync + 'static,
+        S::Future: Send + 'static,
+        S::Response: prost::Message + Send + 'static,
+        Req: prost::Message + Default + Send + 'static,
+    {
+        let max_encoding = max_encoding.unwrap_or(usize::MAX);
+        DirectRoute {
+            max_decoding: max_decoding.unwrap_or(DEFAULT_MAX_DECODING),
+            call: Arc::new(move |msg, headers, extensions| {
+                Box::pin(answer(
+                    service.clone(),
+                    msg,
+                    headers,
+                    extensions,
+                    max_encoding,
+                ))
+            }),
+        }
+    }
+
+    /// Starts the call: `msg` is the request's one message, without its prefix.
+    pub(crate) fn call(
+        &self,
+        msg: Bytes,
+        headers: HeaderMap,
+        extensions: http::Extensions,
+    ) -> DirectFuture {
+        (self.call)(msg, headers, extensions)
+    }
+}
+
+/// Decodes the request, runs the handler and encodes its answer: the one body of a direct
+/// call, from a generated route or from the server.
+async fn answer<S, Req>(
+    mut service: S,
+    msg: Bytes,
+    headers: HeaderMap,
+    extensions: http::Extensions,
+    max_encoding: usize,
+) -> DirectAnswer
+where
+    S: UnaryService<Req>,
+    S::Response: prost::Message,
+    Req: prost::Message + Default,
+{
+    // As tonic-prost's decoder.
+    let msg = Req::decode(msg).map_err(|e| Status::internal(e.to_string()))?;
+    let request = tonic::Request::from_parts(MetadataMap::from_headers(headers), extensions, msg);
+    let (metadata, reply, extensions) = service.call(request).await?.into_parts();
+    let data = encode(&reply, max_encoding)?;
+    let mut headers = metadata.into_headers();
+    sanitize(&mut headers);
+    headers.insert(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE.clone());
+    Ok((headers, data, extensions))
+}
+
+/// A direct answer as the response a route answers with (for a call whose handler did not
+/// finish at once, and for [`serve_unary`]).
+pub(crate) fn into_http(answer: DirectAnswer) -> http::Response<tonic::body::Body> {
+    let (headers, data, extensions) = match answer {
+        Ok(a) => a,
+        Err(status) => return status.into_http(),
+    };
+    let mut trailers = HeaderMap::with_capacity(1);
+    trailers.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
+    let body = IncomingBody::complete(Some(data), Some(trailers), None);
+    let mut resp = http::Response::new(tonic::body::Body::new(body));
+    *resp.version_mut() = http::Version::HTTP_2;
+    *resp.headers_mut() = headers;
+    *resp.extensions_mut() = extensions;
+    resp
+}
+
+/// The request's one message, without its prefix, if a direct route may take it: no
+/// compression either way and exactly one plain message within `limit`.
+pub(crate) fn direct_message(headers: &HeaderMap, frame: &Bytes, limit: usize) -> Option<Bytes> {
+    match one_message(frame, limit) {
+        Framed::One(m) if plain(headers) => Some(m),
+        _ => None,
+    }
+}
+
 /// One unary route of a generated server: the direct path when the request came whole
-/// over Ibex as one uncompressed message, tonic's `Grpc::unary` otherwise.
+/// over Ibex as one uncompressed message, tonic's `Grpc::unary` otherwise. `O` is the
+/// generated server type, which a [`DirectProbe`] checks.
 ///
 /// `max_decoding` and `max_encoding` are the service's own limits (`None`: tonic's
 /// defaults, 4 MiB and none).
 #[doc(hidden)]
-pub async fn serve_unary<C, S, B>(
+pub async fn serve_unary<O, C, S, B>(
     grpc: &mut Grpc<C>,
-    mut service: S,
+    service: S,
     mut req: http::Request<B>,
     max_decoding: Option<usize>,
     max_encoding: Option<usize>,
 ) -> http::Response<tonic::body::Body>
 where
+    O: 'static,
     C: Codec,
     C::Decode: prost::Message + Default + Send + 'static,
     C::Encode: prost::Message + Send + 'static,
-    S: UnaryService<C::Decode, Response = C::Encode>,
+    S: UnaryService<C::Decode, Response = C::Encode> + Clone + Send + Sync + 'static,
+    S::Future: Send + 'static,
     B: Body + Send + 'static,
     B::Error: Into<BoxError> + Send,
 {
+    if let Some(probe) = req.extensions_mut().remove::<DirectProbe>()
+        && probe.outer == TypeId::of::<O>()
+    {
+        let _ = probe.slot.set(DirectRoute::new(
+            service.clone(),
+            max_decoding,
+            max_encoding,
+        ));
+    }
     let whole = match req.extensions_mut().remove::<WholeRequest>() {
         Some(w) if plain(req.headers()) => w.0,
         _ => return grpc.unary(service, req).await,
@@ -73,36 +207,17 @@ where
         Framed::Other => return grpc.unary(service, req).await,
         Framed::Bad(status) => return status.into_http(),
     };
-    let msg = match <C::Decode as prost::Message>::decode(msg) {
-        Ok(m) => m,
-        // As tonic-prost's decoder.
-        Err(e) => return Status::internal(e.to_string()).into_http(),
-    };
     let (parts, _body) = req.into_parts();
-    let request = tonic::Request::from_parts(
-        MetadataMap::from_headers(parts.headers),
-        parts.extensions,
-        msg,
-    );
-    let (metadata, reply, extensions) = match service.call(request).await {
-        Ok(r) => r.into_parts(),
-        Err(status) => return status.into_http(),
-    };
-    let data = match encode(&reply, max_encoding.unwrap_or(usize::MAX)) {
-        Ok(d) => d,
-        Err(status) => return status.into_http(),
-    };
-    let mut headers = metadata.into_headers();
-    sanitize(&mut headers);
-    headers.insert(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE.clone());
-    let mut trailers = HeaderMap::with_capacity(1);
-    trailers.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
-    let body = IncomingBody::complete(Some(data), Some(trailers), None);
-    let mut resp = http::Response::new(tonic::body::Body::new(body));
-    *resp.version_mut() = http::Version::HTTP_2;
-    *resp.headers_mut() = headers;
-    *resp.extensions_mut() = extensions;
-    resp
+    into_http(
+        answer(
+            service,
+            msg,
+            parts.headers,
+            parts.extensions,
+            max_encoding.unwrap_or(usize::MAX),
+        )
+        .await,
+    )
 }
 
 /// The direct side of a generated client: present when its channel is an Ibex one.

@@ -11,15 +11,19 @@
 //! answers `Unimplemented` exactly as over HTTP/2.
 
 use crate::map::Map;
+use std::any::TypeId;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
+use http::uri::PathAndQuery;
 use tonic::server::NamedService;
 use tonic::service::Routes;
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt};
+
+use super::direct::{DirectProbe, DirectRoute};
 
 /// What every service answers: tonic's body, which generated services answer with already
 /// (anything else a tower layer makes is boxed into one).
@@ -35,8 +39,26 @@ pub(crate) type Handler = Pin<Box<dyn Future<Output = Result<Response, Infallibl
 #[derive(Clone, Default)]
 pub(crate) struct Router {
     services: Map<&'static str, Svc>,
+    /// The type each service was added as, which a generated route checks before it offers
+    /// itself as a direct route (see [`DirectProbe`]).
+    types: Map<&'static str, TypeId>,
     /// tonic's router: services added as `Routes`, and the `Unimplemented` fallback.
     fallback: Routes,
+    /// The direct routes this connection has learned, by method path; `None`: the path has
+    /// none (not a generated unary route, or one behind a wrapper). At most
+    /// [`Router::DIRECT_MAX`] paths, so a peer that calls many paths costs no memory.
+    direct: Vec<(PathAndQuery, Option<DirectRoute>)>,
+}
+
+/// What [`Router::direct`] knows of a method path.
+pub(crate) enum Direct<'a> {
+    /// The path's direct route.
+    Route(&'a DirectRoute),
+    /// Not known yet: the call goes the usual way carrying this probe, and
+    /// [`Router::learn`] records what it found.
+    Probe(DirectProbe),
+    /// No direct route, or no room to learn one.
+    None,
 }
 
 impl Router {
@@ -48,6 +70,39 @@ impl Router {
     {
         let svc = svc.map_response(into_response);
         self.services.insert(S::NAME, BoxCloneSyncService::new(svc));
+        self.types.insert(S::NAME, TypeId::of::<S>());
+    }
+
+    const DIRECT_MAX: usize = 16;
+
+    /// The direct route of `path`, if this connection knows it has one.
+    pub(crate) fn direct(&self, path: &PathAndQuery) -> Direct<'_> {
+        if let Some((_, route)) = self.direct.iter().find(|(p, _)| p == path) {
+            return route.as_ref().map_or(Direct::None, Direct::Route);
+        }
+        if self.direct.len() >= Self::DIRECT_MAX {
+            return Direct::None;
+        }
+        match service_name(path.path()).and_then(|name| self.types.get(name)) {
+            Some(&outer) => Direct::Probe(DirectProbe {
+                outer,
+                slot: Default::default(),
+            }),
+            None => Direct::None,
+        }
+    }
+
+    /// Records what a call that carried `probe` found: the route its service offered, or
+    /// none (a route that did not take the probe in its first poll is taken to have none).
+    /// True when a route was learned.
+    pub(crate) fn learn(&mut self, path: PathAndQuery, probe: DirectProbe) -> bool {
+        if self.direct.len() >= Self::DIRECT_MAX || self.direct.iter().any(|(p, _)| *p == path) {
+            return false;
+        }
+        let route = probe.slot.get().cloned();
+        let learned = route.is_some();
+        self.direct.push((path, route));
+        learned
     }
 
     /// Sets the router that serves what no service added here does.

@@ -19,9 +19,9 @@ use tower::Service;
 use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::calls::{Admit, CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
-use super::direct::WholeRequest;
+use super::direct::{DirectFuture, WholeRequest, direct_message, into_http};
 use super::pump::{self, Now, Side, pump, trailers_only};
-use super::router::{Handler, Router};
+use super::router::{Direct, Handler, Router};
 use super::wire::{Head, Limits, Packet};
 use super::{CallShared, Encoded, Flag, Mux, parse_timeout};
 use crate::config::Config;
@@ -100,6 +100,7 @@ struct StatsInner {
     /// Counters of connections that have ended, so totals never go backwards.
     closed: ConnStats,
     closed_count: u64,
+    direct_routes: u64,
 }
 
 impl ServerStats {
@@ -128,6 +129,20 @@ impl ServerStats {
     pub fn connections(&self) -> Vec<(String, ConnStats)> {
         let live: Vec<Connection> = self.lock().live.values().cloned().collect();
         live.iter().map(|c| (c.peer(), c.stats())).collect()
+    }
+
+    /// How many times a connection learned a direct route: a method of a service generated
+    /// with ibex-codegen, added as it was generated (not behind an interceptor or a layer),
+    /// whose calls then skip the `http::Request`, the router and tonic's per-call
+    /// machinery. Each connection learns each such method once, on its first whole
+    /// request. Zero while calls are made means no service here takes that path: check
+    /// that `build.rs` uses `ibex_codegen::direct`.
+    pub fn direct_routes(&self) -> u64 {
+        self.lock().direct_routes
+    }
+
+    fn learned_direct_route(&self) {
+        self.lock().direct_routes += 1;
     }
 
     /// Counters summed over every connection the server has had, open or ended, and how
@@ -358,7 +373,7 @@ impl Builder {
                         let id = stats.add(&conn);
                         let (router, shutdown) = (router.clone(), shutdown.clone());
                         conns.spawn(async move {
-                            serve_conn(conn, router, shutdown, limits).await;
+                            serve_conn(conn, router, shutdown, limits, stats.clone()).await;
                             stats.remove(id);
                         });
                     }
@@ -552,6 +567,7 @@ struct ConnCtx<F> {
     info: ConnectInfo,
     tcp_info: Option<tonic::transport::server::TcpConnectInfo>,
     router: Router,
+    stats: ServerStats,
     /// Body bytes held for this connection's handlers (see [`Held`]).
     held: Arc<Held>,
     draining: bool,
@@ -562,7 +578,13 @@ struct ConnCtx<F> {
     start: StartCall<F>,
 }
 
-async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limits: ServeLimits) {
+async fn serve_conn(
+    conn: Connection,
+    router: Router,
+    shutdown: Arc<Flag>,
+    limits: ServeLimits,
+    stats: ServerStats,
+) {
     if let Some((interval, timeout)) = limits.keepalive
         && let Err(e) = conn.set_keepalive(Some(interval), timeout)
     {
@@ -580,6 +602,7 @@ async fn serve_conn(conn: Connection, router: Router, shutdown: Arc<Flag>, limit
         info: ConnectInfo::of(&conn),
         tcp_info: None,
         router,
+        stats,
         held: Held::new(limits.max_held),
         draining: false,
         running: FuturesUnordered::new(),
@@ -675,17 +698,37 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             let call = CallShared::new();
             // A request that came whole in this packet (a unary one) needs no inbox.
             let complete = p.end && !p.reset;
+            // A whole request for a direct route skips the `http::Request`, the router and
+            // the service's boxed future; a path not seen yet probes for one.
+            let mut probe = None;
+            let mut direct = None;
+            if complete {
+                match self.router.direct(&path) {
+                    Direct::Route(route) => {
+                        direct = data
+                            .as_ref()
+                            .and_then(|d| direct_message(&headers, d, route.max_decoding))
+                            .map(|msg| (route.clone(), msg));
+                    }
+                    Direct::Probe(pr) => probe = Some(pr),
+                    Direct::None => {}
+                }
+            }
             let mut whole = None;
-            let (tx, body) = if complete {
+            let (tx, body) = if direct.is_some() {
+                // The message was split off already; it is decoded in the first poll.
+                data = None;
+                (None, None)
+            } else if complete {
                 let held = Some(self.held.clone());
                 whole = data.clone().map(WholeRequest);
-                (None, IncomingBody::complete(data.take(), None, held))
+                (None, Some(IncomingBody::complete(data.take(), None, held)))
             } else {
                 let (tx, rx) = inbox(Some(self.held.clone()));
                 let body = IbexBody::new(rx, self.st.mux.clone(), id, call.clone(), || {
                     request_cut("the client's connection is gone")
                 });
-                (Some(tx), IncomingBody::from(body))
+                (Some(tx), Some(IncomingBody::from(body)))
             };
             {
                 let mut calls = self.st.lock();
@@ -705,44 +748,62 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 }
             }
             let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
-            let mut req = http::Request::new(tonic::body::Body::new(body));
-            *req.method_mut() = http::Method::POST;
-            *req.uri_mut() = http::Uri::from(path);
-            *req.version_mut() = http::Version::HTTP_2;
-            *req.headers_mut() = headers;
-            req.extensions_mut().insert(self.peer.clone());
-            req.extensions_mut().insert(self.info.clone());
+            let mut extensions = http::Extensions::new();
+            extensions.insert(self.peer.clone());
+            extensions.insert(self.info.clone());
             if let Some(t) = &self.tcp_info {
-                req.extensions_mut().insert(t.clone());
-            }
-            // For a route generated with ibex-codegen: it decodes this frame itself.
-            if let Some(w) = whole {
-                req.extensions_mut().insert(w);
+                extensions.insert(t.clone());
             }
             // The service is called here, on the connection's own clone of it, so its
             // synchronous part (an interceptor, a tower layer) runs on this task: a panic
             // there must fail only this call, as one in the handler's future does. A call
             // whose head came with its reset never reaches the service.
-            started = Some((
-                if p.reset {
-                    Start::Ended(false)
-                } else {
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.router.call(req)))
-                        .map_or(Start::Ended(true), Start::Handler)
-                },
-                call,
-                deadline,
-            ));
+            let first = if p.reset {
+                First::Start(Start::Ended(false))
+            } else if let Some((route, msg)) = direct {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    route.call(msg, headers, extensions)
+                }))
+                .map_or(First::Start(Start::Ended(true)), First::Direct)
+            } else {
+                let mut req = http::Request::new(tonic::body::Body::new(body.unwrap_or_default()));
+                *req.method_mut() = http::Method::POST;
+                *req.uri_mut() = http::Uri::from(path.clone());
+                *req.version_mut() = http::Version::HTTP_2;
+                *req.headers_mut() = headers;
+                *req.extensions_mut() = extensions;
+                // For a route generated with ibex-codegen: it decodes this frame itself.
+                if let Some(w) = whole {
+                    req.extensions_mut().insert(w);
+                }
+                if let Some(pr) = &probe {
+                    req.extensions_mut().insert(pr.clone());
+                }
+                First::Start(
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        self.router.call(req)
+                    }))
+                    .map_or(Start::Ended(true), Start::Handler),
+                )
+            };
+            started = Some((first, call, deadline, probe.map(|pr| (path, pr))));
         }
         // For a request that came whole, its body has all this already (no inbox); it is
         // still counted against the call's window here.
         self.deliver(&p, data, data_len)?;
         // The handler runs once its request's first packet is in its body.
-        if let Some((start, call, deadline)) = started {
-            let start = match start {
-                Start::Handler(h) => answer_now(&self.st.mux, id, &call, h),
-                other => other,
+        if let Some((first, call, deadline, probe)) = started {
+            let start = match first {
+                First::Start(Start::Handler(h)) => answer_now(&self.st.mux, id, &call, h),
+                First::Start(other) => other,
+                First::Direct(fut) => direct_now(&self.st.mux, id, &call, fut),
             };
+            // A generated route takes its probe in its first poll, which has run by now.
+            if let Some((path, pr)) = probe
+                && self.router.learn(path, pr)
+            {
+                self.stats.learned_direct_route();
+            }
             match start {
                 Start::Done => self.st.lock().end(id, &call),
                 start => {
@@ -849,7 +910,8 @@ fn answer_now(mux: &Mux, id: u32, call: &CallShared, mut handler: Handler) -> St
         };
         drop(handler);
         let (parts, body) = resp.into_parts();
-        match pump::pump_now(mux, response_head(id, parts), body, Side::Server) {
+        let head = response_head(id, parts.status, parts.headers);
+        match pump::pump_now(mux, head, body, Side::Server) {
             Now::Sent => Start::Done,
             Now::Unsent(unsent) => Start::Unsent(unsent),
             Now::Rest { first, body } => Start::Answered { first, body },
@@ -863,17 +925,64 @@ fn answer_now(mux: &Mux, id: u32, call: &CallShared, mut handler: Handler) -> St
     tried.unwrap_or(Start::Ended(true))
 }
 
+/// How a call starts: through its service, or on a direct route.
+// On the stack for one dispatch only; boxing `Start` would cost an allocation per call.
+#[allow(clippy::large_enum_variant)]
+enum First {
+    Start(Start),
+    Direct(DirectFuture),
+}
+
+/// [`answer_now`] for a call on a direct route: its answer, when ready at once, is encoded
+/// straight into one packet (head, message, `grpc-status: 0`) with no response or body
+/// made for it. A call that would wait runs on as an ordinary handler.
+fn direct_now(mux: &Mux, id: u32, call: &CallShared, mut fut: DirectFuture) -> Start {
+    if call.done.is_set() {
+        return Start::Ended(false);
+    }
+    let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut cx = Context::from_waker(Waker::noop());
+        let answer = match fut.as_mut().poll(&mut cx) {
+            Poll::Pending => {
+                return Start::Handler(Box::pin(async move { Ok(into_http(fut.await)) }));
+            }
+            Poll::Ready(a) => a,
+        };
+        drop(fut);
+        let (pkt, data) = match answer {
+            Ok((headers, data, _extensions)) => {
+                let mut pkt = response_head(id, http::StatusCode::OK, headers);
+                pkt.status_ok = true;
+                pkt.end = true;
+                (pkt, Some(data))
+            }
+            // As a route's error response goes: trailers-only, with the head's date.
+            Err(status) => {
+                let (parts, ()) = status.into_http::<()>().into_parts();
+                let mut pkt = response_head(id, parts.status, parts.headers);
+                pkt.end = true;
+                (pkt, None)
+            }
+        };
+        match mux.send_now(pkt, data) {
+            Ok(None) => Start::Done,
+            Ok(Some(unsent)) => Start::Unsent(unsent),
+            Err(e) => {
+                tracing::debug!(%e, call = id, "gRPC response not sent");
+                Start::Done
+            }
+        }
+    }));
+    tried.unwrap_or(Start::Ended(true))
+}
+
 /// The head packet of a response.
-fn response_head(id: u32, mut parts: http::response::Parts) -> Packet {
-    parts
-        .headers
+fn response_head(id: u32, status: http::StatusCode, mut headers: http::HeaderMap) -> Packet {
+    headers
         .entry(http::header::DATE)
         .or_insert_with(date_header);
     let mut head = Packet::new(id);
-    head.head = Some(Head::Response {
-        status: parts.status,
-        headers: parts.headers,
-    });
+    head.head = Some(Head::Response { status, headers });
     head
 }
 
@@ -960,7 +1069,7 @@ async fn answer(
     };
     if let Some(resp) = resp {
         let (parts, body) = resp.into_parts();
-        let head = response_head(id, parts);
+        let head = response_head(id, parts.status, parts.headers);
         pump(
             &st.mux,
             id,

@@ -99,6 +99,10 @@ pub(crate) struct Packet {
     pub head: Option<Head>,
     pub data: Option<Data>,
     pub trailers: Option<HeaderMap>,
+    /// The trailers are `grpc-status: 0` and nothing else (with `trailers` `None`): what
+    /// nearly every answer ends with, written without a map. Only the sender sets it; a
+    /// decoded packet has its trailers in `trailers`.
+    pub status_ok: bool,
     pub end: bool,
     pub reset: bool,
     pub window: Option<u32>,
@@ -155,6 +159,9 @@ impl Packet {
             let at = reserve_len(&mut b);
             put_headers(&mut b, t)?;
             patch_len(&mut b, at)?;
+        } else if self.status_ok {
+            flags |= TRAILERS;
+            b.extend_from_slice(&STATUS_OK_BLOCK);
         }
         if let Some(w) = self.window {
             flags |= WINDOW;
@@ -194,7 +201,11 @@ impl Packet {
             Some(Data::Next(_)) => 8,
             None => 0,
         };
-        let trailers = self.trailers.as_ref().map_or(0, |t| 4 + headers_len(t));
+        let trailers = match &self.trailers {
+            Some(t) => 4 + headers_len(t),
+            None if self.status_ok => STATUS_OK_BLOCK.len(),
+            None => 0,
+        };
         5 + head + data + trailers + if self.window.is_some() { 4 } else { 0 }
     }
 
@@ -300,6 +311,32 @@ fn put_str16(b: &mut BytesMut, s: &[u8], what: &str) -> Result<()> {
     b.extend_from_slice(s);
     Ok(())
 }
+
+/// The trailers block of [`Packet::status_ok`], as [`put_headers`] writes `grpc-status: 0`
+/// behind its length: one entry, the name, the value.
+const STATUS_OK_BLOCK: [u8; 24] = {
+    let mut b = [0u8; 24];
+    // Block length (20), entry count (1), name length (11).
+    let head: [u8; 8] = [0, 0, 0, 20, 0, 1, 0, 11];
+    let name = b"grpc-status";
+    let mut i = 0;
+    while i < head.len() {
+        b[i] = head[i];
+        i += 1;
+    }
+    let mut j = 0;
+    while j < name.len() {
+        b[8 + j] = name[j];
+        j += 1;
+    }
+    // Value length (1) and the value.
+    b[19] = 0;
+    b[20] = 0;
+    b[21] = 0;
+    b[22] = 1;
+    b[23] = b'0';
+    b
+};
 
 fn put_headers(b: &mut BytesMut, h: &HeaderMap) -> Result<()> {
     let n = u16::try_from(h.len())
@@ -578,6 +615,24 @@ mod tests {
         assert_eq!(d.trailers, Some(t));
         assert_eq!(d.window, Some(12345));
         assert!(d.end, "trailers end the call");
+    }
+
+    #[test]
+    fn status_ok_is_the_grpc_status_0_trailer_on_the_wire() {
+        let mut by_map = Packet::new(5);
+        by_map.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x01x")));
+        let mut t = HeaderMap::new();
+        t.insert("grpc-status", HeaderValue::from_static("0"));
+        by_map.trailers = Some(t.clone());
+        let mut by_flag = Packet::new(5);
+        by_flag.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x01x")));
+        by_flag.status_ok = true;
+        let wire = by_flag.encode().unwrap();
+        assert_eq!(wire, by_map.encode().unwrap());
+        assert_eq!(wire.len(), by_flag.encoded_len());
+        let d = Packet::decode(wire, false, &Limits::default()).unwrap();
+        assert_eq!(d.trailers, Some(t));
+        assert!(d.end && !d.status_ok);
     }
 
     #[test]
