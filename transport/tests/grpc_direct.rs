@@ -161,7 +161,13 @@ fn metadata(md: &tonic::metadata::MetadataMap) -> Vec<(String, Vec<u8>)> {
         .clone()
         .into_headers()
         .iter()
-        .filter(|(k, _)| !matches!(k.as_str(), "date" | "content-type" | "grpc-status"))
+        // (And the caller's address, which differs between connections.)
+        .filter(|(k, _)| {
+            !matches!(
+                k.as_str(),
+                "date" | "content-type" | "grpc-status" | "x-remote-addr"
+            )
+        })
         .map(|(k, v)| (k.as_str().to_string(), v.as_bytes().to_vec()))
         .collect();
     v.sort();
@@ -235,6 +241,35 @@ async fn same_answers(uri: fn() -> String) {
             "binary metadata echoed: {md:?}"
         );
     }
+    // The handler sees the same request headers from either client, on either route.
+    let got = both(&mut p, vec![], &[("x-mode", "whoami")]).await;
+    calls += 2;
+    let Outcome::Ok(_, md) = got else {
+        panic!("{got:?}")
+    };
+    for (k, v) in [("x-te", "trailers"), ("x-content-type", "application/grpc")] {
+        assert!(md.contains(&(k.into(), v.as_bytes().to_vec())), "{md:?}");
+    }
+    assert!(md.iter().any(|(k, _)| k == "x-user-agent"), "{md:?}");
+    // What the comparison leaves out is there on every route: the content type and date.
+    for p in &mut p {
+        for r in [
+            p.direct.echo(request(vec![], &[])).await.unwrap(),
+            p.tonic.echo(request(vec![], &[])).await.unwrap(),
+        ] {
+            let md = r.metadata();
+            assert_eq!(
+                md.get("content-type").map(|v| v.to_str().unwrap()),
+                Some("application/grpc")
+            );
+            assert!(md.get("date").is_some(), "{md:?}");
+            assert_eq!(
+                md.get("grpc-status").map(|v| v.to_str().unwrap()),
+                Some("0")
+            );
+        }
+    }
+    calls += 2;
     // A handler's error, with details and metadata.
     let got = both(&mut p, vec![], &[("x-mode", "fail")]).await;
     calls += 2;

@@ -249,7 +249,7 @@ mod tests {
     use super::*;
     use crate::grpc::demux::{Demux, Got};
     use crate::grpc::pump::trailers_only;
-    use crate::grpc::wire::{Head, INLINE_MAX, Limits};
+    use crate::grpc::wire::{Head, INLINE_MAX, Limits, Trailers};
     use crate::grpc::{CallShared, WINDOW, attach};
 
     /// Seeded: a seed replays its run exactly.
@@ -470,6 +470,7 @@ mod tests {
             p.head = Some(Head::Request {
                 path: http::uri::PathAndQuery::from_static("/sim.Sim/Call"),
                 headers,
+                standard: None,
             });
             // A request with nothing to wait for goes whole, in its head's packet.
             let mut data = None;
@@ -553,6 +554,7 @@ mod tests {
                 p.head = Some(Head::Response {
                     status: StatusCode::OK,
                     headers: HeaderMap::new(),
+                    standard: None,
                 });
             }
             let mut data = None;
@@ -571,9 +573,8 @@ mod tests {
             // The trailers ride with the last frame when it rides inline (a whole answer).
             let last_inline = data.as_ref().is_none_or(|d| d.len() <= INLINE_MAX);
             if s.sent == plan.resp.len() && last_inline {
-                let mut t = HeaderMap::new();
-                t.insert("grpc-status", HeaderValue::from(0));
-                p.trailers = Some(t);
+                // As the server's direct route ends an answer.
+                p.trailers = Some(Trailers::Ok);
                 if p.head.is_some() {
                     self.seen.whole += 1;
                 }
@@ -689,7 +690,12 @@ mod tests {
             if !ended {
                 return;
             }
-            let code = head_status.or_else(|| p.trailers.as_ref().and_then(status_of));
+            let code = head_status.or_else(|| {
+                p.trailers.as_ref().and_then(|t| match t {
+                    Trailers::Ok => Some(Code::Ok),
+                    Trailers::Map(m) => status_of(m),
+                })
+            });
             c.outcome = Some(if p.reset {
                 self.seen.reset += 1;
                 Outcome::Reset

@@ -14,7 +14,7 @@ use super::body::{IbexBody, Inbound, Inbox, InboxTx, IncomingBody, OnDrop, ReadS
 use super::calls::{CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
 use super::pump::{Now, Prepend, Pumped, Side, pump, pump_now};
-use super::wire::{GRPC_TIMEOUT, Head, Limits, Packet};
+use super::wire::{GRPC_TIMEOUT, Head, Limits, Packet, Trailers};
 use super::{CallShared, Encoded, Mux, RemoteBuf, parse_timeout, read_while, transport_status};
 use crate::config::Config;
 use crate::conn::Connection;
@@ -30,7 +30,7 @@ struct RespHead {
 
 enum Rest {
     /// In the head's packet (a unary answer): its body frame and its trailers.
-    Whole(Option<Bytes>, Option<HeaderMap>),
+    Whole(Option<Bytes>, Option<Trailers>),
     /// Frame by frame, through this inbox.
     Stream(Arc<Inbox>),
 }
@@ -286,7 +286,9 @@ impl Shared {
             }
         };
         let mut went_whole = false;
-        if let Some(Head::Response { status, headers }) = p.head.take()
+        if let Some(Head::Response {
+            status, headers, ..
+        }) = p.head.take()
             && let Some(h) = c.head.take()
         {
             // A whole response goes to the caller in one piece, with no inbox on the way.
@@ -306,7 +308,7 @@ impl Shared {
             c.body().send(Inbound::Data(d));
         }
         if let Some(t) = p.trailers {
-            c.body().send(Inbound::Trailers(t));
+            c.body().send(Inbound::Trailers(t.into_map()));
         } else if p.end && !went_whole {
             c.body().send(Inbound::End);
         }
@@ -329,7 +331,9 @@ impl Shared {
     /// The server sent call `c` more than its window: the call fails here and is reset
     /// on the server.
     fn overrun(&self, mut p: Packet, mut c: Call) {
-        if let Some(Head::Response { status, headers }) = p.head.take()
+        if let Some(Head::Response {
+            status, headers, ..
+        }) = p.head.take()
             && let Some(h) = c.head.take()
         {
             let _ = h.send(Ok(RespHead {
@@ -424,6 +428,18 @@ impl ReadSource for Shared {
 /// A request's sending half that could not finish at once.
 // Moved once, straight into the call's future (or dropped): boxing the large variant
 // would add an allocation and save no copy.
+#[allow(clippy::large_enum_variant)]
+/// What a call sends after its head.
+pub(crate) enum Outgoing {
+    /// A body, with the gRPC request headers (`te`, `content-type`) among the head's.
+    Body(tonic::body::Body),
+    /// One whole prefixed message; the gRPC request headers go with it as
+    /// [`Head::Request`]'s `standard`.
+    Whole(Bytes),
+}
+
+// A local of one call's start; boxing would cost the rare, large variant an allocation
+// and gain nothing.
 #[allow(clippy::large_enum_variant)]
 enum Later<B> {
     Unsent(Encoded),
@@ -626,10 +642,17 @@ impl Channel {
             .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
         // A generated client's request body is tonic's already: `Body::new` passes it through
         // (anything else is boxed once), and it can be polled unpinned.
-        let answer =
-            Self::exchange(inner, parts.headers, path, tonic::body::Body::new(body)).await?;
+        let answer = Self::exchange(
+            inner,
+            parts.headers,
+            path,
+            Outgoing::Body(tonic::body::Body::new(body)),
+        )
+        .await?;
         let body = match answer.rest {
-            Reply::Whole(data, trailers) => IncomingBody::complete(data, trailers, None),
+            Reply::Whole(data, trailers) => {
+                IncomingBody::complete(data, trailers.map(Trailers::into_map), None)
+            }
             Reply::Stream(body) => body,
         };
         let mut resp = http::Response::new(body);
@@ -640,12 +663,12 @@ impl Channel {
     }
 
     /// One call on an Ibex channel: sends the request (head `headers` for `path`, then
-    /// `body`) and returns the response head with how the rest comes.
+    /// `out`) and returns the response head with how the rest comes.
     pub(crate) async fn exchange(
         inner: Arc<Inner>,
         mut headers: HeaderMap,
         path: http::uri::PathAndQuery,
-        body: tonic::body::Body,
+        out: Outgoing,
     ) -> std::result::Result<Answer, Status> {
         // A concurrency-limited channel holds a slot until the response head is in, as
         // tower's ConcurrencyLimit does.
@@ -668,10 +691,17 @@ impl Channel {
             }
         }
         let shared = inner.connection().await?;
-        // As tonic's channel does, plus what carries the call.
-        headers
-            .entry(http::header::USER_AGENT)
-            .or_insert_with(|| shared.user_agent.clone());
+        // As tonic's channel does, plus what carries the call. A whole message's standard
+        // headers, the user agent among them, are written straight onto the wire.
+        let (body, standard) = match out {
+            Outgoing::Body(body) => {
+                headers
+                    .entry(http::header::USER_AGENT)
+                    .or_insert_with(|| shared.user_agent.clone());
+                (Ok(body), None)
+            }
+            Outgoing::Whole(data) => (Err(data), Some(shared.user_agent.clone())),
+        };
         let deadline = parse_timeout(&headers).map(|t| tokio::time::Instant::now() + t);
         let call = CallShared::new();
         let (head_tx, head_rx) = oneshot::channel();
@@ -688,10 +718,35 @@ impl Channel {
         };
 
         let mut head = Packet::new(id);
-        head.head = Some(Head::Request { path, headers });
+        head.head = Some(Head::Request {
+            path,
+            headers,
+            standard,
+        });
         // A unary request is complete at once: it goes out here, in one packet, with no
         // future for it. Whatever would wait goes on in the sending future below.
-        let later = match pump_now(&shared.mux, head, body, Side::Client) {
+        let now = match body {
+            Ok(body) => pump_now(&shared.mux, head, body, Side::Client),
+            // A message small enough to ride in its packet needs no body to pump.
+            Err(data) if data.len() <= shared.mux.inline_max() => {
+                head.end = true;
+                match shared.mux.send_now(head, Some(data)) {
+                    Ok(None) => Now::Sent,
+                    Ok(Some(unsent)) => Now::Unsent(unsent),
+                    Err(e) => Now::Failed(transport_status(&e)),
+                }
+            }
+            Err(data) => {
+                let body = IncomingBody::complete(Some(data), None, None);
+                pump_now(
+                    &shared.mux,
+                    head,
+                    tonic::body::Body::new(body),
+                    Side::Client,
+                )
+            }
+        };
+        let later = match now {
             Now::Sent => {
                 call.head_sent.set();
                 None
@@ -806,7 +861,7 @@ pub(crate) struct Answer {
 
 pub(crate) enum Reply {
     /// The call is over: its one body frame, if any, and its trailers.
-    Whole(Option<Bytes>, Option<HeaderMap>),
+    Whole(Option<Bytes>, Option<Trailers>),
     /// The body, read as it comes (it holds the call open until it ends or is dropped).
     Stream(IncomingBody),
 }

@@ -87,6 +87,7 @@ mod tests {
         p.head = Some(Head::Request {
             path: http::uri::PathAndQuery::from_static("/s/m"),
             headers: HeaderMap::new(),
+            standard: None,
         });
         p
     }

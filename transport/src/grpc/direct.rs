@@ -27,10 +27,10 @@ use tonic::server::{Grpc, UnaryService};
 use tonic::{Code, Status};
 
 use super::body::IncomingBody;
-use super::client::{Channel, Inner, Reply};
+use super::client::{Channel, Inner, Outgoing, Reply};
 use super::wire::{
     GRPC_ACCEPT_ENCODING, GRPC_CONTENT_TYPE, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, STATUS_OK,
-    TE_TRAILERS,
+    Trailers,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -57,8 +57,8 @@ pub(crate) struct DirectProbe {
     pub(crate) slot: Arc<OnceLock<DirectRoute>>,
 }
 
-/// What a direct route answers: the response headers (metadata, sanitized, with the
-/// content type), the prefixed message and the response's extensions, or the call's
+/// What a direct route answers: the response headers (metadata, sanitized; the content
+/// type is added where the answer is sent), the prefixed message and the response's extensions, or the call's
 /// status.
 pub(crate) type DirectAnswer = Result<(HeaderMap, Bytes, http::Extensions), Status>;
 
@@ -132,8 +132,8 @@ where
     let (metadata, reply, extensions) = service.call(request).await?.into_parts();
     let data = encode(&reply, max_encoding)?;
     let mut headers = metadata.into_headers();
+    // The content type goes onto the wire after these (see `Head::Response`).
     sanitize(&mut headers);
-    headers.insert(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE.clone());
     Ok((headers, data, extensions))
 }
 
@@ -147,6 +147,8 @@ pub(crate) fn into_http(answer: DirectAnswer) -> http::Response<tonic::body::Bod
     let mut trailers = HeaderMap::with_capacity(1);
     trailers.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
     let body = IncomingBody::complete(Some(data), Some(trailers), None);
+    let mut headers = headers;
+    headers.insert(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE.clone());
     let mut resp = http::Response::new(tonic::body::Body::new(body));
     *resp.version_mut() = http::Version::HTTP_2;
     *resp.headers_mut() = headers;
@@ -273,11 +275,10 @@ impl DirectClient {
         let (metadata, _extensions, msg) = request.into_parts();
         let data = encode(&msg, self.max_encoding)?;
         let mut headers = metadata.into_headers();
+        // `te` and `content-type` are among these, and go on the wire after them.
         sanitize(&mut headers);
-        headers.insert(http::header::TE, TE_TRAILERS.clone());
-        headers.insert(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE.clone());
-        let body = tonic::body::Body::new(IncomingBody::complete(Some(data), None, None));
-        let answer = Channel::exchange(self.inner.clone(), headers, path, body).await?;
+        let answer =
+            Channel::exchange(self.inner.clone(), headers, path, Outgoing::Whole(data)).await?;
         let mut headers = answer.headers;
         // A trailers-only answer: its status is in the head.
         if let Some(s) = Status::from_header_map(&headers) {
@@ -290,12 +291,17 @@ impl DirectClient {
         let with_head = |s: Status| with_metadata(s, &headers);
         let (data, trailers) = match answer.rest {
             Reply::Whole(data, trailers) => (data.unwrap_or_default(), trailers),
-            Reply::Stream(body) => collect(body, self.max_decoding).await.map_err(with_head)?,
+            Reply::Stream(body) => {
+                let (data, trailers) = collect(body, self.max_decoding).await.map_err(with_head)?;
+                (data, trailers.map(Trailers::Map))
+            }
         };
-        let trailers = trailers.unwrap_or_default();
-        if !ok(&trailers) {
-            return Err(with_head(status_of(answer.status, &trailers)));
-        }
+        let trailers = match trailers {
+            Some(Trailers::Ok) => None,
+            Some(Trailers::Map(t)) if ok(&t) => Some(t),
+            Some(Trailers::Map(t)) => return Err(with_head(status_of(answer.status, &t))),
+            None => return Err(with_head(status_of(answer.status, &HeaderMap::new()))),
+        };
         let msg = match one_message(&data, self.max_decoding) {
             Framed::One(m) => m,
             Framed::Bad(s) => return Err(with_head(s)),
@@ -307,7 +313,12 @@ impl DirectClient {
         let msg = R::decode(msg).map_err(|e| with_head(Status::internal(e.to_string())))?;
         // As tonic: the response's metadata is its head, then its trailers (a trailer
         // replaces a head entry of the same name).
-        headers.extend(trailers);
+        match trailers {
+            Some(t) => headers.extend(t),
+            None => {
+                headers.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
+            }
+        }
         Ok(tonic::Response::from_parts(
             MetadataMap::from_headers(headers),
             msg,

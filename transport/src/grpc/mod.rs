@@ -60,7 +60,7 @@ use crate::error::{Error, Result};
 use body::{READ_BUDGET, ReadSource};
 use pump::Side;
 use tonic::Status;
-use wire::{Data, INLINE_MAX, PACKET_ROOM, Packet};
+use wire::{Data, INLINE_MAX, PACKET_ROOM, Packet, Trailers};
 
 /// Entry points for the fuzz targets and their seed-corpus test (`transport/fuzz`); not a
 /// stable API.
@@ -280,7 +280,10 @@ impl Mux {
             let mut abort = Packet::new(call);
             match side {
                 Side::Client => abort.reset = true,
-                Side::Server => abort.trailers = Some(pump::status_trailers(&transport_status(e))),
+                Side::Server => {
+                    abort.trailers =
+                        Some(Trailers::Map(pump::status_trailers(&transport_status(e))))
+                }
             }
             abort.encode().ok()
         };

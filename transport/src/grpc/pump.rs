@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use super::body::ReadSource;
-use super::wire::{Head, Packet};
+use super::wire::{Head, Packet, Trailers};
 use super::{CallShared, Encoded, Mux, read_while, transport_status};
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -80,6 +80,7 @@ pub(crate) fn trailers_only(id: u32, status: Status) -> Packet {
     p.head = Some(Head::Response {
         status: parts.status,
         headers: parts.headers,
+        standard: None,
     });
     p.end = true;
     p
@@ -154,7 +155,7 @@ where
                     item = next => item,
                     _ = sleep => {
                         let mut p = Packet::new(id);
-                        p.trailers = Some(status_trailers(&Status::deadline_exceeded("Deadline expired before the response completed")));
+                        p.trailers = Some(Trailers::Map(status_trailers(&Status::deadline_exceeded("Deadline expired before the response completed"))));
                         let _ = mux.send(p, None).await;
                         return Pumped::Stopped;
                     }
@@ -198,7 +199,7 @@ where
                 Err(frame) => {
                     // Trailers end the call; gRPC requests carry none, so a client just ends.
                     match (side, frame.into_trailers()) {
-                        (Side::Server, Ok(t)) => p.trailers = Some(t),
+                        (Side::Server, Ok(t)) => p.trailers = Some(Trailers::Map(t)),
                         _ => p.end = true,
                     }
                     return sent(mux.send(p, d).await);
@@ -211,7 +212,7 @@ where
             Some(Err(e)) => {
                 let status = Status::from_error(e);
                 match side {
-                    Side::Server => p.trailers = Some(status_trailers(&status)),
+                    Side::Server => p.trailers = Some(Trailers::Map(status_trailers(&status))),
                     Side::Client => p.reset = true,
                 }
                 let _ = mux.send(p, d).await;
@@ -278,7 +279,7 @@ where
                 }
                 Err(frame) => {
                     match (side, frame.into_trailers()) {
-                        (Side::Server, Ok(t)) => head.trailers = Some(t),
+                        (Side::Server, Ok(t)) => head.trailers = Some(Trailers::Map(t)),
                         _ => head.end = true,
                     }
                     break;

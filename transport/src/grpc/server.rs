@@ -22,7 +22,7 @@ use super::demux::{Demux, Got};
 use super::direct::{DirectFuture, WholeRequest, direct_message, into_http};
 use super::pump::{self, Now, Side, pump, trailers_only};
 use super::router::{Direct, Handler, Router};
-use super::wire::{Head, Limits, Packet};
+use super::wire::{Head, Limits, Packet, Trailers};
 use super::{CallShared, Encoded, Flag, Mux, parse_timeout};
 use crate::config::Config;
 use crate::conn::{ConnStats, Connection, Listener};
@@ -694,7 +694,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         let id = p.call;
         let data_len = data.as_ref().map(Bytes::len);
         let mut started = None;
-        if let Some(Head::Request { path, headers }) = p.head.take() {
+        if let Some(Head::Request { path, headers, .. }) = p.head.take() {
             let call = CallShared::new();
             // A request that came whole in this packet (a unary one) needs no inbox.
             let complete = p.end && !p.reset;
@@ -952,7 +952,7 @@ fn direct_now(mux: &Mux, id: u32, call: &CallShared, mut fut: DirectFuture) -> S
         let (pkt, data) = match answer {
             Ok((headers, data, _extensions)) => {
                 let mut pkt = response_head(id, http::StatusCode::OK, headers);
-                pkt.status_ok = true;
+                pkt.trailers = Some(Trailers::Ok);
                 pkt.end = true;
                 (pkt, Some(data))
             }
@@ -977,12 +977,15 @@ fn direct_now(mux: &Mux, id: u32, call: &CallShared, mut fut: DirectFuture) -> S
 }
 
 /// The head packet of a response.
-fn response_head(id: u32, status: http::StatusCode, mut headers: http::HeaderMap) -> Packet {
-    headers
-        .entry(http::header::DATE)
-        .or_insert_with(date_header);
+fn response_head(id: u32, status: http::StatusCode, headers: http::HeaderMap) -> Packet {
     let mut head = Packet::new(id);
-    head.head = Some(Head::Response { status, headers });
+    // Content type and date, unless the service set them, go onto the wire with no map
+    // entry made for them.
+    head.head = Some(Head::Response {
+        status,
+        headers,
+        standard: Some(date_header()),
+    });
     head
 }
 

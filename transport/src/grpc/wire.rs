@@ -76,11 +76,20 @@ pub(crate) enum Head {
     Request {
         path: PathAndQuery,
         headers: HeaderMap,
+        /// Sending only (`None` when decoded): the headers every gRPC request carries,
+        /// written after `headers` with no map made for them: `te: trailers`,
+        /// `content-type: application/grpc`, and this `user-agent` unless `headers` has
+        /// one. The receiver decodes them into its map like any other.
+        standard: Option<HeaderValue>,
     },
     /// Server to client: the HTTP status and the response headers.
     Response {
         status: StatusCode,
         headers: HeaderMap,
+        /// Sending only (`None` when decoded): the headers every gRPC response head
+        /// carries, written after `headers` unless it has them: `content-type:
+        /// application/grpc` and this `date`.
+        standard: Option<HeaderValue>,
     },
 }
 
@@ -92,17 +101,37 @@ pub(crate) enum Data {
     Next(u64),
 }
 
+/// A packet's trailers. Nearly every answer ends with `grpc-status: 0` and nothing else:
+/// that one is written and read as a constant block, with no map made for it on either
+/// side (a map costs two allocations, hashing and a drop).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Trailers {
+    /// `grpc-status: 0`, alone.
+    Ok,
+    Map(HeaderMap),
+}
+
+impl Trailers {
+    /// The trailers as a map, as an `http_body` trailers frame carries them.
+    pub(crate) fn into_map(self) -> HeaderMap {
+        match self {
+            Trailers::Map(m) => m,
+            Trailers::Ok => {
+                let mut m = HeaderMap::with_capacity(1);
+                m.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
+                m
+            }
+        }
+    }
+}
+
 /// One decoded packet.
 #[derive(Debug, Default)]
 pub(crate) struct Packet {
     pub call: u32,
     pub head: Option<Head>,
     pub data: Option<Data>,
-    pub trailers: Option<HeaderMap>,
-    /// The trailers are `grpc-status: 0` and nothing else (with `trailers` `None`): what
-    /// nearly every answer ends with, written without a map. Only the sender sets it; a
-    /// decoded packet has its trailers in `trailers`.
-    pub status_ok: bool,
+    pub trailers: Option<Trailers>,
     pub end: bool,
     pub reset: bool,
     pub window: Option<u32>,
@@ -128,13 +157,23 @@ impl Packet {
             flags |= HEAD;
             let at = reserve_len(&mut b);
             match h {
-                Head::Request { path, headers } => {
+                Head::Request {
+                    path,
+                    headers,
+                    standard,
+                } => {
                     put_str16(&mut b, path.as_str().as_bytes(), "method path")?;
-                    put_headers(&mut b, headers)?;
+                    let extra = standard_headers(headers, standard, true);
+                    put_headers_and(&mut b, headers, extra.as_slice())?;
                 }
-                Head::Response { status, headers } => {
+                Head::Response {
+                    status,
+                    headers,
+                    standard,
+                } => {
                     b.extend_from_slice(&(status.as_u16()).to_be_bytes());
-                    put_headers(&mut b, headers)?;
+                    let extra = standard_headers(headers, standard, false);
+                    put_headers_and(&mut b, headers, extra.as_slice())?;
                 }
             }
             patch_len(&mut b, at)?;
@@ -154,14 +193,18 @@ impl Packet {
             }
             None => {}
         }
-        if let Some(t) = &self.trailers {
-            flags |= TRAILERS;
-            let at = reserve_len(&mut b);
-            put_headers(&mut b, t)?;
-            patch_len(&mut b, at)?;
-        } else if self.status_ok {
-            flags |= TRAILERS;
-            b.extend_from_slice(&STATUS_OK_BLOCK);
+        match &self.trailers {
+            Some(Trailers::Map(t)) => {
+                flags |= TRAILERS;
+                let at = reserve_len(&mut b);
+                put_headers(&mut b, t)?;
+                patch_len(&mut b, at)?;
+            }
+            Some(Trailers::Ok) => {
+                flags |= TRAILERS;
+                b.extend_from_slice(&STATUS_OK_BLOCK);
+            }
+            None => {}
         }
         if let Some(w) = self.window {
             flags |= WINDOW;
@@ -190,10 +233,17 @@ impl Packet {
                 .sum::<usize>()
         }
         let head = match &self.head {
-            Some(Head::Request { path, headers }) => {
-                4 + 2 + path.as_str().len() + headers_len(headers)
+            Some(Head::Request {
+                path,
+                headers,
+                standard,
+            }) => {
+                let extra = standard_headers(headers, standard, true).len();
+                4 + 2 + path.as_str().len() + headers_len(headers) + extra
             }
-            Some(Head::Response { headers, .. }) => 4 + 2 + headers_len(headers),
+            Some(Head::Response {
+                headers, standard, ..
+            }) => 4 + 2 + headers_len(headers) + standard_headers(headers, standard, false).len(),
             None => 0,
         };
         let data = match &self.data {
@@ -202,8 +252,8 @@ impl Packet {
             None => 0,
         };
         let trailers = match &self.trailers {
-            Some(t) => 4 + headers_len(t),
-            None if self.status_ok => STATUS_OK_BLOCK.len(),
+            Some(Trailers::Map(t)) => 4 + headers_len(t),
+            Some(Trailers::Ok) => STATUS_OK_BLOCK.len(),
             None => 0,
         };
         5 + head + data + trailers + if self.window.is_some() { 4 } else { 0 }
@@ -241,6 +291,7 @@ impl Packet {
                 Head::Request {
                     path,
                     headers: get_headers(&mut h, limits, 0)?,
+                    standard: None,
                 }
             } else {
                 let code = get_u16(&mut h, "HTTP status")?;
@@ -251,6 +302,7 @@ impl Packet {
                     // tonic's client merges the trailers into the response's headers: room
                     // for them now saves growing (and rehashing) the map then.
                     headers: get_headers(&mut h, limits, TRAILER_ROOM)?,
+                    standard: None,
                 }
             });
             expect_empty(&h, "head block")?;
@@ -268,8 +320,13 @@ impl Packet {
         }
         if flags & TRAILERS != 0 {
             let mut t = take(&mut b, "trailers block")?;
-            p.trailers = Some(get_headers(&mut t, limits, 0)?);
-            expect_empty(&t, "trailers block")?;
+            p.trailers = Some(if t[..] == STATUS_OK_BLOCK[4..] {
+                Trailers::Ok
+            } else {
+                let map = get_headers(&mut t, limits, 0)?;
+                expect_empty(&t, "trailers block")?;
+                Trailers::Map(map)
+            });
         }
         if flags & WINDOW != 0 {
             p.window = Some(get_u32(&mut b, "window credit")?);
@@ -312,8 +369,8 @@ fn put_str16(b: &mut BytesMut, s: &[u8], what: &str) -> Result<()> {
     Ok(())
 }
 
-/// The trailers block of [`Packet::status_ok`], as [`put_headers`] writes `grpc-status: 0`
-/// behind its length: one entry, the name, the value.
+/// The block of [`Trailers::Ok`], as [`put_headers`] writes `grpc-status: 0` behind the
+/// block's length: one entry, the name, the value.
 const STATUS_OK_BLOCK: [u8; 24] = {
     let mut b = [0u8; 24];
     // Block length (20), entry count (1), name length (11).
@@ -339,10 +396,80 @@ const STATUS_OK_BLOCK: [u8; 24] = {
 };
 
 fn put_headers(b: &mut BytesMut, h: &HeaderMap) -> Result<()> {
-    let n = u16::try_from(h.len())
+    put_headers_and(b, h, &[])
+}
+
+/// The entries [`Head::Request::standard`] stands for: up to three.
+struct Standard<'a> {
+    entries: [(&'a HeaderName, &'a HeaderValue); 3],
+    len: usize,
+}
+
+impl<'a> Standard<'a> {
+    fn as_slice(&self) -> &[(&'a HeaderName, &'a HeaderValue)] {
+        &self.entries[..self.len]
+    }
+
+    fn push(&mut self, name: &'a HeaderName, value: &'a HeaderValue) {
+        self.entries[self.len] = (name, value);
+        self.len += 1;
+    }
+
+    /// Their encoded size.
+    fn len(&self) -> usize {
+        self.as_slice()
+            .iter()
+            .map(|(n, v)| 2 + n.as_str().len() + 4 + v.len())
+            .sum()
+    }
+}
+
+/// The entries a head's `standard` stands for, after `headers`: on a request `te`,
+/// `content-type` and the user agent `standard` unless `headers` has one; on a response
+/// `content-type` and the date `standard`, each unless `headers` has it.
+fn standard_headers<'a>(
+    headers: &HeaderMap,
+    standard: &'a Option<HeaderValue>,
+    request: bool,
+) -> Standard<'a> {
+    static TE: HeaderName = http::header::TE;
+    static CONTENT_TYPE: HeaderName = http::header::CONTENT_TYPE;
+    static USER_AGENT: HeaderName = http::header::USER_AGENT;
+    static DATE: HeaderName = http::header::DATE;
+    let mut s = Standard {
+        entries: [(&TE, TE_TRAILERS); 3],
+        len: 0,
+    };
+    let Some(v) = standard else {
+        return s;
+    };
+    if request {
+        s.push(&TE, TE_TRAILERS);
+        s.push(&CONTENT_TYPE, GRPC_CONTENT_TYPE);
+        if !headers.contains_key(&USER_AGENT) {
+            s.push(&USER_AGENT, v);
+        }
+    } else {
+        if !headers.contains_key(&CONTENT_TYPE) {
+            s.push(&CONTENT_TYPE, GRPC_CONTENT_TYPE);
+        }
+        if !headers.contains_key(&DATE) {
+            s.push(&DATE, v);
+        }
+    }
+    s
+}
+
+/// `h`'s entries, then `extra`'s, as one header list.
+fn put_headers_and(
+    b: &mut BytesMut,
+    h: &HeaderMap,
+    extra: &[(&HeaderName, &HeaderValue)],
+) -> Result<()> {
+    let n = u16::try_from(h.len() + extra.len())
         .map_err(|_| Error::Protocol("gRPC call framing: more than 65535 headers".into()))?;
     b.extend_from_slice(&n.to_be_bytes());
-    for (name, value) in h {
+    for (name, value) in h.iter().chain(extra.iter().copied()) {
         put_str16(b, name.as_str().as_bytes(), "header name")?;
         b.extend_from_slice(
             &(u32::try_from(value.len()).map_err(|_| too_big("header value"))?).to_be_bytes(),
@@ -575,6 +702,7 @@ mod tests {
         p.head = Some(Head::Request {
             path: PathAndQuery::from_static("/pkg.Svc/Method"),
             headers: headers(),
+            standard: None,
         });
         p.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x03abc")));
         p.end = true;
@@ -582,7 +710,9 @@ mod tests {
         let d = Packet::decode(wire.clone(), true, &Limits::default()).unwrap();
         assert_eq!(d.call, 7);
         match d.head {
-            Some(Head::Request { path, headers: h }) => {
+            Some(Head::Request {
+                path, headers: h, ..
+            }) => {
                 assert_eq!(path, "/pkg.Svc/Method");
                 // The path is the connection's cached copy: it does not keep the packet.
                 assert!(!wire.as_ptr_range().contains(&path.as_str().as_ptr()));
@@ -601,38 +731,154 @@ mod tests {
         p.head = Some(Head::Response {
             status: StatusCode::OK,
             headers: HeaderMap::new(),
+            standard: None,
         });
         p.data = Some(Data::Next(1 << 40));
         let mut t = HeaderMap::new();
         t.insert("grpc-status", HeaderValue::from_static("0"));
-        p.trailers = Some(t.clone());
+        p.trailers = Some(Trailers::Map(t.clone()));
         p.window = Some(12345);
         let d = Packet::decode(p.encode().unwrap(), false, &Limits::default()).unwrap();
         assert!(
-            matches!(d.head, Some(Head::Response { status: StatusCode::OK, ref headers }) if headers.is_empty())
+            matches!(d.head, Some(Head::Response { status: StatusCode::OK, ref headers, .. }) if headers.is_empty())
         );
         assert!(matches!(d.data, Some(Data::Next(n)) if n == 1 << 40));
-        assert_eq!(d.trailers, Some(t));
+        assert_eq!(
+            d.trailers,
+            Some(Trailers::Ok),
+            "a lone grpc-status: 0 reads back as the constant"
+        );
         assert_eq!(d.window, Some(12345));
         assert!(d.end, "trailers end the call");
     }
 
     #[test]
-    fn status_ok_is_the_grpc_status_0_trailer_on_the_wire() {
+    fn standard_request_headers_follow_the_map_on_the_wire() {
+        let ua = HeaderValue::from_static("ibex-test/1");
+        let mut base = HeaderMap::new();
+        base.insert("x-a", HeaderValue::from_static("1"));
+        let mut p = Packet::new(3);
+        p.head = Some(Head::Request {
+            path: PathAndQuery::from_static("/a/b"),
+            headers: base.clone(),
+            standard: Some(ua.clone()),
+        });
+        let wire = p.encode().unwrap();
+        assert_eq!(wire.len(), p.encoded_len());
+        let Some(Head::Request {
+            headers: h,
+            standard,
+            ..
+        }) = Packet::decode(wire, true, &Limits::default()).unwrap().head
+        else {
+            panic!("no request head")
+        };
+        assert!(
+            standard.is_none(),
+            "a decoded head has everything in its map"
+        );
+        assert_eq!(
+            h.iter()
+                .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
+                .collect::<Vec<_>>(),
+            [
+                ("x-a", "1"),
+                ("te", "trailers"),
+                ("content-type", "application/grpc"),
+                ("user-agent", "ibex-test/1")
+            ],
+            "after the map's own entries, in this order"
+        );
+        // A user agent of the caller's own is kept, and not sent twice.
+        base.insert("user-agent", HeaderValue::from_static("mine"));
+        p.head = Some(Head::Request {
+            path: PathAndQuery::from_static("/a/b"),
+            headers: base,
+            standard: Some(ua),
+        });
+        let wire = p.encode().unwrap();
+        assert_eq!(wire.len(), p.encoded_len());
+        let Some(Head::Request { headers: h, .. }) =
+            Packet::decode(wire, true, &Limits::default()).unwrap().head
+        else {
+            panic!("no request head")
+        };
+        assert_eq!(h.get_all("user-agent").iter().collect::<Vec<_>>(), ["mine"]);
+        assert_eq!(h.len(), 4);
+    }
+
+    #[test]
+    fn standard_response_headers_fill_in_what_the_map_lacks() {
+        let date = HeaderValue::from_static("Thu, 26 Nov 2026 00:00:00 GMT");
+        let decoded = |headers: HeaderMap| {
+            let mut p = Packet::new(4);
+            p.head = Some(Head::Response {
+                status: StatusCode::OK,
+                headers,
+                standard: Some(date.clone()),
+            });
+            let wire = p.encode().unwrap();
+            assert_eq!(wire.len(), p.encoded_len());
+            match Packet::decode(wire, false, &Limits::default())
+                .unwrap()
+                .head
+            {
+                Some(Head::Response { headers, .. }) => headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_str().unwrap().to_string()))
+                    .collect::<Vec<_>>(),
+                other => panic!("{other:?}"),
+            }
+        };
+        let pair = |k: &str, v: &str| (k.to_string(), v.to_string());
+        assert_eq!(
+            decoded(HeaderMap::new()),
+            [
+                pair("content-type", "application/grpc"),
+                pair("date", "Thu, 26 Nov 2026 00:00:00 GMT")
+            ]
+        );
+        let mut own = HeaderMap::new();
+        own.insert(
+            "content-type",
+            HeaderValue::from_static("application/grpc+proto"),
+        );
+        own.insert("date", HeaderValue::from_static("then"));
+        assert_eq!(
+            decoded(own),
+            [
+                pair("content-type", "application/grpc+proto"),
+                pair("date", "then")
+            ]
+        );
+    }
+
+    #[test]
+    fn a_lone_grpc_status_0_is_the_constant_block_both_ways() {
         let mut by_map = Packet::new(5);
         by_map.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x01x")));
         let mut t = HeaderMap::new();
         t.insert("grpc-status", HeaderValue::from_static("0"));
-        by_map.trailers = Some(t.clone());
-        let mut by_flag = Packet::new(5);
-        by_flag.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x01x")));
-        by_flag.status_ok = true;
-        let wire = by_flag.encode().unwrap();
+        by_map.trailers = Some(Trailers::Map(t.clone()));
+        let mut by_const = Packet::new(5);
+        by_const.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x01x")));
+        by_const.trailers = Some(Trailers::Ok);
+        let wire = by_const.encode().unwrap();
         assert_eq!(wire, by_map.encode().unwrap());
-        assert_eq!(wire.len(), by_flag.encoded_len());
+        assert_eq!(wire.len(), by_const.encoded_len());
         let d = Packet::decode(wire, false, &Limits::default()).unwrap();
-        assert_eq!(d.trailers, Some(t));
-        assert!(d.end && !d.status_ok);
+        assert_eq!(d.trailers, Some(Trailers::Ok));
+        assert!(d.end);
+        assert_eq!(Trailers::Ok.into_map(), t);
+        // Anything else, even one more entry or another value, is a map.
+        for (k, v) in [("grpc-status", "1"), ("x-more", "0")] {
+            let mut m = t.clone();
+            m.insert(k, HeaderValue::from_static(v));
+            let mut p = Packet::new(5);
+            p.trailers = Some(Trailers::Map(m.clone()));
+            let d = Packet::decode(p.encode().unwrap(), false, &Limits::default()).unwrap();
+            assert_eq!(d.trailers, Some(Trailers::Map(m)));
+        }
     }
 
     #[test]
@@ -653,6 +899,7 @@ mod tests {
         req.head = Some(Head::Request {
             path: PathAndQuery::from_static("/pkg.Svc/Method"),
             headers: headers(),
+            standard: None,
         });
         req.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x03abc")));
         req.window = Some(9);
@@ -660,9 +907,10 @@ mod tests {
         resp.head = Some(Head::Response {
             status: StatusCode::OK,
             headers: headers(),
+            standard: None,
         });
         resp.data = Some(Data::Next(1 << 30));
-        resp.trailers = Some(headers());
+        resp.trailers = Some(Trailers::Map(headers()));
         let mut bare = Packet::new(9);
         bare.reset = true;
         for p in [req, resp, bare] {
@@ -715,7 +963,7 @@ mod tests {
             "x-big",
             HeaderValue::from_str(&"v".repeat(20 << 10)).unwrap(),
         );
-        p.trailers = Some(h);
+        p.trailers = Some(Trailers::Map(h));
         let e = Packet::decode(p.encode().unwrap(), false, &lim).unwrap_err();
         assert!(e.to_string().contains("exceeds 16384 bytes"), "{e}");
     }
@@ -726,6 +974,7 @@ mod tests {
         p.head = Some(Head::Request {
             path: PathAndQuery::from_static("/a/b"),
             headers: headers(),
+            standard: None,
         });
         p.data = Some(Data::Inline(Bytes::from_static(b"xyz")));
         let good = p.encode().unwrap();
@@ -752,6 +1001,7 @@ mod tests {
         bad.head = Some(Head::Request {
             path: PathAndQuery::from_static("/a/b"),
             headers: HeaderMap::new(),
+            standard: None,
         });
         let bad = bad.encode().unwrap().to_vec();
         assert_eq!(&bad[11..15], b"/a/b");

@@ -191,6 +191,11 @@ impl Bench for BenchImpl {
             if let Some(ua) = req.metadata().get("user-agent") {
                 md.insert("x-user-agent", ua.clone());
             }
+            for (from, to) in [("te", "x-te"), ("content-type", "x-content-type")] {
+                if let Some(v) = req.metadata().get(from) {
+                    md.insert(to, v.clone());
+                }
+            }
             if let Some(i) = req.extensions().get::<ibex_transport::grpc::ConnectInfo>() {
                 md.insert("x-provider", i.provider.parse().unwrap());
                 if let Some(pid) = i.peer_pid {
