@@ -11,7 +11,9 @@
 //!   other channel (stock tonic, an interceptor, `http://`) it is tonic's client, unchanged;
 //! - a generated server's unary routes decode a request that came whole over Ibex
 //!   themselves, and leave everything else (stock HTTP/2, compression, several messages)
-//!   to tonic.
+//!   to tonic; on an Ibex server each route also offers itself as a direct route, which
+//!   the server then calls with no `http::Request`, router or response body in between
+//!   (only when the service was added as generated, not behind a wrapper).
 //!
 //! The types and their APIs are tonic's own, so user code does not change; only `build.rs`:
 //!
