@@ -3,11 +3,10 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
-use tokio::sync::oneshot;
 use tonic::Status;
 
 use super::body::{IbexBody, Inbound, Inbox, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
@@ -36,6 +35,85 @@ enum Rest {
 }
 
 type HeadResult = std::result::Result<RespHead, Status>;
+
+/// A call's response head on its way to the caller: a one-shot slot in the call's
+/// [`CallShared`], which exists anyway, instead of a channel allocated per call.
+#[derive(Default)]
+pub(crate) struct HeadSlot {
+    value: Option<HeadResult>,
+    /// The sender went away without sending: the call was dropped with its connection.
+    closed: bool,
+    waker: Option<Waker>,
+}
+
+fn head_slot(call: &CallShared) -> std::sync::MutexGuard<'_, HeadSlot> {
+    // Plain data: a panic elsewhere while holding it leaves nothing half-done.
+    call.head.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The sending side: sends once, or marks the slot closed when dropped unsent.
+pub(crate) struct HeadTx(Option<Arc<CallShared>>);
+
+impl HeadTx {
+    fn send(mut self, v: HeadResult) {
+        if let Some(call) = self.0.take() {
+            let waker = {
+                let mut slot = head_slot(&call);
+                slot.value = Some(v);
+                slot.waker.take()
+            };
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+    }
+}
+
+impl Drop for HeadTx {
+    fn drop(&mut self) {
+        if let Some(call) = self.0.take() {
+            let waker = {
+                let mut slot = head_slot(&call);
+                slot.closed = true;
+                slot.waker.take()
+            };
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+    }
+}
+
+/// The waiting side: the head, or `Err` if the sender was dropped without one.
+struct HeadRx(Arc<CallShared>);
+
+impl Drop for HeadRx {
+    fn drop(&mut self) {
+        // A head nobody will take (the caller gave up) must not live on with the call's
+        // other users, holding its answer.
+        let late = head_slot(&self.0).value.take();
+        drop(late);
+    }
+}
+
+impl Future for HeadRx {
+    type Output = std::result::Result<HeadResult, ()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut slot = head_slot(&self.0);
+        if let Some(v) = slot.value.take() {
+            return Poll::Ready(Ok(v));
+        }
+        if slot.closed {
+            return Poll::Ready(Err(()));
+        }
+        match &mut slot.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            w => *w = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+}
 
 /// A gRPC client channel over one Ibex connection. Cheap to clone; all clones multiplex
 /// their calls on the same connection. Hand it to any generated client:
@@ -207,7 +285,7 @@ struct Shared {
 }
 
 struct Call {
-    head: Option<oneshot::Sender<HeadResult>>,
+    head: Option<HeadTx>,
     /// The response body's inbox, made when something comes for it: an answer that comes
     /// whole (most unary ones) needs none.
     body: Option<InboxTx>,
@@ -240,7 +318,7 @@ impl Call {
     /// Fails the call with `status`, wherever its caller is waiting.
     fn fail(mut self, status: Status) {
         if let Some(h) = self.head.take() {
-            let _ = h.send(Err(status));
+            h.send(Err(status));
         } else if let Some(b) = &self.body {
             b.send(Inbound::Error(status));
         }
@@ -298,7 +376,7 @@ impl Shared {
             } else {
                 Rest::Stream(c.take_body())
             };
-            let _ = h.send(Ok(RespHead {
+            h.send(Ok(RespHead {
                 status,
                 headers,
                 rest,
@@ -316,13 +394,13 @@ impl Shared {
             // Cancelled, as stock tonic reports the HTTP/2 reset of a panicked handler.
             let s = Status::cancelled("the server aborted the call (its handler panicked)");
             if let Some(h) = c.head.take() {
-                let _ = h.send(Err(s));
+                h.send(Err(s));
             } else if let Some(b) = &c.body {
                 b.send(Inbound::Error(s));
             }
         }
         if ended && let Some(h) = c.head.take() {
-            let _ = h.send(Err(Status::internal(
+            h.send(Err(Status::internal(
                 "the server ended the call without a response head",
             )));
         }
@@ -336,7 +414,7 @@ impl Shared {
         }) = p.head.take()
             && let Some(h) = c.head.take()
         {
-            let _ = h.send(Ok(RespHead {
+            h.send(Ok(RespHead {
                 status,
                 headers,
                 rest: Rest::Stream(c.take_body()),
@@ -704,9 +782,9 @@ impl Channel {
         };
         let deadline = parse_timeout(&headers).map(|t| tokio::time::Instant::now() + t);
         let call = CallShared::new();
-        let (head_tx, head_rx) = oneshot::channel();
+        let head_rx = HeadRx(call.clone());
         let id = shared.lock().open(Call {
-            head: Some(head_tx),
+            head: Some(HeadTx(Some(call.clone()))),
             body: None,
             body_rx: None,
             shared: call.clone(),
@@ -1185,5 +1263,59 @@ where
                 })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::Wake;
+
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn head() -> HeadResult {
+        Ok(RespHead {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+            rest: Rest::Whole(None, None),
+        })
+    }
+
+    #[test]
+    fn the_head_slot_is_a_oneshot() {
+        let wakes = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+
+        // Sent after the caller waited: the caller is woken once and gets it.
+        let call = CallShared::new();
+        let mut rx = std::pin::pin!(HeadRx(call.clone()));
+        let tx = HeadTx(Some(call.clone()));
+        assert!(rx.as_mut().poll(&mut cx).is_pending());
+        tx.send(head());
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 1);
+        assert!(matches!(rx.as_mut().poll(&mut cx), Poll::Ready(Ok(Ok(_)))));
+
+        // Dropped unsent: the caller is woken and told, as a closed channel would.
+        let call = CallShared::new();
+        let mut rx = std::pin::pin!(HeadRx(call.clone()));
+        assert!(rx.as_mut().poll(&mut cx).is_pending());
+        drop(HeadTx(Some(call.clone())));
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 2);
+        assert!(matches!(rx.as_mut().poll(&mut cx), Poll::Ready(Err(()))));
+
+        // A head the caller never takes does not stay with the call once the caller is gone.
+        let call = CallShared::new();
+        let rx = HeadRx(call.clone());
+        HeadTx(Some(call.clone())).send(head());
+        drop(rx);
+        assert!(head_slot(&call).value.is_none());
     }
 }

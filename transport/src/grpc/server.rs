@@ -758,6 +758,8 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             // synchronous part (an interceptor, a tower layer) runs on this task: a panic
             // there must fail only this call, as one in the handler's future does. A call
             // whose head came with its reset never reaches the service.
+            // The path is kept only to record what a probe finds.
+            let probed = probe.as_ref().map(|pr| (path.clone(), pr.clone()));
             let first = if p.reset {
                 First::Start(Start::Ended(false))
             } else if let Some((route, msg)) = direct {
@@ -768,7 +770,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             } else {
                 let mut req = http::Request::new(tonic::body::Body::new(body.unwrap_or_default()));
                 *req.method_mut() = http::Method::POST;
-                *req.uri_mut() = http::Uri::from(path.clone());
+                *req.uri_mut() = http::Uri::from(path);
                 *req.version_mut() = http::Version::HTTP_2;
                 *req.headers_mut() = headers;
                 *req.extensions_mut() = extensions;
@@ -776,8 +778,8 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 if let Some(w) = whole {
                     req.extensions_mut().insert(w);
                 }
-                if let Some(pr) = &probe {
-                    req.extensions_mut().insert(pr.clone());
+                if let Some(pr) = probe {
+                    req.extensions_mut().insert(pr);
                 }
                 First::Start(
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -786,7 +788,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                     .map_or(Start::Ended(true), Start::Handler),
                 )
             };
-            started = Some((first, call, deadline, probe.map(|pr| (path, pr))));
+            started = Some((first, call, deadline, probed));
         }
         // For a request that came whole, its body has all this already (no inbox); it is
         // still counted against the call's window here.
