@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use grpc_common::service::{ERROR_DETAILS, ERROR_MESSAGE, Event};
-use grpc_common::transports::{Services, ibex_config, ibex_serve, shm_uri};
+use grpc_common::transports::{Services, ibex_config, ibex_serve, ibex_serve_stats, shm_uri};
 use grpc_common::{BenchImpl, ServerHandle, pattern};
 use ibex_proto::bench::v1::Payload;
 use ibex_proto::bench::v1::bench_client::BenchClient;
@@ -60,43 +60,22 @@ struct Servers {
     seen: Arc<AtomicUsize>,
 }
 
-async fn serve_one<S>(uri: String, svc: S) -> (ServerHandle, ServerStats)
-where
-    S: tower::Service<http::Request<tonic::body::Body>, Error = std::convert::Infallible>
-        + tonic::server::NamedService
-        + Clone
-        + Send
-        + Sync
-        + 'static,
-    S::Response: axum::response::IntoResponse,
-    S::Future: Send + 'static,
-{
-    let listener = ibex_transport::listen(&uri, ibex_config()).await.unwrap();
-    let addr = listener.local_uri();
-    let b = ibex_transport::grpc::Server::builder().add_service(svc);
-    let stats = b.stats();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        b.serve_with_listener(listener, async {
-            let _ = rx.await;
-        })
-        .await
-        .map_err(|e| e.to_string())
-    });
-    (ServerHandle::new(addr, tx, task), stats)
-}
-
 async fn serve(
     uri: fn() -> String,
     max_decode: Option<usize>,
     max_encode: Option<usize>,
 ) -> Servers {
     let (svc, _ev) = BenchImpl::new();
-    let plain = serve_one(uri(), svc.server(max_decode, max_encode)).await;
+    let plain = ibex_serve_stats(
+        uri(),
+        Services::new(svc.server(max_decode, max_encode)),
+        ibex_config(),
+    )
+    .await;
     let (svc, _ev) = BenchImpl::new();
     let seen = Arc::new(AtomicUsize::new(0));
     let wrapped = InterceptedService::new(svc.server(max_decode, max_encode), Count(seen.clone()));
-    let wrapped = serve_one(uri(), wrapped).await;
+    let wrapped = ibex_serve_stats(uri(), Services::new(wrapped), ibex_config()).await;
     Servers {
         plain,
         wrapped,

@@ -221,18 +221,29 @@ async fn ibex_serve_with(
     services: Services,
     config: ibex_transport::Config,
 ) -> ServerHandle {
+    ibex_serve_stats(uri, services, config).await.0
+}
+
+/// [`ibex_serve`], with a handle on the server's counters.
+pub async fn ibex_serve_stats(
+    uri: String,
+    services: Services,
+    config: ibex_transport::Config,
+) -> (ServerHandle, ibex_transport::grpc::ServerStats) {
     let listener = ibex_transport::listen(&uri, config).await.unwrap();
     let addr = listener.local_uri();
+    let builder = (services.add)(ibex_transport::grpc::Server::builder());
+    let stats = builder.stats();
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        (services.add)(ibex_transport::grpc::Server::builder())
+        builder
             .serve_with_listener(listener, async {
                 let _ = rx.await;
             })
             .await
             .map_err(|e| chain(&e))
     });
-    ServerHandle::new(addr, tx, task)
+    (ServerHandle::new(addr, tx, task), stats)
 }
 
 async fn ibex_connect(addr: &str) -> Result<Chan, String> {
