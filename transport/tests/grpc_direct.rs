@@ -359,3 +359,79 @@ async fn direct_calls_see_extensions_and_cancel_shm() {
 async fn direct_calls_see_extensions_and_cancel_tcp() {
     within(extensions_and_cancel("tcp://127.0.0.1:0".into())).await;
 }
+
+/// A direct call answered at once never holds one of the connection's call slots; one
+/// whose handler waits holds it until it ends, and a call past the limit is refused.
+async fn call_limit(uri: String) {
+    let (svc, mut ev) = BenchImpl::new();
+    let listener = ibex_transport::listen(&uri, ibex_config()).await.unwrap();
+    let addr = listener.local_uri();
+    let builder = ibex_transport::grpc::Server::builder().max_concurrent_calls(1);
+    let stats = builder.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        builder
+            .add_service(svc.server(None, None))
+            .serve_with_listener(listener, async {
+                let _ = stopped.await;
+            }),
+    );
+    let ch = Channel::connect_with_config(&addr, ibex_config())
+        .await
+        .unwrap();
+    let mut c = BenchClient::new(ch);
+    // The first call learns the route; the others take it, one after the other.
+    for i in 0..20u8 {
+        let r = within(c.echo(request(vec![pattern(64, i)], &[]))).await;
+        assert_eq!(r.unwrap().into_inner().buffers, vec![pattern(64, i)]);
+    }
+    assert!(stats.direct_routes() >= 1, "no direct route was learned");
+    // Those calls' own reports, so that the next `Started` is the waiting call's.
+    while ev.try_recv().is_ok() {}
+    let mut held = c.clone();
+    let hold = tokio::spawn(async move { held.echo(request(vec![], &[("x-mode", "hold")])).await });
+    loop {
+        let e = within(ev.recv()).await.expect("service dropped");
+        if e == Event::Started("echo") {
+            break;
+        }
+    }
+    let e = within(c.echo(request(vec![], &[]))).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("max_concurrent_calls"), "{e:?}");
+    // Once the waiting call is cancelled, its slot is free again.
+    hold.abort();
+    loop {
+        let e = within(ev.recv()).await.expect("service dropped");
+        if e == Event::Cancelled("echo") {
+            break;
+        }
+    }
+    let mut ok = false;
+    for _ in 0..100 {
+        match within(c.echo(request(vec![pattern(8, 1)], &[]))).await {
+            Ok(r) => {
+                assert_eq!(r.into_inner().buffers, vec![pattern(8, 1)]);
+                ok = true;
+                break;
+            }
+            Err(e) if e.code() == Code::ResourceExhausted => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert!(ok, "the cancelled call's slot was never freed");
+    let _ = stop.send(());
+    within(server).await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_calls_hold_a_call_slot_only_while_they_wait_shm() {
+    call_limit(shm_uri()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_calls_hold_a_call_slot_only_while_they_wait_tcp() {
+    call_limit("tcp://127.0.0.1:0".into()).await;
+}

@@ -17,6 +17,7 @@ use std::any::TypeId;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderMap, StatusCode};
@@ -62,10 +63,19 @@ pub(crate) struct DirectProbe {
 /// status.
 pub(crate) type DirectAnswer = Result<(HeaderMap, Bytes, http::Extensions), Status>;
 
-/// A running direct call.
+/// A direct call whose handler did not finish in its first poll.
 pub(crate) type DirectFuture = Pin<Box<dyn Future<Output = DirectAnswer> + Send>>;
 
-type RouteFn = dyn Fn(Bytes, HeaderMap, http::Extensions) -> DirectFuture + Send + Sync;
+/// How a direct call's first poll went.
+pub(crate) enum Started {
+    /// The handler finished at once (most unary handlers): nothing was boxed.
+    Ready(DirectAnswer),
+    /// The handler waits; its future runs on as the call's.
+    Pending(DirectFuture),
+}
+
+type RouteFn =
+    dyn Fn(Bytes, HeaderMap, http::Extensions, &mut Context<'_>) -> Started + Send + Sync;
 
 /// A generated unary route that the server calls itself, with no `http::Request`, router,
 /// boxed service or response body: the request's message (unprefixed), its headers and
@@ -82,54 +92,68 @@ impl DirectRoute {
     fn new<S, Req>(service: S, max_decoding: Option<usize>, max_encoding: Option<usize>) -> Self
     where
         S: UnaryService<Req> + Clone + Send + Sync + 'static,
-        S::Future: Send + 'static,
+        S::Future: Unpin + Send + 'static,
         S::Response: prost::Message + Send + 'static,
         Req: prost::Message + Default + Send + 'static,
     {
         let max_encoding = max_encoding.unwrap_or(usize::MAX);
         DirectRoute {
             max_decoding: max_decoding.unwrap_or(DEFAULT_MAX_DECODING),
-            call: Arc::new(move |msg, headers, extensions| {
-                Box::pin(answer(
-                    service.clone(),
-                    msg,
-                    headers,
-                    extensions,
-                    max_encoding,
-                ))
+            call: Arc::new(move |msg, headers, extensions, cx| {
+                let mut handler = match call(service.clone(), msg, headers, extensions) {
+                    Ok(h) => h,
+                    Err(status) => return Started::Ready(Err(status)),
+                };
+                // The handler's future (tonic's route boxes it, so it is `Unpin`) is polled
+                // where it is: only one that waits is boxed, with what remains to do.
+                match Pin::new(&mut handler).poll(cx) {
+                    Poll::Ready(r) => Started::Ready(finish(r, max_encoding)),
+                    Poll::Pending => {
+                        Started::Pending(Box::pin(
+                            async move { finish(handler.await, max_encoding) },
+                        ))
+                    }
+                }
             }),
         }
     }
 
-    /// Starts the call: `msg` is the request's one message, without its prefix.
-    pub(crate) fn call(
+    /// Starts the call and polls it once with `cx`: `msg` is the request's one message,
+    /// without its prefix.
+    pub(crate) fn start(
         &self,
         msg: Bytes,
         headers: HeaderMap,
         extensions: http::Extensions,
-    ) -> DirectFuture {
-        (self.call)(msg, headers, extensions)
+        cx: &mut Context<'_>,
+    ) -> Started {
+        (self.call)(msg, headers, extensions, cx)
     }
 }
 
-/// Decodes the request, runs the handler and encodes its answer: the one body of a direct
-/// call, from a generated route or from the server.
-async fn answer<S, Req>(
+/// Decodes the request and calls the service: the handler's future.
+fn call<S, Req>(
     mut service: S,
     msg: Bytes,
     headers: HeaderMap,
     extensions: http::Extensions,
-    max_encoding: usize,
-) -> DirectAnswer
+) -> Result<S::Future, Status>
 where
     S: UnaryService<Req>,
-    S::Response: prost::Message,
     Req: prost::Message + Default,
 {
     // As tonic-prost's decoder.
     let msg = Req::decode(msg).map_err(|e| Status::internal(e.to_string()))?;
     let request = tonic::Request::from_parts(MetadataMap::from_headers(headers), extensions, msg);
-    let (metadata, reply, extensions) = service.call(request).await?.into_parts();
+    Ok(service.call(request))
+}
+
+/// Encodes what the handler answered.
+fn finish<R: prost::Message>(
+    answer: Result<tonic::Response<R>, Status>,
+    max_encoding: usize,
+) -> DirectAnswer {
+    let (metadata, reply, extensions) = answer?.into_parts();
     let data = encode(&reply, max_encoding)?;
     let mut headers = metadata.into_headers();
     // The content type goes onto the wire after these (see `Head::Response`).
@@ -185,7 +209,7 @@ where
     C::Decode: prost::Message + Default + Send + 'static,
     C::Encode: prost::Message + Send + 'static,
     S: UnaryService<C::Decode, Response = C::Encode> + Clone + Send + Sync + 'static,
-    S::Future: Send + 'static,
+    S::Future: Unpin + Send + 'static,
     B: Body + Send + 'static,
     B::Error: Into<BoxError> + Send,
 {
@@ -210,16 +234,11 @@ where
         Framed::Bad(status) => return status.into_http(),
     };
     let (parts, _body) = req.into_parts();
-    into_http(
-        answer(
-            service,
-            msg,
-            parts.headers,
-            parts.extensions,
-            max_encoding.unwrap_or(usize::MAX),
-        )
-        .await,
-    )
+    let answer = match call(service, msg, parts.headers, parts.extensions) {
+        Ok(handler) => finish(handler.await, max_encoding.unwrap_or(usize::MAX)),
+        Err(status) => Err(status),
+    };
+    into_http(answer)
 }
 
 /// The direct side of a generated client: present when its channel is an Ibex one.

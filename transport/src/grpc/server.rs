@@ -19,7 +19,7 @@ use tower::Service;
 use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::calls::{Admit, CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
-use super::direct::{DirectFuture, WholeRequest, direct_message, into_http};
+use super::direct::{DirectRoute, Started, WholeRequest, direct_message, into_http};
 use super::pump::{self, Now, Side, pump, trailers_only};
 use super::router::{Direct, Handler, Router};
 use super::wire::{Head, Limits, Packet, Trailers};
@@ -695,31 +695,31 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         let data_len = data.as_ref().map(Bytes::len);
         let mut started = None;
         if let Some(Head::Request { path, headers, .. }) = p.head.take() {
-            let call = CallShared::new();
             // A request that came whole in this packet (a unary one) needs no inbox.
             let complete = p.end && !p.reset;
             // A whole request for a direct route skips the `http::Request`, the router and
-            // the service's boxed future; a path not seen yet probes for one.
+            // the service's boxed future; a path not seen yet probes for one. (A packet
+            // that also carries a window grant or GOAWAY, which no client sends with a
+            // request, takes the usual way, which accounts for them.)
             let mut probe = None;
-            let mut direct = None;
             if complete {
                 match self.router.direct(&path) {
-                    Direct::Route(route) => {
-                        direct = data
+                    Direct::Route(route) if !p.goaway && p.window.is_none() => {
+                        if let Some(msg) = data
                             .as_ref()
                             .and_then(|d| direct_message(&headers, d, route.max_decoding))
-                            .map(|msg| (route.clone(), msg));
+                        {
+                            let route = route.clone();
+                            return self.dispatch_direct(id, &route, msg, headers);
+                        }
                     }
                     Direct::Probe(pr) => probe = Some(pr),
-                    Direct::None => {}
+                    Direct::Route(_) | Direct::None => {}
                 }
             }
+            let call = CallShared::new();
             let mut whole = None;
-            let (tx, body) = if direct.is_some() {
-                // The message was split off already; it is decoded in the first poll.
-                data = None;
-                (None, None)
-            } else if complete {
+            let (tx, body) = if complete {
                 let held = Some(self.held.clone());
                 whole = data.clone().map(WholeRequest);
                 (None, Some(IncomingBody::complete(data.take(), None, held)))
@@ -748,12 +748,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 }
             }
             let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
-            let mut extensions = http::Extensions::new();
-            extensions.insert(self.peer.clone());
-            extensions.insert(self.info.clone());
-            if let Some(t) = &self.tcp_info {
-                extensions.insert(t.clone());
-            }
+            let extensions = self.extensions();
             // The service is called here, on the connection's own clone of it, so its
             // synchronous part (an interceptor, a tower layer) runs on this task: a panic
             // there must fail only this call, as one in the handler's future does. A call
@@ -761,12 +756,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             // The path is kept only to record what a probe finds.
             let probed = probe.as_ref().map(|pr| (path.clone(), pr.clone()));
             let first = if p.reset {
-                First::Start(Start::Ended(false))
-            } else if let Some((route, msg)) = direct {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    route.call(msg, headers, extensions)
-                }))
-                .map_or(First::Start(Start::Ended(true)), First::Direct)
+                Start::Ended(false)
             } else {
                 let mut req = http::Request::new(tonic::body::Body::new(body.unwrap_or_default()));
                 *req.method_mut() = http::Method::POST;
@@ -781,12 +771,8 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 if let Some(pr) = probe {
                     req.extensions_mut().insert(pr);
                 }
-                First::Start(
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        self.router.call(req)
-                    }))
-                    .map_or(Start::Ended(true), Start::Handler),
-                )
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.router.call(req)))
+                    .map_or(Start::Ended(true), Start::Handler)
             };
             started = Some((first, call, deadline, probed));
         }
@@ -796,9 +782,8 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         // The handler runs once its request's first packet is in its body.
         if let Some((first, call, deadline, probe)) = started {
             let start = match first {
-                First::Start(Start::Handler(h)) => answer_now(&self.st.mux, id, &call, h),
-                First::Start(other) => other,
-                First::Direct(fut) => direct_now(&self.st.mux, id, &call, fut),
+                Start::Handler(h) => answer_now(&self.st.mux, id, &call, h),
+                other => other,
             };
             // A generated route takes its probe in its first poll, which has run by now.
             if let Some((path, pr)) = probe
@@ -815,6 +800,51 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             }
         }
         Ok(())
+    }
+
+    /// A whole request on a direct route: answered here when its handler is ready at
+    /// once, which then never enters the call table or gets a call state of its own.
+    /// Only a call that goes on (its handler waits, its answer waits for room to send, or
+    /// it panicked) is entered, before the next packet is read.
+    fn dispatch_direct(
+        &mut self,
+        id: u32,
+        route: &DirectRoute,
+        msg: Bytes,
+        headers: http::HeaderMap,
+    ) -> Result<()> {
+        let admitted = self.st.lock().admit(id)?;
+        if let Admit::Refuse(status) = admitted {
+            self.refuse(id, status);
+            return Ok(());
+        }
+        let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
+        let start = direct_now(&self.st.mux, id, route, msg, headers, self.extensions());
+        if !matches!(start, Start::Done) {
+            let call = CallShared::new();
+            self.st.lock().insert(
+                id,
+                ServerCall {
+                    body: None,
+                    shared: call.clone(),
+                },
+            );
+            self.running
+                .push((self.start)(self.st.clone(), id, call, start, deadline));
+        }
+        Ok(())
+    }
+
+    /// What a handler finds in its request's extensions: the peer, as `PeerHandle` and
+    /// tonic's connect info.
+    fn extensions(&self) -> http::Extensions {
+        let mut extensions = http::Extensions::new();
+        extensions.insert(self.peer.clone());
+        extensions.insert(self.info.clone());
+        if let Some(t) = &self.tcp_info {
+            extensions.insert(t.clone());
+        }
+        extensions
     }
 
     /// Hands what packet `p` carries (its body frame is `data`, of `data_len` bytes) to
@@ -927,30 +957,26 @@ fn answer_now(mux: &Mux, id: u32, call: &CallShared, mut handler: Handler) -> St
     tried.unwrap_or(Start::Ended(true))
 }
 
-/// How a call starts: through its service, or on a direct route.
-// On the stack for one dispatch only; boxing `Start` would cost an allocation per call.
-#[allow(clippy::large_enum_variant)]
-enum First {
-    Start(Start),
-    Direct(DirectFuture),
-}
-
 /// [`answer_now`] for a call on a direct route: its answer, when ready at once, is encoded
 /// straight into one packet (head, message, `grpc-status: 0`) with no response or body
 /// made for it. A call that would wait runs on as an ordinary handler.
-fn direct_now(mux: &Mux, id: u32, call: &CallShared, mut fut: DirectFuture) -> Start {
-    if call.done.is_set() {
-        return Start::Ended(false);
-    }
+fn direct_now(
+    mux: &Mux,
+    id: u32,
+    route: &DirectRoute,
+    msg: Bytes,
+    headers: http::HeaderMap,
+    extensions: http::Extensions,
+) -> Start {
     let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // A handler left pending here is polled again by its future with the task's waker.
         let mut cx = Context::from_waker(Waker::noop());
-        let answer = match fut.as_mut().poll(&mut cx) {
-            Poll::Pending => {
+        let answer = match route.start(msg, headers, extensions, &mut cx) {
+            Started::Ready(a) => a,
+            Started::Pending(fut) => {
                 return Start::Handler(Box::pin(async move { Ok(into_http(fut.await)) }));
             }
-            Poll::Ready(a) => a,
         };
-        drop(fut);
         let (pkt, data) = match answer {
             Ok((headers, data, _extensions)) => {
                 let mut pkt = response_head(id, http::StatusCode::OK, headers);
