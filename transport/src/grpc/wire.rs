@@ -548,7 +548,7 @@ fn get_headers(b: &mut Bytes, limits: &Limits, room: usize) -> Result<HeaderMap>
                 limits.max_header_list_size
             )));
         }
-        let value = match KNOWN_VALUES.iter().find(|k| k.as_bytes() == &b[..vlen]) {
+        let value = match known_value(&b[..vlen]) {
             Some(known) => {
                 b.advance(vlen);
                 known.clone()
@@ -636,10 +636,41 @@ pub(crate) static STATUS_OK: &HeaderValue = &KNOWN_VALUES[1];
 pub(crate) static TE_TRAILERS: &HeaderValue = &KNOWN_VALUES[2];
 
 fn header_name(b: &[u8]) -> Result<HeaderName> {
-    if let Some(known) = KNOWN_NAMES.iter().find(|k| k.as_str().as_bytes() == b) {
+    if let Some(known) = known_name(b) {
         return Ok(known.clone());
     }
     HeaderName::from_bytes(b).map_err(|_| proto_err("invalid header name".into()))
+}
+
+/// One of [`KNOWN_NAMES`], by a `match` on the bytes (the compiler branches on the length
+/// first): a search of the list compared a request's `te`, `content-type` and
+/// `user-agent` with seven to nine names each, about 600 instructions a call.
+fn known_name(b: &[u8]) -> Option<&'static HeaderName> {
+    let i = match b {
+        b"grpc-status" => 0,
+        b"grpc-message" => 1,
+        b"grpc-timeout" => 2,
+        b"grpc-encoding" => 3,
+        b"grpc-accept-encoding" => 4,
+        b"grpc-status-details-bin" => 5,
+        b"content-type" => 6,
+        b"user-agent" => 7,
+        b"te" => 8,
+        b"date" => 9,
+        _ => return None,
+    };
+    Some(&KNOWN_NAMES[i])
+}
+
+/// One of [`KNOWN_VALUES`], as [`known_name`].
+fn known_value(b: &[u8]) -> Option<&'static HeaderValue> {
+    let i = match b {
+        b"application/grpc" => 0,
+        b"0" => 1,
+        b"trailers" => 2,
+        _ => return None,
+    };
+    Some(&KNOWN_VALUES[i])
 }
 
 fn header_limit(why: String) -> Error {
@@ -662,6 +693,19 @@ fn expect_empty(b: &Bytes, what: &str) -> Result<()> {
 mod tests {
     use super::*;
     use bytes::BufMut;
+
+    #[test]
+    fn the_known_names_and_values_are_found_by_their_bytes() {
+        for n in &KNOWN_NAMES {
+            assert_eq!(known_name(n.as_str().as_bytes()), Some(n), "{n}");
+        }
+        for v in &KNOWN_VALUES {
+            assert_eq!(known_value(v.as_bytes()), Some(v), "{v:?}");
+        }
+        assert_eq!(known_name(b"x-te"), None);
+        assert_eq!(known_name(b"Te"), None);
+        assert_eq!(known_value(b"00"), None);
+    }
 
     fn headers() -> HeaderMap {
         let mut h = HeaderMap::new();
