@@ -299,8 +299,11 @@ impl DirectClient {
         let answer =
             Channel::exchange(self.inner.clone(), headers, path, Outgoing::Whole(data)).await?;
         let mut headers = answer.headers;
-        // A trailers-only answer: its status is in the head.
-        if let Some(s) = Status::from_header_map(&headers) {
+        // A trailers-only answer: its status is in the head. (Looked up by its parsed
+        // name first: `from_header_map` parses the name on every call.)
+        if headers.contains_key(GRPC_STATUS)
+            && let Some(s) = Status::from_header_map(&headers)
+        {
             if s.code() != Code::Ok {
                 return Err(s);
             }
