@@ -363,6 +363,22 @@ pub trait Link: Send + 'static {
     /// reused. `Pending` means no room now; `cx`'s waker is woken when there may be.
     fn poll_send(&mut self, cx: &mut Context<'_>, frame: &[u8]) -> Poll<Result<(), Error>>;
 
+    /// [`Link::poll_send`] of the frame `head` followed by `body` (an eager frame of one
+    /// message: its head and the application's message). A provider that copies frames
+    /// anyway (into a ring, a socket buffer) copies the two parts in one pass; the default
+    /// joins them first.
+    fn poll_send_parts(
+        &mut self,
+        cx: &mut Context<'_>,
+        head: &[u8],
+        body: &[u8],
+    ) -> Poll<Result<(), Error>> {
+        let mut frame = Vec::with_capacity(head.len() + body.len());
+        frame.extend_from_slice(head);
+        frame.extend_from_slice(body);
+        self.poll_send(cx, &frame)
+    }
+
     /// Pushes out whatever was taken but not yet written (a socket's write buffer, pending
     /// read responses). `Ready(Ok)` when nothing is left.
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>>;

@@ -24,7 +24,7 @@ use tokio::sync::{Notify, oneshot};
 use crate::error::Error;
 use crate::link::{Link, LinkEvent, LinkInfo, RecvBuf, Work};
 use crate::pool::Pool;
-use crate::proto::{self, Action, Delivery, MsgId, RecvMode};
+use crate::proto::{self, Action, Delivery, MsgId, RecvMode, Transmit};
 
 /// Read ids at or above this belong to `read_remote`, below it to the core.
 pub(crate) const API_READ_BIT: u64 = 1 << 63;
@@ -165,7 +165,7 @@ pub(crate) struct State {
     pub link: Option<Box<dyn Link>>,
     pub info: LinkInfo,
     pub pool: Option<Arc<Pool>>,
-    pending_tx: Option<Bytes>,
+    pending_tx: Option<Transmit>,
     sends: Map<MsgId, PendingSend>,
     dests: Map<MsgId, Dest>,
     pub delivered: VecDeque<ReadyMsg>,
@@ -1288,7 +1288,7 @@ impl State {
         loop {
             let frame = match self.pending_tx.take() {
                 Some(f) => f,
-                None => match self.core.poll_transmit(now) {
+                None => match self.core.poll_transmit_parts(now) {
                     Some(f) => f,
                     None => break,
                 },
@@ -1296,7 +1296,11 @@ impl State {
             let Some(link) = self.link.as_mut() else {
                 break;
             };
-            match link.poll_send(cx, &frame) {
+            let sent_now = match &frame {
+                Transmit::Frame(f) => link.poll_send(cx, f),
+                Transmit::Eager { head, msg } => link.poll_send_parts(cx, head, msg),
+            };
+            match sent_now {
                 Poll::Ready(Ok(())) => sent = true,
                 Poll::Ready(Err(e)) => {
                     self.core.link_failed(e);

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::frame::{
-    Body, FEATURE_PROBE_READ, Frame, HEADER_LEN, HelloExt, MAX_DESC_LEN, truncate_utf8,
+    Body, EAGER_ONE_HEAD, FEATURE_PROBE_READ, Frame, HEADER_LEN, HelloExt, MAX_DESC_LEN,
+    truncate_utf8,
 };
 use super::probe::{FRAGMENT_PROBE_LEN, Probe, ProbePlan, Progress, Sample, Verdict};
 use super::{
@@ -44,6 +45,49 @@ struct Peer {
     max_message: u64,
     /// Optional features from its `Hello` extension ([`FEATURE_PROBE_READ`]).
     features: u32,
+}
+
+/// A frame for the link ([`Connection::poll_transmit_parts`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transmit {
+    /// An encoded frame.
+    Frame(Bytes),
+    /// An eager frame of one message, as its head and the message: the frame is `head`
+    /// followed by `msg`.
+    Eager {
+        /// [`Frame::eager_one_head`].
+        head: [u8; EAGER_ONE_HEAD],
+        /// The message.
+        msg: Bytes,
+    },
+}
+
+impl Transmit {
+    /// The whole frame in one buffer.
+    pub fn into_bytes(self) -> Bytes {
+        match self {
+            Transmit::Frame(f) => f,
+            Transmit::Eager { head, msg } => {
+                let mut f = bytes::BytesMut::with_capacity(head.len() + msg.len());
+                f.extend_from_slice(&head);
+                f.extend_from_slice(&msg);
+                f.freeze()
+            }
+        }
+    }
+
+    /// Bytes of the whole frame.
+    pub fn len(&self) -> usize {
+        match self {
+            Transmit::Frame(f) => f.len(),
+            Transmit::Eager { head, msg } => head.len() + msg.len(),
+        }
+    }
+
+    /// Never true: every frame has a header.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A queued outgoing message, in send order.
@@ -692,25 +736,32 @@ impl Connection {
 
     /// The next frame to hand to the link, if any (coalescing happens here).
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Bytes> {
+        self.poll_transmit_parts(now).map(Transmit::into_bytes)
+    }
+
+    /// [`Connection::poll_transmit`], with a frame of one eager message left in two parts
+    /// (its head and the message) for the link to copy in one pass
+    /// ([`crate::link::Link::poll_send_parts`]).
+    pub fn poll_transmit_parts(&mut self, now: Instant) -> Option<Transmit> {
         if self.is_closed() {
             let f = self.final_frame.take();
             if f.is_some() {
                 self.stats.frames_sent += 1;
             }
-            return f;
+            return f.map(Transmit::Frame);
         }
         if let Some(body) = self.control.pop_front() {
-            return Some(self.emit(body));
+            return Some(Transmit::Frame(self.emit(body)));
         }
         if let Some(peer) = self.peer {
             if self.ping_unsent && self.take_credit() {
                 self.ping_unsent = false;
                 self.pings = self.pings.wrapping_add(1);
                 let probe_id = KEEPALIVE_PROBE_BIT | (self.pings & !KEEPALIVE_PROBE_BIT);
-                return Some(self.emit(Body::ProbeEager {
+                return Some(Transmit::Frame(self.emit(Body::ProbeEager {
                     probe_id,
                     pad: Bytes::new(),
-                }));
+                })));
             }
             if let Some(sample) = self.probe.as_ref().and_then(Probe::next_sample) {
                 if self.take_credit() {
@@ -718,7 +769,7 @@ impl Connection {
                     if let Some(p) = &mut self.probe {
                         p.sent(now);
                     }
-                    return Some(self.emit(match sample {
+                    return Some(Transmit::Frame(self.emit(match sample {
                         Sample::Eager { probe_id, pad } => Body::ProbeEager { probe_id, pad },
                         Sample::Rts {
                             probe_id,
@@ -740,15 +791,15 @@ impl Connection {
                             fragment,
                             desc,
                         },
-                    }));
+                    })));
                 }
             } else if !self.data.is_empty() && self.take_credit() {
                 let body = self.pack(peer.slot_size);
-                return Some(self.emit(body));
+                return Some(self.emit_data(body));
             }
         }
         if self.credit_due() {
-            return Some(self.emit(Body::Credit));
+            return Some(Transmit::Frame(self.emit(Body::Credit)));
         }
         if let Some(reason) = &self.closing
             && self.data.is_empty()
@@ -757,7 +808,7 @@ impl Connection {
         {
             let reason = reason.clone();
             self.shut(Error::LocallyClosed, Some((CLOSE_GRACEFUL, reason)));
-            return self.poll_transmit(now);
+            return self.poll_transmit_parts(now);
         }
         None
     }
@@ -919,6 +970,26 @@ impl Connection {
             self.stats.coalesced_msgs += msgs.len() as u64;
         }
         Body::Eager { msgs }
+    }
+
+    /// [`Connection::emit`] for a data frame: one eager message stays apart from its head,
+    /// so that nothing copies it before the link does.
+    fn emit_data(&mut self, body: Body) -> Transmit {
+        let mut msgs = match body {
+            Body::Eager { msgs } if msgs.len() == 1 => msgs,
+            body => return Transmit::Frame(self.emit(body)),
+        };
+        let Some(msg) = msgs.pop() else {
+            return Transmit::Frame(self.emit(Body::Eager { msgs }));
+        };
+        if msgs.capacity() <= 256 {
+            self.pack_buf = msgs;
+        }
+        let head = Frame::eager_one_head(self.owed, msg.len());
+        self.recv_window += self.owed;
+        self.owed = 0;
+        self.stats.frames_sent += 1;
+        Transmit::Eager { head, msg }
     }
 
     /// Encodes a frame, attaching every credit owed to the peer.

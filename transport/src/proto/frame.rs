@@ -24,6 +24,9 @@ pub const MAGIC: u8 = 0x49;
 pub const MAX_DESC_LEN: usize = 256;
 /// Largest `Hello` extension block.
 pub const MAX_EXT_LEN: usize = 1024;
+/// Bytes before the message in an eager frame of one message: the header, the message
+/// count and the message's length ([`Frame::eager_one_head`]).
+pub const EAGER_ONE_HEAD: usize = HEADER_LEN + 2 + 4;
 /// `RndvDone` flag: the sequence number is a probe id, not a message.
 pub const FLAG_PROBE: u8 = 0x01;
 /// `Hello` extension entry: a `u32` bit set of the optional features the sender speaks.
@@ -467,6 +470,23 @@ impl Frame {
         out[len_at..len_at + 4].copy_from_slice(&body_len.to_le_bytes());
     }
 
+    /// Everything of an eager frame of one message of `len` bytes that precedes the
+    /// message: byte for byte what [`Frame::encode`] writes before it. With it a link
+    /// copies the message once, straight from the application's buffer.
+    pub fn eager_one_head(credits: u32, len: usize) -> [u8; EAGER_ONE_HEAD] {
+        let len = len.min(u32::MAX as usize - 6) as u32;
+        let mut h = [0u8; EAGER_ONE_HEAD];
+        h[0] = MAGIC;
+        h[1] = super::VERSION;
+        h[2] = kind::EAGER;
+        h[3] = 0;
+        h[4..8].copy_from_slice(&credits.to_le_bytes());
+        h[8..12].copy_from_slice(&(len + 6).to_le_bytes());
+        h[12..14].copy_from_slice(&1u16.to_le_bytes());
+        h[14..18].copy_from_slice(&len.to_le_bytes());
+        h
+    }
+
     /// The encoded frame as `Bytes`.
     pub fn to_bytes(&self) -> Bytes {
         let mut out = BytesMut::with_capacity(self.encoded_len());
@@ -683,6 +703,25 @@ mod tests {
 
     fn enc(f: &Frame) -> Bytes {
         f.to_bytes()
+    }
+
+    #[test]
+    fn the_head_of_a_one_message_eager_frame_is_what_encode_writes() {
+        for len in [0, 1, 100, 5000] {
+            for credits in [0, 7, u32::MAX] {
+                let msg = Bytes::from(vec![0xA5; len]);
+                let whole = Frame {
+                    credits,
+                    body: Body::Eager {
+                        msgs: vec![msg.clone()],
+                    },
+                }
+                .to_bytes();
+                let mut parts = Frame::eager_one_head(credits, len).to_vec();
+                parts.extend_from_slice(&msg);
+                assert_eq!(parts, whole, "{len} B, {credits} credits");
+            }
+        }
     }
 
     fn all_kinds() -> Vec<Frame> {

@@ -26,7 +26,7 @@ mod conn;
 pub mod frame;
 mod probe;
 
-pub use conn::Connection;
+pub use conn::{Connection, Transmit};
 pub use probe::{
     FRAGMENT_CANDIDATES, FRAGMENT_PROBE_LEN, FragmentCost, PROBE_TIMEOUT, ProbePlan, SizeCost,
     choose_fragment, choose_threshold,

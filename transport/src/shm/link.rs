@@ -410,7 +410,12 @@ impl ShmLink {
 
     /// Pushes one record, waking the peer if it sleeps. `Ok(false)`: no room now.
     fn push(&mut self, ty: u8, payload: &[u8]) -> Result<bool> {
-        if !self.tx.try_push(ty, payload)? {
+        self.push_parts(ty, payload, &[])
+    }
+
+    /// [`ShmLink::push`] of one record written as `a` then `b`.
+    fn push_parts(&mut self, ty: u8, a: &[u8], b: &[u8]) -> Result<bool> {
+        if !self.tx.try_push_parts(ty, a, b)? {
             return Ok(false);
         }
         if self.tx.consumer_needs_wake() {
@@ -834,9 +839,20 @@ impl Link for ShmLink {
     }
 
     fn poll_send(&mut self, cx: &mut Context<'_>, frame: &[u8]) -> Poll<Result<()>> {
-        if frame.len() > self.info.max_frame {
+        self.poll_send_parts(cx, frame, &[])
+    }
+
+    /// Both parts go straight into the ring's record: no frame is assembled first.
+    fn poll_send_parts(
+        &mut self,
+        cx: &mut Context<'_>,
+        head: &[u8],
+        body: &[u8],
+    ) -> Poll<Result<()>> {
+        let len = head.len() + body.len();
+        if len > self.info.max_frame {
             return Poll::Ready(Err(Error::TooLarge {
-                len: frame.len() as u64,
+                len: len as u64,
                 limit: self.info.max_frame as u64,
                 which: "the peer's slot size (Config::slot_size on the peer)",
             }));
@@ -845,7 +861,10 @@ impl Link for ShmLink {
             return Poll::Ready(Err(e));
         }
         loop {
-            match self.flush_outbox().and_then(|_| self.push(T_FRAME, frame)) {
+            match self
+                .flush_outbox()
+                .and_then(|_| self.push_parts(T_FRAME, head, body))
+            {
                 Ok(true) => {
                     self.tx_hot = true;
                     return Poll::Ready(Ok(()));
@@ -856,13 +875,13 @@ impl Link for ShmLink {
             if self.tx_hot {
                 self.tx_hot = false;
                 let tx = &self.tx;
-                spin_until(self.spin, || !matches!(tx.has_room(frame.len()), Ok(false)));
+                spin_until(self.spin, || !matches!(tx.has_room(len), Ok(false)));
                 continue;
             }
             if let Err(e) = self.check_peer(cx) {
                 return Poll::Ready(Err(e));
             }
-            match self.poll_space_for(frame.len(), cx) {
+            match self.poll_space_for(len, cx) {
                 Poll::Ready(Ok(())) => continue,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => return Poll::Pending,

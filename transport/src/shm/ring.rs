@@ -154,34 +154,41 @@ impl Producer {
     }
 
     /// Appends one record. `Ok(false)` when the ring has no room for it now.
+    #[cfg(test)]
     pub fn try_push(&mut self, ty: u8, payload: &[u8]) -> Result<bool, Error> {
-        if payload.len() > self.max_payload() {
+        self.try_push_parts(ty, payload, &[])
+    }
+
+    /// [`Producer::try_push`] of one record whose payload is `a` followed by `b`, copied
+    /// straight from both.
+    pub fn try_push_parts(&mut self, ty: u8, a: &[u8], b: &[u8]) -> Result<bool, Error> {
+        let len = a.len() + b.len();
+        if len > self.max_payload() {
             return Err(Error::TooLarge {
-                len: payload.len() as u64,
+                len: len as u64,
                 limit: self.max_payload() as u64,
                 which: "largest record of the shm ring (a quarter of its size)",
             });
         }
-        let (total, free) = self.need_and_free(payload.len())?;
+        let (total, free) = self.need_and_free(len)?;
         if total > free {
             return Ok(false);
         }
         let mut off = (self.head % self.cap) as usize;
-        if total != padded(payload.len()) {
+        if total != padded(len) {
             // SAFETY: off < cap, off is a multiple of 8 and so is cap, so 8 bytes fit; the
             // space is free (checked above), so the consumer does not read it concurrently.
             unsafe { write_header(self.data.add(off), WRAP, 0) };
             off = 0;
         }
-        // SAFETY: the record fits in off..off+padded(len) <= cap (checked above) and that
-        // space is free, so nobody reads it until `head` is published below.
+        // SAFETY: the record (header, then `a` and `b` back to back) fits in
+        // off..off+padded(len) <= cap (checked above) and that space is free, so nobody
+        // reads it until `head` is published below.
         unsafe {
-            write_header(self.data.add(off), payload.len() as u32, ty);
-            std::ptr::copy_nonoverlapping(
-                payload.as_ptr(),
-                self.data.add(off + RECORD_HEADER),
-                payload.len(),
-            );
+            write_header(self.data.add(off), len as u32, ty);
+            let at = self.data.add(off + RECORD_HEADER);
+            std::ptr::copy_nonoverlapping(a.as_ptr(), at, a.len());
+            std::ptr::copy_nonoverlapping(b.as_ptr(), at.add(a.len()), b.len());
         }
         self.head += total;
         self.hdr().head.0.store(self.head, Ordering::Release);
@@ -431,6 +438,21 @@ mod tests {
         assert!(matches!(
             p.try_push(0, &[0u8; 25]),
             Err(Error::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn a_record_in_two_parts_reads_back_as_one_across_the_wrap() {
+        let (_h, mut p, mut c) = ring(128);
+        for round in 0..20u8 {
+            let a = vec![round; usize::from(round % 5)];
+            let b = vec![round.wrapping_add(100); usize::from(round % 7) + 3];
+            assert!(p.try_push_parts(3, &a, &b).unwrap(), "round {round}");
+            assert_eq!(pop_vec(&mut c), Some((3, [a, b].concat())), "round {round}");
+        }
+        assert!(matches!(
+            p.try_push_parts(0, &[0u8; 20], &[0u8; 5]),
+            Err(Error::TooLarge { len: 25, .. })
         ));
     }
 

@@ -610,15 +610,26 @@ impl Link for TcpLink {
     }
 
     fn poll_send(&mut self, cx: &mut Context<'_>, frame: &[u8]) -> Poll<Result<()>> {
+        self.poll_send_parts(cx, frame, &[])
+    }
+
+    /// Both parts go straight into the staging buffer: no frame is assembled first.
+    fn poll_send_parts(
+        &mut self,
+        cx: &mut Context<'_>,
+        head: &[u8],
+        body: &[u8],
+    ) -> Poll<Result<()>> {
+        let len = head.len() + body.len();
         if let Some(e) = &self.dead {
             return Poll::Ready(Err(e.clone()));
         }
         if self.closing {
             return Poll::Ready(Err(Error::LocallyClosed));
         }
-        if frame.len() > self.peer_slot {
+        if len > self.peer_slot {
             return Poll::Ready(Err(Error::TooLarge {
-                len: frame.len() as u64,
+                len: len as u64,
                 limit: self.peer_slot as u64,
                 which: "slot size of the peer (its Config::slot_size)",
             }));
@@ -632,9 +643,10 @@ impl Link for TcpLink {
                 return Poll::Pending;
             }
         }
-        wire::put_record_header(&mut self.staging, wire::T_FRAME, frame.len() as u32);
-        self.staging.put_slice(frame);
-        self.staged(wire::RECORD_HEADER + frame.len());
+        wire::put_record_header(&mut self.staging, wire::T_FRAME, len as u32);
+        self.staging.put_slice(head);
+        self.staging.put_slice(body);
+        self.staged(wire::RECORD_HEADER + len);
         if self.queued < SEND_BATCH {
             // Leave it for `poll_flush`/`poll_event`, which the driver's task reaches before
             // it sleeps: this wake makes sure it does even if it calls neither right away.
