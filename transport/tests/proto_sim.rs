@@ -16,6 +16,7 @@ use ibex_transport::error::Error;
 use ibex_transport::proto::frame::{Body, Frame};
 use ibex_transport::proto::{
     Action, Connection, Delivery, EAGER_OVERHEAD, MsgId, PROBE_MSG_BIT, Protocol, RecvMode,
+    Transmit,
 };
 use proptest::prelude::*;
 
@@ -229,6 +230,8 @@ struct Sim {
     credits: [u32; 2],
     cfg: SimCfg,
     rng: Rng,
+    /// Frames each side left in two parts (one eager message and its head).
+    two_part: [usize; 2],
 }
 
 impl Sim {
@@ -241,6 +244,7 @@ impl Sim {
             credits: [a.credits, b.credits],
             rng: Rng::new(cfg.seed),
             cfg,
+            two_part: [0; 2],
         }
     }
 
@@ -338,9 +342,22 @@ impl Sim {
                     continue;
                 }
                 while self.sides[i].link_busy_until <= self.now {
-                    let Some(frame) = self.sides[i].conn.poll_transmit(self.now) else {
+                    let Some(t) = self.sides[i].conn.poll_transmit_parts(self.now) else {
                         break;
                     };
+                    // A frame left in two parts is an eager frame of exactly that message.
+                    let one = match &t {
+                        Transmit::Eager { msg, .. } => Some(msg.clone()),
+                        Transmit::Frame(_) => None,
+                    };
+                    let frame = t.into_bytes();
+                    if let Some(msg) = one {
+                        self.two_part[i] += 1;
+                        match Frame::decode(&frame).map(|f| f.body) {
+                            Ok(Body::Eager { msgs }) => assert_eq!(msgs, vec![msg]),
+                            other => panic!("a two-part frame decodes as {other:?}"),
+                        }
+                    }
                     self.transmit(i, frame);
                     progress = true;
                 }
@@ -658,6 +675,8 @@ fn boundary_sizes_arrive_intact_by_the_right_protocol() {
         sim.run();
     }
     sim.assert_all_delivered();
+    // Each eager message went alone in its frame, so each left the core in two parts.
+    assert_eq!(sim.two_part[0], 4);
     let st = sim.sides[0].conn.stats().clone();
     assert_eq!((st.eager_msgs_sent, st.rndv_msgs_sent), (4, 1));
     assert_eq!(st.eager_bytes_sent, (1 + t - 1 + t) as u64);
