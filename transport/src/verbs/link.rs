@@ -42,8 +42,11 @@ use crate::pool::{Pool, PoolBufMut};
 pub(crate) const WR_RECV: u64 = 0;
 pub(crate) const WR_SQ: u64 = 1 << 62;
 /// How long a link keeps reading its CQ after the peer's bootstrap socket closed, for
-/// completions that trail the peer's acknowledged last sends. Only a vanished peer pays it.
-const PEER_EOF_GRACE: Duration = Duration::from_millis(250);
+/// completions that trail the peer's acknowledged last sends; each completion that comes
+/// meanwhile starts it again. Only a vanished peer pays it. 250 ms, not restarted, once
+/// lost a gracefully closing server's last answers on Soft-RoCE under emulation (the
+/// two-host VM, `graceful_shutdown`).
+const PEER_EOF_GRACE: Duration = Duration::from_secs(1);
 const WR_KIND: u64 = 3 << 62;
 pub(crate) const IMM_FRAME: u32 = 0;
 pub(crate) const IMM_MARKER: u32 = u32::MAX;
@@ -793,6 +796,11 @@ impl Link for VerbsLink {
             match self.progress.poll_fetch(cx, &mut self.wcs) {
                 Poll::Ready(Ok(())) => {
                     self.process();
+                    if let Some((_, grace)) = &mut self.peer_eof {
+                        grace
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + PEER_EOF_GRACE);
+                    }
                     continue;
                 }
                 Poll::Ready(Err(e)) => {
