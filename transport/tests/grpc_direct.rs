@@ -364,19 +364,10 @@ async fn direct_calls_see_extensions_and_cancel_tcp() {
 /// whose handler waits holds it until it ends, and a call past the limit is refused.
 async fn call_limit(uri: String) {
     let (svc, mut ev) = BenchImpl::new();
-    let listener = ibex_transport::listen(&uri, ibex_config()).await.unwrap();
-    let addr = listener.local_uri();
-    let builder = ibex_transport::grpc::Server::builder().max_concurrent_calls(1);
-    let stats = builder.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(
-        builder
-            .add_service(svc.server(None, None))
-            .serve_with_listener(listener, async {
-                let _ = stopped.await;
-            }),
-    );
-    let ch = Channel::connect_with_config(&addr, ibex_config())
+    let services =
+        Services::new(svc.server(None, None)).with_builder(|b| b.max_concurrent_calls(1));
+    let (srv, stats) = ibex_serve_stats(uri, services, ibex_config()).await;
+    let ch = Channel::connect_with_config(&srv.addr, ibex_config())
         .await
         .unwrap();
     let mut c = BenchClient::new(ch);
@@ -422,8 +413,7 @@ async fn call_limit(uri: String) {
         }
     }
     assert!(ok, "the cancelled call's slot was never freed");
-    let _ = stop.send(());
-    within(server).await.unwrap().unwrap();
+    within(srv.shutdown()).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -38,6 +38,21 @@ impl Services {
         }
     }
 
+    /// The same services on an Ibex server with `settings` applied to its builder (a call
+    /// limit, say); stock tonic servers ignore them.
+    pub fn with_builder(
+        self,
+        settings: impl FnOnce(ibex_transport::grpc::Builder) -> ibex_transport::grpc::Builder
+        + Send
+        + 'static,
+    ) -> Services {
+        let add = self.add;
+        Services {
+            routes: self.routes,
+            add: Box::new(move |b| add(settings(b))),
+        }
+    }
+
     /// Served through tonic's router on Ibex too (`Builder::add_routes`).
     pub fn routes(routes: Routes) -> Services {
         Services {
