@@ -57,29 +57,6 @@ impl Mapping {
         })
     }
 
-    /// Maps all `len` bytes of `fd` shared and writable, with its page tables filled in now
-    /// rather than on first touch. For the rings: each page of a fresh ring costs a fault
-    /// on each side the first time a frame crosses it, tens of microseconds per large frame
-    /// on a slow host, which landed on the first lap of every connection and on the
-    /// connect-time probe's eager samples (so eager looked slower than rendezvous and the
-    /// threshold came out anywhere from 1 to 64 KiB). Kernels without
-    /// `MADV_POPULATE_WRITE` (before 5.14) keep faulting lazily, as before.
-    pub fn map_populated(fd: BorrowedFd<'_>, len: usize, what: &str) -> Result<Mapping> {
-        let map = Mapping::map(fd, len, true, what)?;
-        // SAFETY: the range is exactly the mapping just made, which nothing else uses yet.
-        let r = unsafe { libc::madvise(map.ptr.cast(), len, libc::MADV_POPULATE_WRITE) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINVAL) {
-                return Err(Error::io(
-                    format!("filling in the shm {what} ({len} bytes)"),
-                    e,
-                ));
-            }
-        }
-        Ok(map)
-    }
-
     /// Start of the mapping.
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
@@ -123,32 +100,6 @@ fn cvt(r: libc::c_int, what: impl FnOnce() -> String) -> Result<libc::c_int> {
     } else {
         Ok(r)
     }
-}
-
-/// Creates a sealed memfd of `len` bytes, private to this user (mode 0600), with its
-/// memory allocated now: a ring is written end to end within its first lap anyway, and a
-/// host short of memory then fails the connect with an error instead of killing the
-/// process with SIGBUS at the first frame that touches a page it cannot have.
-pub fn memfd_backed(name: &CStr, len: usize) -> Result<OwnedFd> {
-    let fd = memfd(name, len)?;
-    // SAFETY: a plain syscall on a descriptor we own.
-    let r = unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len as libc::off_t) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        // Only an optimisation where the file system cannot do it; never for memfds.
-        if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
-            return Err(Error::io(
-                format!(
-                    "allocating {len} bytes of shared memory for memfd {} (the host or this \
-                     cgroup is short of memory; lower the peer's Config::credits or \
-                     slot_size, which size this ring)",
-                    name.to_string_lossy()
-                ),
-                e,
-            ));
-        }
-    }
-    Ok(fd)
 }
 
 /// Creates a sealed memfd of `len` bytes, private to this user (mode 0600).
@@ -262,34 +213,6 @@ pub fn drain(fd: RawFd) {
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
-
-    /// Resident pages of `len` bytes at `ptr`, by `mincore`.
-    fn resident(ptr: *mut u8, len: usize) -> usize {
-        let mut v = vec![0u8; len.div_ceil(4096)];
-        // SAFETY: `ptr` is a page-aligned mapping of `len` bytes and `v` has a byte per page.
-        assert_eq!(unsafe { libc::mincore(ptr.cast(), len, v.as_mut_ptr()) }, 0);
-        v.iter().filter(|&&b| b & 1 == 1).count()
-    }
-
-    #[test]
-    fn rings_are_allocated_and_mapped_before_the_first_frame() {
-        let len = 64 << 10;
-        let fd = memfd_backed(c"ibex-test-ring", len).unwrap();
-        check_memfd(fd.as_fd(), len, "ring segment").unwrap();
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: fstat fills `st` on success, which is asserted before it is read.
-        assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) }, 0);
-        // SAFETY: initialised by the successful fstat above.
-        let blocks = unsafe { st.assume_init() }.st_blocks as usize;
-        assert!(blocks * 512 >= len, "only {blocks} blocks allocated");
-        // The peer's side: a second mapping of the same memory, filled in at once.
-        let peer = Mapping::map_populated(fd.as_fd(), len, "RX ring").unwrap();
-        assert_eq!(resident(peer.ptr(), len), len / 4096);
-        // A plain lazy mapping of a fresh memfd has nothing resident.
-        let lazy_fd = memfd(c"ibex-test-lazy", len).unwrap();
-        let lazy = Mapping::map(lazy_fd.as_fd(), len, true, "pool").unwrap();
-        assert_eq!(resident(lazy.ptr(), len), 0);
-    }
 
     #[test]
     fn memfds_are_sealed_and_checked() {

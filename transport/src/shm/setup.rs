@@ -500,7 +500,7 @@ async fn handshake(
     // Our segments: the TX ring the peer asked for, our pool (shared by every connection
     // with this peer process) and bounce area.
     let tx_cap = peer.rx_ring as usize;
-    let tx_fd = segment::memfd_backed(c"ibex-shm-ring", HEADER_BYTES + tx_cap)?;
+    let tx_fd = segment::memfd(c"ibex-shm-ring", HEADER_BYTES + tx_cap)?;
     let pool_size = me.pool_size as usize;
     let (pool, _) = share::own_pool(share::PeerKey::of(peer_pid, pool_size, dialer), pool_size)?;
     let bounce_fd = segment::memfd(c"ibex-shm-bounce", me.bounce_len())?;
@@ -546,9 +546,13 @@ async fn handshake(
     segment::check_eventfd(peer_data_efd.as_fd(), "data eventfd")?;
     segment::check_eventfd(peer_space_efd.as_fd(), "space eventfd")?;
 
-    let tx_map = Mapping::map_populated(tx_fd.as_fd(), HEADER_BYTES + tx_cap, "TX ring")?;
-    let rx_map =
-        Mapping::map_populated(rx_fd.as_fd(), HEADER_BYTES + me.rx_ring as usize, "RX ring")?;
+    let tx_map = Mapping::map(tx_fd.as_fd(), HEADER_BYTES + tx_cap, true, "TX ring")?;
+    let rx_map = Mapping::map(
+        rx_fd.as_fd(),
+        HEADER_BYTES + me.rx_ring as usize,
+        true,
+        "RX ring",
+    )?;
     let (peer_pool, _) = share::peer_pool(peer_pool_fd.as_fd(), peer.pool_size as usize)?;
     let bounce = Mapping::map(bounce_fd.as_fd(), me.bounce_len(), true, "bounce area")?;
     let peer_bounce = Mapping::map(
