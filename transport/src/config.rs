@@ -12,8 +12,14 @@ pub struct Config {
     pub eager_threshold: Option<usize>,
     /// Threshold used until (or instead of) the probe's verdict.
     pub default_eager_threshold: usize,
-    /// Run the connect-time threshold probe when `eager_threshold` is `None`.
+    /// Run the connect-time probe (threshold and fragment size, where each is left open).
+    /// Off, a threshold left open is `default_eager_threshold`.
     pub probe: bool,
+    /// Let the probe pick the eager threshold when `eager_threshold` is `None`. Connections
+    /// turn it off themselves where a rendezvous read is a CPU copy (shm, tcp: see
+    /// `LinkInfo::dma_reads`); the threshold is then the largest message a slot of the
+    /// peer's takes.
+    pub probe_threshold: bool,
     /// A probe not finished by then is abandoned and the default threshold kept
     /// (`IBEX_PROBE_TIMEOUT_MS`; default 2 s, far above what a real link needs).
     pub probe_timeout: std::time::Duration,
@@ -119,6 +125,7 @@ impl Default for Config {
             fragment_size: None,
             default_fragment_size: 512 * 1024,
             probe_fragments: true,
+            probe_threshold: true,
             max_reads_in_flight: 8,
             max_message_size: 1 << 30,
             rndv_recv_budget: 256 << 20,
@@ -277,7 +284,15 @@ impl Config {
     /// True when the connect-time probe should run: it is on, and the eager threshold or the
     /// fragment size is left for it to pick.
     pub fn wants_probe(&self) -> bool {
-        self.probe && (self.eager_threshold.is_none() || self.probes_fragments())
+        self.probe
+            && ((self.eager_threshold.is_none() && self.probe_threshold) || self.probes_fragments())
+    }
+
+    /// Whether the eager threshold is the largest message a slot takes, because the link
+    /// says eager always wins there ([`Config::probe_threshold`] off, probe on, nothing
+    /// configured).
+    pub fn threshold_by_link(&self) -> bool {
+        self.probe && self.eager_threshold.is_none() && !self.probe_threshold
     }
 
     /// Whether the fragment size is left to the probe.

@@ -53,6 +53,12 @@ pub struct LinkInfo {
     /// probing at connect (verbs). Off where a read is one copy (shm's CMA) or a stream
     /// (tcp): there the probe's read samples cost more than any fragment size wins back.
     pub pipelined_reads: bool,
+    /// Reads are done by the NIC (RDMA READ), not by a CPU copy, so a rendezvous can beat
+    /// copying a frame through a slot and the eager threshold is worth probing at connect
+    /// (verbs). Where a read is itself a CPU copy plus a round trip (shm's CMA, tcp's
+    /// stream), eager wins at every size a slot takes, and the connection sends eagerly up
+    /// to the slot without probing.
+    pub dma_reads: bool,
     /// Reads the link has outstanding at once at most (verbs: the negotiated RDMA READ
     /// depth). The connection is the one place that schedules reads: it holds further ones
     /// back until one completes, over its own fragment reads and `read_remote` alike.

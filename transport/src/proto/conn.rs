@@ -825,11 +825,16 @@ impl Connection {
 
     /// The eager threshold in force.
     pub fn eager_threshold(&self) -> usize {
+        let open = if self.cfg.threshold_by_link() {
+            usize::MAX
+        } else {
+            self.cfg.default_eager_threshold
+        };
         let base = self
             .cfg
             .eager_threshold
             .or(self.probe_verdict)
-            .unwrap_or(self.cfg.default_eager_threshold);
+            .unwrap_or(open);
         base.min(self.eager_cap())
     }
 
@@ -1245,6 +1250,9 @@ impl Connection {
     fn begin_probe(&mut self, desc: Bytes, len: usize, started: Instant) {
         let mut plan = ProbePlan::default_for(self.eager_cap());
         plan.sizes.retain(|&s| s <= len);
+        if self.cfg.threshold_by_link() {
+            plan.sizes.clear();
+        }
         // Fragments are probed only when left open, with a peer that speaks `ProbeRead`
         // (older peers would reject it), and when the sample fits the buffer and the peer.
         let peer = self.peer.map_or((0, 0), |p| (p.features, p.max_message));
@@ -1326,11 +1334,15 @@ impl Connection {
     fn refresh_settings(&mut self) {
         let env = self.cfg.env_overrides;
         self.stats.eager_threshold = self.eager_threshold();
-        self.stats.threshold_source = source(
-            self.cfg.eager_threshold.is_some(),
-            env.eager_threshold,
-            self.probe_verdict.is_some(),
-        );
+        self.stats.threshold_source = if self.cfg.threshold_by_link() {
+            "link"
+        } else {
+            source(
+                self.cfg.eager_threshold.is_some(),
+                env.eager_threshold,
+                self.probe_verdict.is_some(),
+            )
+        };
         self.stats.fragment_size = self.fragment_size();
         self.stats.fragment_source = source(
             self.cfg.fragment_size.is_some(),

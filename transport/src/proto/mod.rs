@@ -186,7 +186,9 @@ pub struct ProtoStats {
     pub rndv_recv_deferred: u64,
     /// The eager threshold in force.
     pub eager_threshold: usize,
-    /// How the threshold was chosen: `"probe"`, `"config"`, `"env"` or `"default"`.
+    /// How the threshold was chosen: `"probe"`, `"config"`, `"env"`, `"default"`, or `"link"`
+    /// (the largest message a slot of the peer's takes, where the link says eager always
+    /// wins: `Config::probe_threshold`).
     pub threshold_source: &'static str,
     /// The rendezvous fragment size in force for this side's reads.
     pub fragment_size: usize,

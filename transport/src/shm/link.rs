@@ -350,6 +350,7 @@ impl ShmLink {
             one_sided: p.cma,
             peer: format!("pid {} uid {}", p.peer_pid, p.peer_uid),
             pipelined_reads: false,
+            dma_reads: false,
             read_depth: usize::MAX,
             max_read: usize::MAX,
             registrar: None,

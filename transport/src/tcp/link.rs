@@ -603,6 +603,7 @@ impl Link for TcpLink {
             one_sided: false,
             peer: self.peer.clone(),
             pipelined_reads: false,
+            dma_reads: false,
             read_depth: usize::MAX,
             max_read: usize::MAX,
             registrar: None,

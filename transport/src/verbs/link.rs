@@ -662,6 +662,7 @@ impl Link for VerbsLink {
             one_sided: true,
             peer: self.peer.clone(),
             pipelined_reads: true,
+            dma_reads: true,
             read_depth: self.max_rd,
             max_read: MAX_READ,
             registrar: Some(Arc::new(DomainRegistrar(self.domain.clone()))),
