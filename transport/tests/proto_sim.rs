@@ -1156,6 +1156,44 @@ fn probes_do_not_disturb_message_numbering_or_traffic() {
 }
 
 #[test]
+fn a_link_whose_reads_are_copies_sends_eagerly_up_to_the_slot_without_probing() {
+    // What `Connection::establish` makes of a link without DMA reads (shm, tcp).
+    let c = Config {
+        probe: true,
+        probe_threshold: false,
+        probe_fragments: false,
+        ..config()
+    };
+    assert!(!c.wants_probe(), "nothing is left to probe");
+    // Reads this fast would have made a probe pick the smallest size.
+    let mut sim = Sim::pair(
+        &c,
+        &c,
+        SimCfg {
+            link_bw: 100,
+            read_latency: Duration::from_micros(1),
+            read_bw: 0,
+            ..SimCfg::default()
+        },
+    );
+    assert_eq!(sim.send(0, payload(1, c.max_eager())).1, Protocol::Eager);
+    assert_eq!(sim.send(0, payload(2, c.max_eager() + 1)).1, Protocol::Rendezvous);
+    sim.run();
+    sim.assert_all_delivered();
+    let s = sim.sides[0].conn.stats();
+    assert_eq!((s.threshold_source, s.eager_threshold), ("link", c.max_eager()));
+    assert_eq!((s.eager_msgs_sent, s.rndv_msgs_sent), (1, 1));
+    // A configured threshold still wins over the link's.
+    let fixed = Config {
+        eager_threshold: Some(2000),
+        ..c.clone()
+    };
+    let sim = Sim::pair(&fixed, &fixed, SimCfg::default());
+    let s = sim.sides[0].conn.stats();
+    assert_eq!((s.threshold_source, s.eager_threshold), ("config", 2000));
+}
+
+#[test]
 fn a_configured_threshold_is_not_overridden_by_the_probe() {
     let c = Config {
         eager_threshold: Some(2000),
