@@ -60,7 +60,7 @@ use crate::error::{Error, Result};
 use body::{READ_BUDGET, ReadSource};
 use pump::Side;
 use tonic::Status;
-use wire::{Data, INLINE_MAX, PACKET_ROOM, Packet, Trailers};
+use wire::{Data, PACKET_ROOM, Packet, Trailers};
 
 /// Entry points for the fuzz targets and their seed-corpus test (`transport/fuzz`); not a
 /// stable API.
@@ -231,14 +231,18 @@ impl Mux {
         Mux { conn, side }
     }
 
-    /// The largest body frame copied into its packet (see [`INLINE_MAX`]), and the piece
-    /// size of large frames: two rendezvous fragments, so each piece's read is pipelined,
-    /// and at least 1 MiB (measured: smaller pieces cost more in per-message work than the
-    /// overlap wins).
+    /// The largest body frame copied into its packet, and the piece size of large frames.
+    ///
+    /// A body rides in its packet as long as the packet stays eager: one message each way,
+    /// as the transport itself would send those bytes. (A fixed 8 KiB cap used to send
+    /// larger bodies as a second message, which cost 15-25% at 16-60 KiB on shm, and up to
+    /// 3-4x where that message went rendezvous; docs/benchmarks.md.) Pieces are two
+    /// rendezvous fragments, so each piece's read is pipelined, and at least 1 MiB
+    /// (measured: smaller pieces cost more in per-message work than the overlap wins).
     fn sizes(&self) -> (usize, usize) {
         let (threshold, fragment) = self.conn.message_sizes();
         (
-            INLINE_MAX.min(threshold.saturating_sub(PACKET_ROOM)),
+            threshold.saturating_sub(PACKET_ROOM),
             (2 * fragment).clamp(1 << 20, MAX_PIECE),
         )
     }

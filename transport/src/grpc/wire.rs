@@ -35,14 +35,9 @@ pub(crate) const RESET: u8 = 32;
 pub(crate) const WINDOW: u8 = 64;
 pub(crate) const GOAWAY: u8 = 128;
 
-/// Body frames up to this size are copied into the packet; larger ones travel as their own
-/// transport message (no copy, and the transport may move them rendezvous). Lower where
-/// the connection's eager threshold is: a packet past it would itself go rendezvous, after
-/// the copy into it.
-pub(crate) const INLINE_MAX: usize = 8 * 1024;
-
 /// Room for a packet's own fields beside an inline body frame (call id, flags, lengths, a
-/// small head): what [`INLINE_MAX`] leaves under the eager threshold.
+/// small head): a body frame is copied into its packet while both fit under the
+/// connection's eager threshold, and travels as its own transport message above that.
 pub(crate) const PACKET_ROOM: usize = 512;
 
 /// HTTP/2's accounting for one header entry beyond its name and value (RFC 7540 6.5.2).
