@@ -1177,11 +1177,17 @@ fn a_link_whose_reads_are_copies_sends_eagerly_up_to_the_slot_without_probing() 
         },
     );
     assert_eq!(sim.send(0, payload(1, c.max_eager())).1, Protocol::Eager);
-    assert_eq!(sim.send(0, payload(2, c.max_eager() + 1)).1, Protocol::Rendezvous);
+    assert_eq!(
+        sim.send(0, payload(2, c.max_eager() + 1)).1,
+        Protocol::Rendezvous
+    );
     sim.run();
     sim.assert_all_delivered();
     let s = sim.sides[0].conn.stats();
-    assert_eq!((s.threshold_source, s.eager_threshold), ("link", c.max_eager()));
+    assert_eq!(
+        (s.threshold_source, s.eager_threshold),
+        ("link", c.max_eager())
+    );
     assert_eq!((s.eager_msgs_sent, s.rndv_msgs_sent), (1, 1));
     // A configured threshold still wins over the link's.
     let fixed = Config {
