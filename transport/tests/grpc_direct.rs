@@ -206,7 +206,7 @@ async fn same_answers(uri: fn() -> String) {
     let mut p = srv.pairs().await;
     let mut calls = 0;
     // Sizes around the inline and eager limits, and one sent in pieces.
-    for len in [0, 1, 64, 8 * 1024 - 16, 64 * 1024, MIB + 3] {
+    for len in [0, 1, 64, 2040, 8 * 1024 - 16, 60_000, 64 * 1024, MIB + 3] {
         let data = pattern(len, len as u8);
         let got = both(&mut p, vec![data.clone(), pattern(7, 1)], &[("x-a", "b")]).await;
         calls += 2;

@@ -13,7 +13,7 @@ use super::body::{IbexBody, Inbound, Inbox, InboxTx, IncomingBody, OnDrop, ReadS
 use super::calls::{CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
 use super::pump::{Now, Prepend, Pumped, Side, pump, pump_now};
-use super::wire::{GRPC_TIMEOUT, Head, Limits, Packet, Trailers};
+use super::wire::{FrameBuf, GRPC_TIMEOUT, Head, Limits, Packet, Trailers};
 use super::{CallShared, Encoded, Mux, RemoteBuf, parse_timeout, read_while, transport_status};
 use crate::config::Config;
 use crate::conn::Connection;
@@ -513,7 +513,7 @@ pub(crate) enum Outgoing {
     Body(tonic::body::Body),
     /// One whole prefixed message; the gRPC request headers go with it as
     /// [`Head::Request`]'s `standard`.
-    Whole(Bytes),
+    Whole(FrameBuf),
 }
 
 // A local of one call's start; boxing would cost the rare, large variant an allocation
@@ -808,14 +808,18 @@ impl Channel {
             // A message small enough to ride in its packet needs no body to pump.
             Err(data) if data.len() <= shared.mux.inline_max() => {
                 head.end = true;
-                match shared.mux.send_now(head, Some(data)) {
+                let sent = match data {
+                    FrameBuf::Plain(data) => shared.mux.send_now(head, Some(data)),
+                    data => shared.mux.send_framed_now(head, data),
+                };
+                match sent {
                     Ok(None) => Now::Sent,
                     Ok(Some(unsent)) => Now::Unsent(unsent),
                     Err(e) => Now::Failed(transport_status(&e)),
                 }
             }
             Err(data) => {
-                let body = IncomingBody::complete(Some(data), None, None);
+                let body = IncomingBody::complete(Some(data.into_bytes()), None, None);
                 pump_now(
                     &shared.mux,
                     head,

@@ -30,8 +30,8 @@ use tonic::{Code, Status};
 use super::body::IncomingBody;
 use super::client::{Channel, Inner, Outgoing, Reply};
 use super::wire::{
-    GRPC_ACCEPT_ENCODING, GRPC_CONTENT_TYPE, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, STATUS_OK,
-    Trailers,
+    FrameBuf, GRPC_ACCEPT_ENCODING, GRPC_CONTENT_TYPE, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS,
+    STATUS_OK, Trailers,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -61,7 +61,7 @@ pub(crate) struct DirectProbe {
 /// What a direct route answers: the response headers (metadata, sanitized; the content
 /// type is added where the answer is sent), the prefixed message and the response's extensions, or the call's
 /// status.
-pub(crate) type DirectAnswer = Result<(HeaderMap, Bytes, http::Extensions), Status>;
+pub(crate) type DirectAnswer = Result<(HeaderMap, FrameBuf, http::Extensions), Status>;
 
 /// A direct call whose handler did not finish in its first poll.
 pub(crate) type DirectFuture = Pin<Box<dyn Future<Output = DirectAnswer> + Send>>;
@@ -170,7 +170,7 @@ pub(crate) fn into_http(answer: DirectAnswer) -> http::Response<tonic::body::Bod
     };
     let mut trailers = HeaderMap::with_capacity(1);
     trailers.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
-    let body = IncomingBody::complete(Some(data), Some(trailers), None);
+    let body = IncomingBody::complete(Some(data.into_bytes()), Some(trailers), None);
     let mut headers = headers;
     headers.insert(http::header::CONTENT_TYPE, GRPC_CONTENT_TYPE.clone());
     let mut resp = http::Response::new(tonic::body::Body::new(body));
@@ -405,7 +405,7 @@ fn not_one_message(len: usize) -> Status {
 }
 
 /// A message with its gRPC prefix, refused as tonic's encoder refuses one over `limit`.
-fn encode<M: prost::Message>(msg: &M, limit: usize) -> Result<Bytes, Status> {
+fn encode<M: prost::Message>(msg: &M, limit: usize) -> Result<FrameBuf, Status> {
     let len = msg.encoded_len();
     if len > limit {
         return Err(Status::out_of_range(format!(
@@ -417,12 +417,14 @@ fn encode<M: prost::Message>(msg: &M, limit: usize) -> Result<Bytes, Status> {
             "a {len}-byte message does not fit gRPC's 4 GiB message limit"
         )));
     };
-    let mut buf = BytesMut::with_capacity(PREFIX + len);
+    // Behind room for the packet where that pays, which is then written around the
+    // message instead of copying it.
+    let mut buf = FrameBuf::buffer(PREFIX + len);
     buf.put_u8(0);
     buf.put_u32(prefix);
     msg.encode(&mut buf)
         .map_err(|e| Status::internal(format!("encoding the message: {e}")))?;
-    Ok(buf.freeze())
+    Ok(FrameBuf::new(buf, PREFIX + len))
 }
 
 /// tonic's `GRPC_RESERVED_HEADERS`: what user metadata may not set.

@@ -60,7 +60,7 @@ use crate::error::{Error, Result};
 use body::{READ_BUDGET, ReadSource};
 use pump::Side;
 use tonic::Status;
-use wire::{Data, PACKET_ROOM, Packet, Trailers};
+use wire::{Data, FrameBuf, PACKET_ROOM, Packet, Trailers};
 
 /// Entry points for the fuzz targets and their seed-corpus test (`transport/fuzz`); not a
 /// stable API.
@@ -306,6 +306,24 @@ impl Mux {
             .conn
             .try_send(head)?
             .map(|head| Encoded { call, head, body }))
+    }
+
+    /// [`Mux::send_now`] for a body frame encoded behind room for its packet: when it rides
+    /// inline, the packet is written around it ([`Packet::encode_around`]) instead of
+    /// copying it.
+    fn send_framed_now(&self, mut pkt: Packet, data: FrameBuf) -> Result<Option<Encoded>> {
+        // (`inline_max` locks the connection's state: asked only for frames with room.)
+        if !data.has_room() || data.len() > self.inline_max() {
+            return self.send_now(pkt, Some(data.into_bytes()));
+        }
+        let call = pkt.call;
+        pkt.data = None;
+        let head = pkt.encode_around(data)?;
+        Ok(self.conn.try_send(head)?.map(|head| Encoded {
+            call,
+            head,
+            body: None,
+        }))
     }
 
     /// Resets call `id` on the peer from a context that cannot wait (a drop), once the

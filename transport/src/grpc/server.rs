@@ -22,7 +22,7 @@ use super::demux::{Demux, Got};
 use super::direct::{DirectRoute, Started, WholeRequest, direct_message, into_http};
 use super::pump::{self, Now, Side, pump, trailers_only};
 use super::router::{Direct, Handler, Router};
-use super::wire::{Head, Limits, Packet, Trailers};
+use super::wire::{FrameBuf, Head, Limits, Packet, Trailers};
 use super::{CallShared, Encoded, Flag, Mux, parse_timeout};
 use crate::config::Config;
 use crate::conn::{ConnStats, Connection, Listener};
@@ -977,22 +977,25 @@ fn direct_now(
                 return Start::Handler(Box::pin(async move { Ok(into_http(fut.await)) }));
             }
         };
-        let (pkt, data) = match answer {
+        let sent = match answer {
             Ok((headers, data, _extensions)) => {
                 let mut pkt = response_head(id, http::StatusCode::OK, headers);
                 pkt.trailers = Some(Trailers::Ok);
                 pkt.end = true;
-                (pkt, Some(data))
+                match data {
+                    FrameBuf::Plain(data) => mux.send_now(pkt, Some(data)),
+                    data => mux.send_framed_now(pkt, data),
+                }
             }
             // As a route's error response goes: trailers-only, with the head's date.
             Err(status) => {
                 let (parts, ()) = status.into_http::<()>().into_parts();
                 let mut pkt = response_head(id, parts.status, parts.headers);
                 pkt.end = true;
-                (pkt, None)
+                mux.send_now(pkt, None)
             }
         };
-        match mux.send_now(pkt, data) {
+        match sent {
             Ok(None) => Start::Done,
             Ok(Some(unsent)) => Start::Unsent(unsent),
             Err(e) => {
