@@ -250,10 +250,10 @@ mod tests {
     use crate::grpc::demux::{Demux, Got};
     use crate::grpc::pump::trailers_only;
     use crate::grpc::wire::{Head, Limits, Trailers};
+    use crate::grpc::{CallShared, WINDOW, attach};
 
     /// The simulated connection's inline limit (its eager threshold less the packet's room).
     const INLINE_MAX: usize = 8 * 1024;
-    use crate::grpc::{CallShared, WINDOW, attach};
 
     /// Seeded: a seed replays its run exactly.
     struct Rng(TestRng);

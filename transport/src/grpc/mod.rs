@@ -311,13 +311,12 @@ impl Mux {
     /// [`Mux::send_now`] for a body frame encoded behind room for its packet: when it rides
     /// inline, the packet is written around it ([`Packet::encode_around`]) instead of
     /// copying it.
-    fn send_framed_now(&self, mut pkt: Packet, data: FrameBuf) -> Result<Option<Encoded>> {
+    fn send_framed_now(&self, pkt: Packet, data: FrameBuf) -> Result<Option<Encoded>> {
         // (`inline_max` locks the connection's state: asked only for frames with room.)
         if !data.has_room() || data.len() > self.inline_max() {
             return self.send_now(pkt, Some(data.into_bytes()));
         }
         let call = pkt.call;
-        pkt.data = None;
         let head = pkt.encode_around(data)?;
         Ok(self.conn.try_send(head)?.map(|head| Encoded {
             call,
