@@ -6,7 +6,7 @@
 use bytes::Bytes;
 
 use super::MAX_SEPARATE_BODY;
-use super::wire::{Data, Limits, Packet, Paths};
+use super::wire::{Data, Limits, Packet, Seen};
 use crate::error::{Error, Result};
 
 /// What one transport message completed.
@@ -29,7 +29,7 @@ pub(crate) struct Demux {
     limits: Limits,
     /// A packet waiting for its body, which is the next message on the connection.
     partial: Option<(Packet, u64)>,
-    paths: Paths,
+    seen: Seen,
 }
 
 impl Demux {
@@ -38,7 +38,7 @@ impl Demux {
             request,
             limits,
             partial: None,
-            paths: Paths::default(),
+            seen: Seen::default(),
         }
     }
 
@@ -49,7 +49,7 @@ impl Demux {
             if msg.len() as u64 == len {
                 return Ok(Got::One(packet, Some(msg)));
             }
-            return match Packet::decode_with(msg, self.request, &self.limits, &mut self.paths) {
+            return match Packet::decode_with(msg, self.request, &self.limits, &mut self.seen) {
                 Ok(abort) if abort.call == packet.call && abort.data.is_none() => {
                     Ok(Got::Aborted(packet, Box::new(abort)))
                 }
@@ -59,7 +59,7 @@ impl Demux {
                 ))),
             };
         }
-        let mut p = Packet::decode_with(msg, self.request, &self.limits, &mut self.paths)?;
+        let mut p = Packet::decode_with(msg, self.request, &self.limits, &mut self.seen)?;
         match p.data.take() {
             Some(Data::Next(len)) if len > MAX_SEPARATE_BODY => Err(Error::Protocol(format!(
                 "gRPC call framing: call {} announces a body frame of {len} bytes; senders cut \
