@@ -126,6 +126,60 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             ]),
         ),
         (
+            // The same header list again and again (kept and cloned by the decoder),
+            // one that differs, then the first again.
+            "ok-repeated-heads",
+            messages(&[
+                packet(
+                    1,
+                    HEAD | DATA | END,
+                    &[request_head("/pkg.Svc/Echo"), block(&grpc_msg)],
+                ),
+                packet(
+                    3,
+                    HEAD | DATA | END,
+                    &[request_head("/pkg.Svc/Echo"), block(&grpc_msg)],
+                ),
+                packet(
+                    5,
+                    HEAD | DATA | END,
+                    &[request_head("/pkg.Svc/Echo"), block(&grpc_msg)],
+                ),
+                packet(
+                    7,
+                    HEAD | END,
+                    &[block(
+                        &[&[0, 2, b'/', b'x'][..], &headers(&[("x-id", "7")])].concat(),
+                    )],
+                ),
+                packet(
+                    9,
+                    HEAD | DATA | END,
+                    &[request_head("/pkg.Svc/Echo"), block(&grpc_msg)],
+                ),
+            ]),
+        ),
+        (
+            "ok-repeated-response-heads",
+            messages(&[
+                packet(
+                    0,
+                    HEAD | DATA | TRAILERS,
+                    &[response_head(200), block(&grpc_msg), trailers.clone()],
+                ),
+                packet(
+                    2,
+                    HEAD | DATA | TRAILERS,
+                    &[response_head(200), block(&grpc_msg), trailers.clone()],
+                ),
+                packet(
+                    4,
+                    HEAD | DATA | TRAILERS,
+                    &[response_head(200), block(&grpc_msg), trailers.clone()],
+                ),
+            ]),
+        ),
+        (
             "bad-truncated-head",
             messages(&[packet(1, HEAD, &[vec![0, 0, 0, 40, 0, 4]])]),
         ),

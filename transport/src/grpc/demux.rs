@@ -42,6 +42,11 @@ impl Demux {
         }
     }
 
+    /// Whether the next message is the body of a packet already pushed.
+    pub(crate) fn awaits_body(&self) -> bool {
+        self.partial.is_some()
+    }
+
     /// Feeds the next message. An error means the peer broke the framing: the connection
     /// cannot go on (the caller closes it).
     pub(crate) fn push(&mut self, msg: Bytes) -> Result<Got> {

@@ -94,7 +94,9 @@ pub mod fuzzing {
     /// Feeds `messages` to one connection's call demultiplexer, as a server
     /// (`request`) or a client would receive them, and what comes out to the side's call
     /// table (a client with calls `0..8` open). Every packet it accepts must re-encode to
-    /// bytes that decode to the same packet, and the server's table must keep its limit.
+    /// bytes that decode to the same packet, a head decoded with what the connection has
+    /// seen (a kept header map, say) must equal one decoded afresh, and the server's table
+    /// must keep its limit.
     /// Returns how many packets came out before the first framing error (which ends a
     /// real connection), or the broken invariant.
     pub fn feed(messages: &[Bytes], request: bool) -> Result<usize, String> {
@@ -109,9 +111,18 @@ pub mod fuzzing {
         }
         let mut n = 0;
         for m in messages {
+            // This message's own packet, decoded with nothing seen before.
+            let fresh = (!demux.awaits_body())
+                .then(|| Packet::decode(m.clone(), request, &limits).ok())
+                .flatten();
             let packets = match demux.push(m.clone()) {
                 Ok(Got::Nothing) => continue,
-                Ok(Got::One(p, _)) => vec![p],
+                Ok(Got::One(p, _)) => {
+                    if fresh.as_ref().is_some_and(|f| f.head != p.head) {
+                        return Err("a head decodes differently after others".into());
+                    }
+                    vec![p]
+                }
                 Ok(Got::Aborted(p, a)) => vec![p, *a],
                 Err(_) => return Ok(n),
             };

@@ -174,7 +174,7 @@ impl Default for Limits {
 }
 
 /// The head block of a packet.
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub(crate) enum Head {
     /// Client to server: the method path and the request headers. A `PathAndQuery`, so
     /// the server's request URI is the connection's parsed path (see [`Seen`]) and a
