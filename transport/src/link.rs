@@ -407,6 +407,14 @@ pub trait Link: Send + 'static {
         false
     }
 
+    /// Whether a send since the last call found the peer asleep and had to wake it; the
+    /// call clears it. A reply to such a send comes only after the peer's wake-up, so a
+    /// spin that waits for it needs room for that wake-up too. Providers that cannot tell
+    /// (the kernel or the NIC wakes the peer) keep the default.
+    fn take_woke_peer(&mut self) -> bool {
+        false
+    }
+
     /// Exposes `buf` for one-sided reads by the peer until [`Link::withdraw`].
     fn expose(&mut self, buf: Bytes) -> Result<Exposure, Error>;
 

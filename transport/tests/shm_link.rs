@@ -602,3 +602,23 @@ async fn large_copies_wait_for_the_driver_once_it_asked_for_them() {
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_says_when_it_had_to_wake_a_sleeping_peer() {
+    let cfg = small_config();
+    let (mut a, mut b) = pair("woke", &cfg, &cfg).await;
+    // The peer has not waited yet, so nothing needs waking.
+    send(&mut a, b"one").await.expect("send");
+    assert!(!a.take_woke_peer(), "the peer was awake");
+    assert_eq!(&frame(&mut b).await[..], b"one");
+    // The peer finds nothing more and goes to sleep on its eventfd.
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(b.poll_event(&mut cx).is_pending());
+    send(&mut a, b"two").await.expect("send");
+    assert!(a.take_woke_peer(), "the peer slept, so the send woke it");
+    assert!(!a.take_woke_peer(), "asking clears it");
+    send(&mut a, b"three").await.expect("send");
+    assert!(!a.take_woke_peer(), "already woken: no second signal");
+    assert_eq!(&frame(&mut b).await[..], b"two");
+    assert_eq!(&frame(&mut b).await[..], b"three");
+}

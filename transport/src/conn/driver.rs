@@ -1055,7 +1055,10 @@ pub(crate) struct Driver {
     pub spin: Duration,
     /// When the current spin began, while one is under way.
     pub spinning_since: Option<Instant>,
+    /// The current spin's budget.
+    budget: Duration,
     adapt: SpinAdapt,
+    room: WakeRoom,
 }
 
 /// On a crowded machine a receiver spinning on the link (busy-polling, [`InlineRead`]) gives
@@ -1146,6 +1149,67 @@ impl SpinAdapt {
     }
 }
 
+/// Most a spin's budget grows for a peer that had to be woken.
+const WAKE_ROOM: Duration = Duration::from_micros(100);
+
+/// Room in a driver spin's budget for the peer's wake-up, given only to get two sides out
+/// of sleeping for good.
+///
+/// A reply to a peer that slept comes after its wake-up, and on a loaded 2-core VM a
+/// wake-up took about 60 µs, more than the 50 µs default budget. A spin can then catch
+/// only a reply from a peer that was spinning too, so once both sides sleep neither
+/// catches anything again: 60 KB calls took 130-490 µs (against 20-25 µs) for a whole
+/// connection in 1-7 of 20-40 runs (docs/benchmarks.md, "Calls that sleep for good").
+/// Spinning for the wake-up too (`spin` again, at most [`WAKE_ROOM`]) when a send had to
+/// wake the peer ([`Link::take_woke_peer`]) ends that, but given on every such spin it
+/// raised the p99 of 3 workers x 2 PS on 2 cores 4-8x (more processes than cores: a
+/// longer spin holds a core another process needs until the OS preempts it; a
+/// `sched_yield` in the extra part did not help, nor did gating it on the thread's
+/// involuntary context switches, which a lone ping-pong has too). So the room comes in a
+/// streak: it starts when a spin that woke its peer misses after five misses in a row
+/// ([`WakeRoom::AFTER_BACKOFF`]; both sides asleep for good look just like that), goes on
+/// while its spins catch their replies, for at most [`WakeRoom::STREAK`] spins (the peer's
+/// own back-off has run out by then, so it spins again), and one roomy spin that misses
+/// ends it. A streak that starts only at the longest back-off (256) came too late: the
+/// two sides fall asleep again now and then, and each time stayed so for 60 ms or more.
+#[derive(Debug, Default)]
+pub(crate) struct WakeRoom {
+    /// Roomy spins left in the streak.
+    left: u32,
+    /// The current spin follows a send that woke the peer.
+    woke: bool,
+    /// The current spin has the room.
+    roomy: bool,
+}
+
+impl WakeRoom {
+    const STREAK: u32 = 2 * SpinAdapt::MAX_SKIP;
+    /// A streak starts at a miss with the back-off at least this long (the sixth miss in a
+    /// row).
+    const AFTER_BACKOFF: u32 = 16;
+
+    /// The budget of a spin that starts now; `woke`: a send since the last one had to wake
+    /// the peer.
+    fn budget(&mut self, spin: Duration, woke: bool) -> Duration {
+        self.woke = woke;
+        self.roomy = woke && self.left > 0;
+        if !self.roomy {
+            return spin;
+        }
+        self.left -= 1;
+        spin + spin.min(WAKE_ROOM)
+    }
+
+    /// The spin ran out of budget; `adapt` has not counted the miss yet.
+    fn missed(&mut self, adapt: &SpinAdapt) {
+        if self.roomy {
+            self.left = 0;
+        } else if self.woke && adapt.backoff >= Self::AFTER_BACKOFF {
+            self.left = Self::STREAK;
+        }
+    }
+}
+
 impl Driver {
     pub fn new(shared: Arc<Shared>, spin: Duration) -> Driver {
         Driver {
@@ -1153,7 +1217,9 @@ impl Driver {
             timer: Box::pin(tokio::time::sleep(Duration::from_secs(3600))),
             spin,
             spinning_since: None,
+            budget: spin,
             adapt: SpinAdapt::default(),
+            room: WakeRoom::default(),
         }
     }
 }
@@ -1211,11 +1277,17 @@ impl Future for Driver {
                 }
                 break;
             }
-            if this.spinning_since.is_none() && !this.adapt.may_spin() {
-                if std::mem::take(&mut spinning) {
-                    continue;
+            if this.spinning_since.is_none() {
+                // Asked at every spin request, spun or not, so a wake-up long past does
+                // not stretch a later spin.
+                let woke = st.link.as_mut().is_some_and(|l| l.take_woke_peer());
+                if !this.adapt.may_spin() {
+                    if std::mem::take(&mut spinning) {
+                        continue;
+                    }
+                    break;
                 }
-                break;
+                this.budget = this.room.budget(this.spin, woke);
             }
             let since = *this.spinning_since.get_or_insert_with(Instant::now);
             match st.link.as_mut().and_then(|l| l.try_event()) {
@@ -1227,7 +1299,7 @@ impl Future for Driver {
                     st.handle_event(ev, Instant::now(), &mut wake);
                     continue;
                 }
-                None if since.elapsed() < this.spin => {
+                None if since.elapsed() < this.budget => {
                     cx.waker().wake_by_ref();
                     break;
                 }
@@ -1239,6 +1311,7 @@ impl Future for Driver {
                     // to wake the driver: the message hung (hostile_shm's honest client,
                     // about once in 30 k round trips under load).
                     this.spinning_since = None;
+                    this.room.missed(&this.adapt);
                     this.adapt.miss();
                     spinning = false;
                     continue;
@@ -1483,8 +1556,123 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use super::{InlineRead, OsYield, SpinAdapt};
+    use super::{InlineRead, OsYield, SpinAdapt, WakeRoom};
     use std::time::{Duration, Instant};
+
+    /// One process of [`ping_pong`]: its driver's spin policy.
+    #[derive(Default)]
+    struct Side {
+        adapt: SpinAdapt,
+        room: WakeRoom,
+        /// When its current spin ends; `None`: it sleeps until woken.
+        spin_end: Option<u64>,
+    }
+
+    /// A deterministic model of two processes ping-ponging one message back and forth over
+    /// shm, each waiting as the driver does: it spins if its [`SpinAdapt`] lets it, from
+    /// when it sent, for the budget [`WakeRoom`] gives (or the plain `spin` µs without
+    /// `room`), then sleeps. A message to a sleeper waits `wake` µs for it; each side works
+    /// `work` µs before it answers. Both start asleep. Returns (messages caught by a spin,
+    /// spins), over the last half of `n`.
+    fn ping_pong(room: bool, spin: u64, wake: u64, work: u64, n: usize) -> (usize, usize) {
+        let mut sides = [Side::default(), Side::default()];
+        let (mut t, mut caught, mut spins) = (0u64, 0, 0);
+        for i in 0..n {
+            let (s, r) = (i % 2, 1 - i % 2);
+            let rx = &mut sides[r];
+            let in_spin = rx.spin_end.is_some_and(|end| t <= end);
+            match rx.spin_end {
+                Some(_) if in_spin => rx.adapt.hit(),
+                Some(_) => {
+                    rx.room.missed(&rx.adapt);
+                    rx.adapt.miss();
+                }
+                None => {}
+            }
+            // The sender starts its wait as it sends, knowing whether it had to wake.
+            let tx = &mut sides[s];
+            tx.spin_end = tx.adapt.may_spin().then(|| {
+                let plain = Duration::from_micros(spin);
+                let b = if room {
+                    tx.room.budget(plain, !in_spin)
+                } else {
+                    plain
+                };
+                t + u64::try_from(b.as_micros()).unwrap_or(u64::MAX)
+            });
+            if i >= n / 2 {
+                caught += usize::from(in_spin);
+                spins += usize::from(tx.spin_end.is_some());
+            }
+            t += if in_spin { work } else { wake + work };
+        }
+        (caught, spins)
+    }
+
+    #[test]
+    fn two_sides_asleep_for_good_are_woken_by_a_streak_of_longer_spins() {
+        let n = 20_000;
+        let half = n / 2;
+        // A 60 KB ping-pong on a loaded 2-core VM: a wake-up (60 µs) plus the work (20 µs)
+        // is longer than the 50 µs default. With the plain budget a spin only catches a
+        // peer that spun too, so once both sleep no spin ever catches anything again.
+        assert_eq!(ping_pong(false, 50, 60, 20, n).0, 0, "stuck asleep");
+        let (caught, _) = ping_pong(true, 50, 60, 20, n);
+        assert!(caught >= half - 2, "with the room: {caught} of {half}");
+        // Wake-ups that fit the plain budget: both spin through, and no room is given.
+        assert!(ping_pong(false, 50, 10, 20, n).0 >= half - 2);
+        assert!(ping_pong(true, 50, 10, 20, n).0 >= half - 2);
+        // Wake-ups past even the longer budget: the streaks end at once, and the back-off
+        // keeps the spins rare.
+        let (caught, spins) = ping_pong(true, 50, 200, 20, n);
+        assert_eq!(caught, 0);
+        assert!(spins <= half / 100, "{spins} spins in {half} waits");
+    }
+
+    #[test]
+    fn the_wake_up_room_is_a_bounded_streak_that_a_miss_ends() {
+        let spin = Duration::from_micros(50);
+        let long = Duration::from_micros(100);
+        let mut a = SpinAdapt::default();
+        let mut r = WakeRoom::default();
+        assert_eq!(r.budget(spin, true), spin, "no streak yet");
+        r.missed(&a);
+        assert_eq!(
+            r.budget(spin, true),
+            spin,
+            "one miss is not asleep for good"
+        );
+        while a.backoff < SpinAdapt::MAX_SKIP {
+            a.miss();
+        }
+        assert_eq!(r.budget(spin, false), spin);
+        r.missed(&a);
+        assert_eq!(
+            r.budget(spin, true),
+            spin,
+            "a miss that woke no one starts nothing"
+        );
+        r.missed(&a);
+        assert_eq!(r.budget(spin, false), spin, "room only for a woken peer");
+        let roomy = (0..WakeRoom::STREAK * 2)
+            .filter(|_| r.budget(spin, true) == long)
+            .count();
+        assert_eq!(roomy, WakeRoom::STREAK as usize, "the streak is bounded");
+        r.missed(&a);
+        assert_eq!(
+            r.budget(spin, true),
+            long,
+            "asleep for good again: a new streak"
+        );
+        r.missed(&a);
+        assert_eq!(r.budget(spin, true), spin, "its first miss ends a streak");
+        r.left = 5;
+        assert_eq!(
+            r.budget(Duration::from_millis(1), true),
+            Duration::from_micros(1100),
+            "the room is capped: a long budget already has it"
+        );
+    }
 
     #[test]
     fn a_spin_gives_its_core_back_only_when_crowded_past_the_fast_replies() {

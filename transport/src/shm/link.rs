@@ -253,6 +253,8 @@ pub struct ShmLink {
     tx: Producer,
     rx: Consumer,
     rx_sleeping: bool,
+    /// A send signalled the peer's eventfd since [`Link::take_woke_peer`] last asked.
+    woke_peer: bool,
     /// Spin budget before sleeping. A side spins only once after each bit of progress
     /// (an event handed out, a frame sent), so a driver polling a quiet direction again
     /// and again is not held up, and an idle link goes straight back to sleep.
@@ -363,6 +365,7 @@ impl ShmLink {
             tx,
             rx,
             rx_sleeping: false,
+            woke_peer: false,
             spin: p.spin,
             tx_hot: true,
             pool: p.pool,
@@ -433,6 +436,7 @@ impl ShmLink {
         }
         if self.tx.consumer_needs_wake() {
             segment::signal(self.peer_data_efd.as_raw_fd());
+            self.woke_peer = true;
         }
         Ok(true)
     }
@@ -950,6 +954,10 @@ impl Link for ShmLink {
 
     fn busy_poll(&self) -> bool {
         true
+    }
+
+    fn take_woke_peer(&mut self) -> bool {
+        std::mem::take(&mut self.woke_peer)
     }
 
     fn expose(&mut self, buf: Bytes) -> Result<Exposure> {
