@@ -190,6 +190,31 @@ async fn hundreds_of_frames_arrive_in_order_and_intact() {
     let (_c, _s) = tokio::join!(tx, rx);
 }
 
+/// `poll_send_parts` writes a head and a body into one frame without joining them first:
+/// inline (under the device's inline limit) and through a send slot, with either part empty.
+#[tokio::test]
+async fn two_part_frames_arrive_as_one() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    let (max, inline) = (c.info().max_frame, c.max_inline());
+    let mut cases = vec![(0, 0), (5, 0), (0, 7), (12, 52), (16, max - 16), (max, 0)];
+    if inline > 0 {
+        cases.extend([(inline / 2, inline - inline / 2), (1, inline)]);
+    }
+    for (i, &(h, b)) in cases.iter().enumerate() {
+        let whole = pattern(i as u32, h + b);
+        let (head, body) = whole.split_at(h);
+        poll_fn(|cx| c.poll_send_parts(cx, head, body))
+            .await
+            .expect("send parts");
+        let f = frame(&mut s).await;
+        assert!(f[..] == whole[..], "case {i}: head {h} + body {b} bytes");
+    }
+    let r = poll_fn(|cx| c.poll_send_parts(cx, &[1; 8], &vec![0u8; max - 7])).await;
+    assert!(matches!(r, Err(Error::TooLarge { .. })), "{r:?}");
+}
+
 #[tokio::test]
 async fn full_ring_gives_pending_then_progress() {
     let Some(env) = env() else { return };

@@ -19,6 +19,7 @@
 //!   empty flush marker that `close` posts. The values read the same in either byte order.
 
 use std::collections::{HashMap, VecDeque};
+use std::io::IoSlice;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
@@ -670,14 +671,26 @@ impl Link for VerbsLink {
     }
 
     fn poll_send(&mut self, cx: &mut Context<'_>, frame: &[u8]) -> Poll<Result<()>> {
-        if frame.len() > self.max_frame {
+        self.poll_send_parts(cx, frame, &[])
+    }
+
+    /// Both parts go straight into the send slot (or the work request's inline data): no
+    /// frame is assembled first.
+    fn poll_send_parts(
+        &mut self,
+        cx: &mut Context<'_>,
+        head: &[u8],
+        body: &[u8],
+    ) -> Poll<Result<()>> {
+        let len = head.len() + body.len();
+        if len > self.max_frame {
             return Poll::Ready(Err(Error::TooLarge {
-                len: frame.len() as u64,
+                len: len as u64,
                 limit: self.max_frame as u64,
                 which: "the peer's eager receive slot (its Config::slot_size)",
             }));
         }
-        let inline = self.max_inline > 0 && frame.len() <= self.max_inline;
+        let inline = self.max_inline > 0 && len <= self.max_inline;
         loop {
             if let Some(e) = &self.dead {
                 return Poll::Ready(Err(e.clone()));
@@ -720,25 +733,30 @@ impl Link for VerbsLink {
             None => (self.send_mem[0].addr(0), self.send_mem[0].lkey),
         };
         if let Some((g, off)) = slot {
-            let Some(dst) = self.send_mem[g].buf.get_mut(off..off + frame.len()) else {
+            let Some(dst) = self.send_mem[g].buf.get_mut(off..off + len) else {
+                self.send_free.push((g, off));
                 return Poll::Ready(Err(Error::Config("send slot outside its memory".into())));
             };
-            dst.copy_from_slice(frame);
+            let (h, b) = dst.split_at_mut(head.len());
+            h.copy_from_slice(head);
+            b.copy_from_slice(body);
         }
         let mut guard = self.qp.start_post_send();
         let wr = guard
             .construct_wr(WR_SQ | seq, flags)
             .setup_send_imm(IMM_FRAME);
-        if inline {
-            wr.setup_inline_data(frame);
-        } else if frame.is_empty() {
+        if inline && body.is_empty() {
+            wr.setup_inline_data(head);
+        } else if inline {
+            wr.setup_inline_data_list(&[IoSlice::new(head), IoSlice::new(body)]);
+        } else if len == 0 {
             // rxe rejects an empty scatter list; a zero-length entry in the slot is fine.
             // SAFETY: zero bytes of registered memory are named; nothing is read.
             unsafe { wr.setup_sge(lkey, slot_addr, 0) };
         } else {
             // SAFETY: the slot lies in registered memory this link holds, which outlives the
             // QP, and is not reused before this send's completion (or a later one) retires it.
-            unsafe { wr.setup_sge(lkey, slot_addr, frame.len() as u32) };
+            unsafe { wr.setup_sge(lkey, slot_addr, len as u32) };
         }
         if let Err(e) = guard.post() {
             if let Some(s) = slot {
