@@ -188,6 +188,9 @@ pub struct Connection {
     /// The list an eager frame's messages are packed into, kept between frames: a fresh one
     /// was an allocation per data frame.
     pack_buf: Vec<Bytes>,
+    /// The list a received eager frame's messages are decoded into, kept between frames
+    /// the same way.
+    recv_buf: Vec<Bytes>,
     /// Bytes charged to the receive budget, per message: from `BeginRecv` until the
     /// application takes the message (or a probe sample is read, or a mapping needs none).
     charged: Map<MsgId, u64>,
@@ -268,6 +271,7 @@ impl Connection {
             mapped_unreleased: BTreeSet::new(),
             deferred: VecDeque::new(),
             pack_buf: Vec::new(),
+            recv_buf: Vec::new(),
             charged: Map::default(),
             charged_bytes: 0,
             owed: 0,
@@ -303,7 +307,7 @@ impl Connection {
                 self.cfg.slot_size
             ));
         }
-        let Frame { credits, body } = match Frame::decode(&frame) {
+        let Frame { credits, body } = match Frame::decode_reusing(&frame, &mut self.recv_buf) {
             Ok(f) => f,
             Err(e) => return self.violation(format!("malformed frame: {e}")),
         };
@@ -1050,12 +1054,13 @@ impl Connection {
         }
     }
 
-    fn on_eager(&mut self, msgs: Vec<Bytes>) {
+    fn on_eager(&mut self, mut msgs: Vec<Bytes>) {
         let group = (msgs.len() > 1).then_some(self.next_recv_seq);
         if let Some(first) = group {
             self.groups.insert(first, msgs.len() as u16);
         }
-        for m in msgs {
+        let mut taken = msgs.drain(..);
+        for m in taken.by_ref() {
             if m.len() as u64 > self.cfg.max_message_size {
                 return self.violation(format!(
                     "eager message of {} bytes exceeds our max_message_size of {} bytes",
@@ -1067,6 +1072,11 @@ impl Connection {
             self.stats.eager_bytes_recv += m.len() as u64;
             self.recv.insert(self.next_recv_seq, InMsg::Eager(m, group));
             self.next_recv_seq += 1;
+        }
+        drop(taken);
+        // Kept for the next frame's decode, as `pack_buf` is for sending.
+        if msgs.capacity() <= 256 {
+            self.recv_buf = msgs;
         }
         self.deliver_ready();
     }

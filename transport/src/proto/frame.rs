@@ -496,6 +496,13 @@ impl Frame {
 
     /// Decodes one whole frame. Never panics; every defect is a distinct [`FrameError`].
     pub fn decode(buf: &Bytes) -> Result<Frame, FrameError> {
+        Self::decode_reusing(buf, &mut Vec::new())
+    }
+
+    /// [`Frame::decode`] that fills `spare`'s allocation (taken, cleared) with an eager
+    /// frame's messages, so a receiver that hands the vector back decodes without
+    /// allocating. Other kinds leave `spare` as it is.
+    pub fn decode_reusing(buf: &Bytes, spare: &mut Vec<Bytes>) -> Result<Frame, FrameError> {
         if buf.len() < HEADER_LEN {
             return Err(FrameError::ShortHeader { len: buf.len() });
         }
@@ -557,7 +564,9 @@ impl Frame {
                 }
                 // Each message needs at least its 4-byte length, so a hostile count cannot
                 // make this allocation larger than the frame itself.
-                let mut msgs = Vec::with_capacity((count as usize).min(r.remaining() / 4 + 1));
+                let mut msgs = std::mem::take(spare);
+                msgs.clear();
+                msgs.reserve((count as usize).min(r.remaining() / 4 + 1));
                 for _ in 0..count {
                     let len = r.u32("message len")?;
                     msgs.push(r.bytes("message", len as u64)?);
@@ -782,6 +791,26 @@ mod tests {
             let b = enc(&f);
             assert_eq!(b.len(), f.encoded_len(), "{f:?}");
             assert_eq!(Frame::decode(&b).as_ref(), Ok(&f));
+        }
+    }
+
+    #[test]
+    fn an_eager_frame_decodes_into_the_spare_list() {
+        let mut spare: Vec<Bytes> = Vec::with_capacity(4);
+        spare.push(Bytes::from_static(b"stale"));
+        let ptr = spare.as_ptr();
+        for f in all_kinds() {
+            let b = enc(&f);
+            let before = spare.capacity();
+            let got = Frame::decode_reusing(&b, &mut spare).expect("decodes");
+            assert_eq!(got, f);
+            match got.body {
+                Body::Eager { msgs } => {
+                    assert_eq!(msgs.as_ptr(), ptr, "the spare allocation is reused");
+                    spare = msgs;
+                }
+                _ => assert_eq!(spare.capacity(), before, "other kinds leave it alone"),
+            }
         }
     }
 
