@@ -13,7 +13,7 @@ use super::body::{IbexBody, Inbound, Inbox, InboxTx, IncomingBody, OnDrop, ReadS
 use super::calls::{CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
 use super::pump::{Now, Prepend, Pumped, Side, pump, pump_now};
-use super::wire::{FrameBuf, GRPC_TIMEOUT, Head, Limits, Packet, Trailers};
+use super::wire::{FrameBuf, FrameWriter, GRPC_TIMEOUT, Head, Limits, Packet, Trailers};
 use super::{CallShared, Encoded, Mux, RemoteBuf, parse_timeout, read_while, transport_status};
 use crate::config::Config;
 use crate::conn::Connection;
@@ -508,12 +508,13 @@ impl ReadSource for Shared {
 // would add an allocation and save no copy.
 #[allow(clippy::large_enum_variant)]
 /// What a call sends after its head.
-pub(crate) enum Outgoing {
+pub(crate) enum Outgoing<'a> {
     /// A body, with the gRPC request headers (`te`, `content-type`) among the head's.
     Body(tonic::body::Body),
-    /// One whole prefixed message; the gRPC request headers go with it as
-    /// [`Head::Request`]'s `standard`.
-    Whole(FrameBuf),
+    /// One whole prefixed message, written where it goes (into the head's packet when it
+    /// rides inline); the gRPC request headers go with it as [`Head::Request`]'s
+    /// `standard`.
+    Whole(&'a (dyn FrameWriter + Sync)),
 }
 
 // A local of one call's start; boxing would cost the rare, large variant an allocation
@@ -746,7 +747,7 @@ impl Channel {
         inner: Arc<Inner>,
         mut headers: HeaderMap,
         path: http::uri::PathAndQuery,
-        out: Outgoing,
+        out: Outgoing<'_>,
     ) -> std::result::Result<Answer, Status> {
         // A concurrency-limited channel holds a slot until the response head is in, as
         // tower's ConcurrencyLimit does.
@@ -808,10 +809,7 @@ impl Channel {
             // A message small enough to ride in its packet needs no body to pump.
             Err(data) if data.len() <= shared.mux.inline_max() => {
                 head.end = true;
-                let sent = match data {
-                    FrameBuf::Plain(data) => shared.mux.send_now(head, Some(data)),
-                    data => shared.mux.send_framed_now(head, data),
-                };
+                let sent = shared.mux.send_inline_written_now(head, data);
                 match sent {
                     Ok(None) => Now::Sent,
                     Ok(Some(unsent)) => Now::Unsent(unsent),
@@ -819,7 +817,8 @@ impl Channel {
                 }
             }
             Err(data) => {
-                let body = IncomingBody::complete(Some(data.into_bytes()), None, None);
+                let data = FrameBuf::from_writer(data).into_bytes();
+                let body = IncomingBody::complete(Some(data), None, None);
                 pump_now(
                     &shared.mux,
                     head,

@@ -19,7 +19,7 @@ use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, StatusCode};
 use http_body::Body;
 use tonic::codec::Codec;
@@ -30,8 +30,8 @@ use tonic::{Code, Status};
 use super::body::IncomingBody;
 use super::client::{Channel, Inner, Outgoing, Reply};
 use super::wire::{
-    FrameBuf, GRPC_ACCEPT_ENCODING, GRPC_CONTENT_TYPE, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS,
-    STATUS_OK, Trailers,
+    FrameBuf, FrameWriter, GRPC_ACCEPT_ENCODING, GRPC_CONTENT_TYPE, GRPC_ENCODING, GRPC_MESSAGE,
+    GRPC_STATUS, STATUS_OK, Trailers,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -66,16 +66,27 @@ pub(crate) type DirectAnswer = Result<(HeaderMap, FrameBuf, http::Extensions), S
 /// A direct call whose handler did not finish in its first poll.
 pub(crate) type DirectFuture = Pin<Box<dyn Future<Output = DirectAnswer> + Send>>;
 
+/// An answer ready in a direct call's first poll, handed to the server while the handler's
+/// message is still where the handler left it: the response headers (sanitized) and the
+/// message, which is encoded straight into the packet that carries it; or the call's
+/// status.
+pub(crate) type ReadyAnswer<'a> = Result<(HeaderMap, &'a dyn FrameWriter), Status>;
+
+/// Where a direct call's first poll hands a ready answer.
+pub(crate) type ReplyTo<'a> = &'a mut dyn FnMut(ReadyAnswer<'_>);
+
 /// How a direct call's first poll went.
 pub(crate) enum Started {
-    /// The handler finished at once (most unary handlers): nothing was boxed.
-    Ready(DirectAnswer),
+    /// The handler finished at once (most unary handlers): its answer went to the reply,
+    /// and nothing was boxed.
+    Answered,
     /// The handler waits; its future runs on as the call's.
     Pending(DirectFuture),
 }
 
-type RouteFn =
-    dyn Fn(Bytes, HeaderMap, http::Extensions, &mut Context<'_>) -> Started + Send + Sync;
+type RouteFn = dyn Fn(Bytes, HeaderMap, http::Extensions, &mut Context<'_>, ReplyTo<'_>) -> Started
+    + Send
+    + Sync;
 
 /// A generated unary route that the server calls itself, with no `http::Request`, router,
 /// boxed service or response body: the request's message (unprefixed), its headers and
@@ -99,15 +110,21 @@ impl DirectRoute {
         let max_encoding = max_encoding.unwrap_or(usize::MAX);
         DirectRoute {
             max_decoding: max_decoding.unwrap_or(DEFAULT_MAX_DECODING),
-            call: Arc::new(move |msg, headers, extensions, cx| {
+            call: Arc::new(move |msg, headers, extensions, cx, reply| {
                 let mut handler = match call(service.clone(), msg, headers, extensions) {
                     Ok(h) => h,
-                    Err(status) => return Started::Ready(Err(status)),
+                    Err(status) => {
+                        reply(Err(status));
+                        return Started::Answered;
+                    }
                 };
                 // The handler's future (tonic's route boxes it, so it is `Unpin`) is polled
                 // where it is: only one that waits is boxed, with what remains to do.
                 match Pin::new(&mut handler).poll(cx) {
-                    Poll::Ready(r) => Started::Ready(finish(r, max_encoding)),
+                    Poll::Ready(r) => {
+                        answer_now(r, max_encoding, reply);
+                        Started::Answered
+                    }
                     Poll::Pending => {
                         Started::Pending(Box::pin(
                             async move { finish(handler.await, max_encoding) },
@@ -119,15 +136,16 @@ impl DirectRoute {
     }
 
     /// Starts the call and polls it once with `cx`: `msg` is the request's one message,
-    /// without its prefix.
+    /// without its prefix. An answer ready at once goes to `reply`.
     pub(crate) fn start(
         &self,
         msg: Bytes,
         headers: HeaderMap,
         extensions: http::Extensions,
         cx: &mut Context<'_>,
+        reply: ReplyTo<'_>,
     ) -> Started {
-        (self.call)(msg, headers, extensions, cx)
+        (self.call)(msg, headers, extensions, cx, reply)
     }
 }
 
@@ -146,6 +164,28 @@ where
     let msg = Req::decode(msg).map_err(|e| Status::internal(e.to_string()))?;
     let request = tonic::Request::from_parts(MetadataMap::from_headers(headers), extensions, msg);
     Ok(service.call(request))
+}
+
+/// Hands what the handler answered at once to `reply`, its message to be encoded where it
+/// goes. The message and the response's extensions are dropped after the answer has gone
+/// out: the client works on it meanwhile.
+fn answer_now<R: prost::Message>(
+    answer: Result<tonic::Response<R>, Status>,
+    max_encoding: usize,
+    reply: ReplyTo<'_>,
+) {
+    let (metadata, msg, _extensions) = match answer {
+        Ok(a) => a.into_parts(),
+        Err(status) => return reply(Err(status)),
+    };
+    let frame = match Message::new(&msg, max_encoding) {
+        Ok(f) => f,
+        Err(status) => return reply(Err(status)),
+    };
+    let mut headers = metadata.into_headers();
+    // The content type goes onto the wire after these (see `Head::Response`).
+    sanitize(&mut headers);
+    reply(Ok((headers, &frame)));
 }
 
 /// Encodes what the handler answered.
@@ -292,12 +332,12 @@ impl DirectClient {
         R: prost::Message + Default,
     {
         let (metadata, _extensions, msg) = request.into_parts();
-        let data = encode(&msg, self.max_encoding)?;
+        let data = Message::new(&msg, self.max_encoding)?;
         let mut headers = metadata.into_headers();
         // `te` and `content-type` are among these, and go on the wire after them.
         sanitize(&mut headers);
         let answer =
-            Channel::exchange(self.inner.clone(), headers, path, Outgoing::Whole(data)).await?;
+            Channel::exchange(self.inner.clone(), headers, path, Outgoing::Whole(&data)).await?;
         let mut headers = answer.headers;
         // A trailers-only answer: its status is in the head. (Looked up by its parsed
         // name first: `from_header_map` parses the name on every call.)
@@ -406,25 +446,49 @@ fn not_one_message(len: usize) -> Status {
 
 /// A message with its gRPC prefix, refused as tonic's encoder refuses one over `limit`.
 fn encode<M: prost::Message>(msg: &M, limit: usize) -> Result<FrameBuf, Status> {
-    let len = msg.encoded_len();
-    if len > limit {
-        return Err(Status::out_of_range(format!(
-            "Error, encoded message length too large: found {len} bytes, the limit is: {limit} bytes"
-        )));
-    }
-    let Ok(prefix) = u32::try_from(len) else {
-        return Err(Status::resource_exhausted(format!(
-            "a {len}-byte message does not fit gRPC's 4 GiB message limit"
-        )));
-    };
     // Behind room for the packet where that pays, which is then written around the
     // message instead of copying it.
-    let mut buf = FrameBuf::buffer(PREFIX + len);
-    buf.put_u8(0);
-    buf.put_u32(prefix);
-    msg.encode(&mut buf)
-        .map_err(|e| Status::internal(format!("encoding the message: {e}")))?;
-    Ok(FrameBuf::new(buf, PREFIX + len))
+    Ok(FrameBuf::from_writer(&Message::new(msg, limit)?))
+}
+
+/// One message as a gRPC body frame (prefix and message), encoded where it is put: into
+/// the packet that carries it when it rides inline.
+struct Message<'a, M> {
+    msg: &'a M,
+    /// The encoded message's length, within the limit and gRPC's 4 GiB.
+    len: u32,
+}
+
+impl<'a, M: prost::Message> Message<'a, M> {
+    /// Refuses a message over `limit` bytes, as tonic's encoder does.
+    fn new(msg: &'a M, limit: usize) -> Result<Self, Status> {
+        let len = msg.encoded_len();
+        if len > limit {
+            return Err(Status::out_of_range(format!(
+                "Error, encoded message length too large: found {len} bytes, the limit is: {limit} bytes"
+            )));
+        }
+        let Ok(len) = u32::try_from(len) else {
+            return Err(Status::resource_exhausted(format!(
+                "a {len}-byte message does not fit gRPC's 4 GiB message limit"
+            )));
+        };
+        Ok(Message { msg, len })
+    }
+}
+
+impl<M: prost::Message> FrameWriter for Message<'_, M> {
+    fn len(&self) -> usize {
+        PREFIX + self.len as usize
+    }
+
+    fn put(&self, b: &mut BytesMut) {
+        b.reserve(self.len());
+        b.extend_from_slice(&[0]);
+        b.extend_from_slice(&self.len.to_be_bytes());
+        // `encode_raw`: the length is known and `BytesMut` grows as needed.
+        self.msg.encode_raw(b);
+    }
 }
 
 /// tonic's `GRPC_RESERVED_HEADERS`: what user metadata may not set.

@@ -60,7 +60,7 @@ use crate::error::{Error, Result};
 use body::{READ_BUDGET, ReadSource};
 use pump::Side;
 use tonic::Status;
-use wire::{Data, FrameBuf, PACKET_ROOM, Packet, Trailers};
+use wire::{Data, FrameBuf, FrameWriter, PACKET_ROOM, Packet, Trailers};
 
 /// Entry points for the fuzz targets and their seed-corpus test (`transport/fuzz`); not a
 /// stable API.
@@ -330,6 +330,38 @@ impl Mux {
         let call = pkt.call;
         let head = pkt.encode_around(data)?;
         Ok(self.conn.try_send(head)?.map(|head| Encoded {
+            call,
+            head,
+            body: None,
+        }))
+    }
+
+    /// [`Mux::send_now`] for a body frame that writes itself: inline, it is encoded straight
+    /// into the packet's buffer.
+    fn send_written_now(&self, pkt: Packet, frame: &dyn FrameWriter) -> Result<Option<Encoded>> {
+        if frame.len() > self.inline_max() {
+            return match FrameBuf::from_writer(frame) {
+                FrameBuf::Plain(data) => self.send_now(pkt, Some(data)),
+                data => self.send_framed_now(pkt, data),
+            };
+        }
+        self.send_inline_written_now(pkt, frame)
+    }
+
+    /// [`Mux::send_written_now`] for a frame the caller found to be within
+    /// [`Mux::inline_max`].
+    fn send_inline_written_now(
+        &self,
+        pkt: Packet,
+        frame: &dyn FrameWriter,
+    ) -> Result<Option<Encoded>> {
+        let call = pkt.call;
+        let head = pkt.encode_written(frame)?;
+        let unsent = self.conn.try_send(head)?;
+        // The packet (its head's map) is dropped once the bytes are on their way: the
+        // peer works on them meanwhile.
+        drop(pkt);
+        Ok(unsent.map(|head| Encoded {
             call,
             head,
             body: None,

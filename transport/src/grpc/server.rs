@@ -19,10 +19,10 @@ use tower::Service;
 use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::calls::{Admit, CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
-use super::direct::{DirectRoute, Started, WholeRequest, direct_message, into_http};
+use super::direct::{DirectRoute, ReadyAnswer, Started, WholeRequest, direct_message, into_http};
 use super::pump::{self, Now, Side, pump, trailers_only};
 use super::router::{Direct, Handler, Router};
-use super::wire::{FrameBuf, Head, Limits, Packet, Trailers};
+use super::wire::{Head, Limits, Packet, Trailers};
 use super::{CallShared, Encoded, Flag, Mux, parse_timeout};
 use crate::config::Config;
 use crate::conn::{ConnStats, Connection, Listener};
@@ -969,38 +969,38 @@ fn direct_now(
     extensions: http::Extensions,
 ) -> Start {
     let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut start = Start::Done;
+        let mut reply = |answer: ReadyAnswer<'_>| {
+            let sent = match answer {
+                Ok((headers, frame)) => {
+                    let mut pkt = response_head(id, http::StatusCode::OK, headers);
+                    pkt.trailers = Some(Trailers::Ok);
+                    pkt.end = true;
+                    mux.send_written_now(pkt, frame)
+                }
+                // As a route's error response goes: trailers-only, with the head's date.
+                Err(status) => {
+                    let (parts, ()) = status.into_http::<()>().into_parts();
+                    let mut pkt = response_head(id, parts.status, parts.headers);
+                    pkt.end = true;
+                    mux.send_now(pkt, None)
+                }
+            };
+            start = match sent {
+                Ok(None) => Start::Done,
+                Ok(Some(unsent)) => Start::Unsent(unsent),
+                Err(e) => {
+                    tracing::debug!(%e, call = id, "gRPC response not sent");
+                    Start::Done
+                }
+            };
+        };
         // A handler left pending here is polled again by its future with the task's waker.
         let mut cx = Context::from_waker(Waker::noop());
-        let answer = match route.start(msg, headers, extensions, &mut cx) {
-            Started::Ready(a) => a,
+        match route.start(msg, headers, extensions, &mut cx, &mut reply) {
+            Started::Answered => start,
             Started::Pending(fut) => {
-                return Start::Handler(Box::pin(async move { Ok(into_http(fut.await)) }));
-            }
-        };
-        let sent = match answer {
-            Ok((headers, data, _extensions)) => {
-                let mut pkt = response_head(id, http::StatusCode::OK, headers);
-                pkt.trailers = Some(Trailers::Ok);
-                pkt.end = true;
-                match data {
-                    FrameBuf::Plain(data) => mux.send_now(pkt, Some(data)),
-                    data => mux.send_framed_now(pkt, data),
-                }
-            }
-            // As a route's error response goes: trailers-only, with the head's date.
-            Err(status) => {
-                let (parts, ()) = status.into_http::<()>().into_parts();
-                let mut pkt = response_head(id, parts.status, parts.headers);
-                pkt.end = true;
-                mux.send_now(pkt, None)
-            }
-        };
-        match sent {
-            Ok(None) => Start::Done,
-            Ok(Some(unsent)) => Start::Unsent(unsent),
-            Err(e) => {
-                tracing::debug!(%e, call = id, "gRPC response not sent");
-                Start::Done
+                Start::Handler(Box::pin(async move { Ok(into_http(fut.await)) }))
             }
         }
     }));

@@ -69,6 +69,17 @@ const FRAME_TAIL: usize = 32;
 /// without an allocation of its own, which one with room does not.
 const FRAME_ROOM_MIN: usize = 2048;
 
+/// A body frame that writes itself into whatever buffer it goes to: a packet's own buffer
+/// when it rides inline ([`Packet::encode_written`]), so a small message is encoded once,
+/// straight into the bytes that go to the transport, with no buffer of its own to allocate,
+/// copy and free (the direct path, both sides).
+pub(crate) trait FrameWriter {
+    /// The frame's length in bytes.
+    fn len(&self) -> usize;
+    /// Appends exactly [`FrameWriter::len`] bytes to `b`.
+    fn put(&self, b: &mut BytesMut);
+}
+
 /// A body frame written behind room for its packet's fields
 /// ([`Packet::encode_around`]): one allocation and no copy of the frame where the packet
 /// would otherwise copy it into a buffer of its own. The direct path encodes its messages
@@ -91,6 +102,14 @@ impl FrameBuf {
         let mut buf = BytesMut::with_capacity(FRAME_ROOM + len + FRAME_TAIL);
         buf.resize(FRAME_ROOM, 0);
         buf
+    }
+
+    /// `frame` in a buffer of its own, for a frame that goes separately or through a body.
+    pub(crate) fn from_writer(frame: &dyn FrameWriter) -> FrameBuf {
+        let len = frame.len();
+        let mut buf = FrameBuf::buffer(len);
+        frame.put(&mut buf);
+        FrameBuf::new(buf, len)
     }
 
     /// The frame appended to [`FrameBuf::buffer`]`(len)`.
@@ -274,6 +293,32 @@ impl Packet {
         Ok(b.freeze())
     }
 
+    /// Encodes the packet with `frame` written in as its inline body frame (the packet's
+    /// own `data` must be `None`): one buffer, the frame encoded straight into it.
+    pub(crate) fn encode_written(&self, frame: &dyn FrameWriter) -> Result<Bytes> {
+        debug_assert!(
+            self.data.is_none(),
+            "encode_written takes the body frame itself"
+        );
+        let len = frame.len();
+        let mut b = BytesMut::with_capacity(self.encoded_len() + 4 + len);
+        let flags = self.put_head(&mut b)? | DATA;
+        put_data_len(&mut b, len)?;
+        let at = b.len();
+        frame.put(&mut b);
+        if b.len() - at != len {
+            // The length field is already written: a frame that wrote another length
+            // would break the framing of every call on the connection.
+            return Err(proto_err(format!(
+                "a body frame announced {len} bytes and wrote {}",
+                b.len() - at
+            )));
+        }
+        let flags = flags | self.put_tail(&mut b)?;
+        b[4] = flags;
+        Ok(b.freeze())
+    }
+
     /// Encodes the packet with `frame` as its inline body frame (the packet's own `data`
     /// must be `None`), writing the packet's fields into the room in front of the frame and
     /// after it: the frame's bytes are not copied. A head too large for the room is the
@@ -316,28 +361,17 @@ impl Packet {
         b.extend_from_slice(&[0]);
         if let Some(h) = &self.head {
             flags |= HEAD;
-            let at = reserve_len(b);
-            match h {
-                Head::Request {
-                    path,
-                    headers,
-                    standard,
-                } => {
-                    put_str16(b, path.as_str().as_bytes(), "method path")?;
-                    let extra = standard_headers(headers, standard, true);
-                    put_headers_and(b, headers, &extra)?;
-                }
-                Head::Response {
-                    status,
-                    headers,
-                    standard,
-                } => {
-                    b.extend_from_slice(&(status.as_u16()).to_be_bytes());
-                    let extra = standard_headers(headers, standard, false);
-                    put_headers_and(b, headers, &extra)?;
-                }
+            if h.plain() {
+                LAST_HEAD.with_borrow_mut(|last| {
+                    if !last.is(h) {
+                        last.fill(h)?;
+                    }
+                    b.extend_from_slice(&last.bytes);
+                    Ok::<(), Error>(())
+                })?;
+            } else {
+                put_head_section(b, h)?;
             }
-            patch_len(b, at)?;
         }
         Ok(flags)
     }
@@ -489,6 +523,118 @@ impl Packet {
         p.goaway = flags & GOAWAY != 0;
         expect_empty(&b, "packet")?;
         Ok(p)
+    }
+}
+
+/// Writes a HEAD section: its length, then the request's path or the response's status,
+/// then the header list.
+fn put_head_section(b: &mut BytesMut, h: &Head) -> Result<()> {
+    let at = reserve_len(b);
+    match h {
+        Head::Request {
+            path,
+            headers,
+            standard,
+        } => {
+            put_str16(b, path.as_str().as_bytes(), "method path")?;
+            let extra = standard_headers(headers, standard, true);
+            put_headers_and(b, headers, &extra)?;
+        }
+        Head::Response {
+            status,
+            headers,
+            standard,
+        } => {
+            b.extend_from_slice(&(status.as_u16()).to_be_bytes());
+            let extra = standard_headers(headers, standard, false);
+            put_headers_and(b, headers, &extra)?;
+        }
+    }
+    patch_len(b, at)
+}
+
+impl Head {
+    /// No headers of its own: its section is made of the path or status and `standard`
+    /// alone, which nearly every call repeats.
+    fn plain(&self) -> bool {
+        match self {
+            Head::Request { headers, .. } | Head::Response { headers, .. } => headers.is_empty(),
+        }
+    }
+}
+
+thread_local! {
+    /// The HEAD section this thread wrote last for a [`Head::plain`] head. Successive calls
+    /// repeat it (a generated client's path and user agent; a server's status and date,
+    /// which changes once a second), and copying it costs less than writing it entry by
+    /// entry. Its bytes follow from the head alone, so one copy serves every connection.
+    static LAST_HEAD: std::cell::RefCell<LastHead> = std::cell::RefCell::default();
+}
+
+#[derive(Default)]
+struct LastHead {
+    request: bool,
+    /// A request's path, or a response's status as its two bytes.
+    what: Vec<u8>,
+    standard: Option<HeaderValue>,
+    /// The section, length included.
+    bytes: BytesMut,
+}
+
+impl LastHead {
+    fn is(&self, h: &Head) -> bool {
+        let (request, what, standard) = match h {
+            Head::Request { path, standard, .. } => (true, path.as_str().as_bytes(), standard),
+            Head::Response {
+                status, standard, ..
+            } => {
+                let code = status.as_u16().to_be_bytes();
+                return !self.request
+                    && self.what == code
+                    && same_value(&self.standard, standard)
+                    && !self.bytes.is_empty();
+            }
+        };
+        self.request == request
+            && self.what == what
+            && same_value(&self.standard, standard)
+            && !self.bytes.is_empty()
+    }
+
+    fn fill(&mut self, h: &Head) -> Result<()> {
+        self.bytes.clear();
+        // Emptied first: a failed write leaves nothing that matches.
+        let written = put_head_section(&mut self.bytes, h);
+        if written.is_err() {
+            self.bytes.clear();
+            return written;
+        }
+        let standard = match h {
+            Head::Request { path, standard, .. } => {
+                self.request = true;
+                self.what.clear();
+                self.what.extend_from_slice(path.as_str().as_bytes());
+                standard
+            }
+            Head::Response {
+                status, standard, ..
+            } => {
+                self.request = false;
+                self.what.clear();
+                self.what.extend_from_slice(&status.as_u16().to_be_bytes());
+                standard
+            }
+        };
+        self.standard.clone_from(standard);
+        Ok(())
+    }
+}
+
+fn same_value(a: &Option<HeaderValue>, b: &Option<HeaderValue>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => a.as_bytes() == b.as_bytes(),
+        _ => false,
     }
 }
 
@@ -955,6 +1101,117 @@ mod tests {
         assert_eq!(known_name(b"x-te"), None);
         assert_eq!(known_name(b"Te"), None);
         assert_eq!(known_value(b"00"), None);
+    }
+
+    /// A packet's bytes as written with no [`LAST_HEAD`] copy.
+    fn written_afresh(p: &Packet) -> Vec<u8> {
+        let mut b = BytesMut::new();
+        b.extend_from_slice(&p.call.to_be_bytes());
+        b.extend_from_slice(&[HEAD | END]);
+        put_head_section(&mut b, p.head.as_ref().unwrap()).unwrap();
+        b.to_vec()
+    }
+
+    #[test]
+    fn a_repeated_plain_head_is_copied_and_any_change_is_written_anew() {
+        let request = |path: &'static str, ua: &'static str| {
+            let mut p = Packet::new(7);
+            p.head = Some(Head::Request {
+                path: PathAndQuery::from_static(path),
+                headers: HeaderMap::new(),
+                standard: Some(HeaderValue::from_static(ua)),
+            });
+            p.end = true;
+            p
+        };
+        let response = |status: StatusCode, date: Option<&'static str>| {
+            let mut p = Packet::new(7);
+            p.head = Some(Head::Response {
+                status,
+                headers: HeaderMap::new(),
+                standard: date.map(HeaderValue::from_static),
+            });
+            p.end = true;
+            p
+        };
+        let mut with_metadata = request("/a.S/M", "ua/1");
+        if let Some(Head::Request { headers, .. }) = &mut with_metadata.head {
+            headers.insert("x-id", HeaderValue::from_static("1"));
+        }
+        // Each after the one before: hits, and misses on every part of the key.
+        let packets = [
+            request("/a.S/M", "ua/1"),
+            request("/a.S/M", "ua/1"),
+            request("/a.S/N", "ua/1"),
+            request("/a.S/N", "ua/2"),
+            with_metadata,
+            request("/a.S/N", "ua/2"),
+            response(StatusCode::OK, Some("Thu, 26 Nov 2026 16:00:00 GMT")),
+            response(StatusCode::OK, Some("Thu, 26 Nov 2026 16:00:00 GMT")),
+            response(StatusCode::OK, Some("Thu, 26 Nov 2026 16:00:01 GMT")),
+            response(StatusCode::NOT_FOUND, Some("Thu, 26 Nov 2026 16:00:01 GMT")),
+            response(StatusCode::NOT_FOUND, None),
+        ];
+        for p in &packets {
+            let encoded = p.encode().unwrap();
+            assert_eq!(encoded[..], written_afresh(p)[..], "{p:?}");
+            let back = Packet::decode(
+                encoded,
+                p.head
+                    .as_ref()
+                    .is_some_and(|h| matches!(h, Head::Request { .. })),
+                &Limits::default(),
+            )
+            .unwrap();
+            assert!(back.end && back.head.is_some());
+        }
+        // A request and a response never stand in for each other, even with equal bytes
+        // where the path would be.
+        let mut odd = Packet::new(7);
+        odd.head = Some(Head::Request {
+            path: PathAndQuery::from_static("/"),
+            headers: HeaderMap::new(),
+            standard: None,
+        });
+        odd.end = true;
+        for p in [response(StatusCode::OK, None), odd] {
+            assert_eq!(p.encode().unwrap()[..], written_afresh(&p)[..]);
+        }
+    }
+
+    struct Writes(&'static [u8], usize);
+
+    impl FrameWriter for Writes {
+        fn len(&self) -> usize {
+            self.1
+        }
+        fn put(&self, b: &mut BytesMut) {
+            b.extend_from_slice(self.0);
+        }
+    }
+
+    #[test]
+    fn a_written_frame_is_the_inline_frame_and_a_wrong_length_is_refused() {
+        let mut p = Packet::new(3);
+        p.head = Some(Head::Response {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+            standard: None,
+        });
+        p.trailers = Some(Trailers::Ok);
+        let written = p.encode_written(&Writes(b"\0\0\0\0\x02hi", 7)).unwrap();
+        p.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x02hi")));
+        assert_eq!(written, p.encode().unwrap());
+        assert_eq!(
+            FrameBuf::from_writer(&Writes(b"abc", 3)).into_bytes(),
+            Bytes::from_static(b"abc")
+        );
+        p.data = None;
+        let e = p.encode_written(&Writes(b"abc", 4)).unwrap_err();
+        assert!(
+            e.to_string().contains("announced 4 bytes and wrote 3"),
+            "{e}"
+        );
     }
 
     fn headers() -> HeaderMap {
