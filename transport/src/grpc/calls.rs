@@ -99,14 +99,29 @@ impl<T: Slot> CallTable<T> {
         })
     }
 
-    /// Starts a call (client): gives it the next free id.
+    /// Starts a call (client): gives it the next free even id.
     pub(crate) fn open(&mut self, value: T) -> Result<u32, Status> {
+        self.open_with_parity(value, 0)
+    }
+
+    /// Starts a whole unary call of the direct path (client): gives it the next free odd
+    /// id, which tells the decoder that its answer may merge into one map
+    /// ([`super::wire::whole_unary`]).
+    pub(crate) fn open_whole(&mut self, value: T) -> Result<u32, Status> {
+        self.open_with_parity(value, 1)
+    }
+
+    fn open_with_parity(&mut self, value: T, parity: u32) -> Result<u32, Status> {
         if let Some(s) = self.refusal() {
             return Err(s);
         }
+        // Up to the next id of the parity, never back to the one just used.
         let mut id = self.next_id;
-        while self.map.contains_key(&id) {
+        if id & 1 != parity {
             id = id.wrapping_add(1);
+        }
+        while self.map.contains_key(&id) {
+            id = id.wrapping_add(2);
         }
         self.next_id = id.wrapping_add(1);
         self.map.insert(id, value);
@@ -695,7 +710,7 @@ mod tests {
             }
             let code = head_status.or_else(|| {
                 p.trailers.as_ref().and_then(|t| match t {
-                    Trailers::Ok => Some(Code::Ok),
+                    Trailers::Ok | Trailers::OkInHead => Some(Code::Ok),
                     Trailers::Map(m) => status_of(m),
                 })
             });
@@ -952,6 +967,25 @@ mod tests {
         t.insert(3, slot());
         t.end(3, &first_call);
         assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn whole_unary_calls_get_odd_ids_and_others_even_ones_never_reused_at_once() {
+        let mut t = CallTable::new(Side::Client, usize::MAX);
+        let mut last = None;
+        for whole in [true, false, false, true, true, false] {
+            let id = if whole {
+                t.open_whole(slot())
+            } else {
+                t.open(slot())
+            }
+            .expect("open");
+            assert_eq!(super::super::wire::whole_unary(id), whole, "{id}");
+            assert!(last.is_none_or(|l| id > l), "{id} after {last:?}");
+            // Gone at once, as a call that the client gave up on: its id is not the next.
+            t.remove(id);
+            last = Some(id);
+        }
     }
 
     #[test]

@@ -784,12 +784,18 @@ impl Channel {
         let deadline = parse_timeout(&headers).map(|t| tokio::time::Instant::now() + t);
         let call = CallShared::new();
         let head_rx = HeadRx(call.clone());
-        let id = shared.lock().open(Call {
+        let call_entry = Call {
             head: Some(HeadTx(Some(call.clone()))),
             body: None,
             body_rx: None,
             shared: call.clone(),
-        })?;
+        };
+        // A whole message is a direct unary call: its id says so to the decoder.
+        let id = if body.is_err() {
+            shared.lock().open_whole(call_entry)?
+        } else {
+            shared.lock().open(call_entry)?
+        };
         let mut guard = CallGuard {
             shared: shared.clone(),
             id,

@@ -339,6 +339,27 @@ impl DirectClient {
         let answer =
             Channel::exchange(self.inner.clone(), headers, path, Outgoing::Whole(&data)).await?;
         let mut headers = answer.headers;
+        // The decoder merged a lone `grpc-status: 0` into the head (the usual answer).
+        let ok_in_head = matches!(answer.rest, Reply::Whole(_, Some(Trailers::OkInHead)));
+        if ok_in_head {
+            let data = match &answer.rest {
+                Reply::Whole(Some(data), _) => data.clone(),
+                _ => Bytes::new(),
+            };
+            return match decode_one(&data, self.max_decoding) {
+                Ok(msg) => Ok(tonic::Response::from_parts(
+                    MetadataMap::from_headers(headers),
+                    msg,
+                    tonic::Extensions::new(),
+                )),
+                Err(s) => {
+                    // As tonic: a call that fails after its head carries the head's metadata,
+                    // not the trailers.
+                    headers.remove(GRPC_STATUS);
+                    Err(with_metadata(s, &headers))
+                }
+            };
+        }
         // A trailers-only answer: its status is in the head. (Looked up by its parsed
         // name first: `from_header_map` parses the name on every call.)
         if headers.contains_key(GRPC_STATUS)
@@ -359,20 +380,12 @@ impl DirectClient {
             }
         };
         let trailers = match trailers {
-            Some(Trailers::Ok) => None,
+            Some(Trailers::Ok | Trailers::OkInHead) => None,
             Some(Trailers::Map(t)) if ok(&t) => Some(t),
             Some(Trailers::Map(t)) => return Err(with_head(status_of(answer.status, &t))),
             None => return Err(with_head(status_of(answer.status, &HeaderMap::new()))),
         };
-        let msg = match one_message(&data, self.max_decoding) {
-            Framed::One(m) => m,
-            Framed::Bad(s) => return Err(with_head(s)),
-            Framed::Other if data.is_empty() => {
-                return Err(with_head(Status::internal("Missing response message.")));
-            }
-            Framed::Other => return Err(with_head(not_one_message(data.len()))),
-        };
-        let msg = R::decode(msg).map_err(|e| with_head(Status::internal(e.to_string())))?;
+        let msg = decode_one(&data, self.max_decoding).map_err(with_head)?;
         // As tonic: the response's metadata is its head, then its trailers (a trailer
         // replaces a head entry of the same name).
         match trailers {
@@ -387,6 +400,19 @@ impl DirectClient {
             tonic::Extensions::new(),
         ))
     }
+}
+
+/// The one message of a unary answer's body frame, as tonic's decoder takes it.
+fn decode_one<R: prost::Message + Default>(data: &Bytes, limit: usize) -> Result<R, Status> {
+    let msg = match one_message(data, limit) {
+        Framed::One(m) => m,
+        Framed::Bad(s) => return Err(s),
+        Framed::Other if data.is_empty() => {
+            return Err(Status::internal("Missing response message."));
+        }
+        Framed::Other => return Err(not_one_message(data.len())),
+    };
+    R::decode(msg).map_err(|e| Status::internal(e.to_string()))
 }
 
 /// `status` with `head`'s entries merged into its metadata, as tonic's client merges a

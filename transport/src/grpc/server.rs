@@ -563,9 +563,8 @@ type StartCall<F> = fn(Arc<ConnState>, u32, Arc<CallShared>, Start, Option<Insta
 /// What one connection's task needs besides the connection.
 struct ConnCtx<F> {
     st: Arc<ConnState>,
-    peer: PeerHandle,
-    info: ConnectInfo,
-    tcp_info: Option<tonic::transport::server::TcpConnectInfo>,
+    /// What every request's extensions hold (see [`ConnCtx::extensions`]).
+    extensions: http::Extensions,
     router: Router,
     stats: ServerStats,
     /// Body bytes held for this connection's handlers (see [`Held`]).
@@ -576,6 +575,25 @@ struct ConnCtx<F> {
     /// task hop, and its reply goes straight onto the link.
     running: FuturesUnordered<F>,
     start: StartCall<F>,
+}
+
+/// The extensions every request on `conn` carries: the peer, as `PeerHandle` and
+/// [`ConnectInfo`], and as tonic's `TcpConnectInfo` where it has a socket address.
+fn request_extensions(conn: &Connection) -> http::Extensions {
+    let info = ConnectInfo::of(conn);
+    let mut extensions = http::Extensions::new();
+    if let Some(a) = info.remote_addr {
+        extensions.insert(tonic::transport::server::TcpConnectInfo {
+            local_addr: None,
+            remote_addr: Some(a),
+        });
+    }
+    extensions.insert(info);
+    extensions.insert(PeerHandle {
+        conn: conn.clone(),
+        id: NEXT_PEER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+    });
+    extensions
 }
 
 async fn serve_conn(
@@ -595,12 +613,7 @@ async fn serve_conn(
             mux: Arc::new(Mux::new(conn.clone(), Side::Server)),
             calls: Mutex::new(CallTable::new(Side::Server, limits.max_concurrent_calls)),
         }),
-        peer: PeerHandle {
-            conn: conn.clone(),
-            id: NEXT_PEER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-        },
-        info: ConnectInfo::of(&conn),
-        tcp_info: None,
+        extensions: request_extensions(&conn),
         router,
         stats,
         held: Held::new(limits.max_held),
@@ -608,13 +621,6 @@ async fn serve_conn(
         running: FuturesUnordered::new(),
         start: run_call,
     };
-    cx.tcp_info = cx
-        .info
-        .remote_addr
-        .map(|a| tonic::transport::server::TcpConnectInfo {
-            local_addr: None,
-            remote_addr: Some(a),
-        });
     let mut demux = Demux::new(true, limits.wire);
     let held = cx.held.clone();
     let peer = conn.peer();
@@ -835,16 +841,11 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         Ok(())
     }
 
-    /// What a handler finds in its request's extensions: the peer, as `PeerHandle` and
-    /// tonic's connect info.
+    /// What a handler finds in its request's extensions. A clone of the connection's
+    /// map: the same allocations as inserting each entry, without hashing them and growing
+    /// the table on every request.
     fn extensions(&self) -> http::Extensions {
-        let mut extensions = http::Extensions::new();
-        extensions.insert(self.peer.clone());
-        extensions.insert(self.info.clone());
-        if let Some(t) = &self.tcp_info {
-            extensions.insert(t.clone());
-        }
-        extensions
+        self.extensions.clone()
     }
 
     /// Hands what packet `p` carries (its body frame is `data`, of `data_len` bytes) to

@@ -233,7 +233,19 @@ pub(crate) enum Data {
 pub(crate) enum Trailers {
     /// `grpc-status: 0`, alone.
     Ok,
+    /// `grpc-status: 0`, alone, and already merged into the head's map, as tonic's client
+    /// merges a unary answer's trailers into its metadata (received only: the whole
+    /// answer of a direct unary call, see [`whole_unary`]).
+    OkInHead,
     Map(HeaderMap),
+}
+
+/// Whether call `id` is a whole unary call of the direct path: the client gives those odd
+/// ids ([`super::calls::CallTable::open_whole`]). Their answer's head map comes with its
+/// `grpc-status: 0` trailer merged in ([`Trailers::OkInHead`]), which tonic's own path
+/// must not get: a head with `grpc-status` is a trailers-only answer there.
+pub(crate) fn whole_unary(id: u32) -> bool {
+    id & 1 == 1
 }
 
 impl Trailers {
@@ -241,7 +253,7 @@ impl Trailers {
     pub(crate) fn into_map(self) -> HeaderMap {
         match self {
             Trailers::Map(m) => m,
-            Trailers::Ok => {
+            Trailers::Ok | Trailers::OkInHead => {
                 let mut m = HeaderMap::with_capacity(1);
                 m.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
                 m
@@ -388,7 +400,7 @@ impl Packet {
                 put_headers(b, t)?;
                 patch_len(b, at)?;
             }
-            Some(Trailers::Ok) => {
+            Some(Trailers::Ok | Trailers::OkInHead) => {
                 flags |= TRAILERS;
                 b.extend_from_slice(&STATUS_OK_BLOCK);
             }
@@ -440,7 +452,7 @@ impl Packet {
         };
         let trailers = match &self.trailers {
             Some(Trailers::Map(t)) => 4 + headers_len(t),
-            Some(Trailers::Ok) => STATUS_OK_BLOCK.len(),
+            Some(Trailers::Ok | Trailers::OkInHead) => STATUS_OK_BLOCK.len(),
             None => 0,
         };
         5 + head + data + trailers + if self.window.is_some() { 4 } else { 0 }
@@ -462,9 +474,10 @@ impl Packet {
         let call = get_u32(&mut b, "call id")?;
         let flags = get_u8(&mut b, "flags")?;
         let mut p = Packet::new(call);
+        let mut response_head = None;
         if flags & HEAD != 0 {
             let mut h = take(&mut b, "head block")?;
-            p.head = Some(if request {
+            if request {
                 let len = get_u16(&mut h, "method path")? as usize;
                 need(&h, len, "method path")?;
                 let raw = h.split_to(len);
@@ -475,24 +488,19 @@ impl Packet {
                     )));
                 }
                 let path = seen.path(raw)?;
-                Head::Request {
+                p.head = Some(Head::Request {
                     path,
                     headers: seen.headers(&mut h, limits, 0)?,
                     standard: None,
-                }
+                });
+                expect_empty(&h, "head block")?;
             } else {
                 let code = get_u16(&mut h, "HTTP status")?;
                 let status = StatusCode::from_u16(code)
                     .map_err(|_| proto_err(format!("invalid HTTP status {code}")))?;
-                Head::Response {
-                    status,
-                    // tonic's client merges the trailers into the response's headers: room
-                    // for them now saves growing (and rehashing) the map then.
-                    headers: seen.headers(&mut h, limits, TRAILER_ROOM)?,
-                    standard: None,
-                }
-            });
-            expect_empty(&h, "head block")?;
+                // Its map is made once the trailers are known.
+                response_head = Some((status, h));
+            }
         }
         if flags & DATA != 0 {
             p.data = Some(Data::Inline(take(&mut b, "body frame")?));
@@ -513,6 +521,26 @@ impl Packet {
                 let map = get_headers(&mut t, limits, 0)?;
                 expect_empty(&t, "trailers block")?;
                 Trailers::Map(map)
+            });
+        }
+        if let Some((status, mut h)) = response_head {
+            // tonic's client merges the trailers into the response's headers: room for them
+            // now saves growing (and rehashing) the map then. A whole direct answer's lone
+            // `grpc-status: 0` is merged here, into a map kept for the next answer.
+            let headers = if whole_unary(call) && p.trailers == Some(Trailers::Ok) {
+                let (map, merged) = seen.headers_with_ok(&mut h, limits)?;
+                if merged {
+                    p.trailers = Some(Trailers::OkInHead);
+                }
+                map
+            } else {
+                seen.headers(&mut h, limits, TRAILER_ROOM)?
+            };
+            expect_empty(&h, "head block")?;
+            p.head = Some(Head::Response {
+                status,
+                headers,
+                standard: None,
             });
         }
         if flags & WINDOW != 0 {
@@ -928,6 +956,8 @@ pub(crate) struct Seen {
     /// The last header list's bytes, and its map once the same bytes came twice in a row.
     last_headers: Vec<u8>,
     last_map: Option<HeaderMap>,
+    /// `last_map` with `grpc-status: 0` merged in ([`Seen::headers_with_ok`]).
+    last_ok: Option<HeaderMap>,
 }
 
 impl Seen {
@@ -944,6 +974,7 @@ impl Seen {
             self.last_headers.clear();
             self.last_headers.extend_from_slice(b);
             self.last_map = None;
+            self.last_ok = None;
             return get_headers(b, limits, room);
         }
         b.advance(b.len());
@@ -966,6 +997,30 @@ impl Seen {
         expect_empty(&own, "head block")?;
         self.last_map = Some(map.clone());
         Ok(map)
+    }
+
+    /// A whole unary answer's head with its lone `grpc-status: 0` trailer merged in, and
+    /// `true`; the head alone and `false` when it has a `grpc-status` of its own (a
+    /// trailers-only answer, which the caller judges as such).
+    fn headers_with_ok(&mut self, b: &mut Bytes, limits: &Limits) -> Result<(HeaderMap, bool)> {
+        let small = b.len() <= Self::MAX_HEADERS;
+        if small
+            && let Some(map) = &self.last_ok
+            && self.last_headers == b[..]
+        {
+            b.advance(b.len());
+            return Ok((map.clone(), true));
+        }
+        let mut map = self.headers(b, limits, TRAILER_ROOM)?;
+        if map.contains_key(GRPC_STATUS) {
+            return Ok((map, false));
+        }
+        map.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
+        // Kept once the same head came twice (`headers` keeps its map then).
+        if small && self.last_map.is_some() {
+            self.last_ok = Some(map.clone());
+        }
+        Ok((map, true))
     }
 
     fn path(&mut self, raw: Bytes) -> Result<PathAndQuery> {
@@ -1179,6 +1234,89 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_whole_direct_answer_comes_with_its_ok_trailer_in_the_head() {
+        let answer = |call: u32, head: HeaderMap, trailers: Trailers| {
+            let mut p = Packet::new(call);
+            p.head = Some(Head::Response {
+                status: StatusCode::OK,
+                headers: head,
+                standard: None,
+            });
+            p.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\0")));
+            p.trailers = Some(trailers);
+            p.encode().unwrap()
+        };
+        let mut seen = Seen::default();
+        let limits = Limits::default();
+        let mut head = HeaderMap::new();
+        head.insert("x-a", HeaderValue::from_static("1"));
+        // Three times: parsed, parsed and kept, then the kept map.
+        for _ in 0..3 {
+            let p = Packet::decode_with(
+                answer(5, head.clone(), Trailers::Ok),
+                false,
+                &limits,
+                &mut seen,
+            )
+            .unwrap();
+            assert_eq!(p.trailers, Some(Trailers::OkInHead));
+            let Some(Head::Response { headers, .. }) = p.head else {
+                panic!("no head")
+            };
+            assert_eq!(headers.len(), 2);
+            assert_eq!(headers[GRPC_STATUS], "0");
+            assert_eq!(headers["x-a"], "1");
+        }
+        assert!(seen.last_ok.is_some());
+        // An ordinary call's answer (even id) keeps its trailers apart.
+        let p = Packet::decode_with(
+            answer(6, head.clone(), Trailers::Ok),
+            false,
+            &limits,
+            &mut seen,
+        )
+        .unwrap();
+        assert_eq!(p.trailers, Some(Trailers::Ok));
+        assert!(matches!(p.head, Some(Head::Response { ref headers, .. }) if headers.len() == 1));
+        // Other trailers are not merged.
+        let mut t = HeaderMap::new();
+        t.insert("grpc-status", HeaderValue::from_static("3"));
+        let p = Packet::decode_with(
+            answer(5, head.clone(), Trailers::Map(t)),
+            false,
+            &limits,
+            &mut seen,
+        )
+        .unwrap();
+        assert!(matches!(p.trailers, Some(Trailers::Map(_))));
+        assert!(matches!(p.head, Some(Head::Response { ref headers, .. }) if headers.len() == 1));
+        // A head with a status of its own stays as it came, for the caller to judge.
+        let mut own = HeaderMap::new();
+        own.insert("grpc-status", HeaderValue::from_static("5"));
+        for _ in 0..3 {
+            let p = Packet::decode_with(
+                answer(7, own.clone(), Trailers::Ok),
+                false,
+                &limits,
+                &mut seen,
+            )
+            .unwrap();
+            assert_eq!(p.trailers, Some(Trailers::Ok));
+            assert!(
+                matches!(p.head, Some(Head::Response { ref headers, .. }) if headers[GRPC_STATUS] == "5")
+            );
+        }
+        // A different head after the kept one is parsed, not mistaken for it.
+        let mut other = HeaderMap::new();
+        other.insert("x-a", HeaderValue::from_static("2"));
+        let p =
+            Packet::decode_with(answer(9, other, Trailers::Ok), false, &limits, &mut seen).unwrap();
+        assert!(
+            matches!(p.head, Some(Head::Response { ref headers, .. }) if headers["x-a"] == "2")
+        );
+    }
+
     struct Writes(&'static [u8], usize);
 
     impl FrameWriter for Writes {
@@ -1285,7 +1423,8 @@ mod tests {
     }
 
     fn response() -> Packet {
-        let mut resp = Packet::new(9);
+        // Even: an ordinary call's answer (see `whole_unary`).
+        let mut resp = Packet::new(8);
         resp.head = Some(Head::Response {
             status: StatusCode::OK,
             headers: headers(),
@@ -1460,7 +1599,7 @@ mod tests {
 
     #[test]
     fn response_packet_round_trips() {
-        let mut p = Packet::new(u32::MAX);
+        let mut p = Packet::new(u32::MAX - 1);
         p.head = Some(Head::Response {
             status: StatusCode::OK,
             headers: HeaderMap::new(),
