@@ -29,9 +29,10 @@ use tonic::{Code, Status};
 
 use super::body::IncomingBody;
 use super::client::{Channel, Inner, Outgoing, Reply};
+use super::timeout_value;
 use super::wire::{
     FrameBuf, FrameWriter, GRPC_ACCEPT_ENCODING, GRPC_CONTENT_TYPE, GRPC_ENCODING, GRPC_MESSAGE,
-    GRPC_STATUS, STATUS_OK, Trailers,
+    GRPC_STATUS, GRPC_TIMEOUT, STATUS_OK, Trailers,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -221,12 +222,30 @@ pub(crate) fn into_http(answer: DirectAnswer) -> http::Response<tonic::body::Bod
 }
 
 /// The request's one message, without its prefix, if a direct route may take it: no
-/// compression either way and exactly one plain message within `limit`.
-pub(crate) fn direct_message(headers: &HeaderMap, frame: &Bytes, limit: usize) -> Option<Bytes> {
-    match one_message(frame, limit) {
-        Framed::One(m) if plain(headers) => Some(m),
-        _ => None,
+/// compression either way and exactly one plain message within `limit`. With it, the
+/// request's `grpc-timeout`, found in the same pass over its few headers.
+pub(crate) fn direct_message(
+    headers: &HeaderMap,
+    frame: &Bytes,
+    limit: usize,
+) -> Option<(Bytes, Option<std::time::Duration>)> {
+    let Framed::One(m) = one_message(frame, limit) else {
+        return None;
+    };
+    let mut timeout = None;
+    // One pass over the few entries a request has: cheaper than three hashed lookups.
+    for (k, v) in headers {
+        if k == GRPC_ENCODING {
+            if v.as_bytes() != b"identity" {
+                return None;
+            }
+        } else if k == GRPC_ACCEPT_ENCODING {
+            return None;
+        } else if k == GRPC_TIMEOUT && timeout.is_none() {
+            timeout = Some(timeout_value(v));
+        }
     }
+    Some((m, timeout.flatten()))
 }
 
 /// One unary route of a generated server: the direct path when the request came whole

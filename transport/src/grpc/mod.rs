@@ -572,7 +572,13 @@ impl CallShared {
 
 /// Parses `grpc-timeout` (`1-8 digits` + `H M S m u n`), as tonic's own server does.
 fn parse_timeout(headers: &http::HeaderMap) -> Option<Duration> {
-    let v = headers.get(wire::GRPC_TIMEOUT)?.to_str().ok()?;
+    timeout_value(headers.get(wire::GRPC_TIMEOUT)?)
+}
+
+/// A `grpc-timeout` value (the first one, where a request has several), as tonic reads it:
+/// `None` for one it cannot parse.
+fn timeout_value(v: &http::HeaderValue) -> Option<Duration> {
+    let v = v.to_str().ok()?;
     if v.len() < 2 || v.len() > 9 {
         return None;
     }

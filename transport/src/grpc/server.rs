@@ -711,12 +711,12 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             if complete {
                 match self.router.direct(&path) {
                     Direct::Route(route) if !p.goaway && p.window.is_none() => {
-                        if let Some(msg) = data
+                        if let Some((msg, timeout)) = data
                             .as_ref()
                             .and_then(|d| direct_message(&headers, d, route.max_decoding))
                         {
                             let route = route.clone();
-                            return self.dispatch_direct(id, &route, msg, headers);
+                            return self.dispatch_direct(id, &route, msg, headers, timeout);
                         }
                     }
                     Direct::Probe(pr) => probe = Some(pr),
@@ -818,13 +818,14 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         route: &DirectRoute,
         msg: Bytes,
         headers: http::HeaderMap,
+        timeout: Option<std::time::Duration>,
     ) -> Result<()> {
         let admitted = self.st.lock().admit(id)?;
         if let Admit::Refuse(status) = admitted {
             self.refuse(id, status);
             return Ok(());
         }
-        let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
+        let deadline = timeout.map(|t| Instant::now() + t);
         let start = direct_now(&self.st.mux, id, route, msg, headers, self.extensions());
         if !matches!(start, Start::Done) {
             let call = CallShared::new();
