@@ -75,6 +75,7 @@ fn messages(ms: &[Vec<u8>]) -> Vec<u8> {
 fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let grpc_msg = b"\0\0\0\0\x03abc".to_vec();
     let trailers = block(&headers(&[("grpc-status", "0"), ("grpc-message", "")]));
+    let ok = block(&headers(&[("grpc-status", "0")]));
     let mut many = 40000u16.to_be_bytes().to_vec();
     many.extend(std::iter::repeat_n([0u8, 1, b'h', 0, 0, 0, 0], 100).flatten());
     vec![
@@ -176,6 +177,42 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                     4,
                     HEAD | DATA | TRAILERS,
                     &[response_head(200), block(&grpc_msg), trailers.clone()],
+                ),
+            ]),
+        ),
+        (
+            // Whole answers of direct calls (odd ids) with a lone `grpc-status: 0`
+            // trailer: merged into the head's map, then kept and cloned; a head with a
+            // status of its own; the same answer on an ordinary call (even id).
+            "ok-whole-direct-answers",
+            messages(&[
+                packet(
+                    1,
+                    HEAD | DATA | TRAILERS,
+                    &[response_head(200), block(&grpc_msg), ok.clone()],
+                ),
+                packet(
+                    3,
+                    HEAD | DATA | TRAILERS,
+                    &[response_head(200), block(&grpc_msg), ok.clone()],
+                ),
+                packet(
+                    5,
+                    HEAD | DATA | TRAILERS,
+                    &[response_head(200), block(&grpc_msg), ok.clone()],
+                ),
+                packet(
+                    7,
+                    HEAD | TRAILERS,
+                    &[
+                        block(&[&[0, 200][..], &headers(&[("grpc-status", "5")])].concat()),
+                        ok.clone(),
+                    ],
+                ),
+                packet(
+                    2,
+                    HEAD | DATA | TRAILERS,
+                    &[response_head(200), block(&grpc_msg), ok.clone()],
                 ),
             ]),
         ),

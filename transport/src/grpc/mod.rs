@@ -93,7 +93,7 @@ pub mod fuzzing {
 
     /// Feeds `messages` to one connection's call demultiplexer, as a server
     /// (`request`) or a client would receive them, and what comes out to the side's call
-    /// table (a client with calls `0..8` open). Every packet it accepts must re-encode to
+    /// table (a client with calls `0..8` open, odd ones whole unary calls). Every packet it accepts must re-encode to
     /// bytes that decode to the same packet, a head decoded with what the connection has
     /// seen (a kept header map, say) must equal one decoded afresh, and the server's table
     /// must keep its limit.
@@ -105,8 +105,15 @@ pub mod fuzzing {
         let side = if request { Side::Server } else { Side::Client };
         let mut table = CallTable::new(side, CALLS as usize);
         if !request {
-            for _ in 0..CALLS {
-                let _ = table.open(Fuzzed(CallShared::new()));
+            // Ids 0..CALLS: even ones ordinary calls, odd ones whole unary calls of the
+            // direct path (`wire::whole_unary`), as a client numbers them.
+            for i in 0..CALLS {
+                let slot = Fuzzed(CallShared::new());
+                let _ = if i % 2 == 0 {
+                    table.open(slot)
+                } else {
+                    table.open_whole(slot)
+                };
             }
         }
         let mut n = 0;
