@@ -217,6 +217,17 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             ]),
         ),
         (
+            // A lone `grpc-status: 0` trailer on a direct call, spelt otherwise than the
+            // usual block: decoded apart; re-encoded, it is the usual block and merges
+            // (found by the fuzzer: re-encoding must stay stable through that).
+            "ok-ok-trailer-spelt-otherwise",
+            messages(&[packet(
+                3,
+                HEAD | TRAILERS,
+                &[response_head(200), block(&headers(&[("grpc-Status", "0")]))],
+            )]),
+        ),
+        (
             "bad-truncated-head",
             messages(&[packet(1, HEAD, &[vec![0, 0, 0, 40, 0, 4]])]),
         ),

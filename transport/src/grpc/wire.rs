@@ -381,6 +381,26 @@ impl Packet {
                     b.extend_from_slice(&last.bytes);
                     Ok::<(), Error>(())
                 })?;
+            } else if let (
+                Head::Response {
+                    status,
+                    headers,
+                    standard,
+                },
+                Some(Trailers::OkInHead),
+            ) = (h, &self.trailers)
+            {
+                // A received answer with its ok trailer merged in is written as it came:
+                // the trailer apart, so that it decodes to itself (only re-encoding a
+                // received packet, as the fuzz harness does, gets here).
+                let mut apart = headers.clone();
+                apart.remove(GRPC_STATUS);
+                let h = Head::Response {
+                    status: *status,
+                    headers: apart,
+                    standard: standard.clone(),
+                };
+                put_head_section(b, &h)?;
             } else {
                 put_head_section(b, h)?;
             }
@@ -436,7 +456,20 @@ impl Packet {
             }
             Some(Head::Response {
                 headers, standard, ..
-            }) => 4 + 2 + headers_len(headers) + standard_headers(headers, standard, false).len(),
+            }) => {
+                let merged = if matches!(self.trailers, Some(Trailers::OkInHead)) {
+                    // Written apart (see `put_head`).
+                    headers
+                        .get_all(GRPC_STATUS)
+                        .iter()
+                        .map(|v| 2 + GRPC_STATUS.as_str().len() + 4 + v.len())
+                        .sum()
+                } else {
+                    0
+                };
+                4 + 2 + headers_len(headers) - merged
+                    + standard_headers(headers, standard, false).len()
+            }
             None => 0,
         }
     }
@@ -1315,6 +1348,32 @@ mod tests {
         assert!(
             matches!(p.head, Some(Head::Response { ref headers, .. }) if headers["x-a"] == "2")
         );
+    }
+
+    #[test]
+    fn a_merged_answer_re_encodes_as_it_came() {
+        let mut p = Packet::new(3);
+        let mut head = HeaderMap::new();
+        head.insert("content-type", HeaderValue::from_static("application/grpc"));
+        p.head = Some(Head::Response {
+            status: StatusCode::OK,
+            headers: head,
+            standard: None,
+        });
+        p.trailers = Some(Trailers::Ok);
+        p.end = true;
+        let wire = p.encode().unwrap();
+        let merged = Packet::decode(wire.clone(), false, &Limits::default()).unwrap();
+        assert_eq!(merged.trailers, Some(Trailers::OkInHead));
+        assert_eq!(merged.encode().unwrap(), wire);
+        // The same trailer spelt otherwise (a map, `grpc-Status`) decodes apart, and
+        // re-encodes to the usual block, which then merges.
+        let mut t = HeaderMap::new();
+        t.insert("grpc-status", HeaderValue::from_static("0"));
+        p.trailers = Some(Trailers::Map(t));
+        let again = Packet::decode(p.encode().unwrap(), false, &Limits::default()).unwrap();
+        assert_eq!(again.trailers, Some(Trailers::OkInHead));
+        assert_eq!(again.encode().unwrap(), wire);
     }
 
     struct Writes(&'static [u8], usize);
