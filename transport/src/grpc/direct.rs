@@ -175,31 +175,35 @@ fn answer_now<R: prost::Message>(
     max_encoding: usize,
     reply: ReplyTo<'_>,
 ) {
-    let (metadata, msg, _extensions) = match answer {
-        Ok(a) => a.into_parts(),
+    let (headers, msg, _extensions) = match split(answer) {
+        Ok(a) => a,
         Err(status) => return reply(Err(status)),
     };
-    let frame = match Message::new(&msg, max_encoding) {
-        Ok(f) => f,
-        Err(status) => return reply(Err(status)),
-    };
-    let mut headers = metadata.into_headers();
-    // The content type goes onto the wire after these (see `Head::Response`).
-    sanitize(&mut headers);
-    reply(Ok((headers, &frame)));
+    match Message::new(&msg, max_encoding) {
+        Ok(frame) => reply(Ok((headers, &frame))),
+        Err(status) => reply(Err(status)),
+    }
 }
 
-/// Encodes what the handler answered.
+/// Encodes what the handler answered (a handler that waited, or tonic's route).
 fn finish<R: prost::Message>(
     answer: Result<tonic::Response<R>, Status>,
     max_encoding: usize,
 ) -> DirectAnswer {
-    let (metadata, reply, extensions) = answer?.into_parts();
-    let data = encode(&reply, max_encoding)?;
+    let (headers, msg, extensions) = split(answer)?;
+    Ok((headers, encode(&msg, max_encoding)?, extensions))
+}
+
+/// A handler's response as the direct path sends it: its headers without what user
+/// metadata may not set (the content type goes onto the wire after them, see
+/// `Head::Response`), its message, its extensions.
+fn split<R>(
+    answer: Result<tonic::Response<R>, Status>,
+) -> Result<(HeaderMap, R, http::Extensions), Status> {
+    let (metadata, msg, extensions) = answer?.into_parts();
     let mut headers = metadata.into_headers();
-    // The content type goes onto the wire after these (see `Head::Response`).
     sanitize(&mut headers);
-    Ok((headers, data, extensions))
+    Ok((headers, msg, extensions))
 }
 
 /// A direct answer as the response a route answers with (for a call whose handler did not
@@ -232,20 +236,7 @@ pub(crate) fn direct_message(
     let Framed::One(m) = one_message(frame, limit) else {
         return None;
     };
-    let mut timeout = None;
-    // One pass over the few entries a request has: cheaper than three hashed lookups.
-    for (k, v) in headers {
-        if k == GRPC_ENCODING {
-            if v.as_bytes() != b"identity" {
-                return None;
-            }
-        } else if k == GRPC_ACCEPT_ENCODING {
-            return None;
-        } else if k == GRPC_TIMEOUT && timeout.is_none() {
-            timeout = Some(timeout_value(v));
-        }
-    }
-    Some((m, timeout.flatten()))
+    Some((m, plain(headers)?))
 }
 
 /// One unary route of a generated server: the direct path when the request came whole
@@ -282,7 +273,7 @@ where
         ));
     }
     let whole = match req.extensions_mut().remove::<WholeRequest>() {
-        Some(w) if plain(req.headers()) => w.0,
+        Some(w) if plain(req.headers()).is_some() => w.0,
         _ => return grpc.unary(service, req).await,
     };
     let limit = max_decoding.unwrap_or(DEFAULT_MAX_DECODING);
@@ -443,17 +434,23 @@ fn with_metadata(mut status: Status, head: &HeaderMap) -> Status {
     status
 }
 
-/// No compression asked for either way: the direct path encodes and decodes plain
-/// messages only.
-fn plain(headers: &HeaderMap) -> bool {
-    // One pass over the few entries a request has: cheaper than two hashed lookups.
-    headers.iter().all(|(k, v)| {
+/// `Some` when no compression is asked for either way (the direct path encodes and
+/// decodes plain messages only), with the request's `grpc-timeout`, if it has one.
+fn plain(headers: &HeaderMap) -> Option<Option<std::time::Duration>> {
+    let mut timeout = None;
+    // One pass over the few entries a request has: cheaper than three hashed lookups.
+    for (k, v) in headers {
         if k == GRPC_ENCODING {
-            v.as_bytes() == b"identity"
-        } else {
-            k != GRPC_ACCEPT_ENCODING
+            if v.as_bytes() != b"identity" {
+                return None;
+            }
+        } else if k == GRPC_ACCEPT_ENCODING {
+            return None;
+        } else if k == GRPC_TIMEOUT && timeout.is_none() {
+            timeout = Some(timeout_value(v));
         }
-    })
+    }
+    Some(timeout.flatten())
 }
 
 /// What a body frame holds.
