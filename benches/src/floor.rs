@@ -188,6 +188,7 @@ pub fn measure(how: Wait, warmup: Duration, duration: Duration) -> Res<Record> {
         rpc_s: if secs > 0.0 { calls as f64 / secs } else { 0.0 },
         client_rss_kib: self_peak_rss_kib(),
         server_rss_kib: 0,
+        round: None,
     })
 }
 

@@ -192,6 +192,12 @@ struct CompareArgs {
     /// Warm-up seconds per point (default 0.5, quick 0.05).
     #[arg(long)]
     warmup: Option<f64>,
+    /// Alternating rounds for the call path's bars after the main run: every transport the
+    /// bars compare (64 B Echo, small PS throughput 3x2, and the floor) once per round,
+    /// with fresh servers, in a rotating order; those bars read the median of the
+    /// rounds. Default: 5, quick 3, smoke 1 (0: none).
+    #[arg(long)]
+    rounds: Option<u32>,
     /// Largest sweep size (default 64M, quick 16M).
     #[arg(long, value_parser = parse_size)]
     max_size: Option<usize>,
@@ -483,7 +489,7 @@ fn plan(benches: &[String], mode: Mode, max_size: usize) -> Vec<(&'static str, V
     let (quick, smoke) = (mode != Mode::Full, mode == Mode::Smoke);
     let mut p = Vec::new();
     if on("latency") {
-        p.push(("latency", s(&["--size", "64"])));
+        p.push(lat64_point());
         if !smoke {
             p.push(("latency", s(&["--scheme", "skew"])));
         }
@@ -517,20 +523,7 @@ fn plan(benches: &[String], mode: Mode, max_size: usize) -> Vec<(&'static str, V
         p.push(("bibw", s(&["--size", size, "--window", window])));
     }
     if on("ps-throughput") {
-        let workers = if smoke { "2" } else { "3" };
-        p.push((
-            "ps-throughput",
-            s(&[
-                "--scheme",
-                "uniform",
-                "--category",
-                "small",
-                "--workers",
-                workers,
-                "--ps",
-                "2",
-            ]),
-        ));
+        p.push(ps_small_point(mode));
         if !quick {
             p.push((
                 "ps-throughput",
@@ -560,6 +553,27 @@ fn plan(benches: &[String], mode: Mode, max_size: usize) -> Vec<(&'static str, V
         p.push(("ps-step", a));
     }
     p
+}
+
+/// The 64 B Echo, which the call path's bars read.
+fn lat64_point() -> (&'static str, Vec<String>) {
+    ("latency", vec!["--size".into(), "64".into()])
+}
+
+/// Small-message PS throughput, 3 workers x 2 PS (2 x 2 for smoke), which the bars read.
+fn ps_small_point(mode: Mode) -> (&'static str, Vec<String>) {
+    let workers = if mode == Mode::Smoke { "2" } else { "3" };
+    let args = [
+        "--scheme",
+        "uniform",
+        "--category",
+        "small",
+        "--workers",
+        workers,
+        "--ps",
+        "2",
+    ];
+    ("ps-throughput", args.map(String::from).to_vec())
 }
 
 /// The record names a plan entry produces.
@@ -606,6 +620,69 @@ fn missing(
         }
     }
     out
+}
+
+/// The bare shared-memory ping-pong floor, spinning and sleeping.
+fn run_floor(duration: f64, warmup: f64) -> Res<Vec<Record>> {
+    let args: Vec<String> = [
+        "floor",
+        "--json",
+        "--duration",
+        &duration.to_string(),
+        "--warmup",
+        &warmup.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    run_client(&args, Duration::from_secs(60))
+}
+
+/// One plan entry over `t` against `servers` (PS throughput uses two of them), with the
+/// servers' peak RSS filled in.
+fn run_point(
+    t: Transport,
+    servers: &[LocalServer],
+    bench: &str,
+    extra: &[String],
+    duration: f64,
+    warmup: f64,
+) -> Res<Vec<Record>> {
+    let n = if bench == "ps-throughput" { 2 } else { 1 };
+    let mut args: Vec<String> = vec![
+        bench.to_string(),
+        "--transport".into(),
+        t.name().into(),
+        "--json".into(),
+    ];
+    let limit = if bench == "ps-step" {
+        // It starts its own PS and workers, and counts steps, not seconds.
+        Duration::from_secs(900)
+    } else {
+        let connect: Vec<&str> = servers.iter().take(n).map(|s| s.addr.as_str()).collect();
+        args.extend(
+            [
+                "--connect",
+                &connect.join(","),
+                "--duration",
+                &duration.to_string(),
+                "--warmup",
+                &warmup.to_string(),
+            ]
+            .map(String::from),
+        );
+        let points = if bench == "sweep" { 60.0 } else { 1.0 };
+        Duration::from_secs_f64(60.0 + points * (duration + warmup) * 4.0)
+    };
+    args.extend(extra.iter().cloned());
+    let mut recs = run_client(&args, limit)?;
+    let srss: u64 = servers.iter().take(n).map(LocalServer::rss_kib).sum();
+    for r in &mut recs {
+        // ps-step measured its own PS processes.
+        if r.bench != "ps-step" {
+            r.server_rss_kib = srss;
+        }
+    }
+    Ok(recs)
 }
 
 /// Runs one client process and collects its JSON records. A client that fails or hangs
@@ -685,17 +762,7 @@ fn compare(a: CompareArgs) -> Res<()> {
     println!("{}", report::header());
     if plan.iter().any(|(b, _)| *b == "latency") {
         // The floor the latency runs are judged against, measured in this same run.
-        let args: Vec<String> = [
-            "floor",
-            "--json",
-            "--duration",
-            &duration.to_string(),
-            "--warmup",
-            &warmup.to_string(),
-        ]
-        .map(String::from)
-        .to_vec();
-        match run_client(&args, Duration::from_secs(60)) {
+        match run_floor(duration, warmup) {
             Ok(recs) => {
                 for r in recs {
                     println!("{}", report::row(&r));
@@ -723,41 +790,9 @@ fn compare(a: CompareArgs) -> Res<()> {
             if !applies(bench, t) {
                 continue;
             }
-            let n = if *bench == "ps-throughput" { 2 } else { 1 };
-            let mut args: Vec<String> = vec![
-                bench.to_string(),
-                "--transport".into(),
-                t.name().into(),
-                "--json".into(),
-            ];
-            let limit = if *bench == "ps-step" {
-                // It starts its own PS and workers, and counts steps, not seconds.
-                Duration::from_secs(900)
-            } else {
-                let connect: Vec<&str> = servers.iter().take(n).map(|s| s.addr.as_str()).collect();
-                args.extend(
-                    [
-                        "--connect",
-                        &connect.join(","),
-                        "--duration",
-                        &duration.to_string(),
-                        "--warmup",
-                        &warmup.to_string(),
-                    ]
-                    .map(String::from),
-                );
-                let points = if *bench == "sweep" { 60.0 } else { 1.0 };
-                Duration::from_secs_f64(60.0 + points * (duration + warmup) * 4.0)
-            };
-            args.extend(extra.iter().cloned());
-            match run_client(&args, limit) {
+            match run_point(t, &servers, bench, extra, duration, warmup) {
                 Ok(recs) => {
-                    let srss: u64 = servers.iter().take(n).map(LocalServer::rss_kib).sum();
-                    for mut r in recs {
-                        // ps-step measured its own PS processes.
-                        if r.bench != "ps-step" {
-                            r.server_rss_kib = srss;
-                        }
+                    for r in recs {
                         println!("{}", report::row(&r));
                         all.push(r);
                     }
@@ -769,9 +804,69 @@ fn compare(a: CompareArgs) -> Res<()> {
             }
         }
     }
+    let rounds = a.rounds.unwrap_or(match mode {
+        Mode::Full => 5,
+        Mode::Quick => 3,
+        Mode::Smoke => 1,
+    });
+    let points: Vec<_> = plan
+        .iter()
+        .filter(|p| **p == lat64_point() || **p == ps_small_point(mode))
+        .cloned()
+        .collect();
+    let round_transports: Vec<Transport> = served
+        .iter()
+        .copied()
+        .filter(|t| report::ROUND_TRANSPORTS.contains(&t.name()))
+        .collect();
+    if rounds > 0 && !points.is_empty() && !round_transports.is_empty() {
+        // Shorter points than the main run's: what the rounds buy is nearness in time.
+        let (d, w) = (duration.min(1.0), warmup.min(0.25));
+        println!(
+            "\nalternating rounds for the call path's bars ({rounds} x {} transports, {d} s a point):",
+            round_transports.len()
+        );
+        for n in 1..=rounds {
+            let mut got = Vec::new();
+            if points.contains(&lat64_point()) {
+                match run_floor(d, w) {
+                    Ok(recs) => got.extend(recs),
+                    Err(e) => failures.push(format!("round {n}: floor: {e}")),
+                }
+            }
+            // A rotating order, so that no transport always runs first or last.
+            let k = round_transports.len();
+            for i in 0..k {
+                let t = round_transports[(i + n as usize) % k];
+                let servers: Vec<LocalServer> = match (0..2)
+                    .map(|_| LocalServer::spawn(t))
+                    .collect::<Res<Vec<_>>>()
+                {
+                    Ok(s) => s,
+                    Err(e) => {
+                        failures.push(format!("round {n}: {}: server: {e}", t.name()));
+                        continue;
+                    }
+                };
+                for (bench, extra) in &points {
+                    match run_point(t, &servers, bench, extra, d, w) {
+                        Ok(recs) => got.extend(recs),
+                        Err(e) => failures.push(format!("round {n}: {}: {e}", t.name())),
+                    }
+                }
+            }
+            println!("round {n}:");
+            for mut r in got {
+                r.round = Some(n);
+                println!("{}", report::row(&r));
+                all.push(r);
+            }
+        }
+    }
     // Smoke sizes and durations say nothing about speed; only the records count there.
     if mode != Mode::Smoke {
-        print!("{}", report::ratios(&all));
+        let main: Vec<Record> = all.iter().filter(|r| r.round.is_none()).cloned().collect();
+        print!("{}", report::ratios(&main));
         print!("{}", report::bars(&all));
     }
     std::fs::create_dir_all(&a.out)?;
@@ -856,6 +951,7 @@ mod tests {
             rpc_s: 1.0,
             client_rss_kib: 0,
             server_rss_kib: 0,
+            round: None,
         }
     }
 

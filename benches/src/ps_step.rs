@@ -556,6 +556,7 @@ fn fold(a: &PsStepArgs, results: &[WorkerResult], server_rss_kib: u64) -> Res<Re
         rpc_s: steps_s,
         client_rss_kib: results.iter().map(|r| r.rss_kib).sum(),
         server_rss_kib,
+        round: None,
     })
 }
 

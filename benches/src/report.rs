@@ -41,6 +41,10 @@ pub struct Record {
     pub client_rss_kib: u64,
     /// Peak RSS of the server process(es), KiB (VmHWM; 0 when the server is remote).
     pub server_rss_kib: u64,
+    /// `compare`'s alternating round that measured it (see [`ROUND_TRANSPORTS`]); none for
+    /// the main run's points.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round: Option<u32>,
 }
 
 fn fmt_size(s: usize) -> String {
@@ -198,154 +202,221 @@ pub fn ratios(records: &[Record]) -> String {
     out
 }
 
-/// The performance bars, judged on this run's records. Informational: timings on a
-/// shared machine vary, so nothing fails on them.
-pub fn bars(records: &[Record]) -> String {
-    let find = |bench: &str, t: &str, pred: &dyn Fn(&Record) -> bool| {
-        records
+/// The transports the call path's bars compare point by point. `compare` measures their
+/// 64 B Echo and small PS throughput again in alternating rounds, fresh servers each round,
+/// and those bars take the median of their per-round ratios: on a shared machine two runs
+/// minutes apart differ by more than the bars' margins, two runs seconds apart much less.
+pub const ROUND_TRANSPORTS: [&str; 6] = [
+    "tonic",
+    "ibex-shm",
+    "ibex-shm-busy",
+    "raw-shm",
+    "ibex-tcp",
+    "raw-tcp",
+];
+
+/// The records of one run or one round, with the points the bars read.
+struct View<'a>(Vec<&'a Record>);
+
+impl View<'_> {
+    fn find(&self, bench: &str, t: &str, pred: impl Fn(&Record) -> bool) -> Option<&Record> {
+        self.0
             .iter()
+            .copied()
             .find(|r| r.bench == bench && r.transport == t && pred(r))
-    };
-    let mut out = String::from("\nperformance bars (this run):\n");
-    // `at_most`: the bar is an upper bound (a cost ratio), else a lower bound (a speed-up).
-    let mut judge = |name: &str, got: Option<f64>, need: f64, unit: &str, at_most: bool| {
-        let line = match got {
-            Some(g) => format!(
-                "  [{}] {name}: {g:.2}{unit} (bar {} {need}{unit})\n",
-                if (at_most && g <= need) || (!at_most && g >= need) {
-                    "met "
-                } else {
-                    "MISS"
-                },
-                if at_most { "<=" } else { ">=" }
-            ),
-            None => format!("  [n/a ] {name}: not measured in this run\n"),
-        };
-        out.push_str(&line);
-    };
-    let mut bar =
-        |name: &str, got: Option<f64>, need: f64, unit: &str| judge(name, got, need, unit, false);
-    let lat64 = |t: &str| find("latency", t, &|r| r.bytes == 64).map(|r| r.p50_us);
-    bar(
-        "P2P latency 64 B, tonic p50 / ibex-shm p50",
-        lat64("tonic").zip(lat64("ibex-shm")).map(|(a, b)| a / b),
-        10.0,
-        "x",
-    );
-    let skew = |t: &str| {
-        find("bw", t, &|r| r.payload.starts_with("skew") && r.window == 1).map(|r| r.mb_s)
-    };
-    bar(
-        "P2P bandwidth skew, ibex-shm / tonic",
-        skew("ibex-shm").zip(skew("tonic")).map(|(a, b)| a / b),
-        1.5,
-        "x",
-    );
-    let tensor = |t: &str| find("tensor", t, &|_| true).map(|r| r.mb_s);
-    bar(
-        "tensor 16 MiB, ibex-shm registered / tonic Sink",
-        tensor("ibex-shm").zip(tensor("tonic")).map(|(a, b)| a / b),
-        4.0,
-        "x",
-    );
-    let memcpy = records.iter().find(|r| r.bench == "memcpy").map(|r| r.mb_s);
-    bar(
-        "tensor 16 MiB, ibex-shm registered / memcpy",
-        tensor("ibex-shm").zip(memcpy).map(|(a, b)| a / b),
-        0.5,
-        "x",
-    );
-    let ps = |t: &str| {
-        find("ps-throughput", t, &|r| {
+    }
+    fn lat64(&self, t: &str) -> Option<f64> {
+        self.find("latency", t, |r| r.bytes == 64).map(|r| r.p50_us)
+    }
+    fn p99(&self, t: &str) -> Option<f64> {
+        self.find("latency", t, |r| r.bytes == 64).map(|r| r.p99_us)
+    }
+    fn ps(&self, t: &str) -> Option<f64> {
+        self.find("ps-throughput", t, |r| {
             r.payload.starts_with("uniform/small")
         })
         .map(|r| r.rpc_s)
-    };
-    bar(
-        "PS throughput uniform small, ibex-shm / tonic RPC/s",
-        ps("ibex-shm").zip(ps("tonic")).map(|(a, b)| a / b),
-        4.0,
-        "x",
-    );
-    let big = |t: &str| {
-        find("bw", t, &|r| r.bytes == 16 << 20 && r.payload == "1 buffer").map(|r| r.mb_s)
-    };
-    bar(
-        "large payload 16 MiB Sink, ibex-tcp / tonic",
-        big("ibex-tcp").zip(big("tonic")).map(|(a, b)| a / b),
-        1.5,
-        "x",
-    );
-    let step = |t: &str| {
-        find("ps-step", t, &|r| {
+    }
+    fn floor(&self, how: &str) -> Option<f64> {
+        self.0
+            .iter()
+            .find(|r| r.bench == "floor" && r.payload == how)
+            .map(|r| r.p50_us)
+    }
+    fn skew(&self, t: &str) -> Option<f64> {
+        self.find("bw", t, |r| r.payload.starts_with("skew") && r.window == 1)
+            .map(|r| r.mb_s)
+    }
+    fn tensor(&self, t: &str) -> Option<f64> {
+        self.find("tensor", t, |_| true).map(|r| r.mb_s)
+    }
+    fn memcpy(&self) -> Option<f64> {
+        self.0.iter().find(|r| r.bench == "memcpy").map(|r| r.mb_s)
+    }
+    fn big(&self, t: &str) -> Option<f64> {
+        self.find("bw", t, |r| r.bytes == 16 << 20 && r.payload == "1 buffer")
+            .map(|r| r.mb_s)
+    }
+    fn step(&self, t: &str) -> Option<f64> {
+        self.find("ps-step", t, |r| {
             r.payload == "resnet50" && r.topology == "2x2"
         })
         .map(|r| r.rpc_s)
+    }
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    a.zip(b).map(|(a, b)| a / b)
+}
+
+/// The performance bars, judged on this run's records: where `compare`'s
+/// alternating rounds measured a bar's points, the median of its per-round values (and
+/// their range), else the main run's points. Informational: timings on a shared machine
+/// vary, so nothing fails on them.
+pub fn bars(records: &[Record]) -> String {
+    let main = View(records.iter().filter(|r| r.round.is_none()).collect());
+    let mut by_round = std::collections::BTreeMap::<u32, Vec<&Record>>::new();
+    for r in records {
+        if let Some(n) = r.round {
+            by_round.entry(n).or_default().push(r);
+        }
+    }
+    let rounds: Vec<View> = by_round.into_values().map(View).collect();
+    let mut out = if rounds.is_empty() {
+        String::from("\nperformance bars (this run):\n")
+    } else {
+        String::from(
+            "\nperformance bars (this run; [n/lo-hi]: the median of n alternating rounds, lowest-highest):\n",
+        )
+    };
+    // `at_most`: the bar is an upper bound (a cost ratio), else a lower bound (a speed-up).
+    let mut judge =
+        |name: &str, f: &dyn Fn(&View) -> Option<f64>, need: f64, unit: &str, at_most: bool| {
+            let mut per: Vec<f64> = rounds.iter().filter_map(f).collect();
+            per.sort_by(f64::total_cmp);
+            let (got, spread) = match per.len() {
+                0 => (f(&main), String::new()),
+                n => (
+                    Some(if n % 2 == 1 {
+                        per[n / 2]
+                    } else {
+                        (per[n / 2 - 1] + per[n / 2]) / 2.0
+                    }),
+                    format!(" [{n}/{:.2}-{:.2}]", per[0], per[n - 1]),
+                ),
+            };
+            let line = match got {
+                Some(g) => format!(
+                    "  [{}] {name}: {g:.2}{unit}{spread} (bar {} {need}{unit})\n",
+                    if (at_most && g <= need) || (!at_most && g >= need) {
+                        "met "
+                    } else {
+                        "MISS"
+                    },
+                    if at_most { "<=" } else { ">=" }
+                ),
+                None => format!("  [n/a ] {name}: not measured in this run\n"),
+            };
+            out.push_str(&line);
+        };
+    let mut bar = |name: &str, f: &dyn Fn(&View) -> Option<f64>, need: f64, unit: &str| {
+        judge(name, f, need, unit, false)
     };
     bar(
+        "P2P latency 64 B, tonic p50 / ibex-shm p50",
+        &|v| ratio(v.lat64("tonic"), v.lat64("ibex-shm")),
+        10.0,
+        "x",
+    );
+    bar(
+        "P2P bandwidth skew, ibex-shm / tonic",
+        &|v| ratio(v.skew("ibex-shm"), v.skew("tonic")),
+        1.5,
+        "x",
+    );
+    bar(
+        "tensor 16 MiB, ibex-shm registered / tonic Sink",
+        &|v| ratio(v.tensor("ibex-shm"), v.tensor("tonic")),
+        4.0,
+        "x",
+    );
+    bar(
+        "tensor 16 MiB, ibex-shm registered / memcpy",
+        &|v| ratio(v.tensor("ibex-shm"), v.memcpy()),
+        0.5,
+        "x",
+    );
+    bar(
+        "PS throughput uniform small, ibex-shm / tonic RPC/s",
+        &|v| ratio(v.ps("ibex-shm"), v.ps("tonic")),
+        4.0,
+        "x",
+    );
+    bar(
+        "large payload 16 MiB Sink, ibex-tcp / tonic",
+        &|v| ratio(v.big("ibex-tcp"), v.big("tonic")),
+        1.5,
+        "x",
+    );
+    bar(
         "ps-step resnet50 2x2, ibex-shm / tonic steps/s",
-        step("ibex-shm").zip(step("tonic")).map(|(a, b)| a / b),
+        &|v| ratio(v.step("ibex-shm"), v.step("tonic")),
         3.0,
         "x",
     );
-    let cost = lat64("ibex-shm")
-        .zip(lat64("raw-shm"))
-        .map(|(g, r)| 3.0 - (g - r));
     bar(
         "gRPC layer cost 64 B: 3 µs - (ibex-shm p50 - raw-shm p50), headroom",
-        cost,
+        &|v| {
+            v.lat64("ibex-shm")
+                .zip(v.lat64("raw-shm"))
+                .map(|(g, r)| 3.0 - (g - r))
+        },
         0.0,
         " µs",
     );
     // The call path's bars: each transport against the layer below it and the floor.
-    let floor = |how: &str| {
-        records
-            .iter()
-            .find(|r| r.bench == "floor" && r.payload == how)
-            .map(|r| r.p50_us)
-    };
-    let p99 = |t: &str| find("latency", t, &|r| r.bytes == 64).map(|r| r.p99_us);
-    let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
-    let mut at_most = |name: &str, got: Option<f64>, need: f64| judge(name, got, need, "x", true);
+    let mut at_most =
+        |name: &str, f: &dyn Fn(&View) -> Option<f64>, need: f64| judge(name, f, need, "x", true);
     at_most(
         "64 B p50, ibex-shm / raw-shm",
-        ratio(lat64("ibex-shm"), lat64("raw-shm")),
+        &|v| ratio(v.lat64("ibex-shm"), v.lat64("raw-shm")),
         1.3,
     );
     at_most(
         "64 B p50, raw-shm / futex floor",
-        ratio(lat64("raw-shm"), floor("futex")),
+        &|v| ratio(v.lat64("raw-shm"), v.floor("futex")),
         1.3,
     );
     at_most(
         "64 B p50, ibex-tcp / raw-tcp",
-        ratio(lat64("ibex-tcp"), lat64("raw-tcp")),
+        &|v| ratio(v.lat64("ibex-tcp"), v.lat64("raw-tcp")),
         1.3,
     );
     at_most(
         "64 B p50 busy-polling, ibex-shm-busy / spin floor",
-        ratio(lat64("ibex-shm-busy"), floor("spin")),
+        &|v| ratio(v.lat64("ibex-shm-busy"), v.floor("spin")),
         20.0,
     );
     at_most(
         "64 B p99, ibex-shm-busy / ibex-shm (busy p99 stays below default)",
-        ratio(p99("ibex-shm-busy"), p99("ibex-shm")),
+        &|v| ratio(v.p99("ibex-shm-busy"), v.p99("ibex-shm")),
         1.0,
     );
-    let mut at_least = |name: &str, got: Option<f64>, need: f64| judge(name, got, need, "x", false);
+    let mut at_least =
+        |name: &str, f: &dyn Fn(&View) -> Option<f64>, need: f64| judge(name, f, need, "x", false);
     at_least(
         "64 B p50, tonic / ibex-shm",
-        ratio(lat64("tonic"), lat64("ibex-shm")),
+        &|v| ratio(v.lat64("tonic"), v.lat64("ibex-shm")),
         5.0,
     );
     at_least(
         "64 B p50 busy-polling, tonic / ibex-shm-busy",
-        ratio(lat64("tonic"), lat64("ibex-shm-busy")),
+        &|v| ratio(v.lat64("tonic"), v.lat64("ibex-shm-busy")),
         20.0,
     );
     at_least(
         "PS throughput uniform small, ibex-shm / raw-shm RPC/s",
-        ratio(ps("ibex-shm"), ps("raw-shm")),
+        &|v| ratio(v.ps("ibex-shm"), v.ps("raw-shm")),
         0.6,
     );
     out
@@ -468,6 +539,7 @@ mod tests {
             rpc_s: 1.0,
             client_rss_kib: 0,
             server_rss_kib: 0,
+            round: None,
         }
     }
 
@@ -491,6 +563,51 @@ mod tests {
             "{t}"
         );
         assert!(bars(&rs).contains("[met ] P2P latency 64 B"));
+    }
+
+    #[test]
+    fn call_path_bars_take_the_median_of_the_rounds_and_others_the_main_run() {
+        let round = |n: u32, t: &str, p50: f64| Record {
+            round: Some(n),
+            ..rec("latency", t, 64, p50, 1.0)
+        };
+        let rs = vec![
+            // The main run alone would miss the bar (3.0x)...
+            rec("latency", "ibex-shm", 64, 12.0, 1.0),
+            rec("latency", "raw-shm", 64, 4.0, 1.0),
+            rec("bw", "tonic", 64, 1.0, 100.0),
+            rec("bw", "ibex-tcp", 16 << 20, 1.0, 1.0),
+            // ...three rounds read 1.1x, 1.2x and 2.0x: the median meets it.
+            round(1, "ibex-shm", 4.4),
+            round(1, "raw-shm", 4.0),
+            round(2, "ibex-shm", 6.0),
+            round(2, "raw-shm", 5.0),
+            round(3, "ibex-shm", 10.0),
+            round(3, "raw-shm", 5.0),
+            // A round that lacks one side of a pair does not count for that bar.
+            round(4, "ibex-shm", 50.0),
+        ];
+        let b = bars(&rs);
+        assert!(
+            b.contains("[met ] 64 B p50, ibex-shm / raw-shm: 1.20x [3/1.10-2.00] (bar <= 1.3x)"),
+            "{b}"
+        );
+        // No round measured tonic's latency, nor the main run: not measured.
+        assert!(
+            b.contains("[n/a ] P2P latency 64 B, tonic p50 / ibex-shm p50"),
+            "{b}"
+        );
+        // Bars the rounds do not measure come from the main run, without a range.
+        let main_only = vec![
+            rec("latency", "ibex-shm", 64, 12.0, 1.0),
+            rec("latency", "raw-shm", 64, 4.0, 1.0),
+        ];
+        let b = bars(&main_only);
+        assert!(
+            b.contains("[MISS] 64 B p50, ibex-shm / raw-shm: 3.00x (bar <= 1.3x)"),
+            "{b}"
+        );
+        assert!(b.starts_with("\nperformance bars (this run):"), "{b}");
     }
 
     #[test]

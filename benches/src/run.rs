@@ -169,6 +169,7 @@ pub fn record(s: &Sample, shape: Shape<'_>) -> Record {
         rpc_s: s.calls as f64 / secs,
         client_rss_kib: self_peak_rss_kib(),
         server_rss_kib: 0,
+        round: None,
     }
 }
 
