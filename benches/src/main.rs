@@ -289,6 +289,10 @@ impl LocalServer {
         }
         Ok(LocalServer { child, addr })
     }
+    /// Two servers: PS throughput uses both, the other benches the first.
+    fn pair(t: Transport) -> Res<Vec<LocalServer>> {
+        (0..2).map(|_| LocalServer::spawn(t)).collect()
+    }
     fn rss_kib(&self) -> u64 {
         report::peak_rss_kib(self.child.id())
     }
@@ -775,10 +779,7 @@ fn compare(a: CompareArgs) -> Res<()> {
     for &t in &transports {
         // One set of server processes per transport, shared by its benches; PS throughput
         // uses two of them.
-        let servers: Vec<LocalServer> = match (0..2)
-            .map(|_| LocalServer::spawn(t))
-            .collect::<Res<Vec<_>>>()
-        {
+        let servers = match LocalServer::pair(t) {
             Ok(s) => s,
             Err(e) => {
                 failures.push(format!("{}: server: {e}", t.name()));
@@ -838,10 +839,7 @@ fn compare(a: CompareArgs) -> Res<()> {
             let k = round_transports.len();
             for i in 0..k {
                 let t = round_transports[(i + n as usize) % k];
-                let servers: Vec<LocalServer> = match (0..2)
-                    .map(|_| LocalServer::spawn(t))
-                    .collect::<Res<Vec<_>>>()
-                {
+                let servers = match LocalServer::pair(t) {
                     Ok(s) => s,
                     Err(e) => {
                         failures.push(format!("round {n}: {}: server: {e}", t.name()));
