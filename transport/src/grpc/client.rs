@@ -205,6 +205,17 @@ impl Inner {
         {
             return Ok(s.clone());
         }
+        // Boxed: the connecting future is tens of KiB, and a caller's frame would reserve
+        // room for it on every call, the many that find the connection alive among them.
+        Box::pin(self.reconnect(cur)).await
+    }
+
+    /// [`Inner::connection`] when the current connection is gone (or there is none yet):
+    /// a new one, or why not.
+    async fn reconnect(
+        &self,
+        cur: Option<Arc<Shared>>,
+    ) -> std::result::Result<Arc<Shared>, Status> {
         let Some(target) = &self.target else {
             return Err(cur
                 .and_then(|s| s.lock().closed().cloned())
@@ -515,6 +526,42 @@ pub(crate) enum Outgoing<'a> {
     /// rides inline); the gRPC request headers go with it as [`Head::Request`]'s
     /// `standard`.
     Whole(&'a (dyn FrameWriter + Sync)),
+}
+
+/// What is left to send of a request that did not go out whole at once, as a future.
+/// Made out of line: built on a caller's stack before it moves to the heap, it would
+/// otherwise reserve its size in the frame of every call, the whole ones among them.
+#[inline(never)]
+fn sending(
+    shared: &Arc<Shared>,
+    call: &Arc<CallShared>,
+    id: u32,
+    later: Later<tonic::body::Body>,
+) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    let pump_shared = shared.clone();
+    let pump_call = call.clone();
+    Box::pin(async move {
+        let mux = &pump_shared.mux;
+        let pumped = match later {
+            Later::Unsent(unsent) => {
+                let r = unsent.send(mux).await;
+                pump_call.head_sent.set();
+                match r {
+                    Ok(()) => Pumped::Done,
+                    Err(e) => Pumped::Failed(transport_status(&e)),
+                }
+            }
+            Later::Rest(first, body) => {
+                let reader: &Shared = &pump_shared;
+                let side = Side::Client;
+                pump(mux, id, &pump_call, first, body, side, None, Some(reader)).await
+            }
+        };
+        if let Pumped::Failed(s) = pumped {
+            // The request body failed or was refused: the call fails with that status.
+            pump_shared.fail_call(id, s);
+        }
+    })
 }
 
 // A local of one call's start; boxing would cost the rare, large variant an allocation
@@ -847,30 +894,7 @@ impl Channel {
             Now::Rest { first, body } => Some(Later::Rest(first, body)),
         };
         if let Some(later) = later {
-            let pump_shared = shared.clone();
-            let pump_call = call.clone();
-            let mut sending = Box::pin(async move {
-                let mux = &pump_shared.mux;
-                let pumped = match later {
-                    Later::Unsent(unsent) => {
-                        let r = unsent.send(mux).await;
-                        pump_call.head_sent.set();
-                        match r {
-                            Ok(()) => Pumped::Done,
-                            Err(e) => Pumped::Failed(transport_status(&e)),
-                        }
-                    }
-                    Later::Rest(first, body) => {
-                        let reader: &Shared = &pump_shared;
-                        let side = Side::Client;
-                        pump(mux, id, &pump_call, first, body, side, None, Some(reader)).await
-                    }
-                };
-                if let Pumped::Failed(s) = pumped {
-                    // The request body failed or was refused: the call fails with that status.
-                    pump_shared.fail_call(id, s);
-                }
-            });
+            let mut sending = sending(&shared, &call, id, later);
             // What is left usually goes out in this first poll, which saves a task hop;
             // whatever would wait finishes in its own task. Either way the sending future
             // is never dropped half-way.

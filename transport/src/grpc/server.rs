@@ -19,7 +19,9 @@ use tower::Service;
 use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::calls::{Admit, CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
-use super::direct::{DirectRoute, ReadyAnswer, Started, WholeRequest, direct_message, into_http};
+use super::direct::{
+    DirectProbe, DirectRoute, ReadyAnswer, Started, WholeRequest, direct_message, into_http,
+};
 use super::pump::{self, Now, Side, pump, trailers_only};
 use super::router::{Direct, Handler, Router};
 use super::wire::{Head, Limits, Packet, Trailers};
@@ -696,33 +698,56 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         self.st.mux.send_detached(trailers_only(id, status));
     }
 
-    fn dispatch(&mut self, mut p: Packet, mut data: Option<Bytes>) -> Result<()> {
+    fn dispatch(&mut self, mut p: Packet, data: Option<Bytes>) -> Result<()> {
+        let Some(Head::Request { path, headers, .. }) = p.head.take() else {
+            return self.dispatch_other(p, data, None);
+        };
+        // A whole request for a direct route skips the `http::Request`, the router and
+        // the service's boxed future; a path not seen yet probes for one. (A packet that
+        // also carries a window grant or GOAWAY, which no client sends with a request,
+        // takes the usual way, which accounts for them.)
+        let mut probe = None;
+        if p.end && !p.reset {
+            match self.router.direct(&path) {
+                Direct::Route(route) if !p.goaway && p.window.is_none() => {
+                    if let Some((msg, timeout)) = data
+                        .as_ref()
+                        .and_then(|d| direct_message(&headers, d, route.max_decoding))
+                    {
+                        let route = route.clone();
+                        return self.dispatch_direct(p.call, &route, msg, headers, timeout);
+                    }
+                }
+                Direct::Probe(pr) => probe = Some(pr),
+                Direct::Route(_) | Direct::None => {}
+            }
+        }
+        self.dispatch_other(p, data, Some((path, headers, probe)))
+    }
+
+    /// Every packet but a whole request on a direct route: `head` is the request head it
+    /// carried, with the probe for a path not seen yet.
+    ///
+    /// Kept out of line: its frame holds an `http::Request` and the call's future on their
+    /// way to the heap, several KiB of stack that the direct path, which returns before
+    /// it, would otherwise reserve and spread its own few lines over on every call.
+    #[inline(never)]
+    fn dispatch_other(
+        &mut self,
+        p: Packet,
+        mut data: Option<Bytes>,
+        head: Option<(
+            http::uri::PathAndQuery,
+            http::HeaderMap,
+            Option<DirectProbe>,
+        )>,
+    ) -> Result<()> {
         let id = p.call;
         let data_len = data.as_ref().map(Bytes::len);
         let mut started = None;
-        if let Some(Head::Request { path, headers, .. }) = p.head.take() {
+        if let Some((path, headers, probe)) = head {
             // A request that came whole in this packet (a unary one) needs no inbox.
             let complete = p.end && !p.reset;
-            // A whole request for a direct route skips the `http::Request`, the router and
-            // the service's boxed future; a path not seen yet probes for one. (A packet
-            // that also carries a window grant or GOAWAY, which no client sends with a
-            // request, takes the usual way, which accounts for them.)
-            let mut probe = None;
-            if complete {
-                match self.router.direct(&path) {
-                    Direct::Route(route) if !p.goaway && p.window.is_none() => {
-                        if let Some((msg, timeout)) = data
-                            .as_ref()
-                            .and_then(|d| direct_message(&headers, d, route.max_decoding))
-                        {
-                            let route = route.clone();
-                            return self.dispatch_direct(id, &route, msg, headers, timeout);
-                        }
-                    }
-                    Direct::Probe(pr) => probe = Some(pr),
-                    Direct::Route(_) | Direct::None => {}
-                }
-            }
             let call = CallShared::new();
             let mut whole = None;
             let (tx, body) = if complete {
@@ -799,10 +824,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             }
             match start {
                 Start::Done => self.st.lock().end(id, &call),
-                start => {
-                    self.running
-                        .push((self.start)(self.st.clone(), id, call, start, deadline))
-                }
+                start => self.go_on(id, call, start, deadline),
             }
         }
         Ok(())
@@ -828,18 +850,39 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let start = direct_now(&self.st.mux, id, route, msg, headers, self.extensions());
         if !matches!(start, Start::Done) {
-            let call = CallShared::new();
-            self.st.lock().insert(
-                id,
-                ServerCall {
-                    body: None,
-                    shared: call.clone(),
-                },
-            );
-            self.running
-                .push((self.start)(self.st.clone(), id, call, start, deadline));
+            self.go_on_direct(id, start, deadline);
         }
         Ok(())
+    }
+
+    /// A direct call that did not finish in its first poll enters the call table and
+    /// goes on as its own future. Out of line for the same reason as `dispatch_other`.
+    #[cold]
+    #[inline(never)]
+    fn go_on_direct(&mut self, id: u32, start: Start, deadline: Option<Instant>) {
+        let call = CallShared::new();
+        self.st.lock().insert(
+            id,
+            ServerCall {
+                body: None,
+                shared: call.clone(),
+            },
+        );
+        self.go_on(id, call, start, deadline);
+    }
+
+    /// A call that goes on after the packet that started it: its future (made on this
+    /// frame before it moves to the heap) joins the connection's running calls.
+    #[inline(never)]
+    fn go_on(
+        &mut self,
+        id: u32,
+        call: std::sync::Arc<CallShared>,
+        start: Start,
+        deadline: Option<Instant>,
+    ) {
+        self.running
+            .push((self.start)(self.st.clone(), id, call, start, deadline));
     }
 
     /// What a handler finds in its request's extensions. A clone of the connection's
