@@ -194,8 +194,8 @@ struct CompareArgs {
     warmup: Option<f64>,
     /// Alternating rounds for the call path's bars after the main run: every transport the
     /// bars compare (64 B Echo, small PS throughput 3x2, and the floor) once per round,
-    /// with fresh servers, in a rotating order; those bars read the median of the
-    /// rounds. Default: 5, quick 3, smoke 1 (0: none).
+    /// with fresh servers, in a rotating order; those bars are judged on each point's
+    /// median over the rounds. Default: 5, quick 3, smoke 1 (0: none).
     #[arg(long)]
     rounds: Option<u32>,
     /// Largest sweep size (default 64M, quick 16M).

@@ -618,18 +618,19 @@ mod tests {
             rec("latency", "raw-shm", 64, 4.0, 1.0),
             rec("bw", "tonic", 64, 1.0, 100.0),
             rec("bw", "ibex-tcp", 16 << 20, 1.0, 1.0),
-            // ...three rounds read 1.1x, 1.2x and 2.0x; the medians of the sides, 6.0 and
-            // 5.0 us, meet it.
+            // ...three rounds read 1.1x, 0.5x (raw-shm slow once: a side asleep) and 1.2x.
+            // Judged on the medians of the sides, 6.0 and 5.0 us: 1.2x, not the 1.1x
+            // median of the per-round ratios, which the slow round pulls down.
             round(1, "ibex-shm", 4.4),
             round(1, "raw-shm", 4.0),
             round(2, "ibex-shm", 6.0),
-            round(2, "raw-shm", 5.0),
-            round(3, "ibex-shm", 10.0),
+            round(2, "raw-shm", 12.0),
+            round(3, "ibex-shm", 6.0),
             round(3, "raw-shm", 5.0),
         ];
         let b = bars(&rs);
         assert!(
-            b.contains("[met ] 64 B p50, ibex-shm / raw-shm: 1.20x [3/1.10-2.00] (bar <= 1.3x)"),
+            b.contains("[met ] 64 B p50, ibex-shm / raw-shm: 1.20x [3/0.50-1.20] (bar <= 1.3x)"),
             "{b}"
         );
         // No round measured tonic's latency, nor the main run: not measured.

@@ -857,7 +857,6 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
 
     /// A direct call that did not finish in its first poll enters the call table and
     /// goes on as its own future. Out of line for the same reason as `dispatch_other`.
-    #[cold]
     #[inline(never)]
     fn go_on_direct(&mut self, id: u32, start: Start, deadline: Option<Instant>) {
         let call = CallShared::new();
@@ -874,13 +873,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
     /// A call that goes on after the packet that started it: its future (made on this
     /// frame before it moves to the heap) joins the connection's running calls.
     #[inline(never)]
-    fn go_on(
-        &mut self,
-        id: u32,
-        call: std::sync::Arc<CallShared>,
-        start: Start,
-        deadline: Option<Instant>,
-    ) {
+    fn go_on(&mut self, id: u32, call: Arc<CallShared>, start: Start, deadline: Option<Instant>) {
         self.running
             .push((self.start)(self.st.clone(), id, call, start, deadline));
     }
