@@ -351,19 +351,19 @@ fn peer(kind: &str, arg: &str) {
                 let conn = connect(arg, bench_config()).await.expect("connect");
                 loop {
                     let Ok(m) = conn.recv().await else { break };
-                    match m.first() {
-                        Some(&MARK_ECHO) => {
-                            if conn.send(m).await.is_err() {
-                                break;
-                            }
-                        }
+                    // The echo and the last message's one-byte answer; a failed send ends
+                    // the peer.
+                    let reply = match m.first() {
+                        Some(&MARK_ECHO) => m,
                         Some(&MARK_LAST) => {
+                            // Its buffer goes back to the transport before the answer.
                             drop(m);
-                            if conn.send(Bytes::from_static(&[1])).await.is_err() {
-                                break;
-                            }
+                            Bytes::from_static(&[1])
                         }
-                        _ => {}
+                        _ => continue,
+                    };
+                    if conn.send(reply).await.is_err() {
+                        break;
                     }
                 }
             });
