@@ -68,10 +68,10 @@ pub struct Config {
     /// verbs: the RDMA device to use (e.g. `mlx5_0`, `rxe0`); overrides `IBEX_RDMA_DEVICE`.
     pub rdma_device: Option<String>,
     /// How long a receiver that finds nothing busy-polls the link before it sleeps
-    /// (`IBEX_SPIN_US`; default 50 µs; zero never spins). The spin yields to the runtime
+    /// (`IBEX_SPIN_US`; default 100 µs; zero never spins). The spin yields to the runtime
     /// between polls, so tasks that are ready run first; a few hundred µs buys the lowest
-    /// latency for CPU. From [`INLINE_READ_MIN_SPIN`] up, the receiver spins on the link
-    /// itself rather than through the connection's driver task.
+    /// latency for CPU. From [`INLINE_READ_MIN_SPIN`] up (the default included), the
+    /// receiver spins on the link itself rather than through the connection's driver task.
     pub spin: std::time::Duration,
     /// How long a peer has to finish connection set-up (the provider's preface and the
     /// protocol handshake) before it is dropped: a listener's deadline per accepted peer,
@@ -194,7 +194,7 @@ impl Config {
         }
         if let Ok(v) = std::env::var("IBEX_SPIN_US") {
             let us = v.trim().parse::<u64>().map_err(|_| {
-                Error::Config(format!("IBEX_SPIN_US={v:?} is not a number of microseconds (examples: 0 never spins, 50 is the default, 500 for lowest latency)"))
+                Error::Config(format!("IBEX_SPIN_US={v:?} is not a number of microseconds (examples: 0 never spins, 100 is the default, 500 for lowest latency)"))
             })?;
             self.spin = std::time::Duration::from_micros(us);
         }
@@ -314,14 +314,18 @@ impl Config {
 
 /// Smallest fragment size a configuration (or a peer's probe sample) may ask for.
 pub const MIN_FRAGMENT: usize = 4096;
-/// The default of [`Config::spin`].
-pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
-/// From this [`Config::spin`] up (busy-polling on), a waiting receiver polls the link on its
-/// own task instead of having the connection's driver poll it and wake it (docs/transport.md,
-/// "Progress"). Measured on 2 cores against the driver path, back to back: 64 B round trips
-/// 9-11% faster at the median (raw transport 30%), but with the default budget the p99
-/// rose from 27 to 30-56 µs and 3 workers x 2 PS lost 8-10% of their RPC/s; with a busy
-/// budget, the same PS run gained 11%.
+/// The default of [`Config::spin`]: long enough to catch a reply that a crowded machine
+/// delays past 50 µs, and to read inline ([`INLINE_READ_MIN_SPIN`]). Against the former
+/// 50 µs, in one `compare` run on 2 cores (docs/benchmarks.md, fourteenth session): gRPC
+/// 3 workers x 2 PS 47 -> 57 k RPC/s and 64 B p50 7.9 -> 6.3 µs at the same p99; the raw
+/// transport's 64 B p99 rose 27 -> 44 µs.
+pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
+/// From this [`Config::spin`] up, a waiting receiver polls the link on its own task instead
+/// of having the connection's driver poll it and wake it (docs/transport.md, "Progress").
+/// Measured on 2 cores against the driver path, back to back: 64 B round trips 9-11%
+/// faster at the median (raw transport 30%), but with a 50 µs budget the p99 rose from 27
+/// to 30-56 µs and 3 workers x 2 PS lost 8-10% of their RPC/s; with a 500 µs budget, the
+/// same PS run gained 11%.
 pub const INLINE_READ_MIN_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 /// Largest fragment size a configuration (or a peer's probe sample) may ask for.
 pub const MAX_FRAGMENT: usize = 64 << 20;
