@@ -490,7 +490,16 @@ fn not_one_message(len: usize) -> Status {
 fn encode<M: prost::Message>(msg: &M, limit: usize) -> Result<FrameBuf, Status> {
     // Behind room for the packet where that pays, which is then written around the
     // message instead of copying it.
-    Ok(FrameBuf::from_writer(&Message::new(msg, limit)?))
+    let message = Message::new(msg, limit)?;
+    let frame = FrameBuf::from_writer(&message);
+    if frame.len() != message.len() {
+        // Sent, it would reach the peer as a malformed frame; here it is the one call's.
+        return Err(Status::internal(format!(
+            "the response's protobuf encoding disagrees with its encoded_len ({} bytes announced): its prost::Message impl is inconsistent",
+            message.len() - PREFIX
+        )));
+    }
+    Ok(frame)
 }
 
 /// One message as a gRPC body frame (prefix and message), encoded where it is put: into
@@ -823,6 +832,11 @@ mod tests {
             p.trailers = Some(Trailers::Ok);
             let e = p.encode_written(&frame).unwrap_err();
             assert!(e.to_string().contains("announced"), "{e}");
+            // A frame of its own (a response that does not ride in its packet) fails its
+            // call with a status that names the fault.
+            let s = encode(&m, usize::MAX).unwrap_err();
+            assert_eq!(s.code(), Code::Internal);
+            assert!(s.message().contains("encoded_len"), "{s:?}");
         }
     }
 }

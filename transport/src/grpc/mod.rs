@@ -347,7 +347,11 @@ impl Mux {
     /// into the packet's buffer.
     fn send_written_now(&self, pkt: Packet, frame: &dyn FrameWriter) -> Result<Option<Encoded>> {
         if frame.len() > self.inline_max() {
-            return match FrameBuf::from_writer(frame) {
+            let data = FrameBuf::from_writer(frame);
+            if data.len() != frame.len() {
+                return Err(wire::wrong_frame_len(frame.len(), data.len()));
+            }
+            return match data {
                 FrameBuf::Plain(data) => self.send_now(pkt, Some(data)),
                 data => self.send_framed_now(pkt, data),
             };

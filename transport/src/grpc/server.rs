@@ -1008,21 +1008,29 @@ fn direct_now(
 ) -> Start {
     let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut start = Start::Done;
+        // As a route's error response goes: trailers-only, with the head's date.
+        let refuse = |status: Status| {
+            let (parts, ()) = status.into_http::<()>().into_parts();
+            let mut pkt = response_head(id, parts.status, parts.headers);
+            pkt.end = true;
+            mux.send_now(pkt, None)
+        };
         let mut reply = |answer: ReadyAnswer<'_>| {
             let sent = match answer {
                 Ok((headers, frame)) => {
                     let mut pkt = response_head(id, http::StatusCode::OK, headers);
                     pkt.trailers = Some(Trailers::Ok);
                     pkt.end = true;
-                    mux.send_written_now(pkt, frame)
+                    // Nothing of the answer went out when it fails (its message could not
+                    // be encoded, or the connection is gone): the call still gets a status
+                    // rather than waiting for its deadline.
+                    mux.send_written_now(pkt, frame).or_else(|e| {
+                        refuse(Status::internal(format!(
+                            "the server could not send its response: {e}"
+                        )))
+                    })
                 }
-                // As a route's error response goes: trailers-only, with the head's date.
-                Err(status) => {
-                    let (parts, ()) = status.into_http::<()>().into_parts();
-                    let mut pkt = response_head(id, parts.status, parts.headers);
-                    pkt.end = true;
-                    mux.send_now(pkt, None)
-                }
+                Err(status) => refuse(status),
             };
             start = match sent {
                 Ok(None) => Start::Done,

@@ -321,10 +321,7 @@ impl Packet {
         if b.len() - at != len {
             // The length field is already written: a frame that wrote another length
             // would break the framing of every call on the connection.
-            return Err(proto_err(format!(
-                "a body frame announced {len} bytes and wrote {}",
-                b.len() - at
-            )));
+            return Err(wrong_frame_len(len, b.len() - at));
         }
         let flags = flags | self.put_tail(&mut b)?;
         b[4] = flags;
@@ -701,6 +698,14 @@ fn same_value(a: &Option<HeaderValue>, b: &Option<HeaderValue>) -> bool {
 
 fn proto_err(why: String) -> Error {
     Error::Protocol(format!("gRPC call framing: {why}"))
+}
+
+/// A body frame whose writer wrote another length than it announced (a message whose
+/// encoding disagrees with its `encoded_len`): refused before anything is sent.
+pub(crate) fn wrong_frame_len(announced: usize, wrote: usize) -> Error {
+    proto_err(format!(
+        "a body frame announced {announced} bytes and wrote {wrote}: the message's encoding disagrees with its encoded_len"
+    ))
 }
 
 fn too_big(what: &str) -> Error {
