@@ -425,3 +425,64 @@ async fn direct_calls_hold_a_call_slot_only_while_they_wait_shm() {
 async fn direct_calls_hold_a_call_slot_only_while_they_wait_tcp() {
     call_limit("tcp://127.0.0.1:0".into()).await;
 }
+
+/// A request `Message` whose `encoded_len` says `said` bytes and whose encoding writes
+/// `wrote`: a hand-written impl with a bug.
+#[derive(Debug, Default)]
+struct Lies {
+    said: usize,
+    wrote: usize,
+}
+
+impl prost::Message for Lies {
+    fn encode_raw(&self, buf: &mut impl bytes::BufMut) {
+        buf.put_bytes(7, self.wrote);
+    }
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: prost::encoding::WireType,
+        buf: &mut impl bytes::Buf,
+        ctx: prost::encoding::DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        prost::encoding::skip_field(wire_type, tag, buf, ctx)
+    }
+    fn encoded_len(&self) -> usize {
+        self.said
+    }
+    fn clear(&mut self) {}
+}
+
+/// A request whose encoding disagrees with its `encoded_len` fails its own call with
+/// `Internal`, naming the fault, before anything is sent, whether it would ride in its
+/// packet or go as a body of its own; the channel goes on working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_encodes_to_another_length_fails_its_call_only() {
+    within(async {
+        let (svc, _ev) = BenchImpl::new();
+        let srv = ibex_serve(shm_uri(), Services::new(svc.server(None, None))).await;
+        let ch = Channel::connect_with_config(&srv.addr, ibex_config())
+            .await
+            .unwrap();
+        let direct = DirectClient::of(&ch).unwrap();
+        let path =
+            tonic::codegen::http::uri::PathAndQuery::from_static("/ibex.bench.v1.Bench/Echo");
+        for (said, wrote) in [(3, 40), (40, 3), (2 * MIB, 10), (10, 2 * MIB)] {
+            let r = direct
+                .unary::<Lies, Payload>(Request::new(Lies { said, wrote }), path.clone())
+                .await;
+            let e = r.expect_err("an inconsistent message was sent");
+            assert_eq!(
+                e.code(),
+                Code::Internal,
+                "said {said}, wrote {wrote}: {e:?}"
+            );
+            assert!(e.message().contains("encoded_len"), "{e:?}");
+        }
+        let mut c = BenchClient::new(ch);
+        let r = c.echo(request(vec![pattern(100, 1)], &[])).await.unwrap();
+        assert_eq!(r.into_inner().buffers, vec![pattern(100, 1)]);
+        srv.shutdown().await.unwrap();
+    })
+    .await;
+}

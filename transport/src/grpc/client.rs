@@ -862,22 +862,39 @@ impl Channel {
             // A message small enough to ride in its packet needs no body to pump.
             Err(data) if data.len() <= shared.mux.inline_max() => {
                 head.end = true;
-                let sent = shared.mux.send_inline_written_now(head, data);
-                match sent {
-                    Ok(None) => Now::Sent,
-                    Ok(Some(unsent)) => Now::Unsent(unsent),
-                    Err(e) => Now::Failed(transport_status(&e)),
-                }
+                let now = match head.encode_written(data) {
+                    // The message's encoding disagrees with its length; nothing went out.
+                    Err(e) => Now::Failed(Status::internal(format!(
+                        "the request could not be sent: {e}"
+                    ))),
+                    Ok(bytes) => match shared.mux.send_encoded_now(id, bytes) {
+                        Ok(None) => Now::Sent,
+                        Ok(Some(unsent)) => Now::Unsent(unsent),
+                        Err(e) => Now::Failed(transport_status(&e)),
+                    },
+                };
+                // The packet (its head's map) is dropped once the bytes are on their way,
+                // and is not held by the call's future.
+                drop(head);
+                now
             }
             Err(data) => {
-                let data = FrameBuf::from_writer(data).into_bytes();
-                let body = IncomingBody::complete(Some(data), None, None);
-                pump_now(
-                    &shared.mux,
-                    head,
-                    tonic::body::Body::new(body),
-                    Side::Client,
-                )
+                let frame = FrameBuf::from_writer(data);
+                if frame.len() == data.len() {
+                    let body = IncomingBody::complete(Some(frame.into_bytes()), None, None);
+                    pump_now(
+                        &shared.mux,
+                        head,
+                        tonic::body::Body::new(body),
+                        Side::Client,
+                    )
+                } else {
+                    // Sent, the server would find a malformed frame; nothing went out.
+                    Now::Failed(Status::internal(format!(
+                        "the request could not be sent: {}",
+                        super::wire::wrong_frame_len(data.len(), frame.len())
+                    )))
+                }
             }
         };
         let later = match now {

@@ -366,12 +366,18 @@ impl Mux {
         pkt: Packet,
         frame: &dyn FrameWriter,
     ) -> Result<Option<Encoded>> {
-        let call = pkt.call;
         let head = pkt.encode_written(frame)?;
-        let unsent = self.conn.try_send(head)?;
+        let sent = self.send_encoded_now(pkt.call, head);
         // The packet (its head's map) is dropped once the bytes are on their way: the
         // peer works on them meanwhile.
         drop(pkt);
+        sent
+    }
+
+    /// Sends call `call`'s packet, already encoded with its body frame, or hands it back
+    /// when the link has no room now.
+    fn send_encoded_now(&self, call: u32, head: Bytes) -> Result<Option<Encoded>> {
+        let unsent = self.conn.try_send(head)?;
         Ok(unsent.map(|head| Encoded {
             call,
             head,
