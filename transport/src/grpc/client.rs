@@ -878,9 +878,8 @@ impl Channel {
                 drop(head);
                 now
             }
-            Err(data) => {
-                let frame = FrameBuf::from_writer(data);
-                if frame.len() == data.len() {
+            Err(data) => match FrameBuf::from_writer(data) {
+                Ok(frame) => {
                     let body = IncomingBody::complete(Some(frame.into_bytes()), None, None);
                     pump_now(
                         &shared.mux,
@@ -888,14 +887,12 @@ impl Channel {
                         tonic::body::Body::new(body),
                         Side::Client,
                     )
-                } else {
-                    // Sent, the server would find a malformed frame; nothing went out.
-                    Now::Failed(Status::internal(format!(
-                        "the request could not be sent: {}",
-                        super::wire::wrong_frame_len(data.len(), frame.len())
-                    )))
                 }
-            }
+                // Sent, the server would find a malformed frame; nothing went out.
+                Err(e) => Now::Failed(Status::internal(format!(
+                    "the request could not be sent: {e}"
+                ))),
+            },
         };
         let later = match now {
             Now::Sent => {

@@ -490,16 +490,10 @@ fn not_one_message(len: usize) -> Status {
 fn encode<M: prost::Message>(msg: &M, limit: usize) -> Result<FrameBuf, Status> {
     // Behind room for the packet where that pays, which is then written around the
     // message instead of copying it.
-    let message = Message::new(msg, limit)?;
-    let frame = FrameBuf::from_writer(&message);
-    if frame.len() != message.len() {
-        // Sent, it would reach the peer as a malformed frame; here it is the one call's.
-        return Err(Status::internal(format!(
-            "the response's protobuf encoding disagrees with its encoded_len ({} bytes announced): its prost::Message impl is inconsistent",
-            message.len() - PREFIX
-        )));
-    }
-    Ok(frame)
+    // A frame of another length than announced would reach the peer malformed; refused,
+    // it fails the one call.
+    FrameBuf::from_writer(&Message::new(msg, limit)?)
+        .map_err(|e| Status::internal(format!("the response could not be sent: {e}")))
 }
 
 /// One message as a gRPC body frame (prefix and message), encoded where it is put: into

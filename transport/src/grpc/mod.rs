@@ -347,11 +347,7 @@ impl Mux {
     /// into the packet's buffer.
     fn send_written_now(&self, pkt: Packet, frame: &dyn FrameWriter) -> Result<Option<Encoded>> {
         if frame.len() > self.inline_max() {
-            let data = FrameBuf::from_writer(frame);
-            if data.len() != frame.len() {
-                return Err(wire::wrong_frame_len(frame.len(), data.len()));
-            }
-            return match data {
+            return match FrameBuf::from_writer(frame)? {
                 FrameBuf::Plain(data) => self.send_now(pkt, Some(data)),
                 data => self.send_framed_now(pkt, data),
             };

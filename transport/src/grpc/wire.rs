@@ -104,12 +104,18 @@ impl FrameBuf {
         buf
     }
 
-    /// `frame` in a buffer of its own, for a frame that goes separately or through a body.
-    pub(crate) fn from_writer(frame: &dyn FrameWriter) -> FrameBuf {
+    /// `frame` in a buffer of its own, for a frame that goes separately or through a body;
+    /// refused, as [`Packet::encode_written`] refuses it, when it wrote another length than
+    /// it announced.
+    pub(crate) fn from_writer(frame: &dyn FrameWriter) -> Result<FrameBuf> {
         let len = frame.len();
         let mut buf = FrameBuf::buffer(len);
         frame.put(&mut buf);
-        FrameBuf::new(buf, len)
+        let buf = FrameBuf::new(buf, len);
+        if buf.len() != len {
+            return Err(wrong_frame_len(len, buf.len()));
+        }
+        Ok(buf)
     }
 
     /// The frame appended to [`FrameBuf::buffer`]`(len)`.
@@ -702,7 +708,7 @@ fn proto_err(why: String) -> Error {
 
 /// A body frame whose writer wrote another length than it announced (a message whose
 /// encoding disagrees with its `encoded_len`): refused before anything is sent.
-pub(crate) fn wrong_frame_len(announced: usize, wrote: usize) -> Error {
+fn wrong_frame_len(announced: usize, wrote: usize) -> Error {
     proto_err(format!(
         "a body frame announced {announced} bytes and wrote {wrote}: the message's encoding disagrees with its encoded_len"
     ))
@@ -1405,8 +1411,15 @@ mod tests {
         p.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x02hi")));
         assert_eq!(written, p.encode().unwrap());
         assert_eq!(
-            FrameBuf::from_writer(&Writes(b"abc", 3)).into_bytes(),
+            FrameBuf::from_writer(&Writes(b"abc", 3))
+                .unwrap()
+                .into_bytes(),
             Bytes::from_static(b"abc")
+        );
+        let e = FrameBuf::from_writer(&Writes(b"abc", 4)).unwrap_err();
+        assert!(
+            e.to_string().contains("announced 4 bytes and wrote 3"),
+            "{e}"
         );
         p.data = None;
         let e = p.encode_written(&Writes(b"abc", 4)).unwrap_err();
