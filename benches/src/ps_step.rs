@@ -316,12 +316,6 @@ impl Drop for Proc {
     }
 }
 
-fn free_port() -> Res<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 /// Runs `ps-step`: PS and workers as processes; prints one record.
 pub fn run(a: PsStepArgs) -> Res<()> {
     let r = measure(&a)?;
@@ -371,12 +365,13 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
             return Err("--ps must be at least 1".into());
         }
         let bin = ibex_ps_binary()?;
-        let addrs = (0..a.ps)
-            .map(|_| Ok(format!("127.0.0.1:{}", free_port()?)))
-            .collect::<Res<Vec<String>>>()?;
+        // Every shard's address and metrics port in one call, so that no two of them are
+        // the same port (the kernel readily hands a just-released port out again).
+        let ports = ibex_worker::free_ports("127.0.0.1", 2 * a.ps)?;
+        let (listen, metrics) = ports.split_at(a.ps);
+        let addrs: Vec<String> = listen.iter().map(|p| format!("127.0.0.1:{p}")).collect();
         let spec = cluster(&addrs, a.workers, kind)?;
-        for i in 0..a.ps {
-            let port = free_port()?;
+        for (i, &port) in metrics.iter().enumerate() {
             metrics_ports.push(port);
             let mut c = Command::new(&bin);
             c.args([
