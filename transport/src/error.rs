@@ -57,6 +57,10 @@ pub enum Error {
         #[source]
         source: std::sync::Arc<io::Error>,
     },
+    /// A message could not be encoded as it announced: this side's fault (a `prost::Message`
+    /// impl whose encoding disagrees with its `encoded_len`), refused before anything is sent.
+    #[error("encoding failed: {0}")]
+    Encode(String),
     /// Configuration is invalid.
     #[error("invalid configuration: {0}")]
     Config(String),

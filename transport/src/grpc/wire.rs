@@ -709,8 +709,8 @@ fn proto_err(why: String) -> Error {
 /// A body frame whose writer wrote another length than it announced (a message whose
 /// encoding disagrees with its `encoded_len`): refused before anything is sent.
 fn wrong_frame_len(announced: usize, wrote: usize) -> Error {
-    proto_err(format!(
-        "a body frame announced {announced} bytes and wrote {wrote}: the message's encoding disagrees with its encoded_len"
+    Error::Encode(format!(
+        "a body frame announced {announced} bytes and wrote {wrote}: the message's encoding disagrees with its encoded_len; fix its prost::Message impl"
     ))
 }
 
@@ -1416,15 +1416,16 @@ mod tests {
                 .into_bytes(),
             Bytes::from_static(b"abc")
         );
+        // This side's fault, named as such: not a protocol violation by the peer.
         let e = FrameBuf::from_writer(&Writes(b"abc", 4)).unwrap_err();
         assert!(
-            e.to_string().contains("announced 4 bytes and wrote 3"),
+            matches!(e, Error::Encode(ref m) if m.contains("announced 4 bytes and wrote 3")),
             "{e}"
         );
         p.data = None;
         let e = p.encode_written(&Writes(b"abc", 4)).unwrap_err();
         assert!(
-            e.to_string().contains("announced 4 bytes and wrote 3"),
+            matches!(e, Error::Encode(ref m) if m.contains("announced 4 bytes and wrote 3")),
             "{e}"
         );
     }
