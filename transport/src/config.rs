@@ -82,6 +82,14 @@ pub struct Config {
     /// at once, so a flood of silent connections costs only its own peers, never the
     /// accept loop (`IBEX_MAX_HANDSHAKES`; default 128).
     pub max_handshakes: usize,
+    /// A listener serves each accepted connection on one of this many threads of Ibex's
+    /// own, each a single-thread runtime: the connection's set-up, its driver, the gRPC
+    /// server's reader and the handlers it polls all stay on that thread, and no other
+    /// worker steals them or is woken to look for work (`IBEX_SERVE_THREADS`; default 0:
+    /// the accepting runtime serves them). On 2 cores a 64 B Echo's p99 fell about 3x with
+    /// 2 (docs/benchmarks.md). What a handler spawns runs on that thread too, and tokio's
+    /// `block_in_place` panics there (docs/grpc.md).
+    pub serve_threads: usize,
     /// tcp: probe an idle connection after this long and close it when the peer stops
     /// answering (TCP keep-alive: three probes a third of this apart), so a peer that
     /// vanished without closing (a partition, a powered-off host) is noticed within about
@@ -113,6 +121,9 @@ pub struct EnvOverrides {
     pub fragment_size: bool,
 }
 
+/// Most threads [`Config::serve_threads`] may ask for.
+pub const MAX_SERVE_THREADS: usize = 1024;
+
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -137,6 +148,7 @@ impl Default for Config {
             spin: DEFAULT_SPIN,
             handshake_timeout: std::time::Duration::from_secs(5),
             max_handshakes: 128,
+            serve_threads: 0,
             tcp_keepalive: None,
             keepalive: None,
             keepalive_timeout: std::time::Duration::from_secs(20),
@@ -150,7 +162,7 @@ impl Config {
     /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_SPIN_US`,
     /// `IBEX_AUTH_TOKEN`, `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`,
     /// `IBEX_RNDV_RECV_BUDGET`, `IBEX_KEEPALIVE_MS`, `IBEX_KEEPALIVE_TIMEOUT_MS`,
-    /// `IBEX_POOL_SIZE`).
+    /// `IBEX_POOL_SIZE`, `IBEX_SERVE_THREADS`).
     pub fn from_env() -> Result<Self> {
         Config::default().with_env()
     }
@@ -191,6 +203,11 @@ impl Config {
         }
         if let Some(n) = env_positive("IBEX_MAX_HANDSHAKES", "number", 128)? {
             self.max_handshakes = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        if let Ok(v) = std::env::var("IBEX_SERVE_THREADS") {
+            self.serve_threads = v.trim().parse::<usize>().map_err(|_| {
+                Error::Config(format!("IBEX_SERVE_THREADS={v:?} is not a number of threads (examples: 0 serves on the accepting runtime, 2 on two threads of Ibex's own)"))
+            })?;
         }
         if let Ok(v) = std::env::var("IBEX_SPIN_US") {
             let us = v.trim().parse::<u64>().map_err(|_| {
@@ -259,6 +276,12 @@ impl Config {
             return Err(Error::Config(
                 "max_handshakes must be at least 1 (IBEX_MAX_HANDSHAKES sets it)".into(),
             ));
+        }
+        if self.serve_threads > MAX_SERVE_THREADS {
+            return Err(Error::Config(format!(
+                "serve_threads {} is more than {MAX_SERVE_THREADS}: one or two per core is what pays (IBEX_SERVE_THREADS sets it)",
+                self.serve_threads
+            )));
         }
         if self.max_reads_in_flight == 0 {
             return Err(Error::Config(
@@ -465,6 +488,11 @@ mod tests {
             ..Config::default()
         };
         assert!(matches!(c.validate(), Err(Error::Config(m)) if m.contains("IBEX_MAX_HANDSHAKES")));
+        let c = Config {
+            serve_threads: MAX_SERVE_THREADS + 1,
+            ..Config::default()
+        };
+        assert!(matches!(c.validate(), Err(Error::Config(m)) if m.contains("IBEX_SERVE_THREADS")));
     }
 
     #[test]

@@ -208,9 +208,23 @@ async fn a_flood_of_silent_peers_gives_way_to_an_honest_one_long_before_the_dead
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_silent_and_junk_peers_do_not_delay_an_honest_one() {
+    silent_and_junk_shm_peers(patient(), "hostile").await;
+}
+
+/// The same with every set-up on one serve thread (`Config::serve_threads`): the bad peers'
+/// set-ups share the honest one's thread and still cost it nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_silent_and_junk_peers_on_the_honest_ones_serve_thread() {
+    let cfg = Config {
+        serve_threads: 1,
+        ..patient()
+    };
+    silent_and_junk_shm_peers(cfg, "hostile-homed").await;
+}
+
+async fn silent_and_junk_shm_peers(cfg: Config, tag: &str) {
     init_tracing();
-    let cfg = patient();
-    let at = uri("shm", "hostile");
+    let at = uri("shm", tag);
     let l = listen(&at, cfg.clone()).await.unwrap();
     let path = at.trim_start_matches("shm://").to_string();
 

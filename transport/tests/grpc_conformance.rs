@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use grpc_common::service::{ERROR_DETAILS, ERROR_MESSAGE, Event};
-use grpc_common::transports::{IbexShm, IbexTcp, Services, Stock};
+use grpc_common::transports::{IbexShm, IbexShmHomes, IbexTcp, Services, Stock};
 use grpc_common::{BenchImpl, Chan, Events, ServerHandle, Transport, pattern};
 use http_body_util::BodyExt;
 use ibex_proto::bench::v1::bench_client::BenchClient;
@@ -859,7 +859,7 @@ macro_rules! conformance {
     };
 }
 
-conformance!(tonic_tcp: Stock, ibex_shm: IbexShm, ibex_tcp: IbexTcp);
+conformance!(tonic_tcp: Stock, ibex_shm: IbexShm, ibex_shm_homes: IbexShmHomes, ibex_tcp: IbexTcp);
 
 // Where Ibex is deliberately stricter than stock tonic 0.14, whose decoder reports a client's
 // RST_STREAM(CANCEL) as a clean end of the request stream (docs/grpc.md).

@@ -224,7 +224,13 @@ pub(super) async fn run(source: Source, shared: Arc<Shared>) {
                                 peer: raw.peer(),
                                 abort: None,
                             }));
-                            let abort = setups.spawn(set_up(raw, shared.clone(), SlotGuard(slot.clone())));
+                            let fut = set_up(raw, shared.clone(), SlotGuard(slot.clone()));
+                            // Set up on its home, so the link's wake-ups register with the
+                            // runtime that will run the connection.
+                            let abort = match super::home::next(shared.config.serve_threads) {
+                                Some(h) => setups.spawn_on(fut, &h),
+                                None => setups.spawn(fut),
+                            };
                             lock(&slot).abort = Some(abort);
                             pending.push_back(slot);
                             // Ended claims leave; at most a few times the cap stay listed.

@@ -8,6 +8,7 @@
 mod accept;
 mod addr;
 mod driver;
+mod home;
 mod malloc;
 mod stats;
 
@@ -37,6 +38,8 @@ pub struct Connection {
 
 struct Handle {
     shared: Arc<Shared>,
+    /// The runtime the connection's driver runs on.
+    home: tokio::runtime::Handle,
 }
 
 impl Drop for Handle {
@@ -127,7 +130,10 @@ impl Connection {
         });
         tokio::spawn(Driver::new(shared.clone(), config.spin));
         let conn = Connection {
-            handle: Arc::new(Handle { shared }),
+            handle: Arc::new(Handle {
+                shared,
+                home: tokio::runtime::Handle::current(),
+            }),
         };
         match tokio::time::timeout(config.handshake_timeout, conn.wait_established()).await {
             Ok(r) => r?,
@@ -142,6 +148,11 @@ impl Connection {
             }
         }
         Ok(conn)
+    }
+
+    /// The runtime the connection's driver runs on: its other tasks belong there too.
+    pub(crate) fn home(&self) -> &tokio::runtime::Handle {
+        &self.handle.home
     }
 
     fn shared(&self) -> &Arc<Shared> {
@@ -1182,6 +1193,46 @@ mod tests {
         }
         assert_eq!(heads, (tasks as usize - 1) * per_task as usize);
         assert_eq!(aborts, (tasks as usize - 1) * (per_task as usize / 10));
+    }
+
+    /// A listener with serve threads sets each accepted connection up on a thread of Ibex's
+    /// own (its home, where all its tasks run), round robin over them, and the connection
+    /// works as any other; the connecting side stays on its caller's runtime.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_threads_home_accepted_connections() {
+        let at = format!(
+            "shm://{}",
+            std::env::temp_dir()
+                .join(format!("ibex-unit-{}-homes.sock", std::process::id()))
+                .display()
+        );
+        let cfg = Config {
+            serve_threads: 2,
+            ..Config::default()
+        };
+        let l = listen(&at, cfg).await.unwrap();
+        let at = l.local_uri();
+        let thread = |c: &Connection| {
+            c.home()
+                .spawn(async { std::thread::current().name().unwrap_or("").to_owned() })
+        };
+        let mut homes = Vec::new();
+        for _ in 0..2 {
+            let (b, a) = tokio::join!(l.accept(), connect(&at, Config::default()));
+            let (a, b) = (a.unwrap(), b.unwrap());
+            homes.push(thread(&b).await.unwrap());
+            let caller = thread(&a).await.unwrap();
+            assert!(!caller.starts_with("ibex-serve-"), "{caller}");
+            a.send(Bytes::from_static(b"ping")).await.unwrap();
+            assert_eq!(&b.recv().await.unwrap()[..], b"ping");
+            b.send(Bytes::from_static(b"pong")).await.unwrap();
+            assert_eq!(&a.recv().await.unwrap()[..], b"pong");
+        }
+        assert!(
+            homes.iter().all(|h| h.starts_with("ibex-serve-")),
+            "{homes:?}"
+        );
+        assert_ne!(homes[0], homes[1], "round robin over the serve threads");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

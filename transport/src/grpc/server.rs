@@ -374,10 +374,16 @@ impl Builder {
                         let stats = self.stats.clone();
                         let id = stats.add(&conn);
                         let (router, shutdown) = (router.clone(), shutdown.clone());
-                        conns.spawn(async move {
-                            serve_conn(conn, router, shutdown, limits, stats.clone()).await;
-                            stats.remove(id);
-                        });
+                        // On the connection's home: with `Config::serve_threads` a thread
+                        // of its own, where its driver runs too.
+                        let home = conn.home().clone();
+                        conns.spawn_on(
+                            async move {
+                                serve_conn(conn, router, shutdown, limits, stats.clone()).await;
+                                stats.remove(id);
+                            },
+                            &home,
+                        );
                     }
                     // The listener itself stopped: drain what is running, then say why.
                     Err(e) => {

@@ -312,6 +312,38 @@ impl Transport for IbexShm {
     }
 }
 
+/// gRPC over Ibex, shared-memory provider, the server on two threads of its own
+/// (`Config::serve_threads`): each connection's tasks and handlers on a single-thread runtime.
+pub struct IbexShmHomes;
+
+fn homes_config() -> ibex_transport::Config {
+    ibex_transport::Config {
+        serve_threads: 2,
+        ..ibex_config()
+    }
+}
+
+impl Transport for IbexShmHomes {
+    const DEADLINE_CODE: Code = Code::DeadlineExceeded;
+    const GONE_CODES: &'static [Code] = &[Code::Unavailable];
+
+    async fn serve(services: Services) -> ServerHandle {
+        ibex_serve_with(shm_uri(), services, homes_config()).await
+    }
+
+    async fn serve_at(addr: &str, services: Services) -> ServerHandle {
+        ibex_serve_with(addr.to_string(), services, homes_config()).await
+    }
+
+    async fn connect(addr: &str) -> Result<Chan, String> {
+        ibex_connect(addr).await
+    }
+
+    async fn dead_addr() -> String {
+        shm_uri()
+    }
+}
+
 /// gRPC over Ibex, tcp provider.
 pub struct IbexTcp;
 
