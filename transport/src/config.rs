@@ -82,13 +82,15 @@ pub struct Config {
     /// at once, so a flood of silent connections costs only its own peers, never the
     /// accept loop (`IBEX_MAX_HANDSHAKES`; default 128).
     pub max_handshakes: usize,
-    /// A listener serves each accepted connection on one of this many threads of Ibex's
-    /// own, each a single-thread runtime: the connection's set-up, its driver, the gRPC
-    /// server's reader and the handlers it polls all stay on that thread, and no other
+    /// A listener serves each accepted shm connection on one of this many threads of
+    /// Ibex's own, each a runtime with one worker: the connection's set-up, its driver, the
+    /// gRPC server's reader and the handlers it polls all stay on that thread, and no other
     /// worker steals them or is woken to look for work (`IBEX_SERVE_THREADS`; default 0:
-    /// the accepting runtime serves them). On 2 cores a 64 B Echo's p99 fell about 3x with
-    /// 2 (docs/benchmarks.md). What a handler spawns runs on that thread too, and tokio's
-    /// `block_in_place` panics there (docs/grpc.md).
+    /// the accepting runtime serves them). On 2 cores a 64 B Echo's p99 fell 3-6x with 2
+    /// (docs/benchmarks.md). A handler keeps tokio's rules there: what it spawns runs on
+    /// the server's runtime and `block_in_place` works, but a handler that blocks without
+    /// it holds up that thread's other connections (docs/grpc.md). tcp and verbs
+    /// connections stay on the accepting runtime.
     pub serve_threads: usize,
     /// tcp: probe an idle connection after this long and close it when the peer stops
     /// answering (TCP keep-alive: three probes a third of this apart), so a peer that

@@ -600,6 +600,22 @@ mod cases {
         srv.shutdown().await.unwrap();
     }
 
+    /// A handler may `block_in_place`, and what it spawns runs on the server's runtime,
+    /// on serve threads too (which run the handler itself).
+    pub async fn handler_runtime<T: Transport>() {
+        let (srv, _ev) = start::<T>(None, None).await;
+        let mut c = client::<T>(&srv).await;
+        let r = c
+            .echo(with_mode(Payload::default(), "runtime"))
+            .await
+            .unwrap();
+        let thread = |k: &str| r.metadata().get(k).unwrap().to_str().unwrap().to_owned();
+        let (handler, spawned) = (thread("x-handler-thread"), thread("x-spawned-thread"));
+        assert_eq!(handler.starts_with("ibex-serve-"), T::HOMED, "{handler}");
+        assert!(!spawned.starts_with("ibex-serve-"), "{spawned}");
+        srv.shutdown().await.unwrap();
+    }
+
     /// A handler that panics fails its own call, not the connection or the server.
     pub async fn handler_panic<T: Transport>() {
         let (srv, _ev) = start::<T>(None, None).await;
@@ -853,7 +869,7 @@ macro_rules! conformance {
             suite!($m: $t;
                 unary, server_streaming, client_streaming, bidi_streaming, error_details,
                 trailers_only, metadata, deadline, client_cancel, message_sizes, size_limits,
-                concurrent_calls, slow_reader, handler_panic, graceful_shutdown, server_gone,
+                concurrent_calls, slow_reader, handler_panic, handler_runtime, graceful_shutdown, server_gone,
                 interceptors, connect_info, reconnect);
         )*
     };
@@ -903,6 +919,7 @@ mod ibex_verbs {
         concurrent_calls,
         slow_reader,
         handler_panic,
+        handler_runtime,
         graceful_shutdown,
         server_gone,
         interceptors,

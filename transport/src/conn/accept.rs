@@ -42,6 +42,22 @@ impl Source {
         }
     }
 
+    /// Whether serve threads ([`Config::serve_threads`]) take this source's connections.
+    /// shm's receiver finds messages by reading memory, which a serve thread's spin does
+    /// itself. A tcp message comes through the kernel, and a one-worker serve thread that
+    /// spins looks at its I/O events only between steps: its 64 B calls took 1.2-1.5x as
+    /// long there (docs/benchmarks.md). Verbs completions are read from memory too, but
+    /// nobody has measured serve threads on a NIC, so verbs stays on the application's
+    /// runtime.
+    fn homed(&self) -> bool {
+        match self {
+            Source::Shm(_) => true,
+            Source::Tcp(_) => false,
+            #[cfg(feature = "verbs")]
+            Source::Verbs(_) => false,
+        }
+    }
+
     async fn accept(&self) -> Result<Raw> {
         Ok(match self {
             Source::Shm(l) => Raw::Shm(l.accept_stream().await?),
@@ -188,6 +204,11 @@ fn evict_oldest(
 /// holds a made connection waiting for `accept` is the newcomer refused.
 pub(super) async fn run(source: Source, shared: Arc<Shared>) {
     let provider = source.provider();
+    let homes = if source.homed() {
+        shared.config.serve_threads
+    } else {
+        0
+    };
     let mut setups = JoinSet::new();
     let mut pending: VecDeque<SlotRef> = VecDeque::new();
     let min_age = eviction_age(&shared.config);
@@ -227,7 +248,7 @@ pub(super) async fn run(source: Source, shared: Arc<Shared>) {
                             let fut = set_up(raw, shared.clone(), SlotGuard(slot.clone()));
                             // Set up on its home, so the link's wake-ups register with the
                             // runtime that will run the connection.
-                            let abort = match super::home::next(shared.config.serve_threads) {
+                            let abort = match super::home::next(homes) {
                                 Some(h) => setups.spawn_on(fut, &h),
                                 None => setups.spawn(fut),
                             };

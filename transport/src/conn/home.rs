@@ -3,16 +3,33 @@
 //! On a work-stealing runtime a connection's tasks (its driver, the gRPC server's reader)
 //! run on whichever worker picks them up, and a spinning receiver's every step wakes an
 //! idle worker, which searches, may steal the connection to another thread, and parks
-//! again. A home is a single-thread runtime on a thread of its own: a connection set up
-//! there keeps all its tasks on that thread, as in eRPC's or iceoryx2's thread per core.
+//! again. A home is a runtime with one worker thread of its own: a connection set up there
+//! keeps all its tasks on that thread, as in eRPC's or iceoryx2's thread per core.
+//!
+//! Handlers keep tokio's rules there: the gRPC server polls a homed connection with the
+//! listener's runtime entered, so what a handler spawns (`tokio::spawn`, `spawn_blocking`)
+//! runs on the application's runtime as over stock tonic, and a home is a multi-thread
+//! runtime, so `block_in_place` works as on any tokio server.
 
+use std::cell::Cell;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The process's homes, started on first use and kept for the life of the process (an
 /// idle one sleeps in `epoll_wait`). Listeners asking for fewer share the first ones.
-static HOMES: Mutex<Vec<tokio::runtime::Handle>> = Mutex::new(Vec::new());
+static HOMES: Mutex<Vec<tokio::runtime::Runtime>> = Mutex::new(Vec::new());
 static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Set on a home's threads (its worker, and a thread that takes the worker over in
+    /// `block_in_place`).
+    static ON_HOME: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether this thread is one of Ibex's serve threads.
+pub(crate) fn here() -> bool {
+    ON_HOME.with(Cell::get)
+}
 
 /// The home for the next connection when a listener serves on `n` threads, or `None`
 /// (serve on the accepting runtime): `n` is 0, or no home could be started (logged).
@@ -23,7 +40,7 @@ pub(crate) fn next(n: usize) -> Option<tokio::runtime::Handle> {
     let mut homes = HOMES.lock().unwrap_or_else(|e| e.into_inner());
     while homes.len() < n {
         match start(homes.len()) {
-            Ok(h) => homes.push(h),
+            Ok(rt) => homes.push(rt),
             Err(e) => {
                 tracing::warn!(
                     %e,
@@ -41,16 +58,21 @@ pub(crate) fn next(n: usize) -> Option<tokio::runtime::Handle> {
     }
     // Round robin: connections of one job are alike, and a peer that reconnects takes the
     // next thread rather than piling onto one.
-    Some(homes[NEXT.fetch_add(1, Ordering::Relaxed) % have].clone())
+    Some(
+        homes[NEXT.fetch_add(1, Ordering::Relaxed) % have]
+            .handle()
+            .clone(),
+    )
 }
 
-fn start(i: usize) -> std::io::Result<tokio::runtime::Handle> {
-    let rt = tokio::runtime::Builder::new_current_thread()
+fn start(i: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    // One worker, so nothing is stolen and a wake-up has no idle worker to notify; a
+    // multi-thread runtime still, so a handler's `block_in_place` hands the connection's
+    // tasks to a fresh thread as on any tokio server rather than panicking.
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(format!("ibex-serve-{i}"))
+        .on_thread_start(|| ON_HOME.with(|h| h.set(true)))
         .enable_all()
-        .build()?;
-    let handle = rt.handle().clone();
-    std::thread::Builder::new()
-        .name(format!("ibex-serve-{i}"))
-        .spawn(move || rt.block_on(std::future::pending::<()>()))?;
-    Ok(handle)
+        .build()
 }

@@ -38,8 +38,9 @@ pub struct Connection {
 
 struct Handle {
     shared: Arc<Shared>,
-    /// The runtime the connection's driver runs on.
-    home: tokio::runtime::Handle,
+    /// The serve thread's runtime the connection was set up on (its driver runs there);
+    /// `None` on the application's runtime.
+    home: Option<tokio::runtime::Handle>,
 }
 
 impl Drop for Handle {
@@ -132,7 +133,7 @@ impl Connection {
         let conn = Connection {
             handle: Arc::new(Handle {
                 shared,
-                home: tokio::runtime::Handle::current(),
+                home: home::here().then(tokio::runtime::Handle::current),
             }),
         };
         match tokio::time::timeout(config.handshake_timeout, conn.wait_established()).await {
@@ -150,9 +151,11 @@ impl Connection {
         Ok(conn)
     }
 
-    /// The runtime the connection's driver runs on: its other tasks belong there too.
-    pub(crate) fn home(&self) -> &tokio::runtime::Handle {
-        &self.handle.home
+    /// The serve thread's runtime the connection was set up on, where its driver runs
+    /// and its other tasks belong ([`Config::serve_threads`]); `None` for a connection that
+    /// lives on the application's runtime.
+    pub(crate) fn home(&self) -> Option<&tokio::runtime::Handle> {
+        self.handle.home.as_ref()
     }
 
     fn shared(&self) -> &Arc<Shared> {
@@ -1212,17 +1215,22 @@ mod tests {
         };
         let l = listen(&at, cfg).await.unwrap();
         let at = l.local_uri();
-        let thread = |c: &Connection| {
-            c.home()
-                .spawn(async { std::thread::current().name().unwrap_or("").to_owned() })
-        };
         let mut homes = Vec::new();
         for _ in 0..2 {
             let (b, a) = tokio::join!(l.accept(), connect(&at, Config::default()));
             let (a, b) = (a.unwrap(), b.unwrap());
-            homes.push(thread(&b).await.unwrap());
-            let caller = thread(&a).await.unwrap();
-            assert!(!caller.starts_with("ibex-serve-"), "{caller}");
+            let home = b
+                .home()
+                .expect("an accepted connection lives on a serve thread");
+            homes.push(
+                home.spawn(async { std::thread::current().name().unwrap_or("").to_owned() })
+                    .await
+                    .unwrap(),
+            );
+            assert!(
+                a.home().is_none(),
+                "the connecting side stays on its caller's runtime"
+            );
             a.send(Bytes::from_static(b"ping")).await.unwrap();
             assert_eq!(&b.recv().await.unwrap()[..], b"ping");
             b.send(Bytes::from_static(b"pong")).await.unwrap();

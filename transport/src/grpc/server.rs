@@ -374,16 +374,21 @@ impl Builder {
                         let stats = self.stats.clone();
                         let id = stats.add(&conn);
                         let (router, shutdown) = (router.clone(), shutdown.clone());
-                        // On the connection's home: with `Config::serve_threads` a thread
-                        // of its own, where its driver runs too.
-                        let home = conn.home().clone();
-                        conns.spawn_on(
-                            async move {
-                                serve_conn(conn, router, shutdown, limits, stats.clone()).await;
-                                stats.remove(id);
-                            },
-                            &home,
-                        );
+                        let home = conn.home().cloned();
+                        let served = async move {
+                            serve_conn(conn, router, shutdown, limits, stats.clone()).await;
+                            stats.remove(id);
+                        };
+                        match home {
+                            // On its serve thread (`Config::serve_threads`), where its driver
+                            // runs too, with this runtime entered: what a handler spawns runs
+                            // here, as over stock tonic, and not on the serve thread.
+                            Some(home) => {
+                                let here = tokio::runtime::Handle::current();
+                                conns.spawn_on(entered(here, served), &home)
+                            }
+                            None => conns.spawn(served),
+                        };
                     }
                     // The listener itself stopped: drain what is running, then say why.
                     Err(e) => {
@@ -538,6 +543,16 @@ fn date_header() -> http::HeaderValue {
         c.1.clone()
             .unwrap_or_else(|| http::HeaderValue::from_static(""))
     })
+}
+
+/// `fut`, polled with `rt` entered: `tokio::spawn` and timers in it use `rt`, wherever it runs.
+async fn entered<F: Future>(rt: tokio::runtime::Handle, fut: F) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(|cx| {
+        let _in = rt.enter();
+        fut.as_mut().poll(cx)
+    })
+    .await
 }
 
 /// One accepted connection's calls.

@@ -207,6 +207,20 @@ impl Bench for BenchImpl {
             }
             return Ok(resp);
         }
+        if mode(&req) == "runtime" {
+            // Where the handler runs, and where what it spawns runs; it also blocks the way
+            // tokio allows on a multi-thread runtime.
+            let name = || std::thread::current().name().unwrap_or("").to_owned();
+            let handler = tokio::task::block_in_place(name);
+            let spawned = tokio::spawn(async move { name() })
+                .await
+                .map_err(|e| Status::internal(format!("spawned task failed: {e}")))?;
+            let mut resp = Response::new(Payload::default());
+            let md = resp.metadata_mut();
+            md.insert("x-handler-thread", handler.parse().unwrap());
+            md.insert("x-spawned-thread", spawned.parse().unwrap());
+            return Ok(resp);
+        }
         let guard = self.guard("echo");
         let mode = mode(&req);
         common_mode(&mode).await?;

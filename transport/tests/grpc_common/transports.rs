@@ -140,6 +140,8 @@ pub trait Transport {
     /// What the first call after the server went away may fail with (after that, every
     /// transport says `Unavailable`).
     const GONE_CODES: &'static [Code];
+    /// The server runs its connections on Ibex's serve threads (`Config::serve_threads`).
+    const HOMED: bool = false;
     /// Starts a server for `routes` on a fresh address.
     fn serve(services: Services) -> impl Future<Output = ServerHandle> + Send;
     /// Starts a server again at the address of an earlier one (its `ServerHandle::addr`):
@@ -324,6 +326,7 @@ fn homes_config() -> ibex_transport::Config {
 }
 
 impl Transport for IbexShmHomes {
+    const HOMED: bool = true;
     const DEADLINE_CODE: Code = Code::DeadlineExceeded;
     const GONE_CODES: &'static [Code] = &[Code::Unavailable];
 
