@@ -28,7 +28,7 @@ pub enum Transport {
     #[value(alias = "shm")]
     IbexShm,
     /// The same gRPC service over Ibex shared memory with busy-polling on both ends: the one
-    /// setting [`BUSY_SPIN_US`] (`IBEX_SPIN_US`) raised from its default.
+    /// setting `Config::busy_poll` (`IBEX_BUSY_POLL=1`).
     IbexShmBusy,
     /// The same gRPC service over Ibex tcp.
     #[value(alias = "tcp")]
@@ -76,19 +76,17 @@ impl Transport {
     }
 }
 
-/// The busy-polling budget of [`Transport::IbexShmBusy`], µs: RR-Compound's default spin
-/// before it falls back to epoll.
-pub const BUSY_SPIN_US: u64 = 500;
-
 impl Transport {
-    /// The Ibex configuration this transport runs with: the environment's, and for the busy
-    /// variant a longer spin unless `IBEX_SPIN_US` says otherwise.
+    /// The Ibex configuration this transport runs with: the environment's, on top of
+    /// busy-polling for the busy variant (`IBEX_SPIN_US` and `IBEX_SERVE_THREADS` still
+    /// override it).
     pub fn config(self) -> Res<Config> {
-        let mut c = Config::from_env()?;
-        if self == Transport::IbexShmBusy && std::env::var_os("IBEX_SPIN_US").is_none() {
-            c.spin = std::time::Duration::from_micros(BUSY_SPIN_US);
-        }
-        Ok(c)
+        let base = if self == Transport::IbexShmBusy {
+            Config::default().busy_poll()
+        } else {
+            Config::default()
+        };
+        Ok(base.with_env()?)
     }
 }
 

@@ -164,13 +164,33 @@ impl Config {
     /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_SPIN_US`,
     /// `IBEX_AUTH_TOKEN`, `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`,
     /// `IBEX_RNDV_RECV_BUDGET`, `IBEX_KEEPALIVE_MS`, `IBEX_KEEPALIVE_TIMEOUT_MS`,
-    /// `IBEX_POOL_SIZE`, `IBEX_SERVE_THREADS`).
+    /// `IBEX_POOL_SIZE`, `IBEX_SERVE_THREADS`, `IBEX_BUSY_POLL`).
     pub fn from_env() -> Result<Self> {
         Config::default().with_env()
     }
 
+    /// Busy-polling, as one setting (`IBEX_BUSY_POLL=1`): a waiting receiver spins
+    /// [`BUSY_SPIN`] before it sleeps, and a listener serves its shm connections on
+    /// [`busy_serve_threads`] threads of Ibex's own ([`Config::serve_threads`]), so the
+    /// readers that spin do it on threads of their own, as eRPC's dispatch threads do, and
+    /// no worker of the application's runtime steals their tasks or is woken by them.
+    /// That is what keeps a busy-polling server's tail below the default's (64 B Echo p99
+    /// 11-28 µs against 56-71 µs; the longer spin alone: 64-82 µs, docs/benchmarks.md). A
+    /// handler that blocks without `block_in_place` then holds up its serve thread's other
+    /// connections (docs/grpc.md, "Serve threads"). Fields set afterwards, and
+    /// `IBEX_SPIN_US` / `IBEX_SERVE_THREADS` in [`Config::with_env`], still win.
+    pub fn busy_poll(mut self) -> Self {
+        self.spin = BUSY_SPIN;
+        self.serve_threads = busy_serve_threads();
+        self
+    }
+
     /// Applies environment overrides on top of `self`.
     pub fn with_env(mut self) -> Result<Self> {
+        // First, so that the settings it stands for can still be overridden one by one.
+        if env_switch("IBEX_BUSY_POLL")? {
+            self = self.busy_poll();
+        }
         if let Some(v) = env_usize("IBEX_EAGER_THRESHOLD")? {
             self.eager_threshold = Some(v);
             self.env_overrides.eager_threshold = true;
@@ -345,6 +365,18 @@ pub const MIN_FRAGMENT: usize = 4096;
 /// 3 workers x 2 PS 47 -> 57 k RPC/s and 64 B p50 7.9 -> 6.3 µs at the same p99; the raw
 /// transport's 64 B p99 rose 27 -> 44 µs.
 pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
+/// [`Config::spin`] with busy-polling on ([`Config::busy_poll`]): RR-Compound's default
+/// spin before it falls back to epoll.
+pub const BUSY_SPIN: std::time::Duration = std::time::Duration::from_micros(500);
+
+/// The serve threads of [`Config::busy_poll`]: half the cores, at least one. An shm peer
+/// runs on the same host and needs cores too, and the application's runtime keeps the
+/// rest. On 2 cores, 3 PS workers and 2 PS servers, one serve thread per server did
+/// 101-114 k RPC/s with busy-polling and two did 60-81 k (docs/benchmarks.md).
+pub fn busy_serve_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+}
+
 /// From this [`Config::spin`] up, a waiting receiver polls the link on its own task instead
 /// of having the connection's driver poll it and wake it (docs/transport.md, "Progress").
 /// Measured on 2 cores against the driver path, back to back: 64 B round trips 9-11%
@@ -381,6 +413,22 @@ fn env_positive(name: &str, what: &str, example: u64) -> Result<Option<u64>> {
     }
 }
 
+/// An on/off setting: unset is off.
+fn env_switch(name: &str) -> Result<bool> {
+    parse_switch(name, std::env::var(name).ok().as_deref())
+}
+
+fn parse_switch(name: &str, v: Option<&str>) -> Result<bool> {
+    let Some(v) = v else { return Ok(false) };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Ok(true),
+        "0" | "false" | "off" | "no" | "" => Ok(false),
+        _ => Err(Error::Config(format!(
+            "{name}={v:?} is neither on nor off (examples: 1 turns it on, 0 off)"
+        ))),
+    }
+}
+
 fn env_usize(name: &str) -> Result<Option<usize>> {
     match std::env::var(name) {
         Ok(v) => parse_size(&v).map(Some).ok_or_else(|| {
@@ -411,6 +459,19 @@ pub fn parse_size(s: &str) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn busy_polling_is_one_setting() {
+        let c = Config::default().busy_poll();
+        assert_eq!(c.spin, BUSY_SPIN);
+        assert!(c.serve_threads >= 1 && c.serve_threads == busy_serve_threads());
+        c.validate().unwrap();
+        assert!(parse_switch("IBEX_BUSY_POLL", Some(" On ")).unwrap());
+        assert!(!parse_switch("IBEX_BUSY_POLL", Some("0")).unwrap());
+        assert!(!parse_switch("IBEX_BUSY_POLL", None).unwrap());
+        let e = parse_switch("IBEX_BUSY_POLL", Some("fast")).unwrap_err();
+        assert!(e.to_string().contains("IBEX_BUSY_POLL=\"fast\""), "{e}");
+    }
 
     #[test]
     fn sizes_parse() {
