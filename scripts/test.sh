@@ -33,6 +33,11 @@ fi
 step "workspace tests"
 cargo test --workspace --locked
 
+step "busy-polling (IBEX_BUSY_POLL=1): the gRPC conformance suite, hostile peers and the PS service on serve threads"
+# The suites read the IBEX_* environment: every shm server now serves on threads of its own.
+IBEX_BUSY_POLL=1 cargo test --locked -p ibex-transport --test grpc_conformance --test accept_hostile --test hostile_grpc
+IBEX_BUSY_POLL=1 cargo test --locked -p ibex-ps --test service --test hostile_ps
+
 step "cuda feature: builds and CPU-side tests without a GPU (GPU tests print 'skipped: no CUDA device')"
 cargo test --locked -p ibex-worker --features cuda --lib --test cuda -- --nocapture
 cargo test --locked -p ibex-cluster --features cuda --bin ibex gpu

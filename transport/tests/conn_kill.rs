@@ -64,6 +64,10 @@ fn kill_mid_rendezvous(provider: &str) {
         let slow = Config {
             fragment_size: Some(64 * 1024),
             max_reads_in_flight: 1,
+            // Serve threads (`IBEX_SERVE_THREADS`, `IBEX_BUSY_POLL` in the environment) keep
+            // their runtime's descriptors for the life of the process; this counts the
+            // connection's.
+            serve_threads: 0,
             ..fixed_threshold(4096)
         };
         let l = listen(&uri(provider, "kill"), slow).await.unwrap();

@@ -611,7 +611,11 @@ mod cases {
             .unwrap();
         let thread = |k: &str| r.metadata().get(k).unwrap().to_str().unwrap().to_owned();
         let (handler, spawned) = (thread("x-handler-thread"), thread("x-spawned-thread"));
-        assert_eq!(handler.starts_with("ibex-serve-"), T::HOMED, "{handler}");
+        // (Only where the suite asks for serve threads: the environment may add them to
+        // the others, as `IBEX_BUSY_POLL=1` does.)
+        if T::HOMED {
+            assert!(handler.starts_with("ibex-serve-"), "{handler}");
+        }
         assert!(!spawned.starts_with("ibex-serve-"), "{spawned}");
         srv.shutdown().await.unwrap();
     }
