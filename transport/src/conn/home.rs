@@ -11,7 +11,6 @@
 //! runs on the application's runtime as over stock tonic, and a home is a multi-thread
 //! runtime, so `block_in_place` works as on any tokio server.
 
-use std::cell::Cell;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -20,15 +19,21 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 static HOMES: Mutex<Vec<tokio::runtime::Runtime>> = Mutex::new(Vec::new());
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
-thread_local! {
-    /// Set on a home's threads (its worker, and a thread that takes the worker over in
-    /// `block_in_place`).
-    static ON_HOME: Cell<bool> = const { Cell::new(false) };
+tokio::task_local! {
+    /// The home an accepted connection's set-up runs on. A task-local, not the thread's:
+    /// a handler on a home that connects elsewhere makes a connection of the application's.
+    static SETTING_UP_ON: tokio::runtime::Handle;
 }
 
-/// Whether this thread is one of Ibex's serve threads.
-pub(crate) fn here() -> bool {
-    ON_HOME.with(Cell::get)
+/// Runs an accepted connection's set-up `fut` for `home` (spawned there): the connection
+/// it makes lives there ([`current`]).
+pub(crate) async fn set_up_on<F: Future>(home: tokio::runtime::Handle, fut: F) -> F::Output {
+    SETTING_UP_ON.scope(home, fut).await
+}
+
+/// The home of the connection being set up in this task, if it has one.
+pub(crate) fn current() -> Option<tokio::runtime::Handle> {
+    SETTING_UP_ON.try_with(Clone::clone).ok()
 }
 
 /// The home for the next connection when a listener serves on `n` threads, or `None`
@@ -72,7 +77,6 @@ fn start(i: usize) -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name(format!("ibex-serve-{i}"))
-        .on_thread_start(|| ON_HOME.with(|h| h.set(true)))
         .enable_all()
         .build()
 }

@@ -133,7 +133,7 @@ impl Connection {
         let conn = Connection {
             handle: Arc::new(Handle {
                 shared,
-                home: home::here().then(tokio::runtime::Handle::current),
+                home: home::current(),
             }),
         };
         match tokio::time::timeout(config.handshake_timeout, conn.wait_established()).await {
@@ -1241,6 +1241,17 @@ mod tests {
             "{homes:?}"
         );
         assert_ne!(homes[0], homes[1], "round robin over the serve threads");
+        // A connection made on a serve thread by other code (a handler that calls another
+        // server) is not an accepted one: it does not take the serve thread as its home.
+        let to = at.clone();
+        let (b, a) = tokio::join!(
+            l.accept(),
+            home::next(2)
+                .unwrap()
+                .spawn(async move { connect(&to, Config::default()).await })
+        );
+        let (a, _b) = (a.unwrap().unwrap(), b.unwrap());
+        assert!(a.home().is_none());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
