@@ -873,8 +873,8 @@ macro_rules! conformance {
             suite!($m: $t;
                 unary, server_streaming, client_streaming, bidi_streaming, error_details,
                 trailers_only, metadata, deadline, client_cancel, message_sizes, size_limits,
-                concurrent_calls, slow_reader, handler_panic, handler_runtime, graceful_shutdown, server_gone,
-                interceptors, connect_info, reconnect);
+                concurrent_calls, slow_reader, handler_panic, handler_runtime, graceful_shutdown,
+                server_gone, interceptors, connect_info, reconnect);
         )*
     };
 }

@@ -249,7 +249,9 @@ pub(super) async fn run(source: Source, shared: Arc<Shared>) {
                             // Set up on its home, so the link's wake-ups register with the
                             // runtime that will run the connection.
                             let abort = match super::home::next(homes) {
-                                Some(h) => setups.spawn_on(super::home::set_up_on(h.clone(), fut), &h),
+                                Some(h) => {
+                                    setups.spawn_on(super::home::set_up_on(h.clone(), fut), &h)
+                                }
                                 None => setups.spawn(fut),
                             };
                             lock(&slot).abort = Some(abort);
