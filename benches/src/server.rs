@@ -184,7 +184,8 @@ pub fn serve(t: Transport, listen: Option<String>, threads: usize) -> Res<()> {
                 loop {
                     match l.accept().await {
                         Ok(c) => {
-                            tokio::spawn(raw_peer(c));
+                            // Beside its driver: on its serve thread where it has one.
+                            c.spawn(raw_peer(c.clone()));
                         }
                         Err(e) => eprintln!("ibex-bench server: accept failed: {e}"),
                     }

@@ -158,6 +158,21 @@ impl Connection {
         self.handle.home.as_ref()
     }
 
+    /// Spawns `fut` where this connection lives: on its serve thread when a listener put
+    /// it on one ([`Config::serve_threads`]), so a loop that serves the connection runs
+    /// beside its driver and no other thread takes either; on the current runtime
+    /// otherwise.
+    pub fn spawn<F>(&self, fut: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        match self.home() {
+            Some(home) => home.spawn(fut),
+            None => tokio::spawn(fut),
+        }
+    }
+
     fn shared(&self) -> &Arc<Shared> {
         &self.handle.shared
     }
@@ -1219,11 +1234,12 @@ mod tests {
         for _ in 0..2 {
             let (b, a) = tokio::join!(l.accept(), connect(&at, Config::default()));
             let (a, b) = (a.unwrap(), b.unwrap());
-            let home = b
-                .home()
-                .expect("an accepted connection lives on a serve thread");
+            assert!(
+                b.home().is_some(),
+                "an accepted connection lives on a serve thread"
+            );
             homes.push(
-                home.spawn(async { std::thread::current().name().unwrap_or("").to_owned() })
+                b.spawn(async { std::thread::current().name().unwrap_or("").to_owned() })
                     .await
                     .unwrap(),
             );
