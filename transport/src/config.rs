@@ -174,8 +174,9 @@ impl Config {
     /// [`busy_serve_threads`] threads of Ibex's own ([`Config::serve_threads`]), so the
     /// readers that spin do it on threads of their own, as eRPC's dispatch threads do, and
     /// no worker of the application's runtime steals their tasks or is woken by them.
-    /// That is what keeps a busy-polling server's tail below the default's (64 B Echo p99
-    /// 11-28 µs against 56-71 µs; the longer spin alone: 64-82 µs, docs/benchmarks.md). A
+    /// That is what keeps a busy-polling server's tail below the default's (on 2 cores, 64 B
+    /// Echo p99 8-32 µs against 53-62 µs; the longer spin alone: 54-59 µs,
+    /// docs/benchmarks.md, "Busy-polling as one setting"). A
     /// handler that blocks without `block_in_place` then holds up its serve thread's other
     /// connections (docs/grpc.md, "Serve threads"). Fields set afterwards, and
     /// `IBEX_SPIN_US` / `IBEX_SERVE_THREADS` in [`Config::with_env`], still win.
