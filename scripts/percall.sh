@@ -42,6 +42,7 @@ addr=
 for _ in $(seq 1 200); do
   addr=$(grep -oE '(shm|tcp|http)://[^ ]+' "$dir/server.log" | head -1 || true)
   [ -n "$addr" ] && break
+  kill -0 "$server_pid" 2> /dev/null || break
   sleep 0.2
 done
 [ -n "$addr" ] || { echo "percall.sh: the server printed no address:" >&2; cat "$dir/server.log" >&2; exit 1; }
