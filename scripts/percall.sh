@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What one 64 B Echo call costs one side of it: instructions, modelled instruction-cache
-# misses and heap allocations per call, with that side under callgrind and the other side
-# native (the method of #11's per-call tables in docs/benchmarks.md).
+# misses and heap allocations (calls to malloc and calloc) per call, with that side under
+# callgrind and the other side native (the method of #11's per-call tables in
+# docs/benchmarks.md).
 #   scripts/percall.sh [server|client] [TRANSPORT] [BIN]
 #   defaults: server, ibex-shm, target/release/ibex-bench (build it first:
 #   cargo build --release -p ibex-bench)
@@ -24,8 +25,13 @@ command -v valgrind > /dev/null || { echo "percall.sh: needs valgrind (apt insta
 dir=$(mktemp -d)
 server_pid=
 cleanup() {
-  [ -n "$server_pid" ] && kill -TERM "$server_pid" 2> /dev/null && wait "$server_pid" 2> /dev/null
+  local rc=$?
+  if [ -n "$server_pid" ]; then
+    kill -TERM "$server_pid" 2> /dev/null || true
+    wait "$server_pid" 2> /dev/null || true
+  fi
   rm -rf "$dir"
+  exit "$rc"
 }
 trap cleanup EXIT
 export IBEX_SPIN_US=0
@@ -49,11 +55,9 @@ done
 
 client=("$bin" latency --transport "$transport" --connect "$addr" --scheme uniform
   --category small --size 64 --warmup 0 --duration 5 --runs 1)
-if [ "$side" = client ]; then
-  "${grind[@]}" "${client[@]}" > "$dir/client.log" 2>&1
-else
-  "${client[@]}" > "$dir/client.log" 2>&1
-fi
+[ "$side" = client ] && client=("${grind[@]}" "${client[@]}")
+# A failed client says why, rather than ending the script with its log deleted.
+"${client[@]}" > "$dir/client.log" 2>&1 || true
 calls=$(awk '$1 == "latency" { print $8 }' "$dir/client.log")
 [ -n "$calls" ] || { echo "percall.sh: the client reported no calls:" >&2; cat "$dir/client.log" >&2; exit 1; }
 kill -TERM "$server_pid" 2> /dev/null || true
@@ -79,7 +83,7 @@ for line in open(path, errors="replace"):
         if m and m.group(2):
             names[m.group(1)] = m.group(2)
     elif line.startswith("calls=") and pending is not None:
-        if pending == "malloc":
+        if pending in ("malloc", "calloc"):
             allocs += int(line[6:].split()[0])
         pending = None
 t = dict(zip(events, totals))
