@@ -12,7 +12,7 @@ use tonic::Status;
 use super::body::{IbexBody, Inbound, Inbox, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
 use super::calls::{CallTable, Entry, Slot, Verdict};
 use super::demux::{Demux, Got};
-use super::pump::{Now, Prepend, Pumped, Side, pump, pump_now};
+use super::pump::{Now, Pumped, Remainder, Side, pump, pump_now};
 use super::wire::{FrameBuf, FrameWriter, GRPC_TIMEOUT, Head, Limits, Packet, Trailers};
 use super::{CallShared, Encoded, Mux, RemoteBuf, parse_timeout, read_while, transport_status};
 use crate::config::Config;
@@ -551,9 +551,10 @@ fn sending(
                     Err(e) => Pumped::Failed(transport_status(&e)),
                 }
             }
-            Later::Rest(first, body) => {
+            Later::Rest(rest) => {
                 let reader: &Shared = &pump_shared;
                 let side = Side::Client;
+                let Remainder { first, body } = *rest;
                 pump(mux, id, &pump_call, first, body, side, None, Some(reader)).await
             }
         };
@@ -564,12 +565,10 @@ fn sending(
     })
 }
 
-// A local of one call's start; boxing would cost the rare, large variant an allocation
-// and gain nothing.
-#[allow(clippy::large_enum_variant)]
+/// What a call's start left to send.
 enum Later<B> {
     Unsent(Encoded),
-    Rest((Packet, Option<Bytes>), Prepend<B>),
+    Rest(Box<Remainder<B>>),
 }
 
 /// Held by a call's future and then its response body: dropping it before the call ended
@@ -905,7 +904,7 @@ impl Channel {
                 None
             }
             Now::Unsent(unsent) => Some(Later::Unsent(unsent)),
-            Now::Rest { first, body } => Some(Later::Rest(first, body)),
+            Now::Rest(rest) => Some(Later::Rest(rest)),
         };
         if let Some(later) = later {
             let mut sending = sending(&shared, &call, id, later);

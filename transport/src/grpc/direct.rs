@@ -386,7 +386,7 @@ impl DirectClient {
             Reply::Whole(data, trailers) => (data.unwrap_or_default(), trailers),
             Reply::Stream(body) => {
                 let (data, trailers) = collect(body, self.max_decoding).await.map_err(with_head)?;
-                (data, trailers.map(Trailers::Map))
+                (data, trailers.map(Trailers::map))
             }
         };
         let trailers = match trailers {
@@ -399,7 +399,7 @@ impl DirectClient {
         // As tonic: the response's metadata is its head, then its trailers (a trailer
         // replaces a head entry of the same name).
         match trailers {
-            Some(t) => headers.extend(t),
+            Some(t) => headers.extend(*t),
             None => {
                 headers.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
             }

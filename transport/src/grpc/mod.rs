@@ -304,7 +304,7 @@ impl Mux {
                 Side::Client => abort.reset = true,
                 Side::Server => {
                     abort.trailers =
-                        Some(Trailers::Map(pump::status_trailers(&transport_status(e))))
+                        Some(Trailers::map(pump::status_trailers(&transport_status(e))))
                 }
             }
             abort.encode().ok()

@@ -961,20 +961,15 @@ fn request_cut(why: &str) -> Status {
 }
 
 /// Where a call stands when its connection's task first takes it up.
-// Moved once, straight into the call's future (or dropped): boxing the large variant
-// would add an allocation and save no copy.
-#[allow(clippy::large_enum_variant)]
 enum Start {
     /// The service was not called: `true` when it panicked as it was called, `false` when
     /// the call was cancelled first.
     Ended(bool),
     /// The handler has not answered yet.
     Handler(Handler),
-    /// The handler answered; `first` is the response's first packet, `body` the rest.
-    Answered {
-        first: (Packet, Option<Bytes>),
-        body: pump::Prepend<tonic::body::Body>,
-    },
+    /// The handler answered, and this is what is left of its response (boxed, as
+    /// [`Now::Rest`]).
+    Answered(Box<pump::Remainder<tonic::body::Body>>),
     /// The whole response is one packet, which waits for room in the send queue.
     Unsent(Encoded),
     /// The whole response went out.
@@ -1005,7 +1000,7 @@ fn answer_now(mux: &Mux, id: u32, call: &CallShared, mut handler: Handler) -> St
         match pump::pump_now(mux, head, body, Side::Server) {
             Now::Sent => Start::Done,
             Now::Unsent(unsent) => Start::Unsent(unsent),
-            Now::Rest { first, body } => Start::Answered { first, body },
+            Now::Rest(rest) => Start::Answered(rest),
             // The connection is failing; the client learns it from the connection.
             Now::Failed(s) => {
                 tracing::debug!(status = %s.message(), call = id, "gRPC response not sent");
@@ -1101,19 +1096,22 @@ async fn run_call(
                 .await
                 .is_err()
         }
-        Start::Answered { first, body } => std::panic::AssertUnwindSafe(pump(
-            &st.mux,
-            id,
-            &call,
-            first,
-            body,
-            Side::Server,
-            deadline,
-            None,
-        ))
-        .catch_unwind()
-        .await
-        .is_err(),
+        Start::Answered(rest) => {
+            let pump::Remainder { first, body } = *rest;
+            std::panic::AssertUnwindSafe(pump(
+                &st.mux,
+                id,
+                &call,
+                first,
+                body,
+                Side::Server,
+                deadline,
+                None,
+            ))
+            .catch_unwind()
+            .await
+            .is_err()
+        }
         Start::Unsent(unsent) => {
             if let Err(e) = unsent.send(&st.mux).await {
                 tracing::debug!(%e, call = id, "gRPC response not sent");

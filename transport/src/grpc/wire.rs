@@ -243,7 +243,9 @@ pub(crate) enum Trailers {
     /// merges a unary answer's trailers into its metadata (received only: the whole
     /// answer of a direct unary call, see [`whole_unary`]).
     OkInHead,
-    Map(HeaderMap),
+    /// Any other trailers. Boxed: a map is 96 bytes, and inline it made every packet,
+    /// copied several times a call, that much larger for the rare answer that has one.
+    Map(Box<HeaderMap>),
 }
 
 /// Whether call `id` is a whole unary call of the direct path: the client gives those odd
@@ -255,10 +257,14 @@ pub(crate) fn whole_unary(id: u32) -> bool {
 }
 
 impl Trailers {
+    pub(crate) fn map(m: HeaderMap) -> Trailers {
+        Trailers::Map(Box::new(m))
+    }
+
     /// The trailers as a map, as an `http_body` trailers frame carries them.
     pub(crate) fn into_map(self) -> HeaderMap {
         match self {
-            Trailers::Map(m) => m,
+            Trailers::Map(m) => *m,
             Trailers::Ok | Trailers::OkInHead => {
                 let mut m = HeaderMap::with_capacity(1);
                 m.insert(GRPC_STATUS.clone(), STATUS_OK.clone());
@@ -556,7 +562,7 @@ impl Packet {
             } else {
                 let map = get_headers(&mut t, limits, 0)?;
                 expect_empty(&t, "trailers block")?;
-                Trailers::Map(map)
+                Trailers::map(map)
             });
         }
         if let Some((status, mut h)) = response_head {
@@ -1327,7 +1333,7 @@ mod tests {
         let mut t = HeaderMap::new();
         t.insert("grpc-status", HeaderValue::from_static("3"));
         let p = Packet::decode_with(
-            answer(5, head.clone(), Trailers::Map(t)),
+            answer(5, head.clone(), Trailers::map(t)),
             false,
             &limits,
             &mut seen,
@@ -1381,7 +1387,7 @@ mod tests {
         // re-encodes to the usual block, which then merges.
         let mut t = HeaderMap::new();
         t.insert("grpc-status", HeaderValue::from_static("0"));
-        p.trailers = Some(Trailers::Map(t));
+        p.trailers = Some(Trailers::map(t));
         let again = Packet::decode(p.encode().unwrap(), false, &Limits::default()).unwrap();
         assert_eq!(again.trailers, Some(Trailers::OkInHead));
         assert_eq!(again.encode().unwrap(), wire);
@@ -1528,7 +1534,7 @@ mod tests {
             let mut p = Packet::new(3);
             let mut t = HeaderMap::new();
             t.insert("grpc-status", HeaderValue::from_static("0"));
-            p.trailers = Some(Trailers::Map(t));
+            p.trailers = Some(Trailers::map(t));
             p.window = Some(1 << 20);
             p
         };
@@ -1686,7 +1692,7 @@ mod tests {
         p.data = Some(Data::Next(1 << 40));
         let mut t = HeaderMap::new();
         t.insert("grpc-status", HeaderValue::from_static("0"));
-        p.trailers = Some(Trailers::Map(t.clone()));
+        p.trailers = Some(Trailers::map(t.clone()));
         p.window = Some(12345);
         let d = Packet::decode(p.encode().unwrap(), false, &Limits::default()).unwrap();
         assert!(
@@ -1809,7 +1815,7 @@ mod tests {
         by_map.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x01x")));
         let mut t = HeaderMap::new();
         t.insert("grpc-status", HeaderValue::from_static("0"));
-        by_map.trailers = Some(Trailers::Map(t.clone()));
+        by_map.trailers = Some(Trailers::map(t.clone()));
         let mut by_const = Packet::new(5);
         by_const.data = Some(Data::Inline(Bytes::from_static(b"\0\0\0\0\x01x")));
         by_const.trailers = Some(Trailers::Ok);
@@ -1825,9 +1831,9 @@ mod tests {
             let mut m = t.clone();
             m.insert(k, HeaderValue::from_static(v));
             let mut p = Packet::new(5);
-            p.trailers = Some(Trailers::Map(m.clone()));
+            p.trailers = Some(Trailers::map(m.clone()));
             let d = Packet::decode(p.encode().unwrap(), false, &Limits::default()).unwrap();
-            assert_eq!(d.trailers, Some(Trailers::Map(m)));
+            assert_eq!(d.trailers, Some(Trailers::map(m)));
         }
     }
 
@@ -1860,7 +1866,7 @@ mod tests {
             standard: None,
         });
         resp.data = Some(Data::Next(1 << 30));
-        resp.trailers = Some(Trailers::Map(headers()));
+        resp.trailers = Some(Trailers::map(headers()));
         let mut bare = Packet::new(9);
         bare.reset = true;
         for p in [req, resp, bare] {
@@ -1913,7 +1919,7 @@ mod tests {
             "x-big",
             HeaderValue::from_str(&"v".repeat(20 << 10)).unwrap(),
         );
-        p.trailers = Some(Trailers::Map(h));
+        p.trailers = Some(Trailers::map(h));
         let e = Packet::decode(p.encode().unwrap(), false, &lim).unwrap_err();
         assert!(e.to_string().contains("exceeds 16384 bytes"), "{e}");
     }
