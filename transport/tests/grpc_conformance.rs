@@ -707,6 +707,23 @@ mod cases {
         assert_gone::<T>(&mut c.clone()).await;
     }
 
+    /// A graceful shutdown whose connections are all idle ends at once: each connection's
+    /// loop wakes for the shutdown itself, with no message or call to wake it.
+    pub async fn graceful_shutdown_idle<T: Transport>() {
+        let (srv, _ev) = start::<T>(None, None).await;
+        let mut c = client::<T>(&srv).await;
+        let r = c
+            .echo(Payload {
+                buffers: vec![pattern(10, 1)],
+            })
+            .await
+            .unwrap();
+        assert_eq!(r.into_inner().buffers, vec![pattern(10, 1)]);
+        // A loop that sleeps through the shutdown hangs here, and `within` says so.
+        srv.shutdown().await.unwrap();
+        assert_gone::<T>(&mut c).await;
+    }
+
     /// Calls to a server that is gone fail fast with `Unavailable` (the first one, on stock
     /// tonic, may race the closing connection: see `Transport::GONE_CODES`).
     async fn assert_gone<T: Transport>(c: &mut BenchClient<Chan>) {
@@ -874,7 +891,7 @@ macro_rules! conformance {
                 unary, server_streaming, client_streaming, bidi_streaming, error_details,
                 trailers_only, metadata, deadline, client_cancel, message_sizes, size_limits,
                 concurrent_calls, slow_reader, handler_panic, handler_runtime, graceful_shutdown,
-                server_gone, interceptors, connect_info, reconnect);
+                graceful_shutdown_idle, server_gone, interceptors, connect_info, reconnect);
         )*
     };
 }
@@ -925,6 +942,7 @@ mod ibex_verbs {
         handler_panic,
         handler_runtime,
         graceful_shutdown,
+        graceful_shutdown_idle,
         server_gone,
         interceptors,
         connect_info,
