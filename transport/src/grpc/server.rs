@@ -653,7 +653,7 @@ async fn serve_conn(
     // unregistered with the flag's `Notify` (two locks) on every message. Polled once here,
     // which leaves this task's waker with the `Notify`, and after that only once the flag
     // is set (it is set before its waiters are woken): polling it on every message took
-    // the `Notify`'s lock to compare wakers, about 100 instructions a call. The flag is
+    // the `Notify`'s lock to compare wakers, about 200 instructions a call. The flag is
     // read inside the branch's future, not in its precondition: a precondition is read
     // once per `select!`, and a wake-up re-polls that same `select!`.
     let stop = shutdown.wait();
