@@ -596,6 +596,10 @@ fn produces(bench: &str) -> &'static [&'static str] {
 
 /// Whether a plan entry runs over `t`: `ps-step` needs a transport the PS serves.
 fn applies(bench: &str, t: Transport) -> bool {
+    // The floor of a tonic-compatible layer is measured where the call path's bars are.
+    if t == Transport::RawShmTypes {
+        return matches!(bench, "latency" | "ps-throughput");
+    }
     bench != "ps-step" || ps_step::kind(t).is_some()
 }
 

@@ -105,7 +105,11 @@ pub fn kind(t: Transport) -> Option<TransportKind> {
         Transport::IbexShm => Some(TransportKind::Shm),
         Transport::IbexTcp => Some(TransportKind::Tcp),
         Transport::IbexVerbs => Some(TransportKind::Verbs),
-        Transport::Tonic1m | Transport::IbexShmBusy | Transport::RawShm | Transport::RawTcp => None,
+        Transport::Tonic1m
+        | Transport::IbexShmBusy
+        | Transport::RawShm
+        | Transport::RawTcp
+        | Transport::RawShmTypes => None,
     }
 }
 

@@ -206,13 +206,14 @@ pub fn ratios(records: &[Record]) -> String {
 /// 64 B Echo and small PS throughput again in alternating rounds, fresh servers each round,
 /// and those bars are judged on each point's median over the rounds: on a shared machine two runs
 /// minutes apart differ by more than the bars' margins, two runs seconds apart much less.
-pub const ROUND_TRANSPORTS: [&str; 6] = [
+pub const ROUND_TRANSPORTS: [&str; 7] = [
     "tonic",
     "ibex-shm",
     "ibex-shm-busy",
     "raw-shm",
     "ibex-tcp",
     "raw-tcp",
+    "raw-shm-types",
 ];
 
 /// The records of one run or one round, with the points the bars read.
@@ -332,20 +333,24 @@ pub fn bars(records: &[Record]) -> String {
         )
     };
     // `at_most`: the bar is an upper bound (a cost ratio), else a lower bound (a speed-up).
+    // A figure, and the range of its per-round values where the rounds measured it.
+    let measure = |f: &dyn Fn(&View) -> Option<f64>| {
+        let mut per: Vec<f64> = rounds.iter().filter_map(f).collect();
+        per.sort_by(f64::total_cmp);
+        // The median of each side, not of the per-round ratios: a point that reads slow
+        // now and then (a side asleep) then moves one side's median a little instead of
+        // making that round's ratio an outlier.
+        match f(&median_view) {
+            Some(g) if !per.is_empty() => (
+                Some(g),
+                format!(" [{}/{:.2}-{:.2}]", per.len(), per[0], per[per.len() - 1]),
+            ),
+            _ => (f(&main), String::new()),
+        }
+    };
     let mut judge =
         |name: &str, f: &dyn Fn(&View) -> Option<f64>, need: f64, unit: &str, at_most: bool| {
-            let mut per: Vec<f64> = rounds.iter().filter_map(f).collect();
-            per.sort_by(f64::total_cmp);
-            // The median of each side, not of the per-round ratios: a point that reads
-            // slow now and then (a side asleep) then moves one side's median a little
-            // instead of making that round's ratio an outlier.
-            let (got, spread) = match f(&median_view) {
-                Some(g) if !per.is_empty() => (
-                    Some(g),
-                    format!(" [{}/{:.2}-{:.2}]", per.len(), per[0], per[per.len() - 1]),
-                ),
-                _ => (f(&main), String::new()),
-            };
+            let (got, spread) = measure(f);
             let line = match got {
                 Some(g) => format!(
                     "  [{}] {name}: {g:.2}{unit}{spread} (bar {} {need}{unit})\n",
@@ -460,6 +465,31 @@ pub fn bars(records: &[Record]) -> String {
         &|v| ratio(v.ps("ibex-shm"), v.ps("raw-shm")),
         0.6,
     );
+    // Where ibex-shm stands against the least any layer that hands tonic's types to its
+    // handlers and callers can cost (`raw-shm-types`): what is left above it is our call
+    // framing. No bar.
+    type Ratio<'a> = &'a dyn Fn(&View) -> Option<f64>;
+    let lines: [(&str, Ratio); 3] = [
+        (
+            "64 B p50, raw-shm-types / raw-shm (tonic's types and protobuf, no framing)",
+            &|v| ratio(v.lat64("raw-shm-types"), v.lat64("raw-shm")),
+        ),
+        (
+            "64 B p50, ibex-shm / raw-shm-types (the call framing)",
+            &|v| ratio(v.lat64("ibex-shm"), v.lat64("raw-shm-types")),
+        ),
+        (
+            "PS throughput uniform small, ibex-shm / raw-shm-types RPC/s",
+            &|v| ratio(v.ps("ibex-shm"), v.ps("raw-shm-types")),
+        ),
+    ];
+    out.push_str("\nthe floor of a tonic-compatible layer over shm (no bar):\n");
+    for (name, f) in lines {
+        out.push_str(&match measure(f) {
+            (Some(g), spread) => format!("  [info] {name}: {g:.2}x{spread}\n"),
+            (None, _) => format!("  [n/a ] {name}: not measured in this run\n"),
+        });
+    }
     out
 }
 
@@ -649,6 +679,46 @@ mod tests {
             "{b}"
         );
         assert!(b.starts_with("\nperformance bars (this run):"), "{b}");
+    }
+
+    #[test]
+    fn the_types_floor_splits_the_layer_and_judges_nothing() {
+        let round = |n: u32, t: &str, p50: f64| Record {
+            round: Some(n),
+            ..rec("latency", t, 64, p50, 1.0)
+        };
+        let rs = vec![
+            round(1, "raw-shm", 1.0),
+            round(1, "raw-shm-types", 1.4),
+            round(1, "ibex-shm", 2.1),
+            round(2, "raw-shm", 2.0),
+            round(2, "raw-shm-types", 2.4),
+            round(2, "ibex-shm", 3.6),
+        ];
+        let b = bars(&rs);
+        // Medians: raw 1.5, floor 1.9, ibex 2.85 us.
+        assert!(
+            b.contains("[info] 64 B p50, raw-shm-types / raw-shm (tonic's types and protobuf, no framing): 1.27x [2/1.20-1.40]"),
+            "{b}"
+        );
+        assert!(
+            b.contains(
+                "[info] 64 B p50, ibex-shm / raw-shm-types (the call framing): 1.50x [2/1.50-1.50]"
+            ),
+            "{b}"
+        );
+        assert!(
+            b.contains("[n/a ] PS throughput uniform small, ibex-shm / raw-shm-types RPC/s"),
+            "{b}"
+        );
+        // It is no bar: the section judges nothing.
+        let floor = &b[b
+            .find("the floor of a tonic-compatible layer")
+            .expect("section")..];
+        assert!(
+            !floor.contains("[met ]") && !floor.contains("[MISS]"),
+            "{b}"
+        );
     }
 
     #[test]

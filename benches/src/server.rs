@@ -5,11 +5,14 @@
 
 use std::io::Write;
 
-use bytes::Bytes;
+use std::sync::Arc;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use ibex_proto::bench::v1::bench_server::{Bench, BenchServer};
 use ibex_proto::bench::v1::{Ack, Payload, StreamRequest};
 use ibex_transport::grpc::PeerHandle;
 use ibex_transport::{Connection, RecvBuf};
+use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::Res;
@@ -107,7 +110,10 @@ async fn tensor(peer: Option<PeerHandle>, p: &Payload) -> Result<Ack, Status> {
 pub fn default_listen(t: Transport) -> String {
     match t {
         Transport::Tonic | Transport::Tonic1m => "127.0.0.1:0".into(),
-        Transport::IbexShm | Transport::IbexShmBusy | Transport::RawShm => {
+        Transport::IbexShm
+        | Transport::IbexShmBusy
+        | Transport::RawShm
+        | Transport::RawShmTypes => {
             format!(
                 "shm://{}",
                 std::env::temp_dir()
@@ -191,9 +197,111 @@ pub fn serve(t: Transport, listen: Option<String>, threads: usize) -> Res<()> {
                     }
                 }
             }
+            Transport::RawShmTypes => {
+                let l = ibex_transport::listen(&listen, t.config()?).await?;
+                announce(&l.local_uri())?;
+                let svc = Arc::new(Svc);
+                loop {
+                    match l.accept().await {
+                        Ok(c) => {
+                            c.spawn(typed_peer(c.clone(), svc.clone()));
+                        }
+                        Err(e) => eprintln!("ibex-bench server: accept failed: {e}"),
+                    }
+                }
+            }
         }
         Ok(())
     })
+}
+
+/// The `raw-shm-types` peer: each message is a tag byte (Echo or Sink) and the request's
+/// protobuf message, answered with a byte and the response's. Each call is given what a
+/// tonic handler is given and answered as a gRPC server must answer it: the message
+/// decoded into a `tonic::Request` with the request headers as its metadata and the
+/// connection's extensions, the service's own handler called through its boxed future,
+/// the `tonic::Response` taken apart and its message encoded. The headers and extensions
+/// are clones of maps made once here, as a framing that cost nothing would give them; the
+/// extensions hold what `ibex-shm`'s do (`ConnectInfo` and a handle on the connection).
+async fn typed_peer(conn: Connection, svc: Arc<Svc>) {
+    #[derive(Clone)]
+    struct Peer {
+        _conn: Connection,
+        _id: u64,
+    }
+    let mut headers = http::HeaderMap::new();
+    headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert(
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static("tonic/0.14 ibex/0.1.0 (shm)"),
+    );
+    let mut extensions = http::Extensions::new();
+    let peer = conn.peer();
+    extensions.insert(ibex_transport::grpc::ConnectInfo {
+        provider: conn.provider(),
+        remote_addr: None,
+        peer_pid: None,
+        peer_uid: None,
+        peer: peer.into(),
+    });
+    extensions.insert(Peer {
+        _conn: conn.clone(),
+        _id: 1,
+    });
+    while let Ok(mut m) = conn.recv().await {
+        let tag = m.first().copied();
+        if !m.is_empty() {
+            m.advance(1);
+        }
+        let metadata = MetadataMap::from_headers(headers.clone());
+        let answer = match tag {
+            Some(RAW_ECHO) => typed_answer(m, metadata, extensions.clone(), |r| svc.echo(r)).await,
+            Some(RAW_SINK) => typed_answer(m, metadata, extensions.clone(), |r| svc.sink(r)).await,
+            _ => Err("a message without an echo/sink tag".to_string()),
+        };
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("ibex-bench server: raw-shm-types: {e}; closing that connection");
+                break;
+            }
+        };
+        if conn.send(answer).await.is_err() {
+            break;
+        }
+    }
+    conn.close().await;
+}
+
+/// One `raw-shm-types` call: `msg` decoded, handed to `handler` with `metadata` and
+/// `extensions`, its answer encoded behind a byte.
+async fn typed_answer<Q, A, F>(
+    msg: Bytes,
+    metadata: MetadataMap,
+    extensions: http::Extensions,
+    handler: impl FnOnce(Request<Q>) -> F,
+) -> Result<Bytes, String>
+where
+    Q: prost::Message + Default,
+    A: prost::Message,
+    F: std::future::Future<Output = Result<Response<A>, Status>>,
+{
+    let msg = Q::decode(msg).map_err(|e| format!("a malformed request: {e}"))?;
+    let request = Request::from_parts(metadata, extensions, msg);
+    let response = handler(request)
+        .await
+        .map_err(|s| format!("the handler failed: {s}"))?;
+    let (metadata, msg, extensions) = response.into_parts();
+    let mut buf = BytesMut::with_capacity(1 + msg.encoded_len());
+    buf.put_u8(RAW_ECHO);
+    msg.encode(&mut buf)
+        .map_err(|e| format!("the answer could not be encoded: {e}"))?;
+    drop((metadata, msg, extensions));
+    Ok(buf.freeze())
 }
 
 /// The raw-transport peer: echo or acknowledge by the first byte, until the client leaves.

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use clap::ValueEnum;
-use ibex_proto::bench::v1::Payload;
 use ibex_proto::bench::v1::bench_client::BenchClient;
+use ibex_proto::bench::v1::{Ack, Payload};
 use ibex_transport::{Config, Connection};
 
 use crate::Res;
@@ -40,6 +40,9 @@ pub enum Transport {
     RawShm,
     /// The Ibex transport without the gRPC layer, tcp.
     RawTcp,
+    /// The floor of a tonic-compatible layer over shm, not a transport to use: the raw shm
+    /// transport with protobuf and tonic's per-call types, and no call framing.
+    RawShmTypes,
 }
 
 impl Transport {
@@ -57,7 +60,7 @@ impl Transport {
         {
             v.push(Transport::IbexVerbs);
         }
-        v.extend([Transport::RawShm, Transport::RawTcp]);
+        v.extend([Transport::RawShm, Transport::RawTcp, Transport::RawShmTypes]);
         v
     }
 
@@ -72,6 +75,7 @@ impl Transport {
             Transport::IbexVerbs => "ibex-verbs",
             Transport::RawShm => "raw-shm",
             Transport::RawTcp => "raw-tcp",
+            Transport::RawShmTypes => "raw-shm-types",
         }
     }
 }
@@ -103,6 +107,62 @@ pub enum Client {
     ),
     /// The raw transport.
     Raw(Arc<Connection>),
+    /// The raw transport with tonic's per-call types around protobuf messages.
+    Typed(Arc<Typed>),
+}
+
+/// A `raw-shm-types` client's connection and the response headers a caller's metadata
+/// holds over `ibex-shm` (content type, date, `grpc-status: 0`), made once.
+pub struct Typed {
+    conn: Connection,
+    response_headers: http::HeaderMap,
+}
+
+impl Typed {
+    fn new(conn: Connection) -> Typed {
+        let mut response_headers = http::HeaderMap::new();
+        response_headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        response_headers.insert(
+            http::header::DATE,
+            http::HeaderValue::from_static("Fri, 27 Nov 2026 22:00:00 GMT"),
+        );
+        response_headers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        Typed {
+            conn,
+            response_headers,
+        }
+    }
+
+    /// One call: what a generated client does with the request (it hands its channel the
+    /// request's parts), the message there with `tag` in front, and the answer as a caller
+    /// gets it (a `tonic::Response` with its metadata).
+    async fn call<Q: prost::Message, A: prost::Message + Default>(
+        &self,
+        tag: u8,
+        msg: Q,
+    ) -> Res<A> {
+        let (metadata, extensions, msg) = tonic::Request::new(msg).into_parts();
+        let mut buf = BytesMut::with_capacity(1 + msg.encoded_len());
+        buf.put_u8(tag);
+        msg.encode(&mut buf)?;
+        drop((metadata, extensions, msg));
+        self.conn.send(buf.freeze()).await?;
+        let mut answer = self.conn.recv().await?;
+        if answer.is_empty() {
+            return Err("the raw-shm-types peer answered an empty message".into());
+        }
+        answer.advance(1);
+        let msg = A::decode(answer)?;
+        let response = tonic::Response::from_parts(
+            tonic::metadata::MetadataMap::from_headers(self.response_headers.clone()),
+            msg,
+            tonic::Extensions::new(),
+        );
+        Ok(response.into_inner())
+    }
 }
 
 fn err(what: &str, e: impl std::fmt::Display) -> Box<dyn std::error::Error + Send + Sync> {
@@ -144,10 +204,14 @@ impl Client {
                     .max_encoding_message_size(MAX_MSG);
                 Client::Ibex(c, ch)
             }
-            Transport::RawShm | Transport::RawTcp => {
+            Transport::RawShm | Transport::RawTcp | Transport::RawShmTypes => {
                 let conn = ibex_transport::connect(addr, t.config()?).await?;
                 conn.probe_done().await;
-                Client::Raw(Arc::new(conn))
+                if t == Transport::RawShmTypes {
+                    Client::Typed(Arc::new(Typed::new(conn)))
+                } else {
+                    Client::Raw(Arc::new(conn))
+                }
             }
         })
     }
@@ -161,6 +225,7 @@ impl Client {
                 c.send(retag(&m.raw, RAW_ECHO)).await?;
                 c.recv().await?.len()
             }
+            Client::Typed(c) => size(&c.call::<_, Payload>(RAW_ECHO, m.payload.clone()).await?),
         })
     }
 
@@ -175,6 +240,7 @@ impl Client {
                 c.recv().await?;
                 m.raw.len()
             }
+            Client::Typed(c) => c.call::<_, Ack>(RAW_SINK, m.payload.clone()).await?.bytes as usize,
         })
     }
 
@@ -209,6 +275,16 @@ impl Client {
                 c.recv().await?;
                 Ok(data.len())
             }
+            // A Sink of the tensor as one buffer, as stock tonic sends it.
+            Client::Typed(c) => Ok(c
+                .call::<_, Ack>(
+                    RAW_SINK,
+                    Payload {
+                        buffers: vec![data.clone()],
+                    },
+                )
+                .await?
+                .bytes as usize),
         }
     }
 
@@ -218,6 +294,7 @@ impl Client {
         let pool = match self {
             Client::Ibex(_, ch) => ch.connection().and_then(|c| c.pool()),
             Client::Raw(c) => c.pool(),
+            Client::Typed(c) => c.conn.pool(),
             Client::Tonic(_) => None,
         };
         let mut v = match pool {
@@ -235,8 +312,10 @@ impl Client {
 
     /// Closes the connection cleanly where the transport has a close.
     pub async fn close(self) {
-        if let Client::Raw(c) = self {
-            c.close().await;
+        match self {
+            Client::Raw(c) => c.close().await,
+            Client::Typed(c) => c.conn.close().await,
+            Client::Tonic(_) | Client::Ibex(..) => {}
         }
     }
 }

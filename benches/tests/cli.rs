@@ -31,7 +31,7 @@ fn run(args: &[&str]) -> Vec<serde_json::Value> {
 
 #[test]
 fn latency_over_tonic_ibex_and_raw() {
-    for t in ["tonic", "ibex-shm", "ibex-tcp", "raw-shm"] {
+    for t in ["tonic", "ibex-shm", "ibex-tcp", "raw-shm", "raw-shm-types"] {
         let r = run(&["latency", "--transport", t, "--size", "64"]);
         assert_eq!(r.len(), 1);
         assert_eq!(r[0]["transport"], t);
@@ -63,6 +63,27 @@ fn tensor_descriptor_path_and_ps_throughput() {
     ]);
     assert_eq!(r[0]["topology"], "2x2");
     assert!(r[0]["calls"].as_u64().unwrap() >= 2);
+}
+
+/// The floor of a tonic-compatible layer answers Sink and a tensor with the right sizes (the
+/// client checks every answer's size against what it sent).
+#[test]
+fn types_floor_answers_sink_and_tensor() {
+    let r = run(&[
+        "ps-throughput",
+        "--transport",
+        "raw-shm-types",
+        "--scheme",
+        "uniform",
+        "--workers",
+        "1",
+        "--ps",
+        "1",
+    ]);
+    assert_eq!(r[0]["transport"], "raw-shm-types");
+    assert!(r[0]["calls"].as_u64().unwrap() >= 1);
+    let r = run(&["tensor", "--transport", "raw-shm-types", "--size", "64K"]);
+    assert!(r[0]["calls"].as_u64().unwrap() > 0);
 }
 
 #[test]
