@@ -1,4 +1,4 @@
-//! The server side: the `Bench` service over every transport, and the raw-transport peer.
+//! The server side: the `Bench` service over every transport, and the raw-transport peers.
 //!
 //! A server prints its connect address as the first line of stdout, so a parent process (or a
 //! person on another host) can hand it to the client.
