@@ -332,7 +332,6 @@ pub fn bars(records: &[Record]) -> String {
             n = rounds.len()
         )
     };
-    // `at_most`: the bar is an upper bound (a cost ratio), else a lower bound (a speed-up).
     // A figure, and the range of its per-round values where the rounds measured it.
     let measure = |f: &dyn Fn(&View) -> Option<f64>| {
         let mut per: Vec<f64> = rounds.iter().filter_map(f).collect();
@@ -348,6 +347,7 @@ pub fn bars(records: &[Record]) -> String {
             _ => (f(&main), String::new()),
         }
     };
+    // `at_most`: the bar is an upper bound (a cost ratio), else a lower bound (a speed-up).
     let mut judge =
         |name: &str, f: &dyn Fn(&View) -> Option<f64>, need: f64, unit: &str, at_most: bool| {
             let (got, spread) = measure(f);
