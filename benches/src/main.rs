@@ -781,6 +781,11 @@ fn compare(a: CompareArgs) -> Res<()> {
         }
     }
     for &t in &transports {
+        // No servers for a transport that none of the plan's benchmarks runs over (the
+        // types floor outside latency and PS throughput, or a plan of ps-step alone).
+        if !plan.iter().any(|(bench, _)| applies(bench, t)) {
+            continue;
+        }
         // One set of server processes per transport, shared by its benches; PS throughput
         // uses two of them.
         let servers = match LocalServer::pair(t) {
