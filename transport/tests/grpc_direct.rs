@@ -487,3 +487,81 @@ async fn a_request_that_encodes_to_another_length_fails_its_call_only() {
     })
     .await;
 }
+
+/// Requests whose head repeats the one before them byte for byte are not decoded again:
+/// the server keeps the head, its route and its timeout, the client the answer's head.
+/// Each call still gets its own message and metadata, a changed head is decoded afresh,
+/// a deadline in a kept head still cancels the handler, and a kept head over a message
+/// the direct route may not take goes tonic's way, with tonic's answer.
+async fn repeated_heads(uri: fn() -> String) {
+    let (svc, mut ev) = BenchImpl::new();
+    let (srv, stats) = ibex_serve_stats(
+        uri(),
+        Services::new(svc.server(Some(4000), None)),
+        ibex_config(),
+    )
+    .await;
+    let ch = Channel::connect_with_config(&srv.addr, ibex_config())
+        .await
+        .unwrap();
+    let mut c = BenchClient::new(ch);
+    for (i, v) in ["same", "same", "same", "changed", "same", "same"]
+        .into_iter()
+        .enumerate()
+    {
+        let data = pattern(100 + i, i as u8);
+        let got = outcome(c.echo(request(vec![data.clone()], &[("x-a", v)])).await);
+        let Outcome::Ok(bufs, md) = got else {
+            panic!("call {i}: {got:?}")
+        };
+        assert_eq!(bufs, vec![data], "call {i}");
+        assert!(
+            md.contains(&("echo-x-a".into(), v.as_bytes().to_vec())),
+            "call {i}: {md:?}"
+        );
+    }
+    // The server's deadline, from a kept head's `grpc-timeout`, still ends the handler.
+    let hold = [("x-mode", "hold"), ("grpc-timeout", "200m")];
+    for i in 0..4 {
+        let e = within(c.echo(request(vec![], &hold))).await.unwrap_err();
+        assert_eq!(e.code(), Code::DeadlineExceeded, "call {i}: {e:?}");
+        loop {
+            let e = tokio::time::timeout(Duration::from_secs(20), ev.recv())
+                .await
+                .expect("no handler event within 20 s")
+                .expect("service dropped");
+            if matches!(e, Event::Cancelled("echo")) {
+                break;
+            }
+        }
+    }
+    // Over the server's decoding limit (4000 B) in a whole packet: refused as tonic
+    // refuses it, kept head or not.
+    for i in 0..4 {
+        let e = c
+            .echo(request(vec![pattern(5000, 1)], &[]))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::OutOfRange, "call {i}: {e:?}");
+    }
+    drop(c);
+    srv.shutdown().await.unwrap();
+    // Counted once the connection has ended: "same" three times of five, the deadlines
+    // twice of four and the oversize calls twice of four (a head is kept once it came
+    // twice in a row).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while stats.repeated_heads() < 7 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(stats.repeated_heads(), 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_heads_keep_each_calls_message_metadata_and_deadline_shm() {
+    within(repeated_heads(shm_uri)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_heads_keep_each_calls_message_metadata_and_deadline_tcp() {
+    within(repeated_heads(|| "tcp://127.0.0.1:0".into())).await;
+}

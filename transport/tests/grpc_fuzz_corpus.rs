@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ibex_transport::grpc::fuzzing::{feed, split_messages};
+use ibex_transport::grpc::fuzzing::{feed, feed_counting, split_messages};
 
 fn seed_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/grpc_packet")
@@ -292,6 +292,21 @@ fn every_committed_seed_behaves_as_its_name_says() {
         }
     }
     assert!(good >= 5 && bad >= 5, "{good} good and {bad} bad seeds");
+}
+
+/// Whole unary packets whose head repeats are not decoded again (`Got::Repeat`); the
+/// harness checks each against the general decoder's packet, and these seeds reach it on
+/// both sides.
+#[test]
+fn repeated_whole_heads_skip_the_decoder_and_match_it() {
+    let seeds: std::collections::HashMap<_, _> = seeds().into_iter().collect();
+    let msgs = split_messages(&seeds["ok-repeated-heads"]);
+    // The third and the fifth request: the head is kept once it came twice in a row, and
+    // a packet that is not a whole request between them does not drop it.
+    assert_eq!(feed_counting(&msgs, true), Ok((5, 2)));
+    let msgs = split_messages(&seeds["ok-whole-direct-answers"]);
+    // The third answer; not the one with a status of its own, nor the ordinary call's.
+    assert_eq!(feed_counting(&msgs, false), Ok((5, 1)));
 }
 
 #[test]

@@ -668,3 +668,100 @@ async fn answers_wait_for_a_client_that_reads_late_over_tcp() {
 async fn answers_wait_for_a_client_that_reads_late_over_shm() {
     answers_wait_for_a_client_that_reads_late(&shm_uri()).await;
 }
+
+/// An answer head as the wire format defines it: the HTTP status, then the header list.
+fn answer_head(list: &[(&str, &[u8])]) -> Bytes {
+    let mut b = BytesMut::new();
+    b.put_u16(200);
+    headers(&mut b, list.len() as u16, list);
+    b.freeze()
+}
+
+/// A whole answer of a direct unary call: its head, its message and a lone
+/// `grpc-status: 0` trailer, the packet whose head the client keeps once it repeats.
+fn whole_answer(call: u32, head: &Bytes, msg: &[u8]) -> Bytes {
+    let mut b = BytesMut::from(&packet(call, Some(head.clone()), Some(msg), None, END)[..]);
+    let mut t = BytesMut::new();
+    headers(&mut t, 1, &[("grpc-status", b"0")]);
+    b.put_u32(t.len() as u32);
+    b.put_slice(&t);
+    b[4] |= TRAILERS;
+    b.freeze()
+}
+
+/// A scripted server answers the client's direct unary calls with the same head each
+/// time, which the client keeps and does not decode again, and mixes in what an honest
+/// server would not send: a repeat for a call that is not open, and a head that comes
+/// apart from its answer before the same head repeats with the rest. Every call gets its
+/// own message, and the connection goes on.
+async fn repeats_from_a_scripted_server(listen_uri: &str) {
+    hostile_util::count_panics();
+    let listener = ibex_transport::listen(listen_uri, ibex_config())
+        .await
+        .expect("listen");
+    let uri = listener.local_uri();
+    let server = tokio::spawn(async move {
+        let conn = listener.accept().await.expect("accept");
+        let head = answer_head(&[("content-type", b"application/grpc"), ("x-kept", b"1")]);
+        for n in 0..8usize {
+            let req = conn.recv().await.expect("a request");
+            let call = u32::from_be_bytes([req[0], req[1], req[2], req[3]]);
+            assert_eq!(call % 2, 1, "a direct unary call has an odd id");
+            let msg = grpc_message(10 + n);
+            match n {
+                // A repeat for a call not open (the next id, not made yet), then the
+                // answer for the one that is.
+                4 => {
+                    conn.send(whole_answer(call + 200, &head, &grpc_message(1)))
+                        .await
+                        .unwrap();
+                    conn.send(whole_answer(call, &head, &msg)).await.unwrap();
+                }
+                // The head alone, then the kept head again with the message: the head
+                // went to the caller already, so the rest goes to its body.
+                6 => {
+                    conn.send(packet(call, Some(head.clone()), None, None, 0))
+                        .await
+                        .unwrap();
+                    conn.send(whole_answer(call, &head, &msg)).await.unwrap();
+                }
+                _ => conn.send(whole_answer(call, &head, &msg)).await.unwrap(),
+            }
+        }
+        conn
+    });
+    let ch = ibex_transport::grpc::Channel::connect_with_config(&uri, ibex_config())
+        .await
+        .expect("connect");
+    let mut c = BenchClient::new(ch);
+    for n in 0..8usize {
+        let r = tokio::time::timeout(
+            WITHIN,
+            c.echo(Payload {
+                buffers: vec![pattern(n, 1)],
+            }),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("call {n} hung"))
+        .unwrap_or_else(|s| panic!("call {n}: {s:?}"));
+        assert_eq!(r.metadata().get("x-kept").unwrap(), "1", "call {n}");
+        assert_eq!(
+            r.into_inner().buffers,
+            vec![pattern(10 + n, 3)],
+            "call {n} got its own message"
+        );
+    }
+    let conn = server.await.expect("the scripted server");
+    assert!(!conn.is_closed(), "the connection goes on");
+    assert_eq!(hostile_util::panics(), 0, "something panicked (see above)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scripted_servers_repeats_reach_their_calls_over_tcp() {
+    repeats_from_a_scripted_server("tcp://127.0.0.1:0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scripted_servers_repeats_reach_their_calls_over_shm() {
+    repeats_from_a_scripted_server(&shm_uri()).await;
+}

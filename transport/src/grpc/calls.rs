@@ -388,6 +388,8 @@ mod tests {
         cancelled: usize,
         reset: usize,
         whole: usize,
+        requests_repeated: usize,
+        answers_repeated: usize,
     }
 
     struct Sim {
@@ -426,8 +428,23 @@ mod tests {
         fn new(seed: u64, pool: &Bytes) -> Sim {
             let mut rng = Rng::new(seed);
             let n = 4 + rng.below(10);
+            let small = |rng: &mut Rng| {
+                let len = 1 + rng.below(INLINE_MAX - 1);
+                let at = rng.below(pool.len() - len);
+                pool.slice(at..at + len)
+            };
             let plans = (0..n)
                 .map(|_| {
+                    // Often a plain unary call, one small message each way, as most
+                    // traffic is: those go whole, and their heads repeat.
+                    if rng.chance(40) {
+                        return Plan {
+                            req: vec![small(&mut rng)],
+                            resp: vec![small(&mut rng)],
+                            cancel_after: None,
+                            server_resets: false,
+                        };
+                    }
                     let req: Vec<Bytes> =
                         (0..rng.below(8)).map(|_| payload(&mut rng, pool)).collect();
                     let resp = (0..rng.below(8)).map(|_| payload(&mut rng, pool)).collect();
@@ -465,7 +482,19 @@ mod tests {
             let i = self.next_plan;
             self.next_plan += 1;
             let call = CallShared::new();
-            let id = match self.client.open(Slotted(call.clone())) {
+            // A request with nothing to wait for goes whole, in its head's packet, as a
+            // whole unary call of the direct path: with the same head every time, so
+            // that the demultiplexers see repeats.
+            let plan = &self.plans[i];
+            let whole = plan.cancel_after.is_none()
+                && plan.req.len() <= 1
+                && plan.req.iter().all(|d| d.len() <= INLINE_MAX);
+            let opened = if whole {
+                self.client.open_whole(Slotted(call.clone()))
+            } else {
+                self.client.open(Slotted(call.clone()))
+            };
+            let id = match opened {
                 Ok(id) => id,
                 Err(s) => {
                     assert!(self.went_away, "a call refused locally before any GOAWAY");
@@ -483,20 +512,19 @@ mod tests {
                 }
             };
             let mut headers = HeaderMap::new();
-            headers.insert("x-plan", HeaderValue::from(i));
+            headers.insert("x-sim", HeaderValue::from_static("1"));
+            if !whole {
+                headers.insert("x-plan", HeaderValue::from(i));
+            }
             let mut p = Packet::new(id);
             p.head = Some(Head::Request {
                 path: http::uri::PathAndQuery::from_static("/sim.Sim/Call"),
                 headers,
                 standard: None,
             });
-            // A request with nothing to wait for goes whole, in its head's packet.
             let mut data = None;
             let mut sent = 0;
-            if self.plans[i].cancel_after.is_none()
-                && self.plans[i].req.len() <= 1
-                && self.plans[i].req.iter().all(|d| d.len() <= INLINE_MAX)
-            {
+            if whole {
                 p.end = true;
                 data = self.plans[i].req.first().cloned();
                 sent = self.plans[i].req.len();
@@ -610,14 +638,30 @@ mod tests {
             let (mut p, data) = match self.server_demux.push(msg).expect("honest framing") {
                 Got::Nothing => return,
                 Got::One(p, d) => (p, d),
+                Got::Repeat(id, frame) => {
+                    self.seen.requests_repeated += 1;
+                    self.server_demux
+                        .expand(id, frame)
+                        .expect("a repeat has its head kept")
+                }
                 Got::Aborted(..) => panic!("nothing is refused by the simulated transport"),
             };
             let id = p.call;
             if let Some(Head::Request { headers, .. }) = p.head.take() {
-                let plan = headers
-                    .get("x-plan")
-                    .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
-                    .expect("the request's headers arrive");
+                assert!(
+                    headers.contains_key("x-sim"),
+                    "the request's headers arrive"
+                );
+                // A whole call's head is the same for every call: its plan is known by
+                // its id.
+                let plan = match headers.get("x-plan") {
+                    Some(v) => v
+                        .to_str()
+                        .ok()
+                        .and_then(|v| v.parse::<usize>().ok())
+                        .expect("the request's plan arrives"),
+                    None => self.by_id[&id],
+                };
                 match self.server.admit(id).expect("ids are never reused") {
                     Admit::Refuse(status) => {
                         if status.code() == Code::ResourceExhausted {
@@ -682,6 +726,12 @@ mod tests {
             let (mut p, data) = match self.client_demux.push(msg).expect("honest framing") {
                 Got::Nothing => return,
                 Got::One(p, d) => (p, d),
+                Got::Repeat(id, frame) => {
+                    self.seen.answers_repeated += 1;
+                    self.client_demux
+                        .expand(id, frame)
+                        .expect("a repeat has its head kept")
+                }
                 Got::Aborted(..) => panic!("nothing is refused by the simulated transport"),
             };
             if p.goaway {
@@ -1036,6 +1086,8 @@ mod tests {
             seen.cancelled += s.cancelled;
             seen.reset += s.reset;
             seen.whole += s.whole;
+            seen.requests_repeated += s.requests_repeated;
+            seen.answers_repeated += s.answers_repeated;
         }
         // The schedule reached every rule at least once.
         assert!(seen.window_waits > 0, "{seen:?}");
@@ -1047,5 +1099,10 @@ mod tests {
             "{seen:?}"
         );
         assert!(seen.whole > 0, "{seen:?}");
+        // Whole calls' heads repeat both ways (and the demultiplexers skip decoding them).
+        assert!(
+            seen.requests_repeated > 0 && seen.answers_repeated > 0,
+            "{seen:?}"
+        );
     }
 }

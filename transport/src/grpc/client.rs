@@ -358,7 +358,7 @@ impl Shared {
     }
 
     /// Dispatches one packet from the server.
-    fn dispatch(&self, mut p: Packet, mut data: Option<Bytes>) {
+    fn dispatch(&self, p: Packet, data: Option<Bytes>) {
         let mut calls = self.lock();
         let mut owned;
         let (c, ended): (&mut Call, bool) = match calls.packet(&p, data.as_ref().map(Bytes::len)) {
@@ -374,6 +374,63 @@ impl Shared {
                 (&mut owned, true)
             }
         };
+        Shared::deliver(c, ended, p, data);
+    }
+
+    /// A whole answer whose head repeats the one `demux` keeps ([`Got::Repeat`]): to its
+    /// caller in one piece with no packet made, when the call waits for its head as a
+    /// direct unary call does. Anything else goes on with the packet the repeat stands
+    /// for. False where the connection must close.
+    fn dispatch_repeat(&self, demux: &Demux, id: u32, frame: Bytes) -> bool {
+        let Some((
+            Head::Response {
+                status, headers, ..
+            },
+            _,
+        )) = demux.repeated()
+        else {
+            return false;
+        };
+        // What the table needs of the packet: it ends the call, with a frame this long.
+        let mut end = Packet::new(id);
+        end.end = true;
+        let mut calls = self.lock();
+        let mut c = match calls.packet(&end, Some(frame.len())) {
+            Verdict::Call(Entry::Ended(c)) => c,
+            Verdict::Overrun(c) => {
+                drop(calls);
+                match demux.expand(id, frame) {
+                    Some((p, _)) => self.overrun(p, c),
+                    None => return false,
+                }
+                return true;
+            }
+            // Nothing waits for it (the caller gave up), or (on a client) nothing else.
+            Verdict::Dropped | Verdict::Call(Entry::Live(_) | Entry::Cancelled(_)) => {
+                return true;
+            }
+        };
+        if c.body.is_none()
+            && let Some(h) = c.head.take()
+        {
+            drop(calls);
+            h.send(Ok(RespHead {
+                status: *status,
+                headers: headers.clone(),
+                rest: Rest::Whole(Some(frame), Some(Trailers::OkInHead)),
+            }));
+            return true;
+        }
+        match demux.expand(id, frame) {
+            Some((p, data)) => Shared::deliver(&mut c, true, p, data),
+            None => return false,
+        }
+        true
+    }
+
+    /// Hands what packet `p` brought (its body frame is `data`) to call `c`, which the
+    /// packet `ended`.
+    fn deliver(c: &mut Call, ended: bool, mut p: Packet, mut data: Option<Bytes>) {
         let mut went_whole = false;
         if let Some(Head::Response {
             status, headers, ..
@@ -497,6 +554,17 @@ impl ReadSource for Shared {
         match demux.push(msg) {
             Ok(Got::Nothing) => {}
             Ok(Got::One(p, d)) => self.dispatch(p, d),
+            Ok(Got::Repeat(id, frame)) => {
+                if !self.dispatch_repeat(&demux, id, frame) {
+                    // Only a kept head is repeated: a bug, which fails this connection's
+                    // calls.
+                    drop(demux);
+                    self.fail_all(Status::internal(format!(
+                        "gRPC call framing: call {id} repeats a head that was not kept (an Ibex bug)"
+                    )));
+                    return Poll::Ready(false);
+                }
+            }
             Ok(Got::Aborted(p, abort)) => {
                 self.dispatch(p, None);
                 self.dispatch(*abort, None);

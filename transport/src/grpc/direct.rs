@@ -464,6 +464,16 @@ enum Framed {
     Bad(Status),
 }
 
+/// The request's one message, without its prefix, if `frame` is exactly one plain message
+/// within `limit` (the rest of [`direct_message`], for a request whose headers are known
+/// to allow it).
+pub(crate) fn one_plain_message(frame: &Bytes, limit: usize) -> Option<Bytes> {
+    match one_message(frame, limit) {
+        Framed::One(m) => Some(m),
+        Framed::Other | Framed::Bad(_) => None,
+    }
+}
+
 fn one_message(frame: &Bytes, limit: usize) -> Framed {
     if frame.len() < PREFIX || frame[0] != 0 {
         return Framed::Other;

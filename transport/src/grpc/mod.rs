@@ -100,6 +100,13 @@ pub mod fuzzing {
     /// Returns how many packets came out before the first framing error (which ends a
     /// real connection), or the broken invariant.
     pub fn feed(messages: &[Bytes], request: bool) -> Result<usize, String> {
+        feed_counting(messages, request).map(|(n, _)| n)
+    }
+
+    /// [`feed`], which also says how many packets came as repeats of a kept head, each
+    /// checked against the general decoder's packet.
+    pub fn feed_counting(messages: &[Bytes], request: bool) -> Result<(usize, usize), String> {
+        let mut repeats = 0;
         let limits = Limits::default();
         let mut demux = Demux::new(request, limits);
         let side = if request { Side::Server } else { Side::Client };
@@ -130,8 +137,25 @@ pub mod fuzzing {
                     }
                     vec![p]
                 }
+                Ok(Got::Repeat(id, frame)) => {
+                    // Not decoded again: it must be exactly what the general decoder makes
+                    // of this message on its own.
+                    let (p, data) = demux
+                        .expand(id, frame)
+                        .ok_or("a repeat with no kept head")?;
+                    let Some(f) = fresh else {
+                        return Err("a repeat where the general decoder refuses the packet".into());
+                    };
+                    if !Demux::same_packet(&p, data.as_ref(), &f) {
+                        return Err(format!(
+                            "a repeat differs from the general decoder's packet: {p:?} {data:?} against {f:?}"
+                        ));
+                    }
+                    repeats += 1;
+                    vec![p]
+                }
                 Ok(Got::Aborted(p, a)) => vec![p, *a],
-                Err(_) => return Ok(n),
+                Err(_) => return Ok((n, repeats)),
             };
             for p in packets {
                 let once = p
@@ -146,11 +170,11 @@ pub mod fuzzing {
                 }
                 n += 1;
                 if !to_table(&mut table, p, request)? {
-                    return Ok(n);
+                    return Ok((n, repeats));
                 }
             }
         }
-        Ok(n)
+        Ok((n, repeats))
     }
 
     struct Fuzzed(Arc<CallShared>);

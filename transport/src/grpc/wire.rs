@@ -199,7 +199,7 @@ impl Default for Limits {
 }
 
 /// The head block of a packet.
-#[derive(Debug, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Head {
     /// Client to server: the method path and the request headers. A `PathAndQuery`, so
     /// the server's request URI is the connection's parsed path (see [`Seen`]) and a
@@ -593,6 +593,63 @@ impl Packet {
         p.goaway = flags & GOAWAY != 0;
         expect_empty(&b, "packet")?;
         Ok(p)
+    }
+}
+
+/// Where the parts of a *whole unary packet* lie in a transport message: one that carries
+/// a call's head, its one body frame and its end, and nothing else. Those are nearly all
+/// packets on a connection of unary calls, and their heads repeat call after call
+/// ([`super::demux::Demux`] decodes such a head once). A request is `HEAD | DATA | END`;
+/// an answer is `HEAD | DATA | TRAILERS` (`END` or not: trailers end the call) of a whole
+/// unary call ([`whole_unary`]) whose trailers are `grpc-status: 0` alone. Only the layout is checked here: the head
+/// block's contents are the general decoder's to judge.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct WholeParts {
+    pub(crate) call: u32,
+    /// The head block, without its length field.
+    pub(crate) head: std::ops::Range<usize>,
+    /// The body frame, without its length field.
+    pub(crate) frame: std::ops::Range<usize>,
+}
+
+impl WholeParts {
+    /// The parts of `msg` if it is a whole unary packet of the kind the receiver expects
+    /// (`request`: true on the server).
+    #[inline]
+    pub(crate) fn of(msg: &[u8], request: bool) -> Option<WholeParts> {
+        // Trailers imply the end: an answer may or may not say END as well.
+        let (flags, ignored, tail) = if request {
+            (HEAD | DATA | END, 0, 0)
+        } else {
+            (HEAD | DATA | TRAILERS, END, STATUS_OK_BLOCK.len())
+        };
+        if msg.len() < 9 + 4 + tail || msg[4] & !ignored != flags {
+            return None;
+        }
+        let call = u32::from_be_bytes([msg[0], msg[1], msg[2], msg[3]]);
+        if !request && !whole_unary(call) {
+            return None;
+        }
+        let (body, trailers) = msg.split_at(msg.len() - tail);
+        if trailers != &STATUS_OK_BLOCK[..tail] {
+            return None;
+        }
+        let head_len = u32::from_be_bytes([msg[5], msg[6], msg[7], msg[8]]) as usize;
+        // The head block, the frame's length field, the frame: exactly what is left.
+        let frame_at = 9usize.checked_add(head_len)?.checked_add(4)?;
+        if frame_at > body.len() {
+            return None;
+        }
+        let l = &body[frame_at - 4..frame_at];
+        let frame_len = u32::from_be_bytes([l[0], l[1], l[2], l[3]]) as usize;
+        if body.len() - frame_at != frame_len {
+            return None;
+        }
+        Some(WholeParts {
+            call,
+            head: 9..9 + head_len,
+            frame: frame_at..body.len(),
+        })
     }
 }
 
