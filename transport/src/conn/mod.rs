@@ -1092,9 +1092,6 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 /// would cost more than the registration.
 const BOUNCE_MAX: usize = 1 << 20;
 
-/// Runs blocking work synchronously without holding up the runtime: on a multi-thread
-/// runtime the worker hands its other tasks to the rest first (`block_in_place`); a
-/// current-thread runtime has no other worker to hand them to, so it runs in place.
 /// Returns to the runtime once, waking itself: a cooperative spin's step. Not
 /// `tokio::task::yield_now`, which defers the wake-up until the runtime has polled its I/O
 /// driver (an `epoll_wait` per step).
@@ -1111,6 +1108,9 @@ async fn yield_once() {
     .await
 }
 
+/// Runs blocking work synchronously without holding up the runtime: on a multi-thread
+/// runtime the worker hands its other tasks to the rest first (`block_in_place`); a
+/// current-thread runtime has no other worker to hand them to, so it runs in place.
 fn outside_runtime<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
