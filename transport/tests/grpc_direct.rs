@@ -488,8 +488,8 @@ async fn a_request_that_encodes_to_another_length_fails_its_call_only() {
     .await;
 }
 
-/// Requests whose head repeats the one before them byte for byte are not decoded again:
-/// the server keeps the head, its route and its timeout, the client the answer's head.
+/// Requests whose head repeats a recent one byte for byte are not decoded again: the
+/// server keeps the head, its route and its timeout, the client the answer's head.
 /// Each call still gets its own message and metadata, a changed head is decoded afresh,
 /// a deadline in a kept head still cancels the handler, and a kept head over a message
 /// the direct route may not take goes tonic's way, with tonic's answer.
@@ -520,6 +520,18 @@ async fn repeated_heads(uri: fn() -> String) {
             "call {i}: {md:?}"
         );
     }
+    // Two methods taking turns (Echo and Sink) are kept side by side: from the third
+    // call of each on, each is a repeat, and each reaches its own method.
+    for i in 0..3 {
+        let data = pattern(30 + i, 7);
+        let r = c.echo(request(vec![data.clone()], &[])).await.unwrap();
+        assert_eq!(r.into_inner().buffers, vec![data], "echo {i}");
+        let ack = c
+            .sink(request(vec![pattern(40 + i, 7)], &[]))
+            .await
+            .unwrap();
+        assert_eq!(ack.into_inner().bytes, 40 + i as u64, "sink {i}");
+    }
     // The server's deadline, from a kept head's `grpc-timeout`, still ends the handler.
     let hold = [("x-mode", "hold"), ("grpc-timeout", "200m")];
     for i in 0..4 {
@@ -546,14 +558,15 @@ async fn repeated_heads(uri: fn() -> String) {
     }
     drop(c);
     srv.shutdown().await.unwrap();
-    // Counted once the connection has ended: "same" three times of five, the deadlines
-    // twice of four and the oversize calls twice of four (a head is kept once it came
-    // twice in a row).
+    // Counted once the connection has ended: "same" three times of five, Echo and Sink
+    // once each of three, the deadlines twice of four (a head is kept once it came twice
+    // among the last few), and the oversize calls all four times: theirs is the head of
+    // the Echo calls without metadata, kept already (and still refused as tonic refuses).
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while stats.repeated_heads() < 7 && std::time::Instant::now() < deadline {
+    while stats.repeated_heads() < 11 && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(stats.repeated_heads(), 7);
+    assert_eq!(stats.repeated_heads(), 11);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

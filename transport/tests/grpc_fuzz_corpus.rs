@@ -301,7 +301,7 @@ fn every_committed_seed_behaves_as_its_name_says() {
 fn repeated_whole_heads_skip_the_decoder_and_match_it() {
     let seeds: std::collections::HashMap<_, _> = seeds().into_iter().collect();
     let msgs = split_messages(&seeds["ok-repeated-heads"]);
-    // The third and the fifth request: the head is kept once it came twice in a row, and
+    // The third and the fifth request: the head is kept once it came twice, and
     // a packet that is not a whole request between them does not drop it.
     assert_eq!(feed_counting(&msgs, true), Ok((5, 2)));
     let msgs = split_messages(&seeds["ok-whole-direct-answers"]);

@@ -638,10 +638,10 @@ mod tests {
             let (mut p, data) = match self.server_demux.push(msg).expect("honest framing") {
                 Got::Nothing => return,
                 Got::One(p, d) => (p, d),
-                Got::Repeat(id, frame) => {
+                Got::Repeat(id, frame, k) => {
                     self.seen.requests_repeated += 1;
                     self.server_demux
-                        .expand(id, frame)
+                        .expand(k, id, frame)
                         .expect("a repeat has its head kept")
                 }
                 Got::Aborted(..) => panic!("nothing is refused by the simulated transport"),
@@ -726,10 +726,10 @@ mod tests {
             let (mut p, data) = match self.client_demux.push(msg).expect("honest framing") {
                 Got::Nothing => return,
                 Got::One(p, d) => (p, d),
-                Got::Repeat(id, frame) => {
+                Got::Repeat(id, frame, k) => {
                     self.seen.answers_repeated += 1;
                     self.client_demux
-                        .expand(id, frame)
+                        .expand(k, id, frame)
                         .expect("a repeat has its head kept")
                 }
                 Got::Aborted(..) => panic!("nothing is refused by the simulated transport"),

@@ -11,7 +11,7 @@ use tonic::Status;
 
 use super::body::{IbexBody, Inbound, Inbox, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
 use super::calls::{CallTable, Entry, Slot, Verdict};
-use super::demux::{Demux, Got};
+use super::demux::{Demux, Got, KeptHead};
 use super::pump::{Now, Pumped, Remainder, Side, pump, pump_now};
 use super::wire::{FrameBuf, FrameWriter, GRPC_TIMEOUT, Head, Limits, Packet, Trailers};
 use super::{CallShared, Encoded, Mux, RemoteBuf, parse_timeout, read_while, transport_status};
@@ -381,13 +381,13 @@ impl Shared {
     /// caller in one piece with no packet made, when the call waits for its head as a
     /// direct unary call does. Anything else goes on with the packet the repeat stands
     /// for. False where the connection must close.
-    fn dispatch_repeat(&self, demux: &Demux, id: u32, frame: Bytes) -> bool {
+    fn dispatch_repeat(&self, demux: &Demux, k: KeptHead, id: u32, frame: Bytes) -> bool {
         let Some((
             Head::Response {
                 status, headers, ..
             },
             _,
-        )) = demux.repeated()
+        )) = demux.repeated(k)
         else {
             return false;
         };
@@ -399,7 +399,7 @@ impl Shared {
             Verdict::Call(Entry::Ended(c)) => c,
             Verdict::Overrun(c) => {
                 drop(calls);
-                match demux.expand(id, frame) {
+                match demux.expand(k, id, frame) {
                     Some((p, _)) => self.overrun(p, c),
                     None => return false,
                 }
@@ -421,7 +421,7 @@ impl Shared {
             }));
             return true;
         }
-        match demux.expand(id, frame) {
+        match demux.expand(k, id, frame) {
             Some((p, data)) => Shared::deliver(&mut c, true, p, data),
             None => return false,
         }
@@ -554,8 +554,8 @@ impl ReadSource for Shared {
         match demux.push(msg) {
             Ok(Got::Nothing) => {}
             Ok(Got::One(p, d)) => self.dispatch(p, d),
-            Ok(Got::Repeat(id, frame)) => {
-                if !self.dispatch_repeat(&demux, id, frame) {
+            Ok(Got::Repeat(id, frame, k)) => {
+                if !self.dispatch_repeat(&demux, k, id, frame) {
                     // Only a kept head is repeated: a bug, which fails this connection's
                     // calls.
                     drop(demux);

@@ -20,9 +20,25 @@ pub(crate) enum Got {
     /// call that the sender put in the body's place (only this call fails).
     Aborted(Packet, Box<Packet>),
     /// A whole unary packet (see [`WholeParts`]) of call `.0` with body frame `.1`, whose
-    /// head is byte for byte the one [`Demux::repeated`] holds: it was not decoded again.
-    /// [`Demux::expand`] makes it the packet the general decoder would have made.
-    Repeat(u32, Bytes),
+    /// head is byte for byte the kept head `.2` ([`Demux::repeated`]): it was not decoded
+    /// again. [`Demux::expand`] makes it the packet the general decoder would have made.
+    Repeat(u32, Bytes, KeptHead),
+}
+
+/// Which of a demultiplexer's kept heads a [`Got::Repeat`] repeats: an index below
+/// [`Demux::MAX_KEPT`], good until the next message is pushed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct KeptHead(pub(crate) usize);
+
+/// A whole head kept for repeats: its bytes, what they decoded to (an answer's with its
+/// `grpc-status: 0` merged in, see `Trailers::OkInHead`), and a number no other head kept
+/// on this connection had, so that what a side derives from the head (the server: its
+/// route) can be told apart from what it derived from the head kept in its place before.
+#[derive(Debug)]
+struct Kept {
+    bytes: Vec<u8>,
+    head: Head,
+    id: u64,
 }
 
 /// Reassembles packets from one connection's messages, in order.
@@ -34,15 +50,15 @@ pub(crate) struct Demux {
     /// A packet waiting for its body, which is the next message on the connection.
     partial: Option<(Packet, u64)>,
     seen: Seen,
-    /// The head of the last whole unary packets once it came twice in a row: its bytes
-    /// and what they decoded to (an answer's with its `grpc-status: 0` merged in, see
-    /// `Trailers::OkInHead`).
-    repeat: Option<(Vec<u8>, Head)>,
-    /// The head block of the last whole unary packet, until it repeats.
-    last_whole: Vec<u8>,
-    /// Counts the heads `repeat` has held: what a side derives from the head (the
-    /// server's route for its path) holds while the count stays the same.
-    generation: u64,
+    /// Heads of whole unary packets that came twice among the last few (at most
+    /// [`Demux::MAX_KEPT`]; a new one takes the slots in turn).
+    kept: Vec<Kept>,
+    /// The head blocks of the last whole unary packets whose head is not kept, most
+    /// recent last (at most [`Demux::MAX_KEPT`]).
+    recent: Vec<Vec<u8>>,
+    next_id: u64,
+    /// The slot the next kept head takes once all are in use.
+    next_slot: usize,
 }
 
 impl Demux {
@@ -52,23 +68,35 @@ impl Demux {
             limits,
             partial: None,
             seen: Seen::default(),
-            repeat: None,
-            last_whole: Vec::new(),
-            generation: 0,
+            kept: Vec::new(),
+            recent: Vec::new(),
+            next_id: 0,
+            next_slot: 0,
         }
     }
 
     /// Longer heads are decoded every time.
     const MAX_REPEAT: usize = 512;
 
-    /// The head that [`Got::Repeat`] stands for, and its generation.
-    pub(crate) fn repeated(&self) -> Option<(&Head, u64)> {
-        self.repeat.as_ref().map(|(_, h)| (h, self.generation))
+    /// Heads kept at once: a connection calls a handful of methods (a PS worker pushes
+    /// and pulls), and each has its head. Each miss compares a head with this many kept
+    /// ones and this many recent ones.
+    pub(crate) const MAX_KEPT: usize = 4;
+
+    /// Kept head `k` (of a [`Got::Repeat`]) and its number.
+    pub(crate) fn repeated(&self, k: KeptHead) -> Option<(&Head, u64)> {
+        self.kept.get(k.0).map(|h| (&h.head, h.id))
     }
 
-    /// The packet that a [`Got::Repeat`] of call `call` stands for, with its body frame.
-    pub(crate) fn expand(&self, call: u32, frame: Bytes) -> Option<(Packet, Option<Bytes>)> {
-        let (head, _) = self.repeated()?;
+    /// The packet that a [`Got::Repeat`] of call `call` and kept head `k` stands for,
+    /// with its body frame.
+    pub(crate) fn expand(
+        &self,
+        k: KeptHead,
+        call: u32,
+        frame: Bytes,
+    ) -> Option<(Packet, Option<Bytes>)> {
+        let (head, _) = self.repeated(k)?;
         let mut p = Packet::new(call);
         p.head = Some(head.clone());
         if !self.request {
@@ -104,6 +132,22 @@ impl Demux {
             )
     }
 
+    /// Keeps a head that came twice, in a free slot or else in the next one in turn.
+    fn keep(&mut self, bytes: Vec<u8>, head: Head) {
+        let kept = Kept {
+            bytes,
+            head,
+            id: self.next_id,
+        };
+        self.next_id += 1;
+        if self.kept.len() < Self::MAX_KEPT {
+            self.kept.push(kept);
+        } else {
+            self.kept[self.next_slot] = kept;
+            self.next_slot = (self.next_slot + 1) % Self::MAX_KEPT;
+        }
+    }
+
     /// Whether the next message is the body of a packet already pushed.
     pub(crate) fn awaits_body(&self) -> bool {
         self.partial.is_some()
@@ -127,30 +171,36 @@ impl Demux {
             };
         }
         // A whole unary packet whose head repeats is not decoded again. A head is kept once
-        // it came twice in a row, so a connection whose heads change on every call (a
-        // request id, a trace context) pays a copy of each head, not a map.
+        // it came twice among the last few whole packets, so a connection whose heads
+        // change on every call (a request id, a trace context) pays a copy of each head and
+        // a few comparisons, not a map, and its heads never push out the kept ones.
         let whole = WholeParts::of(&msg, self.request).filter(|w| w.head.len() <= Self::MAX_REPEAT);
-        let mut again = false;
+        let mut again = None;
         if let Some(w) = &whole {
             let head = &msg[w.head.clone()];
-            if let Some((kept, _)) = &self.repeat
-                && kept[..] == *head
-            {
-                return Ok(Got::Repeat(w.call, msg.slice(w.frame.clone())));
+            if let Some(k) = self.kept.iter().position(|k| k.bytes[..] == *head) {
+                return Ok(Got::Repeat(w.call, msg.slice(w.frame.clone()), KeptHead(k)));
             }
-            again = self.last_whole[..] == *head;
-            if !again {
-                self.last_whole.clear();
-                self.last_whole.extend_from_slice(head);
+            match self.recent.iter().position(|r| r[..] == *head) {
+                Some(i) => again = Some(self.recent.remove(i)),
+                None => {
+                    let mut bytes = if self.recent.len() >= Self::MAX_KEPT {
+                        self.recent.remove(0)
+                    } else {
+                        Vec::new()
+                    };
+                    bytes.clear();
+                    bytes.extend_from_slice(head);
+                    self.recent.push(bytes);
+                }
             }
         }
         let mut p = Packet::decode_with(msg, self.request, &self.limits, &mut self.seen)?;
-        if again
+        if let Some(bytes) = again
             && let Some(head) = &p.head
             && (self.request || p.trailers == Some(Trailers::OkInHead))
         {
-            self.repeat = Some((std::mem::take(&mut self.last_whole), head.clone()));
-            self.generation += 1;
+            self.keep(bytes, head.clone());
         }
         match p.data.take() {
             Some(Data::Next(len)) if len > MAX_SEPARATE_BODY => Err(Error::Protocol(format!(
@@ -263,18 +313,19 @@ mod tests {
         p.encode().unwrap()
     }
 
-    /// `d.push(msg)` as a repeat, checked against what the general decoder makes of it.
-    fn repeat(d: &mut Demux, msg: Bytes) -> Packet {
+    /// `d.push(msg)` as a repeat, checked against what the general decoder makes of it:
+    /// the packet, and the kept head's slot and number.
+    fn repeat(d: &mut Demux, msg: Bytes) -> (Packet, usize, u64) {
         let fresh = Packet::decode(msg.clone(), d.request, &Limits::default()).unwrap();
-        let Got::Repeat(id, frame) = d.push(msg).unwrap() else {
+        let Got::Repeat(id, frame, k) = d.push(msg).unwrap() else {
             panic!("not a repeat")
         };
-        let (p, data) = d.expand(id, frame).unwrap();
+        let (p, data) = d.expand(k, id, frame).unwrap();
         assert!(
             Demux::same_packet(&p, data.as_ref(), &fresh),
             "{p:?} {data:?} against {fresh:?}"
         );
-        p
+        (p, k.0, d.repeated(k).unwrap().1)
     }
 
     fn decoded(d: &mut Demux, msg: Bytes) {
@@ -285,16 +336,15 @@ mod tests {
     }
 
     #[test]
-    fn a_whole_head_that_came_twice_in_a_row_is_not_decoded_again() {
+    fn a_whole_head_that_came_twice_lately_is_not_decoded_again() {
         let mut d = Demux::new(true, Limits::default());
-        decoded(&mut d, whole_request(1, None, b"a"));
-        decoded(&mut d, whole_request(3, None, b"b"));
-        assert!(d.repeated().is_some());
-        let p = repeat(&mut d, whole_request(5, None, b"c"));
+        let a = |id| whole_request(id, None, b"a");
+        decoded(&mut d, a(1));
+        decoded(&mut d, a(3));
+        let (p, slot, number) = repeat(&mut d, a(5));
         assert_eq!(p.call, 5);
-        let (_, generation) = d.repeated().unwrap();
-        // Other packets in between leave the kept head alone: a window grant, another
-        // head seen once, a request that is not whole.
+        // Other packets in between leave the kept head alone: a window grant, a head seen
+        // once, a request that is not whole.
         let mut grant = Packet::new(5);
         grant.window = Some(10);
         decoded(&mut d, grant.encode().unwrap());
@@ -304,27 +354,51 @@ mod tests {
         open.data = None;
         open.end = false;
         decoded(&mut d, open.encode().unwrap());
-        repeat(&mut d, whole_request(11, None, b"e"));
-        assert_eq!(d.repeated().unwrap().1, generation);
-        // A new head twice in a row takes the old one's place, with a new generation.
-        decoded(&mut d, whole_request(13, Some("new"), b"f"));
-        decoded(&mut d, whole_request(15, Some("new"), b"g"));
-        repeat(&mut d, whole_request(17, Some("new"), b"h"));
-        assert_eq!(d.repeated().unwrap().1, generation + 1);
-        decoded(&mut d, whole_request(19, None, b"i"));
+        let (_, s, n) = repeat(&mut d, a(11));
+        assert_eq!((s, n), (slot, number));
+        // Heads that take turns (a worker that pushes and pulls) are kept side by side.
+        let b = |id| whole_request(id, Some("b"), b"b");
+        let c = |id| whole_request(id, Some("c"), b"c");
+        for id in [15, 17] {
+            decoded(&mut d, b(id));
+            decoded(&mut d, c(id + 100));
+        }
+        for id in [21, 23] {
+            assert_ne!(repeat(&mut d, b(id)).1, slot);
+            repeat(&mut d, c(id + 100));
+            assert_eq!(repeat(&mut d, a(id + 200)).1, slot);
+        }
+        // Once every slot is taken, a new head takes them in turn, the oldest first, with
+        // a number of its own.
+        let e = |id| whole_request(id, Some("e"), b"e");
+        let f = |id| whole_request(id, Some("f"), b"f");
+        decoded(&mut d, e(31));
+        decoded(&mut d, e(33));
+        repeat(&mut d, e(35));
+        decoded(&mut d, f(41));
+        decoded(&mut d, f(43));
+        let (_, f_slot, f_number) = repeat(&mut d, f(45));
+        assert_eq!(f_slot, slot, "the first slot is taken again");
+        assert!(f_number > number);
+        decoded(&mut d, a(47));
     }
 
     #[test]
     fn a_head_that_changes_every_call_or_is_long_is_always_decoded() {
         let mut d = Demux::new(true, Limits::default());
-        for i in 0..4 {
+        for i in 0..8 {
             decoded(&mut d, whole_request(2 * i + 1, Some(&i.to_string()), b"x"));
+        }
+        // More heads taking turns than are remembered: none is seen again in time.
+        for i in 0..3 * Demux::MAX_KEPT as u32 {
+            let turn = (i % (Demux::MAX_KEPT as u32 + 1)).to_string();
+            decoded(&mut d, whole_request(2 * i + 101, Some(&turn), b"x"));
         }
         let long = "v".repeat(Demux::MAX_REPEAT);
         for i in 0..4 {
-            decoded(&mut d, whole_request(2 * i + 11, Some(&long), b"x"));
+            decoded(&mut d, whole_request(2 * i + 201, Some(&long), b"x"));
         }
-        assert!(d.repeated().is_none());
+        assert!(d.repeated(KeptHead(0)).is_none());
     }
 
     #[test]
@@ -332,7 +406,7 @@ mod tests {
         let mut d = Demux::new(false, Limits::default());
         decoded(&mut d, whole_answer(1, Trailers::Ok));
         decoded(&mut d, whole_answer(3, Trailers::Ok));
-        let p = repeat(&mut d, whole_answer(5, Trailers::Ok));
+        let (p, ..) = repeat(&mut d, whole_answer(5, Trailers::Ok));
         // As the general decoder gives it: the ok trailer merged into the head's map.
         assert_eq!(p.trailers, Some(Trailers::OkInHead));
         let Some(Head::Response { headers, .. }) = &p.head else {

@@ -137,11 +137,11 @@ pub mod fuzzing {
                     }
                     vec![p]
                 }
-                Ok(Got::Repeat(id, frame)) => {
+                Ok(Got::Repeat(id, frame, k)) => {
                     // Not decoded again: it must be exactly what the general decoder makes
                     // of this message on its own.
                     let (p, data) = demux
-                        .expand(id, frame)
+                        .expand(k, id, frame)
                         .ok_or("a repeat with no kept head")?;
                     let Some(f) = fresh else {
                         return Err("a repeat where the general decoder refuses the packet".into());
