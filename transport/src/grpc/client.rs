@@ -377,8 +377,8 @@ impl Shared {
         Shared::deliver(c, ended, p, data);
     }
 
-    /// A whole answer whose head repeats the one `demux` keeps ([`Got::Repeat`]): to its
-    /// caller in one piece with no packet made, when the call waits for its head as a
+    /// A whole answer whose head repeats kept head `k` of `demux` ([`Got::Repeat`]): to
+    /// its caller in one piece with no packet made, when the call waits for its head as a
     /// direct unary call does. Anything else goes on with the packet the repeat stands
     /// for. False where the connection must close.
     fn dispatch_repeat(&self, demux: &Demux, k: KeptHead, id: u32, frame: Bytes) -> bool {

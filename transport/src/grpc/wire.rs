@@ -601,8 +601,8 @@ impl Packet {
 /// packets on a connection of unary calls, and their heads repeat call after call
 /// ([`super::demux::Demux`] decodes such a head once). A request is `HEAD | DATA | END`;
 /// an answer is `HEAD | DATA | TRAILERS` (`END` or not: trailers end the call) of a whole
-/// unary call ([`whole_unary`]) whose trailers are `grpc-status: 0` alone. Only the layout is checked here: the head
-/// block's contents are the general decoder's to judge.
+/// unary call ([`whole_unary`]) whose trailers are `grpc-status: 0` alone. Only the
+/// layout is checked here: the head block's contents are the general decoder's to judge.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct WholeParts {
     pub(crate) call: u32,
