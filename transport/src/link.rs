@@ -461,7 +461,9 @@ pub trait Link: Send + 'static {
         None
     }
 
-    /// Starts closing: the peer sees end of stream once what was sent is delivered.
+    /// Starts closing: the peer sees end of stream once what was sent is delivered. Poll
+    /// [`Link::poll_flush`] until it is ready before dropping the link: a provider may still
+    /// hold sent frames (verbs: unacknowledged sends, which dropping the queue pair discards).
     fn close(&mut self);
 
     /// The connection driver calls this once, before any read: from then on the provider

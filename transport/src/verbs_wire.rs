@@ -1,5 +1,5 @@
-//! The verbs bootstrap's messages after the set-up preface, sans-IO: queue pair info and
-//! the ready byte. Built without the `verbs` feature, so the decoder a peer reaches can be
+//! The verbs bootstrap's messages after the set-up preface, sans-IO: queue pair info, the
+//! ready byte and the goodbye byte. Built without the `verbs` feature, so the decoder a peer reaches can be
 //! tested and fuzzed on any machine; `verbs::bootstrap` runs them on the stream.
 //!
 //! Each message is a u32 little-endian body length and the body; all integers are
@@ -9,6 +9,12 @@ use crate::error::{Error, Result};
 
 /// The byte each side sends once its queue pair is in RTS.
 pub const READY: u8 = 0x52;
+/// The one byte a gracefully closing link writes on the bootstrap socket, just before it
+/// shuts the socket: its close marker (an empty SEND behind its last frame) is already
+/// acknowledged, so the peer waits for that marker in its completion queue rather than
+/// guessing how long its last frames may trail the socket's end. Any other byte after
+/// `READY` is a protocol error.
+pub const BYE: u8 = 0x42;
 /// Bodies are tiny; anything larger is not an Ibex verbs peer.
 pub const MAX_BODY: u32 = 4096;
 

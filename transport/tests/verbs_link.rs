@@ -550,11 +550,43 @@ async fn close_delivers_what_was_sent_then_peer_sees_it_gone() {
             );
         }
         let e = next(&mut s).await.expect_err("peer closed");
-        assert!(matches!(e, Error::PeerGone(_)), "{e}");
+        // A graceful close: the peer said `BYE` behind its marker.
+        assert!(
+            matches!(&e, Error::PeerGone(m) if m.ends_with("closed its verbs link")),
+            "{e}"
+        );
     };
     tokio::join!(flush, rx);
     let r = poll_fn(|cx| c.poll_send(cx, b"late")).await;
     assert!(matches!(r, Err(Error::LocallyClosed)), "{r:?}");
+}
+
+/// What a closed and flushed link sent reaches a peer that looks only after the sender's
+/// queue pair is gone: its end of file and `BYE` are there before the frames are read, and
+/// the peer still delivers every frame up to the close marker, then reports a graceful close.
+#[tokio::test]
+async fn a_flushed_close_survives_the_sender_dropping_its_queue_pair() {
+    let Some(env) = env() else { return };
+    let cfg = small_config();
+    let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
+    // Fewer than the receive slots posted at connect, marker included: no reader needed.
+    for i in 0..5u32 {
+        send(&mut c, &pattern(i, 700)).await;
+    }
+    c.close();
+    tokio::time::timeout(LIMIT, poll_fn(|cx| c.poll_flush(cx)))
+        .await
+        .expect("flush in time")
+        .expect("flush");
+    drop(c);
+    for i in 0..5u32 {
+        assert!(frame(&mut s).await[..] == pattern(i, 700)[..], "frame {i}");
+    }
+    let e = next(&mut s).await.expect_err("peer closed");
+    assert!(
+        matches!(&e, Error::PeerGone(m) if m.ends_with("closed its verbs link")),
+        "{e}"
+    );
 }
 
 #[tokio::test]
@@ -564,7 +596,10 @@ async fn dropped_peer_is_reported_gone() {
     let (s, mut c) = pair_with(&env, &cfg, &cfg).await;
     drop(s);
     let e = next(&mut c).await.expect_err("peer dropped");
-    assert!(matches!(e, Error::PeerGone(_)), "{e}");
+    assert!(
+        matches!(&e, Error::PeerGone(m) if m.contains("without closing the link")),
+        "{e}"
+    );
 }
 
 #[tokio::test]

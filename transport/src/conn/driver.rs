@@ -30,6 +30,12 @@ use crate::proto::{self, Action, Delivery, MsgId, RecvMode, Transmit};
 pub(crate) const API_READ_BIT: u64 = 1 << 63;
 /// Link events handled per driver turn before frames go out again (fairness).
 const EVENTS_PER_TURN: usize = 64;
+/// How long a closed connection waits for its link to deliver its last frames (the core's
+/// `Close` among them) before it drops the link anyway. A link may still hold sent work
+/// after `close` (verbs: sends not yet acknowledged, which dropping the queue pair would
+/// discard); a healthy peer takes milliseconds, and only a dead or stalled one (a verbs peer
+/// that posts no receives) makes a close wait this long.
+const CLOSE_LINGER: Duration = Duration::from_secs(5);
 
 /// Something dropped outside the lock that the driver must act on.
 pub(crate) enum Released {
@@ -185,6 +191,9 @@ pub(crate) struct State {
     pub closed: Option<Error>,
     /// Destinations that reads may still target: freed only after the link is gone.
     graveyard: Vec<Box<dyn Any + Send>>,
+    /// The link was told to close (its last frame went out): when the wait for it to
+    /// deliver them ends ([`CLOSE_LINGER`]).
+    link_linger: Option<Instant>,
     pub close_requested: bool,
     /// What the peer's `Close` says when this side asked to close (empty: nothing to say).
     pub close_reason: String,
@@ -505,6 +514,7 @@ impl State {
             probe_exposure: None,
             closed: None,
             graveyard: Vec::new(),
+            link_linger: None,
             close_requested: false,
             close_reason: String::new(),
             spin_requested: false,
@@ -1490,20 +1500,25 @@ impl State {
                 wake.app |= self.act(a, now);
             }
 
-            // Closing: once the core has said its last word and the link has flushed it,
-            // the link goes, and only then the buffers reads might have targeted.
+            // Closing: once the core has said its last word, the link is told to close and
+            // goes once it has delivered that word (or the linger ends); only then go the
+            // buffers reads might have targeted.
             if self.core.is_closed() && self.pending_tx.is_none() {
                 self.transmit(cx, now);
                 self.fail_pending();
                 let flushed = match self.link.as_mut() {
-                    Some(link) => !matches!(link.poll_flush(cx), Poll::Pending),
+                    Some(_) if self.pending_tx.is_some() => false,
+                    Some(link) => {
+                        let linger = *self.link_linger.get_or_insert_with(|| {
+                            link.close();
+                            now + CLOSE_LINGER
+                        });
+                        !matches!(link.poll_flush(cx), Poll::Pending) || now >= linger
+                    }
                     None => true,
                 };
-                if flushed && self.pending_tx.is_none() {
-                    if let Some(mut link) = self.link.take() {
-                        link.close();
-                        drop(link);
-                    }
+                if flushed {
+                    drop(self.link.take());
                     self.graveyard.clear();
                     self.posted = None;
                     if self.closed.is_none() {
@@ -1526,10 +1541,10 @@ impl State {
                 _ => l,
             });
             self.inline.backstop = lease;
-            let deadline = match (core_deadline, lease) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            let deadline = [core_deadline, lease, self.link_linger]
+                .into_iter()
+                .flatten()
+                .min();
             if let Some(deadline) = deadline {
                 if deadline <= now {
                     if core_deadline.is_some_and(|d| d <= now) {

@@ -8,7 +8,8 @@
 //!    pair that cannot receive yet.
 //!
 //! The messages' bytes are in [`crate::verbs_wire`]. The socket then stays open and
-//! silent: end of file on it means the peer is gone.
+//! silent until the end: a gracefully closing link writes one `BYE` byte and shuts it (see
+//! `VerbsLink::close`); end of file without `BYE` means the peer process is gone.
 
 use std::time::Duration;
 

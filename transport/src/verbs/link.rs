@@ -20,6 +20,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
+use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
@@ -39,15 +40,22 @@ use super::progress::{Progress, Wc};
 use crate::error::{Error, Result};
 use crate::link::{Exposure, Link, LinkEvent, LinkInfo, RecvBuf, Registrar};
 use crate::pool::{Pool, PoolBufMut};
+use crate::verbs_wire::BYE;
 
 pub(crate) const WR_RECV: u64 = 0;
 pub(crate) const WR_SQ: u64 = 1 << 62;
-/// How long a link keeps reading its CQ after the peer's bootstrap socket closed, for
-/// completions that trail the peer's acknowledged last sends; each completion that comes
-/// meanwhile starts it again. Only a vanished peer pays it. 250 ms, not restarted, once
-/// lost a gracefully closing server's last answers on Soft-RoCE under emulation (the
-/// two-host VM, `graceful_shutdown`).
+/// How long a link keeps reading its CQ after the bootstrap socket of a peer that did not
+/// say goodbye ended (it crashed, or dropped its link without closing it), for completions
+/// of frames it sent just before; each completion that comes meanwhile starts it again.
+/// A graceful close does not rely on it: see [`MARKER_WAIT`].
 const PEER_EOF_GRACE: Duration = Duration::from_secs(1);
+/// How long a link waits for the close marker of a peer that said goodbye (`BYE` on the
+/// bootstrap socket) before it gives up on the frames ahead of it. The peer wrote `BYE` only
+/// once the marker was acknowledged, so the marker is already on this side and only its
+/// completion can lag: a grace period guessed at this (250 ms, later 1 s) once lost a
+/// gracefully closing server's last answers on Soft-RoCE under emulation (the two-host VM,
+/// `graceful_shutdown`). Only a broken or hostile peer makes a link wait this long.
+const MARKER_WAIT: Duration = Duration::from_secs(10);
 const WR_KIND: u64 = 3 << 62;
 pub(crate) const IMM_FRAME: u32 = 0;
 pub(crate) const IMM_MARKER: u32 = u32::MAX;
@@ -194,10 +202,16 @@ pub struct VerbsLink {
     wcs: Vec<Wc>,
     events: VecDeque<LinkEvent>,
     dead: Option<Error>,
-    /// The bootstrap socket reported the peer gone: the error, once the grace for its last
-    /// frames' completions ends.
+    /// The bootstrap socket reported the peer gone: the error, once the peer's close marker
+    /// arrives or the wait for its last frames' completions ends.
     peer_eof: Option<(Error, Pin<Box<tokio::time::Sleep>>)>,
+    /// The peer's close marker came: every frame it sent is delivered.
+    peer_marker: bool,
+    /// The peer wrote `BYE`: its marker is acknowledged, so it will come.
+    peer_bye: bool,
     closing: bool,
+    /// `close` posted the marker: shutting the socket writes `BYE` first.
+    bye_due: bool,
     shut: bool,
     send_waker: Option<Waker>,
     event_waker: Option<Waker>,
@@ -320,6 +334,9 @@ impl VerbsLink {
             events: VecDeque::new(),
             dead: None,
             peer_eof: None,
+            peer_marker: false,
+            peer_bye: false,
+            bye_due: false,
             closing: false,
             shut: false,
             send_waker: None,
@@ -546,7 +563,7 @@ impl VerbsLink {
             Some(None) => self.die(Error::Protocol(
                 "receive completion outside the receive slab".into(),
             )),
-            None => {}
+            None => self.peer_marker = true,
         }
     }
 
@@ -624,28 +641,66 @@ impl VerbsLink {
             return;
         }
         self.shut = true;
+        if self.bye_due {
+            // Straight to the socket: tokio's write may say Pending (its readiness not yet
+            // seen, the task's budget spent), and nothing would poll it again. The socket has
+            // carried nothing since set-up, so one byte fits its buffer; should it not, the
+            // peer sees a plain end of file and waits its shorter grace.
+            let bye = [BYE];
+            // SAFETY: a one-byte send from a live buffer on the socket this link owns.
+            let sent = unsafe {
+                libc::send(
+                    self.tcp.as_raw_fd(),
+                    bye.as_ptr().cast(),
+                    1,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if sent != 1 {
+                tracing::debug!(
+                    error = %std::io::Error::last_os_error(),
+                    "verbs: the close's BYE did not go out; the peer waits its shorter grace"
+                );
+            }
+        }
         // TcpStream's shutdown is a plain syscall that never returns Pending.
         let mut cx = Context::from_waker(Waker::noop());
         let _ = Pin::new(&mut self.tcp).poll_shutdown(&mut cx);
     }
 
-    /// `Some(err)` once the bootstrap socket reports the peer gone.
+    /// `Some(err)` once the bootstrap socket reports the peer gone; notes its `BYE` on the way.
     fn poll_peer(&mut self, cx: &mut Context<'_>) -> Option<Error> {
-        let mut b = [0u8; 1];
-        let mut rb = ReadBuf::new(&mut b);
-        match Pin::new(&mut self.tcp).poll_read(cx, &mut rb) {
-            Poll::Pending => None,
-            Poll::Ready(Ok(())) if rb.filled().is_empty() => Some(Error::PeerGone(format!(
-                "{} closed its verbs bootstrap connection (process exited or link closed)",
-                self.peer
-            ))),
-            Poll::Ready(Ok(())) => Some(Error::Protocol(
-                "unexpected data on the verbs bootstrap connection".into(),
-            )),
-            Poll::Ready(Err(e)) => Some(Error::PeerGone(format!(
-                "verbs bootstrap connection to {} failed: {e}",
-                self.peer
-            ))),
+        loop {
+            let mut b = [0u8; 1];
+            let mut rb = ReadBuf::new(&mut b);
+            let got = match Pin::new(&mut self.tcp).poll_read(cx, &mut rb) {
+                Poll::Pending => return None,
+                Poll::Ready(Ok(())) => rb.filled().first().copied(),
+                Poll::Ready(Err(e)) => {
+                    return Some(Error::PeerGone(format!(
+                        "verbs bootstrap connection to {} failed: {e}",
+                        self.peer
+                    )));
+                }
+            };
+            return Some(match got {
+                Some(BYE) if !self.peer_bye => {
+                    self.peer_bye = true;
+                    continue;
+                }
+                Some(byte) => Error::Protocol(format!(
+                    "unexpected byte {byte:#04x} on the verbs bootstrap connection after set-up \
+                     (only one BYE may come): is the peer an Ibex verbs link of this version?"
+                )),
+                None if self.peer_bye => {
+                    Error::PeerGone(format!("{} closed its verbs link", self.peer))
+                }
+                None => Error::PeerGone(format!(
+                    "{} closed its verbs bootstrap connection without closing the link \
+                     (the process exited, or dropped the link unclosed)",
+                    self.peer
+                )),
+            });
         }
     }
 
@@ -815,7 +870,13 @@ impl Link for VerbsLink {
             match self.progress.poll_fetch(cx, &mut self.wcs) {
                 Poll::Ready(Ok(())) => {
                     self.process();
-                    if let Some((_, grace)) = &mut self.peer_eof {
+                    if self.peer_marker
+                        && let Some((e, _)) = self.peer_eof.take()
+                    {
+                        self.die(e);
+                    } else if !self.peer_bye
+                        && let Some((_, grace)) = &mut self.peer_eof
+                    {
                         grace
                             .as_mut()
                             .reset(tokio::time::Instant::now() + PEER_EOF_GRACE);
@@ -832,12 +893,21 @@ impl Link for VerbsLink {
                 && let Some(e) = self.poll_peer(cx)
             {
                 // Frames the peer sent before leaving may still sit in the CQ, or not be
-                // there yet: a peer that closes gracefully shuts its socket once its last
-                // sends are acknowledged, and the acknowledgement can overtake the
-                // completion on this side (Soft-RoCE). Keep reading the CQ for a moment,
-                // so the peer's last frames (its close among them) are delivered first.
+                // there yet: the acknowledgement of a send can overtake its completion on
+                // this side (Soft-RoCE). A peer that said `BYE` closed behind a marker that
+                // is already here: deliver everything up to it, however long its completion
+                // takes. Without `BYE`, nothing says what is still coming; wait a moment.
                 self.reap();
-                self.peer_eof = Some((e, Box::pin(tokio::time::sleep(PEER_EOF_GRACE))));
+                if self.peer_marker || matches!(e, Error::Protocol(_)) {
+                    self.die(e);
+                } else {
+                    let wait = if self.peer_bye {
+                        MARKER_WAIT
+                    } else {
+                        PEER_EOF_GRACE
+                    };
+                    self.peer_eof = Some((e, Box::pin(tokio::time::sleep(wait))));
+                }
                 continue;
             }
             if let Some((_, grace)) = &mut self.peer_eof
@@ -845,7 +915,18 @@ impl Link for VerbsLink {
                 && let Some((e, _)) = self.peer_eof.take()
             {
                 self.reap();
-                self.die(e);
+                if self.peer_marker {
+                    self.die(e);
+                } else if self.peer_bye {
+                    self.die(Error::PeerGone(format!(
+                        "{} closed its verbs link, but its close marker did not arrive within \
+                         {MARKER_WAIT:?}: frames it sent last are lost (is the RDMA device \
+                         healthy on both sides?)",
+                        self.peer
+                    )));
+                } else {
+                    self.die(e);
+                }
                 continue;
             }
             self.event_waker = Some(cx.waker().clone());
@@ -995,15 +1076,19 @@ impl Link for VerbsLink {
         if self.closing {
             return;
         }
+        // Completions first: once `closing` is set, an empty send queue shuts the socket,
+        // which must wait for the marker below.
+        self.reap();
         self.closing = true;
         if self.dead.is_some() {
             self.shutdown_socket();
             return;
         }
-        self.reap();
-        if self.unsignaled > 0 {
-            // The tail of unsignalled sends produces no completion of its own: post a signalled
-            // empty marker behind it (the peer reposts its slot and delivers nothing).
+        {
+            // An empty signalled marker behind the last frame (the peer reposts its slot and
+            // delivers nothing). Its completion retires the tail of unsignalled sends, which
+            // produces none of its own; and once it is acknowledged, `BYE` tells the peer that
+            // everything up to it is on its side (see `MARKER_WAIT`).
             let seq = self.next_seq;
             let (lkey, addr) = (self.send_mem[0].lkey, self.send_mem[0].addr(0));
             let mut guard = self.qp.start_post_send();
@@ -1016,6 +1101,7 @@ impl Link for VerbsLink {
                 Ok(()) => {
                     self.next_seq += 1;
                     self.unsignaled = 0;
+                    self.bye_due = true;
                     self.sq.push_back(SqEntry {
                         seq,
                         kind: SqKind::Marker,
