@@ -373,6 +373,15 @@ impl VerbsLink {
         self.max_rd
     }
 
+    /// The bootstrap socket, for tests that play a broken peer on it (a `BYE` with no
+    /// close marker behind it, a stray byte). Not for applications: the link owns what
+    /// travels on it.
+    #[doc(hidden)]
+    pub fn bootstrap_socket(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.tcp.as_fd()
+    }
+
     /// True when completions come from a dedicated busy-poll thread (`IBEX_VERBS_BUSY_POLL=1`).
     pub fn busy_polling(&self) -> bool {
         matches!(self.progress, Progress::Busy { .. })
