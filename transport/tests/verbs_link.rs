@@ -589,14 +589,20 @@ async fn a_flushed_close_survives_the_sender_dropping_its_queue_pair() {
     );
 }
 
-/// Plays a broken peer on `c`'s bootstrap socket: writes `bytes`, then shuts the socket,
-/// while `c`'s queue pair lives on and posts nothing (no close marker).
-fn write_on_bootstrap(c: &VerbsLink, bytes: &[u8]) {
+/// Plays a broken peer: a fresh pair's client writes `bytes` on its bootstrap socket and
+/// shuts it, while its queue pair lives on and posts nothing (no close marker). Returns how
+/// the server's link ends.
+async fn end_after_bootstrap_bytes(env: &Env, bytes: &[u8]) -> Error {
     use std::io::Write;
+    let cfg = small_config();
+    let (mut s, c) = pair_with(env, &cfg, &cfg).await;
     let fd = c.bootstrap_socket().try_clone_to_owned().expect("dup");
     let mut sock = std::net::TcpStream::from(fd);
     sock.write_all(bytes).expect("write");
     sock.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    let e = next(&mut s).await.expect_err("the peer's link is over");
+    drop(c);
+    e
 }
 
 /// A peer that says `BYE` but whose close marker never comes: given up after the wait for
@@ -604,32 +610,24 @@ fn write_on_bootstrap(c: &VerbsLink, bytes: &[u8]) {
 #[tokio::test]
 async fn a_bye_without_its_marker_is_given_up_in_time() {
     let Some(env) = env() else { return };
-    let cfg = small_config();
-    let (mut s, c) = pair_with(&env, &cfg, &cfg).await;
-    write_on_bootstrap(&c, &[ibex_transport::verbs_wire::BYE]);
-    let e = next(&mut s).await.expect_err("the peer's link is over");
+    let e = end_after_bootstrap_bytes(&env, &[ibex_transport::verbs_wire::BYE]).await;
     assert!(
         matches!(&e, Error::PeerGone(m) if m.contains("close marker did not arrive")),
         "{e}"
     );
-    drop(c);
 }
 
 /// Anything but one `BYE` on the bootstrap socket after set-up is a protocol error, at once.
 #[tokio::test]
 async fn a_stray_byte_on_the_bootstrap_socket_is_a_protocol_error() {
     let Some(env) = env() else { return };
-    let cfg = small_config();
     let bye = ibex_transport::verbs_wire::BYE;
     for bytes in [&[0x00][..], &[bye, bye][..]] {
-        let (mut s, c) = pair_with(&env, &cfg, &cfg).await;
-        write_on_bootstrap(&c, bytes);
-        let e = next(&mut s).await.expect_err("the peer broke the protocol");
+        let e = end_after_bootstrap_bytes(&env, bytes).await;
         assert!(
             matches!(&e, Error::Protocol(m) if m.contains("on the verbs bootstrap connection")),
             "{bytes:?}: {e}"
         );
-        drop(c);
     }
 }
 
