@@ -16,7 +16,8 @@
 //!   slot or the send-queue sequence number. Send-queue completions arrive in posting order,
 //!   so one sequence number retires everything posted up to it.
 //! - Frames travel as SEND-with-immediate: `IMM_FRAME` for frames, `IMM_MARKER` for the
-//!   empty flush marker that `close` posts. The values read the same in either byte order.
+//!   empty marker `close` posts behind the last frame (see `MARKER_WAIT`). The values read
+//!   the same in either byte order.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
@@ -924,9 +925,7 @@ impl Link for VerbsLink {
                 && let Some((e, _)) = self.peer_eof.take()
             {
                 self.reap();
-                if self.peer_marker {
-                    self.die(e);
-                } else if self.peer_bye {
+                if self.peer_bye && !self.peer_marker {
                     self.die(Error::PeerGone(format!(
                         "{} closed its verbs link, but its close marker did not arrive within \
                          {MARKER_WAIT:?}: frames it sent last are lost (is the RDMA device \
@@ -1093,33 +1092,31 @@ impl Link for VerbsLink {
             self.shutdown_socket();
             return;
         }
-        {
-            // An empty signalled marker behind the last frame (the peer reposts its slot and
-            // delivers nothing). Its completion retires the tail of unsignalled sends, which
-            // produces none of its own; and once it is acknowledged, `BYE` tells the peer that
-            // everything up to it is on its side (see `MARKER_WAIT`).
-            let seq = self.next_seq;
-            let (lkey, addr) = (self.send_mem[0].lkey, self.send_mem[0].addr(0));
-            let mut guard = self.qp.start_post_send();
-            let wr = guard
-                .construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled)
-                .setup_send_imm(IMM_MARKER);
-            // SAFETY: zero bytes of registered send memory are named; nothing is read.
-            unsafe { wr.setup_sge(lkey, addr, 0) };
-            match guard.post() {
-                Ok(()) => {
-                    self.next_seq += 1;
-                    self.unsignaled = 0;
-                    self.bye_due = true;
-                    self.sq.push_back(SqEntry {
-                        seq,
-                        kind: SqKind::Marker,
-                    });
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "verbs: posting the close marker failed");
-                    self.shutdown_socket();
-                }
+        // An empty signalled marker behind the last frame (the peer reposts its slot and
+        // delivers nothing). Its completion retires the tail of unsignalled sends, which
+        // produces none of its own; and once it is acknowledged, `BYE` tells the peer that
+        // everything up to it is on its side (see `MARKER_WAIT`).
+        let seq = self.next_seq;
+        let (lkey, addr) = (self.send_mem[0].lkey, self.send_mem[0].addr(0));
+        let mut guard = self.qp.start_post_send();
+        let wr = guard
+            .construct_wr(WR_SQ | seq, WorkRequestFlags::Signaled)
+            .setup_send_imm(IMM_MARKER);
+        // SAFETY: zero bytes of registered send memory are named; nothing is read.
+        unsafe { wr.setup_sge(lkey, addr, 0) };
+        match guard.post() {
+            Ok(()) => {
+                self.next_seq += 1;
+                self.unsignaled = 0;
+                self.bye_due = true;
+                self.sq.push_back(SqEntry {
+                    seq,
+                    kind: SqKind::Marker,
+                });
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "verbs: posting the close marker failed");
+                self.shutdown_socket();
             }
         }
         if self.sq.is_empty() {
