@@ -1,6 +1,7 @@
 //! The verbs bootstrap's messages after the set-up preface, sans-IO: queue pair info, the
-//! ready byte and the goodbye byte. Built without the `verbs` feature, so the decoder a peer reaches can be
-//! tested and fuzzed on any machine; `verbs::bootstrap` runs them on the stream.
+//! ready byte and the goodbye byte. Built without the `verbs` feature, so the decoder a
+//! peer reaches can be tested and fuzzed on any machine; `verbs::bootstrap` runs them on
+//! the stream.
 //!
 //! Each message is a u32 little-endian body length and the body; all integers are
 //! little-endian.
