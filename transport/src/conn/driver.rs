@@ -340,7 +340,7 @@ impl State {
         let now = Instant::now();
         let mut wake = Wake::default();
         let was_full = self.queue_full();
-        let handled = self.read_inline(&mut wake);
+        let handled = self.read_inline(&mut wake, now);
         if let Some((r, _)) = self.pop_delivered() {
             if r.is_ok() {
                 self.stats.inline_reads += 1;
@@ -362,11 +362,11 @@ impl State {
             // copies to run, closing, a lease its timer does not cover, or a link left
             // unarmed with no lease (others wait: the driver must arm it now, since a
             // woken reader that may not spin leaves it to the driver).
-            let driver = self.after_inline() || others_wait || !self.backstop_covers();
+            let driver = self.after_inline(now) || others_wait || !self.backstop_covers();
             self.space_freed |= was_full && !self.queue_full();
             return (Take::Got(r), driver, others);
         }
-        let driver = handled && self.after_inline();
+        let driver = handled && self.after_inline(now);
         self.space_freed |= was_full && !self.queue_full();
         match self.inline.spinner {
             Some((_, since)) if now.duration_since(since) < self.inline.budget() => (
@@ -398,8 +398,11 @@ impl State {
 
     /// Handles link events on a receiver's task, as the driver would, until one delivers a
     /// message. Polls without arming the link's sleep ([`Link::try_event`]).
-    /// Returns true if it handled anything.
-    fn read_inline(&mut self, wake: &mut Wake) -> bool {
+    /// Returns true if it handled anything. `now` is the receiver's step's clock: a clock
+    /// read costs about as much as taking a small message, and nothing here needs one
+    /// fresher than this step's (the probe's samples are answers to frames sent in earlier
+    /// steps, each with its own `now`).
+    fn read_inline(&mut self, wake: &mut Wake, now: Instant) -> bool {
         let mut handled = false;
         for _ in 0..EVENTS_PER_TURN {
             if !self.delivered.is_empty() || self.closed.is_some() {
@@ -410,7 +413,7 @@ impl State {
             };
             handled = true;
             let failed = ev.is_err();
-            self.handle_event(ev, Instant::now(), wake);
+            self.handle_event(ev, now, wake);
             if failed {
                 break;
             }
@@ -423,8 +426,8 @@ impl State {
     /// copies to run (an RTS read inline posts its reads, which on shm are link work only
     /// the driver runs; left to the lease they would wait out the whole spin budget), or
     /// to close.
-    fn after_inline(&mut self) -> bool {
-        let sent = self.transmit_inline();
+    fn after_inline(&mut self, now: Instant) -> bool {
+        let sent = self.transmit_inline(now);
         !sent || self.needs_driver() || self.link.as_ref().is_some_and(|l| l.has_work())
     }
 
@@ -568,9 +571,10 @@ impl State {
         self.closed.clone().unwrap_or(Error::LocallyClosed)
     }
 
-    /// Queues one application message; rendezvous messages are exposed first.
+    /// Queues one application message at `now`; rendezvous messages are exposed first.
     pub fn send(
         &mut self,
+        now: Instant,
         msg: Bytes,
         done: Option<oneshot::Sender<Result<(), Error>>>,
     ) -> Result<(), Error> {
@@ -580,7 +584,6 @@ impl State {
         if self.close_requested {
             return Err(Error::LocallyClosed);
         }
-        let now = Instant::now();
         let len = msg.len() as u64;
         match self.core.classify(len)? {
             proto::Protocol::Eager => {
@@ -1358,10 +1361,10 @@ impl State {
 
     /// Like [`State::transmit`] from outside the driver, with a no-op waker: returns false
     /// if the link pushed back (then its wake-up registration is not the driver's, and the
-    /// driver must be woken to retry).
-    pub fn transmit_inline(&mut self) -> bool {
+    /// driver must be woken to retry). `now` is the caller's: the one it queued with.
+    pub fn transmit_inline(&mut self, now: Instant) -> bool {
         let mut cx = Context::from_waker(std::task::Waker::noop());
-        !self.transmit_inner(&mut cx, Instant::now()).1
+        !self.transmit_inner(&mut cx, now).1
     }
 
     /// (something was sent, the link pushed back)
