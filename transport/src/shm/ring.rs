@@ -13,7 +13,9 @@
 //! Ordering: the producer writes the record, then publishes `head` with `Release`; the
 //! consumer loads `head` with `Acquire` before reading records, and publishes `tail` with
 //! `Release` once it has copied a record out, which the producer loads with `Acquire` before
-//! reusing the space.
+//! reusing the space. Each side keeps the other's position as last loaded and loads it
+//! again only when that says empty (consumer) or full (producer): the other side writes
+//! that line on every record, so a load per record would be a cache miss per record.
 //!
 //! Wakeups (Dekker style, so no wakeup is lost): a consumer about to sleep stores
 //! `consumer_sleeping = 1`, issues a `SeqCst` fence and re-checks `head`; a producer stores
@@ -98,6 +100,11 @@ pub struct Producer {
     data: *mut u8,
     cap: u64,
     head: u64,
+    /// `tail` as this producer last loaded it. It only grows, so space free by it is
+    /// free. A push loads `tail` again only when that is not enough room: `tail`'s line is
+    /// written by the consumer on every pop, so loading it on every push is a miss on
+    /// the other core, taken before the record can be written.
+    tail_seen: u64,
 }
 
 // SAFETY: the pointers refer to shared memory kept mapped by the owner of the producer for
@@ -119,6 +126,8 @@ impl Producer {
             data,
             cap: cap as u64,
             head,
+            // The least `tail` can be: a push that needs more room loads it.
+            tail_seen: head.saturating_sub(cap as u64),
         }
     }
 
@@ -133,24 +142,28 @@ impl Producer {
     }
 
     /// Space needed for a payload of `len`, counting a wrap marker if the record would not
-    /// fit before the end, and the space free now.
-    fn need_and_free(&self, len: usize) -> Result<(u64, u64), Error> {
+    /// fit before the end.
+    fn need(&self, len: usize) -> u64 {
         let need = padded(len);
         let off = self.head % self.cap;
         let to_end = self.cap - off;
-        let total = if need > to_end { to_end + need } else { need };
-        let tail = self.hdr().tail.0.load(Ordering::Acquire);
-        let used = self.head.wrapping_sub(tail);
-        if tail > self.head || used > self.cap {
-            return Err(corrupt("consumer position is outside the ring"));
-        }
-        Ok((total, self.cap - used))
+        if need > to_end { to_end + need } else { need }
     }
 
-    /// True if a payload of `len` bytes fits now.
+    /// The consumer's position now, checked.
+    fn load_tail(&self) -> Result<u64, Error> {
+        let tail = self.hdr().tail.0.load(Ordering::Acquire);
+        if tail > self.head || self.head - tail > self.cap {
+            return Err(corrupt("consumer position is outside the ring"));
+        }
+        Ok(tail)
+    }
+
+    /// True if a payload of `len` bytes fits now (`tail` loaded afresh: for a producer
+    /// about to sleep, after [`Producer::set_waiting`]).
     pub fn has_room(&self, len: usize) -> Result<bool, Error> {
-        let (total, free) = self.need_and_free(len)?;
-        Ok(total <= free)
+        let tail = self.load_tail()?;
+        Ok(self.need(len) <= self.cap - (self.head - tail))
     }
 
     /// Appends one record. `Ok(false)` when the ring has no room for it now.
@@ -170,9 +183,12 @@ impl Producer {
                 which: "largest record of the shm ring (a quarter of its size)",
             });
         }
-        let (total, free) = self.need_and_free(len)?;
-        if total > free {
-            return Ok(false);
+        let total = self.need(len);
+        if total > self.cap - (self.head - self.tail_seen) {
+            self.tail_seen = self.load_tail()?;
+            if total > self.cap - (self.head - self.tail_seen) {
+                return Ok(false);
+            }
         }
         let mut off = (self.head % self.cap) as usize;
         if total != padded(len) {
@@ -477,7 +493,16 @@ mod tests {
         assert!(matches!(c.peek(), Err(Error::Protocol(_))));
         h.hdr.head.0.store(0, Ordering::Relaxed);
         h.hdr.tail.0.store(7, Ordering::Relaxed);
-        assert!(matches!(p.try_push(0, b"x"), Err(Error::Protocol(_))));
+        assert!(matches!(p.has_room(1), Err(Error::Protocol(_))));
+        // A push loads `tail` only once the room it knew of is used up, then sees it.
+        h.hdr.tail.0.store(1000, Ordering::Relaxed);
+        let pushed = (0..20)
+            .map(|_| p.try_push(0, b"x"))
+            .find(|r| !matches!(r, Ok(true)));
+        assert!(
+            matches!(pushed, Some(Err(Error::Protocol(_)))),
+            "{pushed:?}"
+        );
         h.hdr.tail.0.store(0, Ordering::Relaxed);
         // A record header claiming more than was published.
         let (h2, _p2, mut c2) = ring(128);
