@@ -1055,30 +1055,49 @@ impl Connection {
     }
 
     fn on_eager(&mut self, mut msgs: Vec<Bytes>) {
+        if let Some(m) = msgs
+            .iter()
+            .find(|m| m.len() as u64 > self.cfg.max_message_size)
+        {
+            return self.violation(format!(
+                "eager message of {} bytes exceeds our max_message_size of {} bytes",
+                m.len(),
+                self.cfg.max_message_size
+            ));
+        }
         let group = (msgs.len() > 1).then_some(self.next_recv_seq);
         if let Some(first) = group {
             self.groups.insert(first, msgs.len() as u16);
         }
+        // Every earlier message delivered (the usual case): these go out as they come,
+        // without a stop in the reorder map.
+        let in_order = self.next_deliver == self.next_recv_seq;
+        let tag = group.map_or(CreditTag::Single, CreditTag::Group);
         let mut taken = msgs.drain(..);
         for m in taken.by_ref() {
-            if m.len() as u64 > self.cfg.max_message_size {
-                return self.violation(format!(
-                    "eager message of {} bytes exceeds our max_message_size of {} bytes",
-                    m.len(),
-                    self.cfg.max_message_size
-                ));
-            }
             self.stats.eager_msgs_recv += 1;
             self.stats.eager_bytes_recv += m.len() as u64;
-            self.recv.insert(self.next_recv_seq, InMsg::Eager(m, group));
+            let msg = self.next_recv_seq;
             self.next_recv_seq += 1;
+            if in_order {
+                self.next_deliver = self.next_recv_seq;
+                self.unconsumed.insert(msg, tag);
+                self.actions.push_back(Action::Deliver {
+                    msg,
+                    data: Delivery::Eager(m),
+                });
+            } else {
+                self.recv.insert(msg, InMsg::Eager(m, group));
+            }
         }
         drop(taken);
         // Kept for the next frame's decode, as `pack_buf` is for sending.
         if msgs.capacity() <= 256 {
             self.recv_buf = msgs;
         }
-        self.deliver_ready();
+        if !in_order {
+            self.deliver_ready();
+        }
     }
 
     fn on_rts(&mut self, seq: MsgId, len: u64, desc: Bytes) {
