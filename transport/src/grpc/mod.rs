@@ -486,13 +486,20 @@ pub(crate) async fn read_while<F: Future>(src: &dyn ReadSource, fut: F) -> F::Ou
 #[derive(Default)]
 pub(crate) struct Flag {
     set: AtomicBool,
+    /// Someone may be in `wait`: only then does `set` wake anyone. Most flags (a unary
+    /// call's) are never waited on, and `notify_waiters` takes a lock every time.
+    waited: AtomicBool,
     notify: Notify,
 }
 
 impl Flag {
     fn set(&self) {
-        self.set.store(true, Ordering::Release);
-        self.notify.notify_waiters();
+        // SeqCst on both sides, store then load (here and in `wait`): either `wait` sees
+        // the flag set, or this sees a waiter whose wake-up is already registered.
+        self.set.store(true, Ordering::SeqCst);
+        if self.waited.load(Ordering::SeqCst) {
+            self.notify.notify_waiters();
+        }
     }
 
     fn is_set(&self) -> bool {
@@ -504,7 +511,8 @@ impl Flag {
             let n = self.notify.notified();
             tokio::pin!(n);
             n.as_mut().enable();
-            if self.is_set() {
+            self.waited.store(true, Ordering::SeqCst);
+            if self.set.load(Ordering::SeqCst) {
                 return;
             }
             n.await;
@@ -519,6 +527,9 @@ pub(crate) struct CallShared {
     /// Bytes this side may still send before the peer grants more.
     send_window: std::sync::Mutex<i64>,
     send_space: Notify,
+    /// A sender may be waiting for window (`acquire`): only then do a grant and the end
+    /// wake anyone, as in [`Flag`].
+    space_waited: AtomicBool,
     /// Bytes received but not yet granted back; the peer never lets this pass `WINDOW`.
     recv_outstanding: AtomicI64,
     /// The call's first packet went out, or never will (`head_skipped`): a cancel must not
@@ -537,6 +548,7 @@ impl CallShared {
             done: Flag::default(),
             send_window: std::sync::Mutex::new(WINDOW),
             send_space: Notify::new(),
+            space_waited: AtomicBool::new(false),
             recv_outstanding: AtomicI64::new(0),
             head_sent: Flag::default(),
             head_skipped: AtomicBool::new(false),
@@ -547,7 +559,7 @@ impl CallShared {
     /// Ends the call for this side and wakes everything waiting on it.
     fn finish(&self) {
         self.done.set();
-        self.send_space.notify_waiters();
+        self.wake_senders();
     }
 
     fn grant(&self, n: u32) {
@@ -555,7 +567,16 @@ impl CallShared {
             // Saturating: a peer granting u32::MAX over and over must not wrap the window.
             *w = w.saturating_add(i64::from(n));
         }
-        self.send_space.notify_waiters();
+        self.wake_senders();
+    }
+
+    /// After the window or the end changed. A sender in `acquire` announced itself before
+    /// looking at either (SeqCst store, then the window's lock or a SeqCst load), so it saw
+    /// the change or is seen here.
+    fn wake_senders(&self) {
+        if self.space_waited.load(Ordering::SeqCst) {
+            self.send_space.notify_waiters();
+        }
     }
 
     /// Takes `len` bytes of window if there is any left (a frame may go while the window
@@ -576,7 +597,8 @@ impl CallShared {
             let n = self.send_space.notified();
             tokio::pin!(n);
             n.as_mut().enable();
-            if self.done.is_set() {
+            self.space_waited.store(true, Ordering::SeqCst);
+            if self.done.set.load(Ordering::SeqCst) {
                 return false;
             }
             if self.try_acquire(len) {

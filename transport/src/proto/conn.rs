@@ -1165,6 +1165,10 @@ impl Connection {
 
     /// Gives `msg`'s bytes back to the receive budget, and lets deferred receives in.
     fn uncharge(&mut self, msg: MsgId) {
+        // Only rendezvous messages are charged: an eager one skips the lookup.
+        if self.charged.is_empty() {
+            return;
+        }
         if let Some(len) = self.charged.remove(&msg) {
             self.charged_bytes -= len;
             self.admit();
