@@ -42,6 +42,9 @@ pub const HEADER_BYTES: usize = 256;
 /// Bytes of a record header (`len`, `type`, padding).
 pub const RECORD_HEADER: usize = 8;
 const WRAP: u32 = u32::MAX;
+/// A producer past this offset into the ring goes back to its start as soon as the
+/// consumer has caught up (see [`Producer::try_push_parts`]).
+const EARLY_WRAP: u64 = 4096;
 
 #[repr(C, align(64))]
 struct Line<T>(T);
@@ -105,6 +108,9 @@ pub struct Producer {
     /// written by the consumer on every pop, so loading it on every push is a miss on
     /// the other core, taken before the record can be written.
     tail_seen: u64,
+    /// No early wrap is tried before `head` reaches this (one `tail` load per
+    /// [`EARLY_WRAP`] bytes at most while the consumer lags).
+    wrap_try_at: u64,
 }
 
 // SAFETY: the pointers refer to shared memory kept mapped by the owner of the producer for
@@ -128,6 +134,7 @@ impl Producer {
             head,
             // The least `tail` can be: a push that needs more room loads it.
             tail_seen: head.saturating_sub(cap as u64),
+            wrap_try_at: head,
         }
     }
 
@@ -183,7 +190,23 @@ impl Producer {
                 which: "largest record of the shm ring (a quarter of its size)",
             });
         }
-        let total = self.need(len);
+        let mut total = self.need(len);
+        let off = self.head % self.cap;
+        if off >= EARLY_WRAP && total == padded(len) && self.head >= self.wrap_try_at {
+            // Back to the ring's start once the consumer has caught up: records then
+            // reuse the few lines both cores have just had, instead of marching through
+            // a ring's worth of cold ones (a round trip touches two new lines a side).
+            // Skipping to the end fits when what is in use ends before this offset.
+            let fits = |tail: u64| self.head - tail + padded(len) <= off;
+            if !fits(self.tail_seen) {
+                self.tail_seen = self.load_tail()?;
+            }
+            if fits(self.tail_seen) {
+                total += self.cap - off;
+            } else {
+                self.wrap_try_at = self.head + EARLY_WRAP;
+            }
+        }
         if total > self.cap - (self.head - self.tail_seen) {
             self.tail_seen = self.load_tail()?;
             if total > self.cap - (self.head - self.tail_seen) {
@@ -545,6 +568,49 @@ mod tests {
         }
         prod.join().unwrap();
         drop(h);
+    }
+
+    #[test]
+    fn a_caught_up_consumer_brings_the_producer_back_to_the_start() {
+        let cap = 1 << 16;
+        let (_h, mut p, mut c) = ring(cap);
+        for i in 0..5_000usize {
+            let payload = vec![i as u8; 90 + i % 20];
+            assert!(p.try_push(1, &payload).unwrap());
+            // Ping-pong: every record stays within the first lines of the ring.
+            assert!(p.head % cap as u64 <= EARLY_WRAP + padded(payload.len()));
+            assert_eq!(pop_vec(&mut c), Some((1, payload)));
+        }
+        assert!(p.head > cap as u64, "the producer went round the ring");
+    }
+
+    #[test]
+    fn a_lagging_consumer_keeps_every_record_in_order_past_the_early_wrap() {
+        let cap = 1 << 15;
+        let (_h, mut p, mut c) = ring(cap);
+        let mut expected = std::collections::VecDeque::new();
+        for i in 0..20_000usize {
+            let payload = vec![i as u8; (i * 7) % 300];
+            if !p.try_push((i % 5) as u8, &payload).unwrap() {
+                while let Some(got) = pop_vec(&mut c) {
+                    assert_eq!(Some(got), expected.pop_front());
+                }
+                assert!(p.try_push((i % 5) as u8, &payload).unwrap());
+            }
+            expected.push_back(((i % 5) as u8, payload));
+            // The consumer takes some, not all: it lags behind the producer.
+            if i % 4 == 0 {
+                for _ in 0..3 {
+                    if let Some(got) = pop_vec(&mut c) {
+                        assert_eq!(Some(got), expected.pop_front());
+                    }
+                }
+            }
+        }
+        while let Some(got) = pop_vec(&mut c) {
+            assert_eq!(Some(got), expected.pop_front());
+        }
+        assert!(expected.is_empty());
     }
 }
 
