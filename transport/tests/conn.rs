@@ -359,6 +359,29 @@ async fn oversize_message_is_refused(p: &str) {
     assert!(e.to_string().contains("max_message_size"), "{e}");
 }
 
+/// A listener closed with `close` has let go of its port when `close` returns, so a server
+/// restarted at the same address binds at once (a drop closes the socket a moment later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_listener_frees_its_address_at_once() {
+    let first = listen("tcp://127.0.0.1:0", Config::default())
+        .await
+        .unwrap();
+    let addr = first.local_uri();
+    let peer = connect(&addr, Config::default());
+    let (accepted, dialed) = tokio::join!(first.accept(), peer);
+    let (accepted, dialed) = (accepted.unwrap(), dialed.unwrap());
+    first.close().await;
+    for i in 0..50 {
+        let l = listen(&addr, Config::default())
+            .await
+            .unwrap_or_else(|e| panic!("round {i}: {addr} still in use after close: {e}"));
+        l.close().await;
+    }
+    // The connection made before is not the listener's: it still works.
+    dialed.send(Bytes::from_static(b"after")).await.unwrap();
+    assert_eq!(accepted.recv().await.unwrap(), Bytes::from_static(b"after"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_pool_buffers_move_without_copy() {
     let (a, b) = pair_with("shm", "pool", fixed_threshold(4096)).await;

@@ -842,7 +842,7 @@ impl Drop for RemoteBuf {
 /// its shm socket file.
 pub struct Listener {
     ready: tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Connection>>,
-    acceptors: Vec<tokio::task::AbortHandle>,
+    acceptors: Vec<tokio::task::JoinHandle<()>>,
     socket_files: Vec<crate::shm::SocketFile>,
     local_uri: String,
     shm_uri: Option<String>,
@@ -881,7 +881,7 @@ impl Listener {
             if let accept::Source::Shm(l) = &source {
                 socket_files.push(l.socket_file());
             }
-            acceptors.push(tokio::spawn(accept::run(source, shared.clone())).abort_handle());
+            acceptors.push(tokio::spawn(accept::run(source, shared.clone())));
         }
         Listener {
             ready: tokio::sync::Mutex::new(rx),
@@ -902,6 +902,23 @@ impl Listener {
                 std::io::Error::other("the listener's accept tasks have stopped"),
             )
         })
+    }
+
+    /// Stops accepting and returns once the listening sockets are closed, so the address
+    /// can be bound again at once. A plain drop stops accepting too, but its sockets close
+    /// a moment later, when the runtime drops the accept tasks: a server restarted at the
+    /// same port in between would find it in use.
+    pub async fn close(mut self) {
+        let tasks = std::mem::take(&mut self.acceptors);
+        for t in &tasks {
+            t.abort();
+        }
+        drop(self);
+        for t in tasks {
+            // Cancelled, as asked; the task's future (its sockets) is dropped by then. A
+            // panic in it was already the listener's end.
+            let _ = t.await;
+        }
     }
 
     /// The address peers connect to (for auto listeners, the tcp one; local peers using

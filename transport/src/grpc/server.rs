@@ -413,8 +413,9 @@ impl Builder {
                 Some(_) = conns.join_next(), if !conns.is_empty() => {}
             }
         }
-        // Stop accepting first (dropping the listener closes it), then drain.
-        drop(listener);
+        // Stop accepting first, then drain. Closed, not just dropped: once serving returns,
+        // the address is free to bind again.
+        listener.close().await;
         shutdown.set();
         while conns.join_next().await.is_some() {}
         match stopped {
