@@ -7,7 +7,8 @@
 //!
 //! A record is `[len u32][type u8][3 bytes zero][payload]`, padded to 8 bytes so every
 //! record header is aligned. A record never straddles the end: when it does not fit before
-//! the end, the producer writes a wrap marker (`len == u32::MAX`) and starts at offset 0.
+//! the end, the producer writes a wrap marker (`len == u32::MAX`) and starts at offset 0;
+//! past [`EARLY_WRAP`] it does the same as soon as the consumer has caught up.
 //! Records are at most `cap / 4` bytes, so a wrap wastes at most a quarter of the ring.
 //!
 //! Ordering: the producer writes the record, then publishes `head` with `Release`; the
@@ -193,10 +194,11 @@ impl Producer {
         let mut total = self.need(len);
         let off = self.head % self.cap;
         if off >= EARLY_WRAP && total == padded(len) && self.head >= self.wrap_try_at {
-            // Back to the ring's start once the consumer has caught up: records then
-            // reuse the few lines both cores have just had, instead of marching through
-            // a ring's worth of cold ones (a round trip touches two new lines a side).
-            // Skipping to the end fits when what is in use ends before this offset.
+            // Back to the ring's start once the consumer has caught up: small messages
+            // going back and forth then reuse the ring's first pages instead of walking
+            // through all of it, so the rest is never faulted in (a whole ring, 4 MiB and
+            // more, held per connection otherwise). Skipping to the end fits when what is
+            // in use ends before this offset.
             let fits = |tail: u64| self.head - tail + padded(len) <= off;
             if !fits(self.tail_seen) {
                 self.tail_seen = self.load_tail()?;
