@@ -12,7 +12,7 @@ use crate::Res;
 use crate::report::{Record, self_peak_rss_kib};
 
 /// How each side waits for the other's write.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Wait {
     /// Busy-polls the line (the best case for a run-to-completion RPC that spins).
     Spin,

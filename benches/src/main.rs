@@ -92,6 +92,9 @@ enum Cmd {
         /// JSON lines on stdout instead of a table.
         #[arg(long)]
         json: bool,
+        /// Only this waiting mode (default: both).
+        #[arg(long, value_enum)]
+        wait: Option<floor::Wait>,
     },
 }
 
@@ -222,7 +225,8 @@ fn main() {
             warmup,
             duration,
             json,
-        } => floor(warmup, duration, json),
+            wait,
+        } => floor(warmup, duration, json, wait),
         Cmd::Latency(a) => bench("latency", a),
         Cmd::Bw(a) => bench("bw", a),
         Cmd::Bibw(a) => bench("bibw", a),
@@ -238,16 +242,18 @@ fn main() {
     }
 }
 
-/// `ibex-bench floor`: both waiting modes, as records.
-fn floor(warmup: f64, duration: f64, json: bool) -> Res<()> {
+/// `ibex-bench floor`: both waiting modes (or `only` one), as records.
+fn floor(warmup: f64, duration: f64, json: bool, only: Option<floor::Wait>) -> Res<()> {
     let (w, d) = (
         Duration::from_secs_f64(warmup),
         Duration::from_secs_f64(duration),
     );
-    let records = [
-        floor::measure(floor::Wait::Spin, w, d)?,
-        floor::measure(floor::Wait::Futex, w, d)?,
-    ];
+    let mut records = Vec::new();
+    for how in [floor::Wait::Spin, floor::Wait::Futex] {
+        if only.is_none_or(|o| o == how) {
+            records.push(floor::measure(how, w, d)?);
+        }
+    }
     let mut out = std::io::stdout().lock();
     if !json {
         writeln!(out, "{}", report::header())?;
@@ -645,6 +651,31 @@ fn run_floor(duration: f64, warmup: f64) -> Res<Vec<Record>> {
     run_client(&args, Duration::from_secs(60))
 }
 
+/// The spinning floor measured just before `t`'s 64 B latency point, labelled as such
+/// ([`report::beside`]): the busy-polling bar divides each round's latency by the floor
+/// of the same moment. This machine moves between states in which a move between the
+/// two cores takes about 0.13 or 0.53 µs, for tens of seconds at a time: a round's first
+/// floor and a point half a minute later can see different machines.
+fn run_floor_beside(t: Transport, duration: f64, warmup: f64) -> Res<Vec<Record>> {
+    let args: Vec<String> = [
+        "floor",
+        "--json",
+        "--wait",
+        "spin",
+        "--duration",
+        &duration.to_string(),
+        "--warmup",
+        &warmup.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut recs = run_client(&args, Duration::from_secs(60))?;
+    for r in &mut recs {
+        r.payload = report::beside(&r.payload, t.name());
+    }
+    Ok(recs)
+}
+
 /// One plan entry over `t` against `servers` (PS throughput uses two of them), with the
 /// servers' peak RSS filled in.
 fn run_point(
@@ -856,6 +887,14 @@ fn compare(a: CompareArgs) -> Res<()> {
                     }
                 };
                 for (bench, extra) in &points {
+                    if report::FLOOR_BESIDE.contains(&t.name())
+                        && (*bench, extra.clone()) == lat64_point()
+                    {
+                        match run_floor_beside(t, d, w) {
+                            Ok(recs) => got.extend(recs),
+                            Err(e) => failures.push(format!("round {n}: floor beside: {e}")),
+                        }
+                    }
                     match run_point(t, &servers, bench, extra, d, w) {
                         Ok(recs) => got.extend(recs),
                         Err(e) => failures.push(format!("round {n}: {}: {e}", t.name())),
