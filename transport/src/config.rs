@@ -385,6 +385,17 @@ pub fn busy_serve_threads() -> usize {
 /// to 30-56 µs and 3 workers x 2 PS lost 8-10% of their RPC/s; with a 500 µs budget, the
 /// same PS run gained 11%.
 pub const INLINE_READ_MIN_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
+/// How long a receiver reading the link inline watches its [`crate::link::ReadyHint`]
+/// between two empty reads before it goes back to its runtime: this many `pause`s (about
+/// 25 ns each on this project's AMD machines, 40-140 cycles on others), so at most 1-3 µs
+/// that the runtime's other tasks on the thread wait. Measured on 2 cores against going
+/// back after every read (docs/benchmarks.md, twenty-fifth session).
+pub const INLINE_WATCH_PAUSES: u32 = 40;
+/// A receiver watches ([`INLINE_WATCH_PAUSES`]) only while its answered spins have been
+/// waiting this long at most (smoothed): a ping-pong's replies, not a crowded machine's.
+/// Watching on every wait halved the RPC/s of 3 workers x 2 PS on 2 cores, whose replies
+/// take tens of microseconds and whose serve threads run several connections each.
+pub const INLINE_WATCH_REPLIES: std::time::Duration = std::time::Duration::from_micros(4);
 /// Largest fragment size a configuration (or a peer's probe sample) may ask for.
 pub const MAX_FRAGMENT: usize = 64 << 20;
 

@@ -298,9 +298,22 @@ pub struct ShmLink {
     dead: Option<Error>,
     // Kept last so they are dropped after the producer/consumer that point into them.
     _tx_map: Mapping,
-    _rx_map: Mapping,
+    /// Shared with the [`RxHint`]s handed out, which read the ring's header in it.
+    rx_map: Arc<Mapping>,
     /// The word the peer read to probe CMA; it must stay at its address for the link's life.
     _probe: Box<u64>,
+}
+
+/// Whether the RX ring holds records not taken yet, read from its header without the link.
+struct RxHint(Arc<Mapping>);
+
+impl crate::link::ReadyHint for RxHint {
+    fn ready(&self) -> bool {
+        // SAFETY: the mapping starts with the RX ring's header (page aligned, HEADER_BYTES
+        // long, checked at setup) and stays mapped while this `Arc` holds it; the header's
+        // fields are atomics, which the peer and this process share by design.
+        unsafe { &*self.0.ptr().cast::<RingHeader>() }.pending()
+    }
 }
 
 impl std::fmt::Debug for ShmLink {
@@ -396,7 +409,7 @@ impl ShmLink {
             closed: false,
             dead: None,
             _tx_map: p.tx_map,
-            _rx_map: p.rx_map,
+            rx_map: Arc::new(p.rx_map),
             _probe: p.probe,
         })
     }
@@ -954,6 +967,10 @@ impl Link for ShmLink {
 
     fn busy_poll(&self) -> bool {
         true
+    }
+
+    fn ready_hint(&self) -> Option<Arc<dyn crate::link::ReadyHint>> {
+        Some(Arc::new(RxHint(self.rx_map.clone())))
     }
 
     fn take_woke_peer(&mut self) -> bool {

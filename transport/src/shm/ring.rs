@@ -63,6 +63,13 @@ pub struct RingHeader {
 const _: () = assert!(std::mem::size_of::<RingHeader>() == HEADER_BYTES);
 
 impl RingHeader {
+    /// True if the producer has published records the consumer has not taken: one load of
+    /// each position, without the consumer, for a receiver watching the ring between two
+    /// reads ([`crate::link::ReadyHint`]). A hint only: the consumer checks what it reads.
+    pub fn pending(&self) -> bool {
+        self.head.0.load(Ordering::Acquire) != self.tail.0.load(Ordering::Relaxed)
+    }
+
     /// A fresh header (all counters zero), for rings that live on the heap (tests).
     #[cfg_attr(not(test), allow(dead_code))]
     pub fn new() -> RingHeader {
@@ -570,6 +577,21 @@ mod tests {
         }
         prod.join().unwrap();
         drop(h);
+    }
+
+    #[test]
+    fn the_header_shows_records_not_taken_yet() {
+        let (h, mut p, mut c) = ring(4096);
+        assert!(!h.hdr.pending());
+        assert!(p.try_push(1, b"abc").unwrap());
+        assert!(h.hdr.pending(), "a published record shows");
+        assert!(c.peek().unwrap().is_some());
+        assert!(
+            h.hdr.pending(),
+            "a record peeked but not released still shows"
+        );
+        c.pop();
+        assert!(!h.hdr.pending(), "nothing once the consumer has taken it");
     }
 
     #[test]
