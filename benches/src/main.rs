@@ -636,9 +636,9 @@ fn missing(
     out
 }
 
-/// The bare shared-memory ping-pong floor, spinning and sleeping.
-fn run_floor(duration: f64, warmup: f64) -> Res<Vec<Record>> {
-    let args: Vec<String> = [
+/// The bare shared-memory ping-pong floor, spinning and sleeping (or `only` one of them).
+fn run_floor(duration: f64, warmup: f64, only: Option<&str>) -> Res<Vec<Record>> {
+    let mut args: Vec<String> = [
         "floor",
         "--json",
         "--duration",
@@ -648,6 +648,9 @@ fn run_floor(duration: f64, warmup: f64) -> Res<Vec<Record>> {
     ]
     .map(String::from)
     .to_vec();
+    if let Some(how) = only {
+        args.extend(["--wait".to_string(), how.to_string()]);
+    }
     run_client(&args, Duration::from_secs(60))
 }
 
@@ -657,19 +660,7 @@ fn run_floor(duration: f64, warmup: f64) -> Res<Vec<Record>> {
 /// two cores takes about 0.13 or 0.53 µs, for tens of seconds at a time: a round's first
 /// floor and a point half a minute later can see different machines.
 fn run_floor_beside(t: Transport, duration: f64, warmup: f64) -> Res<Vec<Record>> {
-    let args: Vec<String> = [
-        "floor",
-        "--json",
-        "--wait",
-        "spin",
-        "--duration",
-        &duration.to_string(),
-        "--warmup",
-        &warmup.to_string(),
-    ]
-    .map(String::from)
-    .to_vec();
-    let mut recs = run_client(&args, Duration::from_secs(60))?;
+    let mut recs = run_floor(duration, warmup, Some("spin"))?;
     for r in &mut recs {
         r.payload = report::beside(&r.payload, t.name());
     }
@@ -801,7 +792,7 @@ fn compare(a: CompareArgs) -> Res<()> {
     println!("{}", report::header());
     if plan.iter().any(|(b, _)| *b == "latency") {
         // The floor the latency runs are judged against, measured in this same run.
-        match run_floor(duration, warmup) {
+        match run_floor(duration, warmup, None) {
             Ok(recs) => {
                 for r in recs {
                     println!("{}", report::row(&r));
@@ -870,7 +861,7 @@ fn compare(a: CompareArgs) -> Res<()> {
         for n in 1..=rounds {
             let mut got = Vec::new();
             if points.contains(&lat64_point()) {
-                match run_floor(d, w) {
+                match run_floor(d, w, None) {
                     Ok(recs) => got.extend(recs),
                     Err(e) => failures.push(format!("round {n}: floor: {e}")),
                 }
