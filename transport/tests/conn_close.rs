@@ -168,7 +168,7 @@ async fn pair(hold: Option<u32>) -> (Connection, Connection, Arc<Mutex<Log>>) {
 }
 
 fn message(i: u8) -> Bytes {
-    Bytes::from(vec![i; if i % 2 == 0 { 10 } else { 100_000 }])
+    Bytes::from(vec![i; if i.is_multiple_of(2) { 10 } else { 100_000 }])
 }
 
 /// Sends 20 messages from `a`, closes it, and checks that `b` gets them all, then the end.

@@ -109,6 +109,16 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 seq: 12,
                 len: 256 << 20,
                 desc: desc.clone(),
+                head: Bytes::new(),
+            })),
+        ),
+        (
+            "ok-rts-with-head",
+            ok(Frame::new(Body::Rts {
+                seq: 13,
+                len: 1 << 20,
+                desc: desc.clone(),
+                head: Bytes::from_static(b"a packet"),
             })),
         ),
         (

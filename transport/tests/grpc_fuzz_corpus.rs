@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ibex_transport::grpc::fuzzing::{feed, feed_counting, split_messages};
+use ibex_transport::grpc::fuzzing::{SECOND_PART, feed, feed_counting, split_messages};
 
 fn seed_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/grpc_packet")
@@ -72,6 +72,15 @@ fn messages(ms: &[Vec<u8>]) -> Vec<u8> {
     v
 }
 
+/// Frames a two-part transport message (a packet and its body frame) the same way.
+fn two_part(head: &[u8], body: &[u8]) -> Vec<u8> {
+    let mut v = (head.len() as u16 | SECOND_PART).to_be_bytes().to_vec();
+    v.extend(head);
+    v.extend((body.len() as u16).to_be_bytes());
+    v.extend(body);
+    v
+}
+
 fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let grpc_msg = b"\0\0\0\0\x03abc".to_vec();
     let trailers = block(&headers(&[("grpc-status", "0"), ("grpc-message", "")]));
@@ -96,26 +105,26 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             )]),
         ),
         (
-            "ok-separate-body",
-            messages(&[
-                packet(
-                    2,
-                    HEAD | DATA_NEXT,
-                    &[request_head("/a/b"), 9u64.to_be_bytes().to_vec()],
+            "ok-second-part-body",
+            [
+                two_part(
+                    &packet(
+                        2,
+                        HEAD | DATA_NEXT,
+                        &[request_head("/a/b"), 9u64.to_be_bytes().to_vec()],
+                    ),
+                    b"\0\0\0\0\x04wxyz",
                 ),
-                b"\0\0\0\0\x04wxyz".to_vec(),
-                packet(2, END, &[]),
-            ]),
+                messages(&[packet(2, END, &[])]),
+            ]
+            .concat(),
         ),
         (
-            "ok-abort-instead-of-body",
+            // A call refused by the sender's transport: only its reset arrives.
+            "ok-reset-of-an-unseen-call",
             messages(&[
-                packet(
-                    3,
-                    HEAD | DATA_NEXT,
-                    &[request_head("/a/b"), (8u64 << 20).to_be_bytes().to_vec()],
-                ),
                 packet(3, RESET, &[]),
+                packet(4, WINDOW, &[vec![0, 0, 4, 0]]),
             ]),
         ),
         (
@@ -241,10 +250,18 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         ),
         (
             "bad-wrong-body",
-            messages(&[
-                packet(6, DATA_NEXT, &[100u64.to_be_bytes().to_vec()]),
-                b"short".to_vec(),
-            ]),
+            two_part(
+                &packet(6, DATA_NEXT, &[100u64.to_be_bytes().to_vec()]),
+                b"short",
+            ),
+        ),
+        (
+            "bad-announced-body-missing",
+            messages(&[packet(6, DATA_NEXT, &[5u64.to_be_bytes().to_vec()])]),
+        ),
+        (
+            "bad-unannounced-second-part",
+            two_part(&packet(6, END, &[]), b"extra"),
         ),
         (
             "bad-trailing-bytes",

@@ -391,16 +391,18 @@ async fn suite(listen_uri: &str) {
     let c = raw().await;
     let hold: &[(&str, &[u8])] = &[("content-type", b"application/grpc"), ("x-mode", b"hold")];
     let body = grpc_message(9 << 20);
-    c.send(packet(
-        5,
-        Some(head_block("Upload", 2, hold)),
-        None,
-        Some(body.len() as u64),
-        0,
-    ))
+    c.send_parts(
+        packet(
+            5,
+            Some(head_block("Upload", 2, hold)),
+            None,
+            Some(body.len() as u64),
+            0,
+        ),
+        body,
+    )
     .await
     .unwrap();
-    c.send(body).await.unwrap();
     c.send(packet(5, None, Some(b"x"), None, 0)).await.unwrap();
     let why = closed(&c).await;
     assert!(
@@ -580,7 +582,7 @@ async fn held_bodies_are_bounded_per_connection(listen_uri: &str) {
                     Some(body.len() as u64),
                     0,
                 );
-                if c.send(head).await.is_err() || c.send(body.clone()).await.is_err() {
+                if c.send_parts(head, body.clone()).await.is_err() {
                     return;
                 }
             }

@@ -293,6 +293,22 @@ impl Sim {
         (msg, proto)
     }
 
+    /// Sends a two-part message from side `i`: `head` in its RTS, `body` exposed. The peer
+    /// will expect `head` followed by `body`.
+    fn send_parts(&mut self, i: usize, head: Bytes, body: Bytes) -> MsgId {
+        let now = self.now;
+        let side = &mut self.sides[i];
+        let (id, desc) = side.expose(body.clone());
+        let msg = side
+            .conn
+            .send_parts(now, head.clone(), body.len() as u64, desc)
+            .expect("send_parts");
+        side.send_exposure.insert(msg, id);
+        let whole = Bytes::from([&head[..], &body[..]].concat());
+        self.sides[1 - i].expected.push_back((msg, whole));
+        msg
+    }
+
     fn start_probe(&mut self, i: usize, len: usize) {
         let now = self.now;
         let side = &mut self.sides[i];
@@ -434,10 +450,12 @@ impl Sim {
             Action::BeginRecv {
                 msg,
                 len,
+                head_len,
                 descriptor,
                 probe,
             } => {
                 assert_eq!(probe, msg & PROBE_MSG_BIT != 0);
+                assert!(!probe || head_len == 0, "a probe sample has no head");
                 if mapped_mode {
                     let id = desc_id(&descriptor).expect("descriptor");
                     let view = peer
@@ -490,13 +508,17 @@ impl Sim {
                 assert_eq!(msg, want_msg, "delivered out of order");
                 let got = match data {
                     Delivery::Eager(b) => b,
-                    Delivery::Rendezvous { len } => {
+                    Delivery::Rendezvous { len, head } => {
                         let got = match me.mapped.remove(&msg) {
                             Some(v) => v,
                             None => Bytes::from(me.dest.remove(&msg).expect("destination")),
                         };
                         assert_eq!(got.len() as u64, len);
-                        got
+                        if head.is_empty() {
+                            got
+                        } else {
+                            Bytes::from([&head[..], &got[..]].concat())
+                        }
                     }
                 };
                 assert!(
@@ -1605,6 +1627,7 @@ fn announcements_of_a_gibibyte_each_get_memory_one_at_a_time() {
                 seq,
                 len: c.max_message_size,
                 desc: Bytes::from_static(b"never exposed"),
+                head: Bytes::new(),
             })
             .to_bytes(),
         );
@@ -1651,6 +1674,103 @@ fn probe_samples_longer_than_any_probe_are_violations() {
 
 fn drain_actions(conn: &mut Connection) -> Vec<Action> {
     std::iter::from_fn(|| conn.poll_action()).collect()
+}
+
+// ---------------------------------------------------------------- two-part messages
+
+/// Two-part messages (a head in the RTS, the body by rendezvous) between plain eager and
+/// rendezvous ones, read or mapped, with jitter: each arrives whole and in order, with its
+/// head in front of its body; the longest head the room allows is taken, an empty body
+/// too, and the credits come back.
+#[test]
+fn two_part_messages_arrive_whole_and_in_order() {
+    let c = config();
+    for mapped in [false, true] {
+        let mut sim = Sim::pair(
+            &c,
+            &c,
+            SimCfg {
+                mapped,
+                read_jitter: Duration::from_micros(30),
+                seed: 7,
+                ..SimCfg::default()
+            },
+        );
+        let room = sim.sides[0].conn.head_room();
+        assert!(room > 0 && room < c.slot_size, "{room}");
+        let mut n = 0;
+        for round in 0..6u64 {
+            sim.send(0, payload(round, 100));
+            sim.send_parts(0, payload(round + 10, 40), payload(round + 20, 300 << 10));
+            sim.send(0, payload(round + 30, 2 << 20));
+            sim.send_parts(1, payload(round + 40, room), payload(round + 50, 1));
+            sim.send_parts(1, payload(round + 60, 3), Bytes::new());
+            n += 3;
+        }
+        sim.run();
+        assert_eq!(sim.sides[1].delivered, n);
+        assert_eq!(sim.sides[0].delivered, 12);
+        assert!(sim.sides.iter().all(|s| s.expected.is_empty()));
+    }
+}
+
+/// A head longer than the room is refused before anything is queued; a peer whose build
+/// announced no two-part messages has no room at all, and a head queued for it before its
+/// `Hello` closes the connection with a message that says why.
+#[test]
+fn heads_are_bounded_by_the_room_and_need_a_peer_that_takes_them() {
+    let c = config();
+    let mut sim = Sim::pair(&c, &c, SimCfg::default());
+    let now = sim.now;
+    let room = sim.sides[0].conn.head_room();
+    let e = sim.sides[0]
+        .conn
+        .send_parts(
+            now,
+            Bytes::from(vec![0; room + 1]),
+            10,
+            Bytes::from_static(b"d"),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+    // An older peer: its Hello has no extension.
+    let (mut conn, t0) = established(&c);
+    assert_eq!(conn.head_room(), 0);
+    assert!(
+        conn.send_parts(t0, Bytes::from_static(b"h"), 10, Bytes::from_static(b"d"))
+            .is_err()
+    );
+    assert!(
+        conn.send_parts(t0, Bytes::new(), 10, Bytes::from_static(b"d"))
+            .is_ok()
+    );
+    // Queued before the handshake, then the older peer's Hello.
+    let mut conn = Connection::new(&c, t0);
+    conn.send_parts(t0, Bytes::from_static(b"h"), 10, Bytes::from_static(b"d"))
+        .expect("room is this side's own slot until the peer's Hello");
+    conn.handle_frame(t0, hello(&c));
+    match drain_actions(&mut conn).first() {
+        Some(Action::Closed {
+            error: Error::Handshake(why),
+        }) => assert!(why.contains("two-part"), "{why}"),
+        other => panic!("expected a handshake error, got {other:?}"),
+    }
+}
+
+/// A hostile RTS whose head and body together exceed our largest message closes the
+/// connection before any memory is given to it.
+#[test]
+fn a_head_that_takes_a_message_over_the_limit_is_a_violation() {
+    let c = config();
+    let (mut conn, t0) = established(&c);
+    let bad = Frame::new(Body::Rts {
+        seq: 0,
+        len: c.max_message_size,
+        desc: Bytes::from_static(b"d"),
+        head: Bytes::from_static(b"one byte too many"),
+    })
+    .to_bytes();
+    assert_rejected(&mut conn, t0, bad, "over our max_message_size");
 }
 
 #[test]
@@ -1914,6 +2034,7 @@ fn each_semantic_violation_closes_the_connection_with_a_protocol_error() {
             seq,
             len,
             desc: Bytes::from_static(b"d"),
+            head: Bytes::new(),
         })
         .to_bytes()
     };
@@ -2065,11 +2186,18 @@ fn any_body() -> impl Strategy<Value = Body> {
                 }
             ),
         proptest::collection::vec(bytes_up_to(300), 1..20).prop_map(|msgs| Body::Eager { msgs }),
-        (any::<u64>(), any::<u64>(), bytes_up_to(257)).prop_map(|(seq, len, desc)| Body::Rts {
-            seq,
-            len,
-            desc
-        }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            bytes_up_to(257),
+            bytes_up_to(300)
+        )
+            .prop_map(|(seq, len, desc, head)| Body::Rts {
+                seq,
+                len,
+                desc,
+                head
+            }),
         (any::<u64>(), any::<bool>()).prop_map(|(seq, probe)| Body::RndvDone { seq, probe }),
         Just(Body::Credit),
         (any::<u32>(), bytes_up_to(500))

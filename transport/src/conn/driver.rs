@@ -103,6 +103,8 @@ impl Shared {
 /// A message ready for the application.
 pub(crate) enum ReadyMsg {
     Bytes(MsgId, Bytes),
+    /// A two-part message: its head (from the RTS) and the bytes read after it.
+    Parts(MsgId, Bytes, Bytes),
     /// Landed in a buffer posted by `recv_into` (identified by `token`).
     User {
         msg: MsgId,
@@ -113,20 +115,50 @@ pub(crate) enum ReadyMsg {
 }
 
 impl ReadyMsg {
-    /// The message's bytes, wherever they landed.
+    fn with_head(msg: MsgId, head: Bytes, body: Bytes) -> ReadyMsg {
+        if head.is_empty() {
+            ReadyMsg::Bytes(msg, body)
+        } else {
+            ReadyMsg::Parts(msg, head, body)
+        }
+    }
+
+    /// The message's bytes, wherever they landed; a two-part message's are joined (a copy).
     pub fn into_bytes(self) -> Bytes {
+        join_parts(self.into_parts())
+    }
+
+    /// The message as it came: its bytes, or a two-part message's head and body.
+    pub fn into_parts(self) -> Parts {
         match self {
-            ReadyMsg::Bytes(_, b) => b,
-            ReadyMsg::User { buf, len, .. } => buf.into_bytes().slice(..len),
+            ReadyMsg::Bytes(_, b) => (b, None),
+            ReadyMsg::Parts(_, head, body) => (head, Some(body)),
+            ReadyMsg::User { buf, len, .. } => (buf.into_bytes().slice(..len), None),
         }
     }
 
     pub fn msg(&self) -> MsgId {
         match self {
-            ReadyMsg::Bytes(m, _) => *m,
+            ReadyMsg::Bytes(m, _) | ReadyMsg::Parts(m, ..) => *m,
             ReadyMsg::User { msg, .. } => *msg,
         }
     }
+}
+
+/// A received message as it came: its bytes and `None`, or a two-part message's head and
+/// body.
+pub(crate) type Parts = (Bytes, Option<Bytes>);
+
+/// A message's bytes from its parts ([`ReadyMsg::into_parts`]): a two-part message's are
+/// copied into one buffer.
+pub(crate) fn join_parts((first, rest): Parts) -> Bytes {
+    let Some(rest) = rest else {
+        return first;
+    };
+    let mut b = bytes::BytesMut::with_capacity(first.len() + rest.len());
+    b.extend_from_slice(&first);
+    b.extend_from_slice(&rest);
+    b.freeze()
 }
 
 /// A caller's buffer waiting for the next message (`recv_into`).
@@ -286,7 +318,8 @@ impl InlineRead {
 
 /// What a receiver that found nothing delivered should do.
 pub(crate) enum Take {
-    Got(Result<Bytes, Error>),
+    /// A message as it came ([`ReadyMsg::into_parts`]), or why none will.
+    Got(Result<Parts, Error>),
     /// Poll again soon (wake itself): it spins on the link. `true`: first give the thread's
     /// core to the OS ([`OsYield`]).
     Spin(bool),
@@ -297,11 +330,11 @@ pub(crate) enum Take {
 impl State {
     /// Pops the next delivered message, or the reason the connection closed. The second
     /// value: a full batch of credits is owed (wake the driver).
-    fn pop_delivered(&mut self) -> Option<(Result<Bytes, Error>, bool)> {
+    fn pop_delivered(&mut self) -> Option<(Result<Parts, Error>, bool)> {
         if let Some(ready) = self.delivered.pop_front() {
             self.inline.asked = None;
             let credit_due = self.consume(ready.msg());
-            return Some((Ok(ready.into_bytes()), credit_due));
+            return Some((Ok(ready.into_parts()), credit_due));
         }
         self.closed.as_ref().map(|e| (Err(e.clone()), false))
     }
@@ -613,45 +646,69 @@ impl State {
         msg: Bytes,
         done: Option<oneshot::Sender<Result<(), Error>>>,
     ) -> Result<(), Error> {
+        self.check_sendable()?;
+        match self.core.classify(msg.len() as u64)? {
+            proto::Protocol::Eager => {
+                self.core.send_eager(now, msg)?;
+                if let Some(tx) = done {
+                    let _ = tx.send(Ok(()));
+                }
+                Ok(())
+            }
+            proto::Protocol::Rendezvous => self.send_rendezvous(now, Bytes::new(), msg, done),
+        }
+    }
+
+    /// Queues a two-part message: `head` in its RTS, `body` by rendezvous whatever its size
+    /// ([`super::Connection::send_parts`]).
+    pub fn send_parts(&mut self, now: Instant, head: Bytes, body: Bytes) -> Result<(), Error> {
+        self.check_sendable()?;
+        self.send_rendezvous(now, head, body, None)
+    }
+
+    fn check_sendable(&self) -> Result<(), Error> {
         if let Some(e) = &self.closed {
             return Err(e.clone());
         }
         if self.close_requested {
             return Err(Error::LocallyClosed);
         }
+        Ok(())
+    }
+
+    /// Exposes `msg` and queues its RTS, with `head` in it.
+    fn send_rendezvous(
+        &mut self,
+        now: Instant,
+        head: Bytes,
+        msg: Bytes,
+        done: Option<oneshot::Sender<Result<(), Error>>>,
+    ) -> Result<(), Error> {
         let len = msg.len() as u64;
-        match self.core.classify(len)? {
-            proto::Protocol::Eager => {
-                self.core.send_eager(now, msg)?;
-                if let Some(tx) = done {
-                    let _ = tx.send(Ok(()));
-                }
+        // Checked before exposing: a refused head costs no registration.
+        self.core.check_head(head.len())?;
+        let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
+        let exposure = link.expose(msg)?;
+        self.stats.count_registration(exposure.registration);
+        if exposure.zero_copy {
+            self.stats.pool_bytes_sent += len;
+        }
+        match self.core.send_parts(now, head, len, exposure.descriptor) {
+            Ok(id) => {
+                self.sends.insert(
+                    id,
+                    PendingSend {
+                        exposure: exposure.id,
+                        done,
+                    },
+                );
+                Ok(())
             }
-            proto::Protocol::Rendezvous => {
-                let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
-                let exposure = link.expose(msg)?;
-                self.stats.count_registration(exposure.registration);
-                if exposure.zero_copy {
-                    self.stats.pool_bytes_sent += len;
-                }
-                match self.core.send_rendezvous(now, len, exposure.descriptor) {
-                    Ok(id) => {
-                        self.sends.insert(
-                            id,
-                            PendingSend {
-                                exposure: exposure.id,
-                                done,
-                            },
-                        );
-                    }
-                    Err(e) => {
-                        link.withdraw(exposure.id);
-                        return Err(e);
-                    }
-                }
+            Err(e) => {
+                link.withdraw(exposure.id);
+                Err(e)
             }
         }
-        Ok(())
     }
 
     /// Exposes a buffer for the peer's one-sided reads outside the message flow.
@@ -854,10 +911,11 @@ impl State {
             Action::BeginRecv {
                 msg,
                 len,
+                head_len,
                 descriptor,
                 probe,
             } => {
-                self.begin_recv(msg, len, &descriptor, probe, now);
+                self.begin_recv(msg, len, head_len, &descriptor, probe, now);
                 false
             }
             Action::Read {
@@ -911,18 +969,25 @@ impl State {
             Action::Deliver { msg, data } => {
                 let ready = match data {
                     Delivery::Eager(b) => ReadyMsg::Bytes(msg, b),
-                    Delivery::Rendezvous { len } => match self.dests.remove(&msg) {
+                    Delivery::Rendezvous { len, head } => match self.dests.remove(&msg) {
                         Some(Dest::Buf(b)) => {
                             self.stats.rndv_read_bytes += len;
-                            ReadyMsg::Bytes(msg, b.into_bytes())
+                            ReadyMsg::with_head(msg, head, b.into_bytes())
                         }
-                        Some(Dest::User(b, token)) => {
+                        Some(Dest::User(mut b, token)) => {
                             self.stats.rndv_read_bytes += len;
                             self.stats.recv_into_direct += 1;
+                            let (len, h) = (len as usize, head.len());
+                            // `begin_recv` chose this buffer only with room for both.
+                            if h > 0 && h + len <= b.len() {
+                                let s = b.as_mut_slice();
+                                s.copy_within(..len, h);
+                                s[..h].copy_from_slice(&head);
+                            }
                             ReadyMsg::User {
                                 msg,
                                 buf: b,
-                                len: len as usize,
+                                len: len + h,
                                 token,
                             }
                         }
@@ -934,9 +999,9 @@ impl State {
                                 msg,
                                 shared: self.self_ref.clone(),
                             };
-                            ReadyMsg::Bytes(msg, Bytes::from_owner(guard))
+                            ReadyMsg::with_head(msg, head, Bytes::from_owner(guard))
                         }
-                        None => ReadyMsg::Bytes(msg, Bytes::new()),
+                        None => ReadyMsg::with_head(msg, head, Bytes::new()),
                     },
                 };
                 self.delivered.push_back(ready);
@@ -999,7 +1064,15 @@ impl State {
         })
     }
 
-    fn begin_recv(&mut self, msg: MsgId, len: u64, descriptor: &[u8], probe: bool, now: Instant) {
+    fn begin_recv(
+        &mut self,
+        msg: MsgId,
+        len: u64,
+        head_len: usize,
+        descriptor: &[u8],
+        probe: bool,
+        now: Instant,
+    ) {
         let Some(link) = self.link.as_mut() else {
             return;
         };
@@ -1015,13 +1088,14 @@ impl State {
                 return;
             }
         }
-        // A caller's buffer posted for exactly this message takes the data directly.
+        // A caller's buffer posted for exactly this message takes the data directly (and its
+        // head, moved in front of it once it is all there).
         if !probe
             && self.delivered.is_empty()
             && msg == self.consumed
             && let Some(p) = self.posted.take()
         {
-            if p.buf.len() as u64 >= len
+            if p.buf.len() as u64 >= len.saturating_add(head_len as u64)
                 && link.readable_dst(p.buf.as_slice().as_ptr(), len as usize)
             {
                 self.dests.insert(msg, Dest::User(p.buf, p.token));

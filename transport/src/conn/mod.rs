@@ -27,7 +27,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::link::{Link, RecvBuf};
 use crate::pool::{Pool, PoolBufMut};
-use driver::{Driver, Posted, ReadyMsg, Released, Shared, State, Take};
+use driver::{Driver, Posted, ReadyMsg, Released, Shared, State, Take, join_parts};
 
 /// One message connection. Cheap to clone; the connection closes gracefully when the last
 /// clone is dropped (or at [`Connection::close`]).
@@ -253,32 +253,23 @@ impl Connection {
         self.enqueue(|st, now| st.send(now, msg, done)).await
     }
 
-    /// Queues `head` and then `body` as two adjacent messages: no other send of this
-    /// connection comes between them, whichever tasks send at the same time, so the peer
-    /// takes the message after `head` as its body without a send lock on this side (the
-    /// gRPC layer's packet and its large body frame). If `body` cannot be sent once `head`
-    /// is queued (too large for the peer, a failed registration), `abort(error)` is queued
-    /// in its place, so the peer's framing survives, and the error is returned.
-    pub(crate) async fn send_pair(
-        &self,
-        head: Bytes,
-        body: Bytes,
-        abort: impl FnOnce(&Error) -> Option<Bytes>,
-    ) -> Result<()> {
-        let body = self.stage(body);
-        self.enqueue(|st, now| {
-            st.send(now, head, None)?;
-            match body.and_then(|b| st.send(now, b, None)) {
-                Ok(()) => Ok(()),
-                Err(e) => {
-                    if let Some(a) = abort(&e) {
-                        let _ = st.send(now, a, None);
-                    }
-                    Err(e)
-                }
-            }
-        })
-        .await
+    /// Sends one message made of two parts: `head` travels in the frame that announces the
+    /// message, and `body` follows by rendezvous, read by the peer from this buffer (no copy
+    /// on this side, whatever its size). The peer's [`Connection::recv_parts`] gets the two
+    /// parts as they were sent; [`Connection::recv`] gets them joined. For a small header
+    /// in front of a large payload (the gRPC layer's packet and its body frame) without
+    /// copying either. `head` may be at most [`Connection::head_room`] bytes: a longer one
+    /// is refused (`Error::TooLarge`) before anything is queued.
+    pub async fn send_parts(&self, head: Bytes, body: Bytes) -> Result<()> {
+        let body = self.stage_as(body, crate::proto::Protocol::Rendezvous)?;
+        self.enqueue(|st, now| st.send_parts(now, head, body)).await
+    }
+
+    /// The longest head [`Connection::send_parts`] takes now: what the peer's receive slot
+    /// holds beside the announcing frame, or 0 when the peer's build does not take two-part
+    /// messages.
+    pub fn head_room(&self) -> usize {
+        self.shared().lock().core.head_room()
     }
 
     /// Puts a message where the provider can expose it without registering per message
@@ -286,15 +277,26 @@ impl Connection {
     /// rely on a send that was polled once being queued in call order and not cut off
     /// half-way by cancellation.
     fn stage(&self, msg: Bytes) -> Result<Bytes> {
+        self.stage_as(msg, None)
+    }
+
+    /// [`Connection::stage`] for a message that goes by `protocol` (`None`: whatever its
+    /// size makes it).
+    fn stage_as(
+        &self,
+        msg: Bytes,
+        protocol: impl Into<Option<crate::proto::Protocol>>,
+    ) -> Result<Bytes> {
         let shared = self.shared();
         if !shared.registers {
             return Ok(msg);
         }
+        let protocol = protocol.into();
         let registrar = {
             let st = shared.lock();
             st.info.registrar.clone().filter(|r| {
-                st.core.classify(msg.len() as u64).ok() == Some(crate::proto::Protocol::Rendezvous)
-                    && r.would_register(&msg)
+                let p = protocol.or_else(|| st.core.classify(msg.len() as u64).ok());
+                p == Some(crate::proto::Protocol::Rendezvous) && r.would_register(&msg)
             })
         };
         let Some(r) = registrar else {
@@ -373,6 +375,12 @@ impl Connection {
 
     /// Receives the next message. After the connection closed, returns why.
     pub async fn recv(&self) -> Result<Bytes> {
+        self.recv_parts().await.map(join_parts)
+    }
+
+    /// Receives the next message as it was sent: its bytes and `None`, or a two-part
+    /// message's head and body ([`Connection::send_parts`]), neither copied to join them.
+    pub async fn recv_parts(&self) -> Result<(Bytes, Option<Bytes>)> {
         let shared = self.shared();
         let _order = shared.recv_lock.lock().await;
         loop {
@@ -401,6 +409,12 @@ impl Connection {
     /// messages arrive (whoever waits, reads). Does not mix with a concurrent
     /// [`Connection::recv_into`], whose posted buffer expects the next message.
     pub fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Result<Bytes>> {
+        self.poll_recv_parts(cx).map_ok(join_parts)
+    }
+
+    /// [`Connection::poll_recv`] that gives a two-part message as its two parts, as
+    /// [`Connection::recv_parts`] does.
+    pub fn poll_recv_parts(&self, cx: &mut Context<'_>) -> Poll<Result<(Bytes, Option<Bytes>)>> {
         // Register before looking, so a delivery between the two still wakes this task.
         {
             let mut readers = self
@@ -1157,14 +1171,15 @@ fn probe_buffer(len: usize) -> Bytes {
 mod tests {
     use super::*;
 
-    /// Pairs sent from many tasks at once, between single messages from others, arrive with
-    /// each body right after its head; a body the peer refuses is replaced by the abort.
-    async fn pairs_stay_adjacent(provider: &str) {
+    /// Two-part messages sent from many tasks at once, between single messages from
+    /// others, arrive whole, as the parts they were sent in; one the peer refuses is
+    /// refused before anything is queued, and so is a head longer than the head room.
+    async fn parts_arrive_whole(provider: &str) {
         let at = match provider {
             "shm" => format!(
                 "shm://{}",
                 std::env::temp_dir()
-                    .join(format!("ibex-unit-{}-pairs.sock", std::process::id()))
+                    .join(format!("ibex-unit-{}-parts.sock", std::process::id()))
                     .display()
             ),
             _ => "tcp://127.0.0.1:0".into(),
@@ -1190,47 +1205,70 @@ mod tests {
                         a.send(Bytes::from(vec![b'S', t, i as u8])).await.unwrap();
                         continue;
                     }
-                    // Alternate eager and rendezvous bodies; every 10th is over the limit.
+                    // Small and large bodies (both by rendezvous); every 10th is over the
+                    // peer's limit.
                     let len = match i % 10 {
                         9 => 2 << 20,
                         j if j % 2 == 0 => 100,
                         _ => 200 << 10,
                     };
                     let body = Bytes::from(vec![t; len]);
-                    let r = a
-                        .send_pair(head, body, |_| Some(Bytes::from(vec![b'A', t, i as u8])))
-                        .await;
+                    let r = a.send_parts(head, body).await;
                     assert_eq!(r.is_err(), len > 1 << 20, "{r:?}");
                 }
             }));
         }
-        let mut heads = 0;
-        let mut aborts = 0;
-        let total = per_task as usize * tasks as usize;
-        let mut seen = 0;
-        while seen < total {
-            let m = b.recv().await.unwrap();
-            match m[0] {
-                b'S' => seen += 1,
-                b'H' => {
-                    let body = b.recv().await.unwrap();
-                    if body.len() == 3 && body[0] == b'A' {
-                        assert_eq!(body[1..], m[1..], "the abort replaces its own body");
-                        aborts += 1;
-                    } else {
-                        assert!(body.iter().all(|&x| x == m[1]), "a body follows its head");
-                    }
-                    heads += 1;
-                    seen += 1;
+        let sent_parts = (tasks as usize - 1) * per_task as usize * 9 / 10;
+        let total = per_task as usize + sent_parts;
+        let mut parts = 0;
+        for _ in 0..total {
+            match b.recv_parts().await.unwrap() {
+                (m, None) => assert_eq!(m[0], b'S', "a single message comes alone"),
+                (head, Some(body)) => {
+                    assert_eq!(head[0], b'H');
+                    assert!(
+                        body.len() == 100 || body.len() == 200 << 10,
+                        "{}",
+                        body.len()
+                    );
+                    assert!(
+                        body.iter().all(|&x| x == head[1]),
+                        "a body comes with its head"
+                    );
+                    parts += 1;
                 }
-                other => panic!("unexpected message kind {other}"),
             }
         }
         for j in jobs {
             j.await.unwrap();
         }
-        assert_eq!(heads, (tasks as usize - 1) * per_task as usize);
-        assert_eq!(aborts, (tasks as usize - 1) * (per_task as usize / 10));
+        assert_eq!(parts, sent_parts);
+        // Too long a head: refused here, nothing sent.
+        let room = a.head_room();
+        assert!(room > 1024 && room < cfg_slot(), "{room}");
+        let e = a
+            .send_parts(Bytes::from(vec![1; room + 1]), Bytes::from_static(b"x"))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+        // `recv` joins the parts; an empty body is a message all the same.
+        a.send_parts(Bytes::from(vec![2; room]), Bytes::from_static(b"cd"))
+            .await
+            .unwrap();
+        a.send_parts(Bytes::from_static(b"ab"), Bytes::new())
+            .await
+            .unwrap();
+        let joined = b.recv().await.unwrap();
+        assert_eq!(joined.len(), room + 2);
+        assert!(joined[..room].iter().all(|&x| x == 2) && &joined[room..] == b"cd");
+        assert_eq!(
+            b.recv_parts().await.unwrap(),
+            (Bytes::from_static(b"ab"), Some(Bytes::new()))
+        );
+    }
+
+    fn cfg_slot() -> usize {
+        Config::default().slot_size
     }
 
     /// A listener with serve threads sets each accepted connection up on a thread of Ibex's
@@ -1291,12 +1329,12 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn pairs_stay_adjacent_over_shm() {
-        pairs_stay_adjacent("shm").await;
+    async fn parts_arrive_whole_over_shm() {
+        parts_arrive_whole("shm").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn pairs_stay_adjacent_over_tcp() {
-        pairs_stay_adjacent("tcp").await;
+    async fn parts_arrive_whole_over_tcp() {
+        parts_arrive_whole("tcp").await;
     }
 }

@@ -542,7 +542,7 @@ impl ReadSource for Shared {
             return Poll::Ready(false);
         }
         let mut demux = self.demux.lock().unwrap_or_else(|p| p.into_inner());
-        let msg = match self.mux.conn.poll_recv(cx) {
+        let msg = match self.mux.conn.poll_recv_parts(cx) {
             Poll::Pending => return Poll::Pending,
             Poll::Ready(Ok(m)) => m,
             Poll::Ready(Err(e)) => {
@@ -552,7 +552,6 @@ impl ReadSource for Shared {
             }
         };
         match demux.push(msg) {
-            Ok(Got::Nothing) => {}
             Ok(Got::One(p, d)) => self.dispatch(p, d),
             Ok(Got::Repeat(id, frame, k)) => {
                 if !self.dispatch_repeat(&demux, k, id, frame) {
@@ -564,10 +563,6 @@ impl ReadSource for Shared {
                     )));
                     return Poll::Ready(false);
                 }
-            }
-            Ok(Got::Aborted(p, abort)) => {
-                self.dispatch(p, None);
-                self.dispatch(*abort, None);
             }
             Err(e) => {
                 drop(demux);

@@ -1,24 +1,22 @@
 //! The inbound half of the call framing, sans IO: turns the connection's transport messages
 //! back into packets with their body frames. Client and server share it, and any task
-//! that reads the connection feeds the one instance a connection has, so a packet whose
-//! body is still to come survives a change of reader.
+//! that reads the connection feeds the one instance a connection has. A packet and its
+//! body are one transport message: the body inline, or a two-part message's second part
+//! (`Connection::send_parts`), so nothing waits for a message still to come.
 
 use bytes::Bytes;
 
-use super::MAX_SEPARATE_BODY;
 use super::wire::{Data, Head, Limits, Packet, Seen, Trailers, WholeParts};
 use crate::error::{Error, Result};
 
-/// What one transport message completed.
+/// What one transport message carried.
+// Returned once per message and taken apart at once: boxing the packet would add an
+// allocation to every call.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub(crate) enum Got {
-    /// Nothing yet: the message announced a body that travels as the next message.
-    Nothing,
     /// One packet, with its body frame if it had one.
     One(Packet, Option<Bytes>),
-    /// A packet whose separate body the sender's transport refused, and the abort of the
-    /// call that the sender put in the body's place (only this call fails).
-    Aborted(Packet, Box<Packet>),
     /// A whole unary packet (see [`WholeParts`]) of call `.0` with body frame `.1`, whose
     /// head is byte for byte the kept head `.2` ([`Demux::repeated`]): it was not decoded
     /// again. [`Demux::expand`] makes it the packet the general decoder would have made.
@@ -47,8 +45,6 @@ pub(crate) struct Demux {
     /// True on the server: packets carry request heads.
     request: bool,
     limits: Limits,
-    /// A packet waiting for its body, which is the next message on the connection.
-    partial: Option<(Packet, u64)>,
     seen: Seen,
     /// Heads of whole unary packets that came twice among the last few (at most
     /// [`Demux::MAX_KEPT`]; a new one takes the slots in turn).
@@ -66,7 +62,6 @@ impl Demux {
         Demux {
             request,
             limits,
-            partial: None,
             seen: Seen::default(),
             kept: Vec::new(),
             recent: Vec::new(),
@@ -148,25 +143,19 @@ impl Demux {
         }
     }
 
-    /// Whether the next message is the body of a packet already pushed.
-    pub(crate) fn awaits_body(&self) -> bool {
-        self.partial.is_some()
-    }
-
-    /// Feeds the next message. An error means the peer broke the framing: the connection
-    /// cannot go on (the caller closes it).
-    pub(crate) fn push(&mut self, msg: Bytes) -> Result<Got> {
-        if let Some((packet, len)) = self.partial.take() {
-            if msg.len() as u64 == len {
-                return Ok(Got::One(packet, Some(msg)));
-            }
-            return match Packet::decode_with(msg, self.request, &self.limits, &mut self.seen) {
-                Ok(abort) if abort.call == packet.call && abort.data.is_none() => {
-                    Ok(Got::Aborted(packet, Box::new(abort)))
-                }
+    /// Feeds the next message: its bytes, or a two-part message's head and body
+    /// (`Connection::recv_parts`). An error means the peer broke the framing: the
+    /// connection cannot go on (the caller closes it).
+    pub(crate) fn push(&mut self, (msg, rest): (Bytes, Option<Bytes>)) -> Result<Got> {
+        if let Some(body) = rest {
+            // A packet with a large body frame, the message's second part.
+            let mut p = Packet::decode_with(msg, self.request, &self.limits, &mut self.seen)?;
+            return match p.data.take() {
+                Some(Data::Next(len)) if len == body.len() as u64 => Ok(Got::One(p, Some(body))),
                 _ => Err(Error::Protocol(format!(
-                    "gRPC call framing: expected a body of {len} bytes for call {}",
-                    packet.call
+                    "gRPC call framing: call {}'s packet came with a second part of {} bytes that it does not announce",
+                    p.call,
+                    body.len()
                 ))),
             };
         }
@@ -203,15 +192,10 @@ impl Demux {
             self.keep(bytes, head.clone());
         }
         match p.data.take() {
-            Some(Data::Next(len)) if len > MAX_SEPARATE_BODY => Err(Error::Protocol(format!(
-                "gRPC call framing: call {} announces a body frame of {len} bytes; senders cut \
-                 bodies into frames of at most {MAX_SEPARATE_BODY} bytes",
+            Some(Data::Next(len)) => Err(Error::Protocol(format!(
+                "gRPC call framing: call {} announces a body frame of {len} bytes in a second part, but its message has none",
                 p.call
             ))),
-            Some(Data::Next(len)) => {
-                self.partial = Some((p, len));
-                Ok(Got::Nothing)
-            }
             Some(Data::Inline(d)) => Ok(Got::One(p, Some(d))),
             None => Ok(Got::One(p, None)),
         }
@@ -235,50 +219,48 @@ mod tests {
     }
 
     #[test]
-    fn inline_and_separate_bodies_come_back_with_their_packets() {
+    fn inline_and_second_part_bodies_come_back_with_their_packets() {
         let mut d = Demux::new(true, Limits::default());
         let mut p = head(1);
         p.data = Some(Data::Inline(Bytes::from_static(b"abc")));
         p.end = true;
-        match d.push(p.encode().unwrap()).unwrap() {
+        match d.push((p.encode().unwrap(), None)).unwrap() {
             Got::One(p, Some(b)) => assert!(p.call == 1 && p.end && b.as_ref() == b"abc"),
             other => panic!("{other:?}"),
         }
         let mut p = head(2);
         p.data = Some(Data::Next(5));
-        assert!(matches!(d.push(p.encode().unwrap()).unwrap(), Got::Nothing));
-        match d.push(Bytes::from_static(b"12345")).unwrap() {
+        let body = Bytes::from_static(b"12345");
+        match d.push((p.encode().unwrap(), Some(body))).unwrap() {
             Got::One(p, Some(b)) => assert!(p.call == 2 && b.as_ref() == b"12345"),
             other => panic!("{other:?}"),
         }
     }
 
     #[test]
-    fn a_body_frame_larger_than_any_sender_cuts_is_refused_at_once() {
+    fn a_second_part_the_packet_does_not_announce_is_a_framing_error() {
+        // Announced, but missing.
         let mut d = Demux::new(true, Limits::default());
         let mut p = head(5);
-        p.data = Some(Data::Next(MAX_SEPARATE_BODY + 1));
-        let e = d.push(p.encode().unwrap()).unwrap_err().to_string();
-        assert!(e.contains("body frame of"), "{e}");
-    }
-
-    #[test]
-    fn an_abort_in_place_of_the_body_fails_only_that_call() {
+        p.data = Some(Data::Next(3));
+        let e = d.push((p.encode().unwrap(), None)).unwrap_err().to_string();
+        assert!(
+            e.contains("call 5 announces a body frame of 3 bytes"),
+            "{e}"
+        );
+        // Present, but not announced: a packet with no body, or an inline one.
         let mut d = Demux::new(true, Limits::default());
-        let mut p = head(3);
-        p.data = Some(Data::Next(MAX_SEPARATE_BODY));
-        d.push(p.encode().unwrap()).unwrap();
-        let mut abort = Packet::new(3);
-        abort.reset = true;
-        match d.push(abort.encode().unwrap()).unwrap() {
-            Got::Aborted(p, a) => assert!(p.call == 3 && a.reset),
-            other => panic!("{other:?}"),
-        }
-        // The framing goes on.
-        assert!(matches!(
-            d.push(head(4).encode().unwrap()).unwrap(),
-            Got::One(..)
-        ));
+        let second = Some(Bytes::from_static(b"xyz"));
+        let e = d
+            .push((head(6).encode().unwrap(), second.clone()))
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("call 6's packet came with a second part of 3 bytes")
+        );
+        let mut p = head(7);
+        p.data = Some(Data::Inline(Bytes::from_static(b"abc")));
+        assert!(d.push((p.encode().unwrap(), second)).is_err());
     }
 
     fn whole_request(call: u32, extra: Option<&str>, body: &'static [u8]) -> Bytes {
@@ -317,7 +299,7 @@ mod tests {
     /// the packet, and the kept head's slot and number.
     fn repeat(d: &mut Demux, msg: Bytes) -> (Packet, usize, u64) {
         let fresh = Packet::decode(msg.clone(), d.request, &Limits::default()).unwrap();
-        let Got::Repeat(id, frame, k) = d.push(msg).unwrap() else {
+        let Got::Repeat(id, frame, k) = d.push((msg, None)).unwrap() else {
             panic!("not a repeat")
         };
         let (p, data) = d.expand(k, id, frame).unwrap();
@@ -330,7 +312,7 @@ mod tests {
 
     fn decoded(d: &mut Demux, msg: Bytes) {
         assert!(
-            matches!(d.push(msg).unwrap(), Got::One(..)),
+            matches!(d.push((msg, None)).unwrap(), Got::One(..)),
             "decoded afresh"
         );
     }
@@ -424,20 +406,21 @@ mod tests {
         // A request never repeats on the client, nor an answer on the server.
         let mut s = Demux::new(true, Limits::default());
         for id in [1, 3, 5] {
-            assert!(s.push(whole_answer(id, Trailers::Ok)).is_err());
+            assert!(s.push((whole_answer(id, Trailers::Ok), None)).is_err());
         }
     }
 
     #[test]
-    fn a_wrong_body_is_a_framing_error() {
+    fn a_second_part_of_another_length_is_a_framing_error() {
         let mut d = Demux::new(false, Limits::default());
         let mut p = Packet::new(9);
         p.data = Some(Data::Next(100));
-        d.push(p.encode().unwrap()).unwrap();
-        let e = d.push(Bytes::from_static(b"short")).unwrap_err();
+        let e = d
+            .push((p.encode().unwrap(), Some(Bytes::from_static(b"short"))))
+            .unwrap_err();
         assert!(
             e.to_string()
-                .contains("expected a body of 100 bytes for call 9"),
+                .contains("call 9's packet came with a second part of 5 bytes"),
             "{e}"
         );
     }

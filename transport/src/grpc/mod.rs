@@ -76,17 +76,37 @@ pub mod fuzzing {
     use super::pump::Side;
     use super::wire::{Data, Limits, Packet};
 
+    /// A transport message as a receiver gets it: its bytes, or a two-part message's head
+    /// and body (`Connection::recv_parts`).
+    pub type Message = (Bytes, Option<Bytes>);
+
     /// Splits a fuzz input into transport messages: each is a u16 (big endian) length and
-    /// that many bytes; a short tail is the last message.
-    pub fn split_messages(mut data: &[u8]) -> Vec<Bytes> {
+    /// that many bytes ([`SECOND_PART`] set in the length: the low 15 bits are the first
+    /// part's, and a second part follows, as a u16 length and its bytes); a short tail is
+    /// the last message.
+    pub fn split_messages(mut data: &[u8]) -> Vec<Message> {
+        fn part(data: &mut &[u8], len: usize) -> Bytes {
+            let len = len.min(data.len());
+            let b = Bytes::copy_from_slice(&data[..len]);
+            *data = &data[len..];
+            b
+        }
         let mut out = Vec::new();
         while data.len() >= 2 {
-            let len = usize::from(data.get_u16()).min(data.len());
-            out.push(Bytes::copy_from_slice(&data[..len]));
-            data = &data[len..];
+            let len = data.get_u16();
+            let first = part(&mut data, usize::from(len & !SECOND_PART));
+            let rest = (len & SECOND_PART != 0 && data.len() >= 2).then(|| {
+                let len = data.get_u16();
+                part(&mut data, usize::from(len))
+            });
+            out.push((first, rest));
         }
         out
     }
+
+    /// The bit of a fuzz input's message length that says a second part follows
+    /// ([`split_messages`]).
+    pub const SECOND_PART: u16 = 0x8000;
 
     /// The calls a fuzzed client has open, and the fuzzed server's limit.
     const CALLS: u32 = 8;
@@ -99,13 +119,13 @@ pub mod fuzzing {
     /// must keep its limit.
     /// Returns how many packets came out before the first framing error (which ends a
     /// real connection), or the broken invariant.
-    pub fn feed(messages: &[Bytes], request: bool) -> Result<usize, String> {
+    pub fn feed(messages: &[Message], request: bool) -> Result<usize, String> {
         feed_counting(messages, request).map(|(n, _)| n)
     }
 
     /// [`feed`], which also says how many packets came as repeats of a kept head, each
     /// checked against the general decoder's packet.
-    pub fn feed_counting(messages: &[Bytes], request: bool) -> Result<(usize, usize), String> {
+    pub fn feed_counting(messages: &[Message], request: bool) -> Result<(usize, usize), String> {
         let mut repeats = 0;
         let limits = Limits::default();
         let mut demux = Demux::new(request, limits);
@@ -126,11 +146,8 @@ pub mod fuzzing {
         let mut n = 0;
         for m in messages {
             // This message's own packet, decoded with nothing seen before.
-            let fresh = (!demux.awaits_body())
-                .then(|| Packet::decode(m.clone(), request, &limits).ok())
-                .flatten();
+            let fresh = Packet::decode(m.0.clone(), request, &limits).ok();
             let packets = match demux.push(m.clone()) {
-                Ok(Got::Nothing) => continue,
                 Ok(Got::One(p, _)) => {
                     if fresh.as_ref().is_some_and(|f| f.head != p.head) {
                         return Err("a head decodes differently after others".into());
@@ -154,7 +171,6 @@ pub mod fuzzing {
                     repeats += 1;
                     vec![p]
                 }
-                Ok(Got::Aborted(p, a)) => vec![p, *a],
                 Err(_) => return Ok((n, repeats)),
             };
             for p in packets {
@@ -225,11 +241,6 @@ const WINDOW: i64 = 8 << 20;
 /// The largest piece a large body frame is cut into.
 pub(crate) const MAX_PIECE: usize = 8 << 20;
 
-/// The largest body frame that travels as its own message: the last piece of a body takes
-/// the remainder, under two pieces. A receiver refuses larger announcements at once rather
-/// than wait for a message the transport would never deliver.
-pub(crate) const MAX_SEPARATE_BODY: u64 = 2 * MAX_PIECE as u64;
-
 /// Each frame counts at least this much against the window, so a stream of tiny frames is
 /// bounded in count too.
 const MIN_FRAME_COST: i64 = 1024;
@@ -238,8 +249,8 @@ fn cost(len: usize) -> i64 {
     (len as i64).max(MIN_FRAME_COST)
 }
 
-/// One connection's sending side. A packet whose body frame travels as the next message is
-/// queued together with it ([`Connection::send_pair`]), so sends need no lock.
+/// One connection's sending side. A packet and its body frame are one transport message
+/// (inline, or a two-part message: [`Connection::send_parts`]), so sends need no lock.
 pub(crate) struct Mux {
     conn: Connection,
     side: Side,
@@ -294,16 +305,27 @@ impl Mux {
         self.sizes().0
     }
 
-    /// Encodes `pkt` with `data` as its body frame (see [`attach`]).
+    /// Encodes `pkt` with `data` as its body frame (see [`attach`]): the packet, and the
+    /// body frame when it goes as the second part of a two-part message.
     fn encode(&self, mut pkt: Packet, data: Option<Bytes>) -> Result<(Bytes, Option<Bytes>)> {
         let next = attach(&mut pkt, data, self.inline_max());
-        Ok((pkt.encode()?, next))
+        let head = pkt.encode()?;
+        match next {
+            // A packet too long to ride in the frame that announces its body (a head of
+            // tens of KiB, or a peer whose build has no two-part messages) takes its body
+            // inline: a copy, but still one message.
+            Some(body) if head.len() > self.conn.head_room() => {
+                pkt.data = Some(Data::Inline(body));
+                Ok((pkt.encode()?, None))
+            }
+            next => Ok((head, next)),
+        }
     }
 
-    /// Sends `pkt`, with `data` as its body frame (inline when small, else as the next
-    /// message, queued in the same step as the packet: dropping this future never
-    /// separates the two). The packet is encoded before the future is made, so the future
-    /// holds bytes, not the packet (it lives inside every call's future).
+    /// Sends `pkt`, with `data` as its body frame (inline when small, else as the second
+    /// part of one two-part message with the packet). The packet is encoded before the
+    /// future is made, so the future holds bytes, not the packet (it lives inside every
+    /// call's future).
     fn send(&self, pkt: Packet, data: Option<Bytes>) -> impl Future<Output = Result<()>> + '_ {
         let call = pkt.call;
         let encoded = self.encode(pkt, data);
@@ -318,22 +340,24 @@ impl Mux {
         let Some(body) = body else {
             return self.conn.send(head).await;
         };
-        // The peer takes the next message as this body: when the transport refuses the body
-        // (too large for the peer), an abort of the call takes its place, so the connection's
-        // framing survives and only this call fails.
-        let side = self.side;
-        let abort = move |e: &Error| {
+        let sent = self.conn.send_parts(head, body).await;
+        // The transport refused the message whole (too large for the peer, a failed
+        // registration): the peer saw none of it, and learns that this call failed. The
+        // call's other packets and every other call go on.
+        if let Err(e) = &sent {
             let mut abort = Packet::new(call);
-            match side {
+            match self.side {
                 Side::Client => abort.reset = true,
                 Side::Server => {
                     abort.trailers =
                         Some(Trailers::map(pump::status_trailers(&transport_status(e))))
                 }
             }
-            abort.encode().ok()
-        };
-        self.conn.send_pair(head, body, abort).await
+            if let Ok(a) = abort.encode() {
+                let _ = self.conn.send(a).await;
+            }
+        }
+        sent
     }
 
     /// Sends `pkt` and its body frame now if they make one message and the transport's
@@ -438,7 +462,7 @@ impl Mux {
 }
 
 /// Puts `data` in `pkt` as its body frame when it is at most `inline_max` bytes; a larger
-/// one is announced in the packet and returned, to go as the next message.
+/// one is announced in the packet and returned, to go as the second part of its message.
 #[inline]
 pub(crate) fn attach(pkt: &mut Packet, data: Option<Bytes>, inline_max: usize) -> Option<Bytes> {
     match data {

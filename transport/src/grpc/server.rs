@@ -738,7 +738,7 @@ async fn serve_conn(
                 tracing::debug!("gRPC server: connection ended while paused");
                 break;
             }
-            msg = std::future::poll_fn(|c| conn.poll_recv(c)), if !held.over() => {
+            msg = std::future::poll_fn(|c| conn.poll_recv_parts(c)), if !held.over() => {
                 let msg = match msg {
                     Ok(m) => m,
                     Err(e) => {
@@ -747,12 +747,8 @@ async fn serve_conn(
                     }
                 };
                 let r = match demux.push(msg) {
-                    Ok(Got::Nothing) => Ok(()),
                     Ok(Got::One(p, data)) => cx.dispatch(p, data),
                     Ok(Got::Repeat(id, frame, k)) => cx.dispatch_repeat(&demux, k, id, frame),
-                    Ok(Got::Aborted(p, abort)) => {
-                        cx.dispatch(p, None).and_then(|()| cx.dispatch(*abort, None))
-                    }
                     Err(e) => Err(e),
                 };
                 if let Err(e) = r {

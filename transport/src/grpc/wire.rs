@@ -7,8 +7,10 @@
 //!   HEAD       u32 len | head block     request: u16 path len, path, header list
 //!                                       response: u16 HTTP status, header list
 //!   DATA       u32 len | bytes          body bytes, inline (small frames)
-//!   DATA_NEXT  u64 len                  body bytes follow as the *next* transport message,
-//!                                       untouched, so large ones go rendezvous with no copy
+//!   DATA_NEXT  u64 len                  body bytes are the transport message's second part
+//!                                       (a two-part message: this packet in the frame that
+//!                                       announces it, the body by rendezvous), untouched, so
+//!                                       large ones go with no copy
 //!   TRAILERS   u32 len | header list    implies END
 //!   WINDOW     u32 credit               flow control: the peer consumed this much
 //! header list: u16 count, then per entry u16 name len, name, u32 value len, value
@@ -228,7 +230,7 @@ pub(crate) enum Head {
 #[derive(Debug)]
 pub(crate) enum Data {
     Inline(Bytes),
-    /// In the next transport message, of this length.
+    /// The transport message's second part, of this length (`Connection::send_parts`).
     Next(u64),
 }
 

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::frame::{
-    Body, EAGER_ONE_HEAD, FEATURE_PROBE_READ, Frame, HEADER_LEN, HelloExt, MAX_DESC_LEN,
-    truncate_utf8,
+    Body, EAGER_ONE_HEAD, FEATURE_PROBE_READ, FEATURE_RTS_HEAD, Frame, HEADER_LEN, HelloExt,
+    MAX_DESC_LEN, RTS_FIXED, truncate_utf8,
 };
 use super::probe::{FRAGMENT_PROBE_LEN, Probe, ProbePlan, Progress, Sample, Verdict};
 use super::{
@@ -94,7 +94,12 @@ impl Transmit {
 #[derive(Debug)]
 enum Out {
     Eager(Bytes),
-    Rts { seq: MsgId, len: u64, desc: Bytes },
+    Rts {
+        seq: MsgId,
+        len: u64,
+        desc: Bytes,
+        head: Bytes,
+    },
 }
 
 /// Progress of an incoming rendezvous message (or probe sample).
@@ -114,6 +119,8 @@ enum RndvState {
 struct RndvIn {
     len: u64,
     desc: Bytes,
+    /// The message's head, carried in its `Rts` (empty for most messages).
+    head: Bytes,
     probe: bool,
     state: RndvState,
     /// Offset of the next fragment to issue.
@@ -242,7 +249,7 @@ impl Connection {
             )
             .unwrap_or(u32::MAX),
             ext: HelloExt {
-                features: FEATURE_PROBE_READ,
+                features: FEATURE_PROBE_READ | FEATURE_RTS_HEAD,
             }
             .encode(),
         };
@@ -375,7 +382,12 @@ impl Connection {
         match body {
             Body::Hello { .. } | Body::Close { .. } | Body::Credit => {}
             Body::Eager { msgs } => self.on_eager(msgs),
-            Body::Rts { seq, len, desc } => self.on_rts(seq, len, desc),
+            Body::Rts {
+                seq,
+                len,
+                desc,
+                head,
+            } => self.on_rts(seq, len, desc, head),
             Body::RndvDone { seq, probe: false } => {
                 if self.rts_sent.remove(&seq) {
                     self.unreleased.remove(&seq);
@@ -416,7 +428,7 @@ impl Connection {
                     ));
                 }
                 let frag = self.fragment_size() as u64;
-                self.begin_recv(msg, len, desc, true, frag);
+                self.begin_recv(msg, len, desc, Bytes::new(), true, frag);
             }
             Body::ProbeRead {
                 probe_id,
@@ -439,7 +451,7 @@ impl Connection {
                         "probe id {probe_id} reused while still in progress"
                     ));
                 }
-                self.begin_recv(msg, len, desc, true, u64::from(fragment));
+                self.begin_recv(msg, len, desc, Bytes::new(), true, u64::from(fragment));
             }
         }
     }
@@ -581,15 +593,30 @@ impl Connection {
         len: u64,
         descriptor: Bytes,
     ) -> Result<MsgId, Error> {
+        self.send_parts(now, Bytes::new(), len, descriptor)
+    }
+
+    /// Queues a two-part message: `head` travels in the RTS itself, and the `len` bytes the
+    /// driver exposed as `descriptor` follow it by rendezvous. The peer receives one message,
+    /// `head` then those bytes, and is given both parts ([`Delivery::Rendezvous`]), so
+    /// neither is copied to join them. `head` must fit [`Connection::head_room`].
+    pub fn send_parts(
+        &mut self,
+        now: Instant,
+        head: Bytes,
+        len: u64,
+        descriptor: Bytes,
+    ) -> Result<MsgId, Error> {
         let _ = now;
         self.check_open()?;
-        self.check_size(len)?;
+        self.check_size(len.saturating_add(head.len() as u64))?;
         if descriptor.len() > MAX_DESC_LEN {
             return Err(Error::Config(format!(
                 "the provider's rendezvous descriptor is {} bytes; the wire carries at most {MAX_DESC_LEN}",
                 descriptor.len()
             )));
         }
+        self.check_head(head.len())?;
         let seq = self.next_send_seq;
         self.next_send_seq += 1;
         self.unreleased.insert(seq);
@@ -597,8 +624,37 @@ impl Connection {
             seq,
             len,
             desc: descriptor,
+            head,
         });
         Ok(seq)
+    }
+
+    /// The longest head a two-part message may carry ([`Connection::send_parts`]): what one
+    /// of the peer's slots holds beside an RTS with the longest descriptor, or nothing when
+    /// the peer's build does not take heads. Before the peer's `Hello` this side's own slot
+    /// stands in, and a queued head the peer cannot take closes the connection then.
+    pub fn head_room(&self) -> usize {
+        match self.peer {
+            Some(p) if p.features & FEATURE_RTS_HEAD == 0 => 0,
+            _ => Self::head_room_in(self.peer.map_or(self.cfg.slot_size, |p| p.slot_size)),
+        }
+    }
+
+    /// Whether a head of `len` bytes fits [`Connection::head_room`].
+    pub fn check_head(&self, len: usize) -> Result<(), Error> {
+        let room = self.head_room();
+        if len > room {
+            return Err(Error::TooLarge {
+                len: len as u64,
+                limit: room as u64,
+                which: "head room of an RTS frame (the peer's slot; 0: its build has no two-part messages)",
+            });
+        }
+        Ok(())
+    }
+
+    fn head_room_in(slot: usize) -> usize {
+        slot.saturating_sub(HEADER_LEN + RTS_FIXED + MAX_DESC_LEN)
     }
 
     /// The driver's answer to [`Action::BeginRecv`].
@@ -965,13 +1021,23 @@ impl Connection {
             }
         }
         if msgs.is_empty()
-            && let Some(Out::Rts { seq, len, desc }) = self.data.pop_front()
+            && let Some(Out::Rts {
+                seq,
+                len,
+                desc,
+                head,
+            }) = self.data.pop_front()
         {
             self.pack_buf = msgs;
             self.stats.rndv_msgs_sent += 1;
-            self.stats.rndv_bytes_sent += len;
+            self.stats.rndv_bytes_sent += len + head.len() as u64;
             self.rts_sent.insert(seq);
-            return Body::Rts { seq, len, desc };
+            return Body::Rts {
+                seq,
+                len,
+                desc,
+                head,
+            };
         }
         self.stats.eager_msgs_sent += msgs.len() as u64;
         self.stats.eager_bytes_sent += msgs.iter().map(|m| m.len() as u64).sum::<u64>();
@@ -1046,6 +1112,19 @@ impl Connection {
                 Some((CLOSE_LOCAL_ERROR, msg)),
             );
         }
+        let room = self.head_room();
+        if let Some(len) = self.data.iter().find_map(|o| match o {
+            Out::Rts { head, .. } if head.len() > room => Some(head.len()),
+            _ => None,
+        }) {
+            let msg = format!(
+                "a two-part message with a {len}-byte head was queued before the handshake, but the peer takes heads of at most {room} bytes (0: its build has no two-part messages); raise slot_size on the peer, or upgrade it"
+            );
+            return self.shut(
+                Error::Handshake(msg.clone()),
+                Some((CLOSE_LOCAL_ERROR, msg)),
+            );
+        }
         // The time limit counts from here, not from `start_probe`: it bounds the probe, and
         // the provider's set-up before the handshake (registering memory, which takes seconds
         // under emulation) is not the probe's. The handshake has its own limit.
@@ -1100,28 +1179,38 @@ impl Connection {
         }
     }
 
-    fn on_rts(&mut self, seq: MsgId, len: u64, desc: Bytes) {
+    fn on_rts(&mut self, seq: MsgId, len: u64, desc: Bytes, head: Bytes) {
         if seq != self.next_recv_seq {
             return self.violation(format!(
                 "RTS numbered {seq} where message {} was expected",
                 self.next_recv_seq
             ));
         }
-        if len > self.cfg.max_message_size {
+        let total = len.saturating_add(head.len() as u64);
+        if total > self.cfg.max_message_size {
             return self.violation(format!(
-                "RTS announces a message of {len} bytes, over our max_message_size of {} bytes",
+                "RTS announces a message of {total} bytes, over our max_message_size of {} bytes",
                 self.cfg.max_message_size
             ));
         }
         self.next_recv_seq += 1;
         let frag = self.fragment_size() as u64;
-        self.begin_recv(seq, len, desc, false, frag);
+        self.begin_recv(seq, len, desc, head, false, frag);
     }
 
-    fn begin_recv(&mut self, msg: MsgId, len: u64, desc: Bytes, probe: bool, frag: u64) {
+    fn begin_recv(
+        &mut self,
+        msg: MsgId,
+        len: u64,
+        desc: Bytes,
+        head: Bytes,
+        probe: bool,
+        frag: u64,
+    ) {
         let r = RndvIn {
             len,
             desc,
+            head,
             probe,
             state: RndvState::Deferred,
             next_offset: 0,
@@ -1152,11 +1241,13 @@ impl Connection {
             self.deferred.pop_front();
             r.state = RndvState::Announced;
             let (len, descriptor, probe) = (r.len, r.desc.clone(), r.probe);
+            let head_len = r.head.len();
             self.charged.insert(msg, len);
             self.charged_bytes += len;
             self.actions.push_back(Action::BeginRecv {
                 msg,
                 len,
+                head_len,
                 descriptor,
                 probe,
             });
@@ -1268,8 +1359,12 @@ impl Connection {
                 ),
                 Some(InMsg::Rndv(r)) => {
                     self.stats.rndv_msgs_recv += 1;
-                    self.stats.rndv_bytes_recv += r.len;
-                    (Delivery::Rendezvous { len: r.len }, CreditTag::Single)
+                    self.stats.rndv_bytes_recv += r.len + r.head.len() as u64;
+                    let data = Delivery::Rendezvous {
+                        len: r.len,
+                        head: r.head,
+                    };
+                    (data, CreditTag::Single)
                 }
                 None => return,
             };

@@ -34,6 +34,15 @@ pub const EXT_FEATURES: u16 = 1;
 /// Feature bit: the sender answers [`Body::ProbeRead`] (the fragment-size probe). A peer
 /// sends `ProbeRead` only to a side that announced it: older peers reject unknown kinds.
 pub const FEATURE_PROBE_READ: u32 = 1 << 0;
+/// `Rts` flag: the frame's bytes after the descriptor are the message's head, which comes
+/// before the rendezvous bytes (a two-part message).
+pub const FLAG_HEAD: u8 = 0x01;
+/// Feature bit: the sender takes an `Rts` with [`FLAG_HEAD`]. A peer sends one only to a
+/// side that announced it: older peers reject unknown flags.
+pub const FEATURE_RTS_HEAD: u32 = 1 << 1;
+/// Bytes of an `Rts` body besides its descriptor and head: `seq`, `len`, the descriptor's
+/// length.
+pub const RTS_FIXED: usize = 8 + 8 + 2;
 
 /// Frame kind codes (the header's `kind` byte).
 pub mod kind {
@@ -97,10 +106,14 @@ pub enum Body {
     Rts {
         /// Message number; must be the next one the receiver expects.
         seq: u64,
-        /// Message length.
+        /// Bytes to read (the message less its head).
         len: u64,
         /// The provider's descriptor of the exposed buffer (at most [`MAX_DESC_LEN`] bytes).
         desc: Bytes,
+        /// The message's first bytes, carried in this frame (flag [`FLAG_HEAD`], sent only
+        /// to a peer that announced [`FEATURE_RTS_HEAD`]); empty for a plain rendezvous
+        /// message. The message is `head` followed by the `len` bytes read.
+        head: Bytes,
     },
     /// Kind 4: the receiver finished with a rendezvous message (or probe sample); the sender
     /// may release its buffer.
@@ -263,6 +276,7 @@ impl Body {
     fn flags(&self) -> u8 {
         match self {
             Body::RndvDone { probe: true, .. } => FLAG_PROBE,
+            Body::Rts { head, .. } if !head.is_empty() => FLAG_HEAD,
             _ => 0,
         }
     }
@@ -272,7 +286,7 @@ impl Body {
         match self {
             Body::Hello { ext, .. } => 4 + 4 + 8 + 4 + 2 + ext.len(),
             Body::Eager { msgs } => 2 + msgs.iter().map(|m| 4 + m.len()).sum::<usize>(),
-            Body::Rts { desc, .. } => 8 + 8 + 2 + desc.len(),
+            Body::Rts { desc, head, .. } => RTS_FIXED + desc.len() + head.len(),
             Body::RndvDone { .. } => 8,
             Body::Credit => 0,
             Body::ProbeEager { pad, .. } => 4 + pad.len(),
@@ -425,10 +439,16 @@ impl Frame {
                     out.extend_from_slice(m);
                 }
             }
-            Body::Rts { seq, len, desc } => {
+            Body::Rts {
+                seq,
+                len,
+                desc,
+                head,
+            } => {
                 out.extend_from_slice(&(*seq).to_le_bytes());
                 out.extend_from_slice(&(*len).to_le_bytes());
                 put_prefixed(out, desc, MAX_DESC_LEN);
+                out.extend_from_slice(head);
             }
             Body::RndvDone { seq, .. } => out.extend_from_slice(&(*seq).to_le_bytes()),
             Body::Credit => {}
@@ -518,10 +538,10 @@ impl Frame {
         if name == "unknown" {
             return Err(FrameError::UnknownKind(kind));
         }
-        let allowed = if kind == kind::RNDV_DONE {
-            FLAG_PROBE
-        } else {
-            0
+        let allowed = match kind {
+            kind::RNDV_DONE => FLAG_PROBE,
+            kind::RTS => FLAG_HEAD,
+            _ => 0,
         };
         if flags & !allowed != 0 {
             return Err(FrameError::UnknownFlags { kind, flags });
@@ -577,7 +597,17 @@ impl Frame {
                 let seq = r.u64("seq")?;
                 let len = r.u64("len")?;
                 let desc = read_desc(&mut r)?;
-                Body::Rts { seq, len, desc }
+                let head = if flags & FLAG_HEAD != 0 {
+                    r.rest()
+                } else {
+                    Bytes::new()
+                };
+                Body::Rts {
+                    seq,
+                    len,
+                    desc,
+                    head,
+                }
             }
             kind::RNDV_DONE => Body::RndvDone {
                 seq: r.u64("seq")?,
@@ -753,6 +783,13 @@ mod tests {
                 seq: 3,
                 len: 1 << 40,
                 desc: desc.clone(),
+                head: Bytes::new(),
+            }),
+            Frame::new(Body::Rts {
+                seq: 4,
+                len: 0,
+                desc: desc.clone(),
+                head: Bytes::from_static(b"packet"),
             }),
             Frame::new(Body::RndvDone {
                 seq: 9,

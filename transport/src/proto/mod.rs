@@ -79,8 +79,11 @@ pub enum Action {
     BeginRecv {
         /// The message.
         msg: MsgId,
-        /// Its length.
+        /// Bytes to read.
         len: u64,
+        /// Bytes of the message's head, which came in its RTS and goes before the bytes
+        /// read ([`Delivery::Rendezvous`]): a destination the caller chose must hold both.
+        head_len: usize,
         /// The sender's descriptor, as the provider encoded it.
         descriptor: Bytes,
         /// True for the threshold probe: never delivered, discarded once read.
@@ -145,10 +148,13 @@ pub enum Action {
 pub enum Delivery {
     /// An eager message: the bytes themselves.
     Eager(Bytes),
-    /// A rendezvous message: it sits in the destination the driver prepared for it.
+    /// A rendezvous message: it sits in the destination the driver prepared for it, after
+    /// `head` if it is a two-part message ([`Connection::send_parts`]).
     Rendezvous {
-        /// Its length.
+        /// Bytes in the destination.
         len: u64,
+        /// The message's head, which came in its RTS (empty for a plain rendezvous message).
+        head: Bytes,
     },
 }
 

@@ -433,7 +433,12 @@ fn eager(payload: &'static [u8]) -> Frame {
 }
 
 fn rts(seq: u64, len: u64, desc: Bytes) -> Frame {
-    Frame::new(Body::Rts { seq, len, desc })
+    Frame::new(Body::Rts {
+        seq,
+        len,
+        desc,
+        head: Bytes::new(),
+    })
 }
 
 /// What a case expects of the server.
