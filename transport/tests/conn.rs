@@ -533,8 +533,9 @@ async fn remote_min_derives_from_the_connection() {
 }
 
 /// Whoever waits, reads: with a budget of `INLINE_READ_MIN_SPIN` or more, a receiver waiting
-/// for a reply reads it from the link on its own task; under it the driver task spins and
-/// delivers everything.
+/// for a reply reads it from the link on its own task, and runs the copies of a rendezvous
+/// message it read that way itself; under it the driver task spins and delivers
+/// everything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_receiver_reads_the_link_itself() {
     for (spin, tag) in [
@@ -554,8 +555,8 @@ async fn a_waiting_receiver_reads_the_link_itself() {
             b
         });
         // Every fourth a rendezvous message: read inline, its RTS posts reads that are
-        // link work, which the driver must still be woken to run. Made beforehand, so the
-        // peer answers within any spin budget.
+        // link work, which the receiver runs once it lets go of the lock. Made beforehand,
+        // so the peer answers within any spin budget.
         let big = pattern(300 << 10, 9);
         for i in 0..200u32 {
             let m = if i % 4 == 3 {
@@ -568,9 +569,14 @@ async fn a_waiting_receiver_reads_the_link_itself() {
         }
         let b = echo.await.unwrap();
         let (ra, rb) = (a.stats().inline_reads, b.stats().inline_reads);
+        let copies = a.stats().inline_copies + b.stats().inline_copies;
         if spin < ibex_transport::config::INLINE_READ_MIN_SPIN {
             assert_eq!((ra, rb), (0, 0), "a short budget: the driver delivers");
+            assert_eq!(copies, 0, "and the driver copies");
         } else {
+            // 2 x 50 messages of 300 KiB, each read in fragments of at least 64 KiB: most
+            // RTS come to a spinning receiver, which copies them.
+            assert!(copies >= 20, "copies run by receivers: {copies}");
             // A generous budget on an idle pair: most eager replies come within it. Not
             // all: a receiver that finds its message already delivered takes it as is, and
             // while the driver runs a rendezvous message's reads it may take the next one

@@ -25,7 +25,7 @@ pub use stats::ConnStats;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::link::{Link, RecvBuf};
+use crate::link::{Link, RecvBuf, Work};
 use crate::pool::{Pool, PoolBufMut};
 use driver::{Driver, Posted, ReadyMsg, Released, Shared, State, Take, join_parts};
 
@@ -447,21 +447,39 @@ impl Connection {
     /// that wakes with `me`; reads the link itself where that pays ([`State::take`]).
     fn try_take(&self, me: &std::task::Waker) -> Take {
         let shared = self.shared();
-        let (take, driver, others, space) = {
-            let mut st = shared.lock();
-            let (take, driver, others) = st.take(me);
-            (take, driver, others, std::mem::take(&mut st.space_freed))
-        };
-        if space {
-            shared.send_space.notify_waiters();
+        loop {
+            let (take, driver, others, space, work) = {
+                let mut st = shared.lock();
+                let (take, driver, others) = st.take(me);
+                let space = std::mem::take(&mut st.space_freed);
+                (
+                    take,
+                    driver,
+                    others,
+                    space,
+                    std::mem::take(&mut st.inline_work),
+                )
+            };
+            if space {
+                shared.send_space.notify_waiters();
+            }
+            if driver {
+                shared.wake_driver();
+            }
+            if others {
+                shared.notify_changed();
+            }
+            if work.is_empty() {
+                return take;
+            }
+            // The copies of a message read inline (it came with no message delivered):
+            // run here, with the lock released, as the driver would; their completions
+            // deliver the message at the next look.
+            let done: Vec<_> = work.into_iter().map(Work::run).collect();
+            if shared.lock().inline_work_done(done) {
+                shared.wake_driver();
+            }
         }
-        if driver {
-            shared.wake_driver();
-        }
-        if others {
-            shared.notify_changed();
-        }
-        take
     }
 
     /// Receives the next message into `buf`, returning it with the message length. When

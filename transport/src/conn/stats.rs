@@ -38,6 +38,9 @@ pub struct ConnStats {
     /// Messages a waiting receiver read from the link on its own task (whoever waits,
     /// reads) rather than taking them from the driver task.
     pub inline_reads: u64,
+    /// Copies of rendezvous reads that such a receiver ran itself, with the connection's
+    /// lock released, rather than waking the driver task to run them (shm's large reads).
+    pub inline_copies: u64,
 }
 
 impl ConnStats {

@@ -311,10 +311,15 @@ impl Mux {
         let next = attach(&mut pkt, data, self.inline_max());
         let head = pkt.encode()?;
         match next {
-            // A packet too long to ride in the frame that announces its body (a head of
-            // tens of KiB, or a peer whose build has no two-part messages) takes its body
-            // inline: a copy, but still one message.
-            Some(body) if head.len() > self.conn.head_room() => {
+            // The body rides inline after all where the packet then still goes eager (a
+            // body just over `inline_max` with a short packet: an inline length takes 4
+            // bytes where a separate one takes 8), and where the packet is too long to
+            // ride in the frame that announces a two-part message (a head of tens of KiB,
+            // or a peer whose build has no two-part messages): a copy, but one message.
+            Some(body)
+                if head.len() + body.len() <= self.conn.eager_threshold() + 4
+                    || head.len() > self.conn.head_room() =>
+            {
                 pkt.data = Some(Data::Inline(body));
                 Ok((pkt.encode()?, None))
             }
