@@ -1673,6 +1673,21 @@ mod ibex_only {
         within(message_paths::<IbexTcp>()).await
     }
 
+    /// Serves `builder` on `listener` until the returned sender is sent to.
+    fn serve_until_told(
+        builder: ibex_transport::grpc::Builder,
+        listener: ibex_transport::Listener,
+    ) -> (
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<ibex_transport::Result<()>>,
+    ) {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(builder.serve_with_listener(listener, async {
+            let _ = rx.await;
+        }));
+        (tx, server)
+    }
+
     /// A body piece the transport refuses (over the peer's `max_message_size`, here below the
     /// 1 MiB piece size) fails only its call, with `ResourceExhausted` naming the limit, in
     /// either direction; the connection's framing survives and the next call works.
@@ -1688,13 +1703,10 @@ mod ibex_only {
             let (svc, _ev) = BenchImpl::new();
             let listener = ibex_transport::listen(&uri(), server_cfg).await.unwrap();
             let addr = listener.local_uri();
-            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            let server = tokio::spawn(
+            let (tx, server) = serve_until_told(
                 ibex_transport::grpc::Server::builder()
-                    .add_service(svc.server(Some(usize::MAX), None))
-                    .serve_with_listener(listener, async {
-                        let _ = rx.await;
-                    }),
+                    .add_service(svc.server(Some(usize::MAX), None)),
+                listener,
             );
             let ch = Channel::connect_with_config(&addr, client_cfg)
                 .await
@@ -1732,13 +1744,9 @@ mod ibex_only {
         let (svc, _ev) = BenchImpl::new();
         let listener = ibex_transport::listen(&uri(), small_slots).await.unwrap();
         let addr = listener.local_uri();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(
-            ibex_transport::grpc::Server::builder()
-                .add_service(svc.server(None, None))
-                .serve_with_listener(listener, async {
-                    let _ = rx.await;
-                }),
+        let (tx, server) = serve_until_told(
+            ibex_transport::grpc::Server::builder().add_service(svc.server(None, None)),
+            listener,
         );
         let ch = Channel::connect_with_config(&addr, ibex_config())
             .await

@@ -1099,27 +1099,20 @@ impl Connection {
         self.peer = Some(peer);
         self.send_credits = slots;
         self.refresh_settings();
-        let cap = self.eager_cap();
-        if let Some(len) = self.data.iter().find_map(|o| match o {
-            Out::Eager(m) if m.len() > cap => Some(m.len()),
+        // What was queued before the handshake was checked against this side's own slot.
+        let (cap, room) = (self.eager_cap(), self.head_room());
+        let refused = self.data.iter().find_map(|o| match o {
+            Out::Eager(m) if m.len() > cap => Some(format!(
+                "an eager message of {} bytes was queued before the handshake, but the peer's slots hold at most {cap}; raise slot_size on the peer",
+                m.len()
+            )),
+            Out::Rts { head, .. } if head.len() > room => Some(format!(
+                "a two-part message with a {}-byte head was queued before the handshake, but the peer takes heads of at most {room} bytes (0: its build has no two-part messages); raise slot_size on the peer, or upgrade it",
+                head.len()
+            )),
             _ => None,
-        }) {
-            let msg = format!(
-                "an eager message of {len} bytes was queued before the handshake, but the peer's slots hold at most {cap}; raise slot_size on the peer"
-            );
-            return self.shut(
-                Error::Handshake(msg.clone()),
-                Some((CLOSE_LOCAL_ERROR, msg)),
-            );
-        }
-        let room = self.head_room();
-        if let Some(len) = self.data.iter().find_map(|o| match o {
-            Out::Rts { head, .. } if head.len() > room => Some(head.len()),
-            _ => None,
-        }) {
-            let msg = format!(
-                "a two-part message with a {len}-byte head was queued before the handshake, but the peer takes heads of at most {room} bytes (0: its build has no two-part messages); raise slot_size on the peer, or upgrade it"
-            );
+        });
+        if let Some(msg) = refused {
             return self.shut(
                 Error::Handshake(msg.clone()),
                 Some((CLOSE_LOCAL_ERROR, msg)),
