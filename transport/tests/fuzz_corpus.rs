@@ -205,6 +205,16 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("bad-trailing", raw(kind::RNDV_DONE, 0, &[0; 9])),
         ("bad-desc-too-long", raw(kind::RTS, 0, &oversize_desc)),
         ("bad-ext-too-long", raw(kind::HELLO, 0, &oversize_ext)),
+        (
+            // The head flag with nothing after the descriptor: a second encoding of a
+            // plain RTS (found by the fuzzer).
+            "bad-empty-head",
+            raw(
+                kind::RTS,
+                0x01,
+                &[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            ),
+        ),
     ]
 }
 
@@ -223,6 +233,7 @@ fn expected_error(name: &str, e: &FrameError) -> bool {
         "bad-trailing" => matches!(e, FrameError::TrailingBytes { .. }),
         "bad-desc-too-long" => matches!(e, FrameError::DescTooLong(_)),
         "bad-ext-too-long" => matches!(e, FrameError::ExtTooLong(_)),
+        "bad-empty-head" => matches!(e, FrameError::Truncated { field: "head", .. }),
         // Seeds added by hand (e.g. minimised fuzz findings) need only be rejected.
         _ => true,
     }

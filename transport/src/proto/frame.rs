@@ -597,8 +597,16 @@ impl Frame {
                 let seq = r.u64("seq")?;
                 let len = r.u64("len")?;
                 let desc = read_desc(&mut r)?;
+                // A flagged head is never empty, so every frame has one encoding.
                 let head = if flags & FLAG_HEAD != 0 {
-                    r.rest()
+                    let head = r.rest();
+                    if head.is_empty() {
+                        return Err(FrameError::Truncated {
+                            kind: "rts",
+                            field: "head",
+                        });
+                    }
+                    head
                 } else {
                     Bytes::new()
                 };
