@@ -123,17 +123,21 @@ impl ReadyMsg {
         }
     }
 
-    /// The message's bytes, wherever they landed; a two-part message's are joined (a copy).
-    pub fn into_bytes(self) -> Bytes {
-        join_parts(self.into_parts())
-    }
-
     /// The message as it came: its bytes, or a two-part message's head and body.
     pub fn into_parts(self) -> Parts {
         match self {
             ReadyMsg::Bytes(_, b) => (b, None),
             ReadyMsg::Parts(_, head, body) => (head, Some(body)),
             ReadyMsg::User { buf, len, .. } => (buf.into_bytes().slice(..len), None),
+        }
+    }
+
+    /// Bytes of the whole message.
+    pub fn len(&self) -> usize {
+        match self {
+            ReadyMsg::Bytes(_, b) => b.len(),
+            ReadyMsg::Parts(_, head, body) => head.len() + body.len(),
+            ReadyMsg::User { len, .. } => *len,
         }
     }
 

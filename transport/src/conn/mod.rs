@@ -520,24 +520,30 @@ impl Connection {
                             )),
                         },
                         other => {
-                            let data = other.into_bytes();
                             let Some(mut b) = mine.take() else {
-                                st.delivered.push_front(ReadyMsg::Bytes(msg, data));
+                                st.delivered.push_front(other);
                                 return Err(Error::Protocol(
                                     "recv_into: lost track of the posted buffer".into(),
                                 ));
                             };
                             let dst = b.as_mut();
-                            if dst.len() < data.len() {
+                            let len = other.len();
+                            if dst.len() < len {
                                 let err = Error::BufferTooSmall {
                                     buf: dst.len(),
-                                    len: data.len() as u64,
+                                    len: len as u64,
                                 };
-                                st.delivered.push_front(ReadyMsg::Bytes(msg, data));
+                                // Left as it came, for the next receive of any kind.
+                                st.delivered.push_front(other);
                                 return Err(err);
                             }
-                            dst[..data.len()].copy_from_slice(&data);
-                            Ok((b, data.len()))
+                            // A two-part message's parts go straight to their places.
+                            let (first, rest) = other.into_parts();
+                            dst[..first.len()].copy_from_slice(&first);
+                            if let Some(rest) = rest {
+                                dst[first.len()..len].copy_from_slice(&rest);
+                            }
+                            Ok((b, len))
                         }
                     };
                     let credit_due = st.consume(msg);
@@ -1354,5 +1360,49 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn parts_arrive_whole_over_tcp() {
         parts_arrive_whole("tcp").await;
+    }
+
+    /// `recv_into` takes a two-part message whole: posted before the message comes, the body
+    /// lands in the caller's buffer and the head is moved in front of it; a buffer that holds
+    /// the body but not the head is too small, and the message stays, in its parts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn recv_into_takes_a_two_part_message_whole() {
+        let at = format!(
+            "shm://{}",
+            std::env::temp_dir()
+                .join(format!("ibex-unit-{}-into.sock", std::process::id()))
+                .display()
+        );
+        let l = listen(&at, Config::default()).await.unwrap();
+        let at = l.local_uri();
+        let (b, a) = tokio::join!(l.accept(), connect(&at, Config::default()));
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let head = Bytes::from_static(b"head");
+        let body = Bytes::from((0..300u32 << 10).map(|i| i as u8).collect::<Vec<u8>>());
+        let whole = [&head[..], &body[..]].concat();
+
+        let rx = tokio::spawn({
+            let b = b.clone();
+            async move { b.recv_into(vec![0u8; 400 << 10]).await }
+        });
+        // Posted first: the receiver waits before the message is sent.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        a.send_parts(head.clone(), body.clone()).await.unwrap();
+        let (got, len) = rx.await.unwrap().unwrap();
+        assert_eq!(len, whole.len());
+        assert!(got[..len] == whole[..], "head, then body");
+        assert_eq!(
+            b.stats().recv_into_direct,
+            1,
+            "the body landed in the posted buffer"
+        );
+
+        a.send_parts(head.clone(), body.clone()).await.unwrap();
+        let e = b.recv_into(vec![0u8; body.len()]).await.unwrap_err();
+        assert!(
+            matches!(e, Error::BufferTooSmall { len, .. } if len == whole.len() as u64),
+            "{e}"
+        );
+        assert_eq!(b.recv_parts().await.unwrap(), (head, Some(body)));
     }
 }
