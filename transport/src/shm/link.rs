@@ -201,6 +201,9 @@ pub(crate) struct Parts {
     pub peer_uid: u32,
     /// The pid the peer reported (its namespace): what its REGION descriptors carry.
     pub peer_hello_pid: u32,
+    /// The pid we reported: what our REGION descriptors carry. Kept rather than asked for
+    /// on every rendezvous send, where `getpid` was a system call a message.
+    pub own_hello_pid: u32,
     pub peer_slot_size: usize,
     pub tx_map: Mapping,
     pub tx_cap: usize,
@@ -249,6 +252,7 @@ pub struct ShmLink {
     sock: UnixStream,
     peer_pid: i32,
     peer_hello_pid: u32,
+    own_hello_pid: u32,
     info: LinkInfo,
     tx: Producer,
     rx: Consumer,
@@ -374,6 +378,7 @@ impl ShmLink {
             sock: p.sock,
             peer_pid: p.peer_pid,
             peer_hello_pid: p.peer_hello_pid,
+            own_hello_pid: p.own_hello_pid,
             info,
             tx,
             rx,
@@ -991,7 +996,7 @@ impl Link for ShmLink {
             ),
             None => (
                 Desc::Region {
-                    pid: std::process::id(),
+                    pid: self.own_hello_pid,
                     region: id,
                     addr: buf.as_ptr() as u64,
                     len,

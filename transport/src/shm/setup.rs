@@ -600,6 +600,7 @@ async fn handshake(
         peer_pid,
         peer_uid,
         peer_hello_pid: peer.pid,
+        own_hello_pid: me.pid,
         peer_slot_size: peer.slot_size as usize,
         tx_map,
         tx_cap,
