@@ -1058,6 +1058,19 @@ mod ibex_only {
             [1, 1, 0, 0],
             "64 B echo: [eager sent, eager recv, rndv sent, rndv recv]"
         );
+        // By now the peer's `Hello` is in: both sides leave the standard head entries
+        // (`te`, `content-type`) off the wire. Whole, this request's packet took 206
+        // bytes and the answer 185.
+        assert_eq!(c.echo(p.clone()).await.unwrap().into_inner(), p);
+        let again = ch.connection().expect("an Ibex channel").stats();
+        let sent = again.proto.eager_bytes_sent - after.proto.eager_bytes_sent;
+        let recv = again.proto.eager_bytes_recv - after.proto.eager_bytes_recv;
+        assert!(
+            sent <= 206 - 45 && recv <= 185 - 30,
+            "64 B echo with implied entries took {sent} B out and {recv} B back (156 and 151 \
+             with this user agent)"
+        );
+        let after = again;
         // 2 MiB stays under half the flow-control window, so no window update joins in.
         let p = Payload {
             buffers: vec![pattern(2 * MIB, 2)],

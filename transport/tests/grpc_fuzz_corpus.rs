@@ -47,6 +47,16 @@ fn request_head(path: &str) -> Vec<u8> {
     block(&h)
 }
 
+/// Bit 15 of a header count: the head's standard entries are implied, not written.
+const IMPLIED: u16 = 0x8000;
+
+/// A header list whose standard entries are implied: only `h` is written.
+fn implied_headers(h: &[(&str, &str)]) -> Vec<u8> {
+    let mut v = headers(h);
+    v[0] |= (IMPLIED >> 8) as u8;
+    v
+}
+
 fn response_head(status: u16) -> Vec<u8> {
     let mut h = status.to_be_bytes().to_vec();
     h.extend(headers(&[("content-type", "application/grpc")]));
@@ -243,6 +253,52 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             "bad-40000-headers",
             messages(&[packet(1, TRAILERS, &[block(&many)])]),
+        ),
+        (
+            // Compact heads: a request's `te` and `content-type`, a response's
+            // `content-type`, implied by the count's top bit, before the entries written.
+            "ok-implied-entries",
+            messages(&[
+                packet(
+                    9,
+                    HEAD | DATA | END,
+                    &[
+                        block(
+                            &[
+                                6u16.to_be_bytes().to_vec(),
+                                b"/a.S/M".to_vec(),
+                                implied_headers(&[("user-agent", "ua/1")]),
+                            ]
+                            .concat(),
+                        ),
+                        block(&grpc_msg),
+                    ],
+                ),
+                packet(
+                    9,
+                    HEAD | DATA | TRAILERS,
+                    &[
+                        block(
+                            &[
+                                200u16.to_be_bytes().to_vec(),
+                                implied_headers(&[("date", "Thu, 26 Nov 2026 16:00:00 GMT")]),
+                            ]
+                            .concat(),
+                        ),
+                        block(&grpc_msg),
+                        ok.clone(),
+                    ],
+                ),
+            ]),
+        ),
+        (
+            // Trailers imply nothing: the mark is malformed there.
+            "bad-implied-in-trailers",
+            messages(&[packet(
+                1,
+                TRAILERS,
+                &[block(&implied_headers(&[("grpc-status", "0")]))],
+            )]),
         ),
         (
             "bad-both-data-kinds",

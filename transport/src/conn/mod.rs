@@ -272,6 +272,12 @@ impl Connection {
         self.shared().lock().core.head_room()
     }
 
+    /// The optional features the peer's `Hello` announced (`proto::frame::FEATURE_*`), or
+    /// `None` while it has not come.
+    pub(crate) fn peer_features(&self) -> Option<u32> {
+        self.shared().lock().core.peer_features()
+    }
+
     /// Puts a message where the provider can expose it without registering per message
     /// (verbs); returns it unchanged elsewhere. Synchronous, before any queueing: callers
     /// rely on a send that was polled once being queued in call order and not cut off

@@ -924,6 +924,7 @@ impl Channel {
             // A message small enough to ride in its packet needs no body to pump.
             Err(data) if data.len() <= shared.mux.inline_max() => {
                 head.end = true;
+                head.compact = shared.mux.compact();
                 let now = match head.encode_written(data) {
                     // The message's encoding disagrees with its length; nothing went out.
                     Err(e) => Now::Failed(Status::internal(format!(

@@ -254,6 +254,9 @@ fn cost(len: usize) -> i64 {
 pub(crate) struct Mux {
     conn: Connection,
     side: Side,
+    /// Whether the peer adds the standard head entries back ([`Mux::compact`]): 0 not
+    /// known yet, 1 no, 2 yes.
+    compact: std::sync::atomic::AtomicU8,
 }
 
 /// A packet [`Mux::send_now`] could not send at once.
@@ -281,7 +284,31 @@ fn transport_status(e: &Error) -> Status {
 
 impl Mux {
     fn new(conn: Connection, side: Side) -> Mux {
-        Mux { conn, side }
+        Mux {
+            conn,
+            side,
+            compact: std::sync::atomic::AtomicU8::new(0),
+        }
+    }
+
+    /// Whether packets to this peer may leave a head's standard entries off
+    /// ([`crate::proto::frame::FEATURE_GRPC_IMPLIED`]). Asked of the connection until its
+    /// peer's `Hello` is in (heads go whole until then), then kept: the answer never
+    /// changes, and asking locks the connection.
+    fn compact(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        match self.compact.load(Relaxed) {
+            2 => true,
+            1 => false,
+            _ => match self.conn.peer_features() {
+                None => false,
+                Some(f) => {
+                    let yes = f & crate::proto::frame::FEATURE_GRPC_IMPLIED != 0;
+                    self.compact.store(if yes { 2 } else { 1 }, Relaxed);
+                    yes
+                }
+            },
+        }
     }
 
     /// The largest body frame copied into its packet, and the piece size of large frames.
@@ -308,6 +335,7 @@ impl Mux {
     /// Encodes `pkt` with `data` as its body frame (see [`attach`]): the packet, and the
     /// body frame when it goes as the second part of a two-part message.
     fn encode(&self, mut pkt: Packet, data: Option<Bytes>) -> Result<(Bytes, Option<Bytes>)> {
+        pkt.compact = self.compact();
         let next = attach(&mut pkt, data, self.inline_max());
         let head = pkt.encode()?;
         match next {
@@ -382,12 +410,13 @@ impl Mux {
     /// [`Mux::send_now`] for a body frame encoded behind room for its packet: when it rides
     /// inline, the packet is written around it ([`Packet::encode_around`]) instead of
     /// copying it.
-    fn send_framed_now(&self, pkt: Packet, data: FrameBuf) -> Result<Option<Encoded>> {
+    fn send_framed_now(&self, mut pkt: Packet, data: FrameBuf) -> Result<Option<Encoded>> {
         // (`inline_max` locks the connection's state: asked only for frames with room.)
         if !data.has_room() || data.len() > self.inline_max() {
             return self.send_now(pkt, Some(data.into_bytes()));
         }
         let call = pkt.call;
+        pkt.compact = self.compact();
         let head = pkt.encode_around(data)?;
         Ok(self.conn.try_send(head)?.map(|head| Encoded {
             call,
@@ -412,9 +441,10 @@ impl Mux {
     /// [`Mux::inline_max`].
     fn send_inline_written_now(
         &self,
-        pkt: Packet,
+        mut pkt: Packet,
         frame: &dyn FrameWriter,
     ) -> Result<Option<Encoded>> {
+        pkt.compact = self.compact();
         let head = pkt.encode_written(frame)?;
         let sent = self.send_encoded_now(pkt.call, head);
         // The packet (its head's map) is dropped once the bytes are on their way: the

@@ -280,6 +280,10 @@ impl Trailers {
 #[derive(Debug, Default)]
 pub(crate) struct Packet {
     pub call: u32,
+    /// Encode for a peer that adds a head's standard entries back itself (it announced
+    /// [`crate::proto::frame::FEATURE_GRPC_IMPLIED`]): a head with no entries of its own leaves
+    /// them off. Never decoded: a decoded head holds them.
+    pub compact: bool,
     pub head: Option<Head>,
     pub data: Option<Data>,
     pub trailers: Option<Trailers>,
@@ -386,8 +390,8 @@ impl Packet {
             flags |= HEAD;
             if h.plain() {
                 LAST_HEAD.with_borrow_mut(|last| {
-                    if !last.is(h) {
-                        last.fill(h)?;
+                    if !last.is(h, self.compact) {
+                        last.fill(h, self.compact)?;
                     }
                     b.extend_from_slice(&last.bytes);
                     Ok::<(), Error>(())
@@ -411,9 +415,9 @@ impl Packet {
                     headers: apart,
                     standard: standard.clone(),
                 };
-                put_head_section(b, &h)?;
+                put_head_section(b, &h, self.compact)?;
             } else {
-                put_head_section(b, h)?;
+                put_head_section(b, h, self.compact)?;
             }
         }
         Ok(flags)
@@ -462,7 +466,7 @@ impl Packet {
                 headers,
                 standard,
             }) => {
-                let extra = standard_headers(headers, standard, true).len();
+                let extra = standard_headers(headers, standard, true, self.compact).len();
                 4 + 2 + path.as_str().len() + headers_len(headers) + extra
             }
             Some(Head::Response {
@@ -479,7 +483,7 @@ impl Packet {
                     0
                 };
                 4 + 2 + headers_len(headers) - merged
-                    + standard_headers(headers, standard, false).len()
+                    + standard_headers(headers, standard, false, self.compact).len()
             }
             None => 0,
         }
@@ -534,7 +538,7 @@ impl Packet {
                 let path = seen.path(raw)?;
                 p.head = Some(Head::Request {
                     path,
-                    headers: seen.headers(&mut h, limits, 0)?,
+                    headers: seen.headers(&mut h, limits, 0, Implied::Request)?,
                     standard: None,
                 });
                 expect_empty(&h, "head block")?;
@@ -562,7 +566,7 @@ impl Packet {
             p.trailers = Some(if t[..] == STATUS_OK_BLOCK[4..] {
                 Trailers::Ok
             } else {
-                let map = get_headers(&mut t, limits, 0)?;
+                let map = get_headers(&mut t, limits, 0, Implied::Never)?;
                 expect_empty(&t, "trailers block")?;
                 Trailers::map(map)
             });
@@ -578,7 +582,7 @@ impl Packet {
                 }
                 map
             } else {
-                seen.headers(&mut h, limits, TRAILER_ROOM)?
+                seen.headers(&mut h, limits, TRAILER_ROOM, Implied::Response)?
             };
             expect_empty(&h, "head block")?;
             p.head = Some(Head::Response {
@@ -657,7 +661,7 @@ impl WholeParts {
 
 /// Writes a HEAD section: its length, then the request's path or the response's status,
 /// then the header list.
-fn put_head_section(b: &mut BytesMut, h: &Head) -> Result<()> {
+fn put_head_section(b: &mut BytesMut, h: &Head, compact: bool) -> Result<()> {
     let at = reserve_len(b);
     match h {
         Head::Request {
@@ -666,7 +670,7 @@ fn put_head_section(b: &mut BytesMut, h: &Head) -> Result<()> {
             standard,
         } => {
             put_str16(b, path.as_str().as_bytes(), "method path")?;
-            let extra = standard_headers(headers, standard, true);
+            let extra = standard_headers(headers, standard, true, compact);
             put_headers_and(b, headers, &extra)?;
         }
         Head::Response {
@@ -675,7 +679,7 @@ fn put_head_section(b: &mut BytesMut, h: &Head) -> Result<()> {
             standard,
         } => {
             b.extend_from_slice(&(status.as_u16()).to_be_bytes());
-            let extra = standard_headers(headers, standard, false);
+            let extra = standard_headers(headers, standard, false, compact);
             put_headers_and(b, headers, &extra)?;
         }
     }
@@ -703,6 +707,8 @@ thread_local! {
 #[derive(Default)]
 struct LastHead {
     request: bool,
+    /// Written for a peer that adds the standard entries back ([`Standard::implied`]).
+    compact: bool,
     /// A request's path, or a response's status as its two bytes.
     what: Vec<u8>,
     standard: Option<HeaderValue>,
@@ -711,7 +717,10 @@ struct LastHead {
 }
 
 impl LastHead {
-    fn is(&self, h: &Head) -> bool {
+    fn is(&self, h: &Head, compact: bool) -> bool {
+        if self.compact != compact {
+            return false;
+        }
         let (request, what, standard) = match h {
             Head::Request { path, standard, .. } => (true, path.as_str().as_bytes(), standard),
             Head::Response {
@@ -730,10 +739,11 @@ impl LastHead {
             && !self.bytes.is_empty()
     }
 
-    fn fill(&mut self, h: &Head) -> Result<()> {
+    fn fill(&mut self, h: &Head, compact: bool) -> Result<()> {
         self.bytes.clear();
+        self.compact = compact;
         // Emptied first: a failed write leaves nothing that matches.
-        let written = put_head_section(&mut self.bytes, h);
+        let written = put_head_section(&mut self.bytes, h, compact);
         if written.is_err() {
             self.bytes.clear();
             return written;
@@ -841,6 +851,9 @@ fn put_headers(b: &mut BytesMut, h: &HeaderMap) -> Result<()> {
 struct Standard<'a> {
     fixed: &'static [u8],
     fixed_count: u16,
+    /// The constant entries are left off the wire and marked ([`IMPLIED`]): the peer
+    /// announced that it adds them back.
+    implied: bool,
     tail: Option<(&'a HeaderName, &'a HeaderValue)>,
 }
 
@@ -848,6 +861,7 @@ impl Standard<'_> {
     const NONE: Standard<'static> = Standard {
         fixed: &[],
         fixed_count: 0,
+        implied: false,
         tail: None,
     };
 
@@ -910,20 +924,24 @@ const REQUEST_ENTRIES: [u8; 50] = {
 /// The entries a head's `standard` stands for, after `headers`: on a request `te`,
 /// `content-type` and the user agent `standard` unless `headers` has one; on a response
 /// `content-type` and the date `standard`, each unless `headers` has it.
+/// `compact`: the peer adds the constant ones back itself ([`IMPLIED`]), so a head with
+/// no headers of its own (nearly every call) leaves them off the wire.
 fn standard_headers<'a>(
     headers: &HeaderMap,
     standard: &'a Option<HeaderValue>,
     request: bool,
+    compact: bool,
 ) -> Standard<'a> {
     static USER_AGENT: HeaderName = http::header::USER_AGENT;
     static DATE: HeaderName = http::header::DATE;
     let Some(v) = standard else {
         return Standard::NONE;
     };
-    if request {
+    let mut s = if request {
         Standard {
             fixed: &REQUEST_ENTRIES,
             fixed_count: 2,
+            implied: false,
             tail: (!headers.contains_key(&USER_AGENT)).then_some((&USER_AGENT, v)),
         }
     } else {
@@ -935,15 +953,27 @@ fn standard_headers<'a>(
                 &[]
             },
             fixed_count: u16::from(content_type),
+            implied: false,
             tail: (!headers.contains_key(&DATE)).then_some((&DATE, v)),
         }
+    };
+    // Only with no entries of its own: the implied ones then come first on both sides, in
+    // the order the written ones would have had.
+    if compact && headers.is_empty() && s.fixed_count > 0 {
+        s.fixed = &[];
+        s.fixed_count = 0;
+        s.implied = true;
     }
+    s
 }
 
 /// `h`'s entries, then `extra`'s, as one header list.
 fn put_headers_and(b: &mut BytesMut, h: &HeaderMap, extra: &Standard<'_>) -> Result<()> {
     let n = u16::try_from(h.len() + extra.count())
-        .map_err(|_| Error::Protocol("gRPC call framing: more than 65535 headers".into()))?;
+        .ok()
+        .filter(|n| n & IMPLIED == 0)
+        .ok_or_else(|| Error::Protocol("gRPC call framing: more than 32767 headers".into()))?;
+    let n = if extra.implied { n | IMPLIED } else { n };
     b.extend_from_slice(&n.to_be_bytes());
     for (name, value) in h {
         put_entry(b, name, value)?;
@@ -1004,19 +1034,70 @@ fn take(b: &mut Bytes, what: &str) -> Result<Bytes> {
 /// [`Packet::decode`]): `grpc-status`, `grpc-message` and a few more.
 const TRAILER_ROOM: usize = 4;
 
+/// Bit 15 of a header list's entry count: the standard entries of its kind come first
+/// without being written ([`Implied`]); the rest of the count is the entries written.
+const IMPLIED: u16 = 0x8000;
+
+/// Which header list is decoded: what [`IMPLIED`] stands for in it.
+#[derive(Clone, Copy)]
+enum Implied {
+    /// `te: trailers`, `content-type: application/grpc`.
+    Request,
+    /// `content-type: application/grpc`.
+    Response,
+    /// Trailers: nothing; the bit is malformed there.
+    Never,
+}
+
+impl Implied {
+    fn entries(self) -> &'static [(&'static HeaderName, &'static HeaderValue)] {
+        static TE: HeaderName = http::header::TE;
+        static CONTENT_TYPE: HeaderName = http::header::CONTENT_TYPE;
+        static REQUEST: [(&HeaderName, &HeaderValue); 2] =
+            [(&TE, &KNOWN_VALUES[2]), (&CONTENT_TYPE, &KNOWN_VALUES[0])];
+        match self {
+            Implied::Request => &REQUEST,
+            Implied::Response => &REQUEST[1..],
+            Implied::Never => &[],
+        }
+    }
+}
+
 /// Decodes a header list into a map with room for `room` more entries.
-fn get_headers(b: &mut Bytes, limits: &Limits, room: usize) -> Result<HeaderMap> {
-    let n = usize::from(get_u16(b, "header count")?);
+fn get_headers(b: &mut Bytes, limits: &Limits, room: usize, kind: Implied) -> Result<HeaderMap> {
+    let count = get_u16(b, "header count")?;
+    let implied = if count & IMPLIED == 0 {
+        &[][..]
+    } else if matches!(kind, Implied::Never) {
+        return Err(proto_err(
+            "a trailers block marks standard entries as implied; only heads may".into(),
+        ));
+    } else {
+        kind.entries()
+    };
+    let n = usize::from(count & !IMPLIED);
     // Checked before anything is allocated: the count sizes the map.
     let max_entries = limits.max_header_list_size / HEADER_ENTRY_OVERHEAD;
-    if n > max_entries {
+    if n + implied.len() > max_entries {
         return Err(header_limit(format!(
-            "{n} header entries exceed the {max_entries} that a header list of at most {} bytes can hold",
+            "{} header entries exceed the {max_entries} that a header list of at most {} bytes can hold",
+            n + implied.len(),
             limits.max_header_list_size
         )));
     }
-    let mut h = HeaderMap::with_capacity(n + room);
+    let mut h = HeaderMap::with_capacity(n + implied.len() + room);
     let mut size = 0usize;
+    // First, as the sender would have written them before its one varying entry.
+    for (name, value) in implied {
+        size += name.as_str().len() + value.len() + HEADER_ENTRY_OVERHEAD;
+        h.append((*name).clone(), (*value).clone());
+    }
+    if size > limits.max_header_list_size {
+        return Err(header_limit(format!(
+            "the header list exceeds {} bytes (name + value + 32 per entry)",
+            limits.max_header_list_size
+        )));
+    }
     for _ in 0..n {
         let len = get_u16(b, "header name")? as usize;
         need(b, len, "header name")?;
@@ -1075,16 +1156,22 @@ impl Seen {
     const MAX_HEADERS: usize = 512;
 
     /// Decodes the header list that makes up the rest of `b`.
-    fn headers(&mut self, b: &mut Bytes, limits: &Limits, room: usize) -> Result<HeaderMap> {
+    fn headers(
+        &mut self,
+        b: &mut Bytes,
+        limits: &Limits,
+        room: usize,
+        kind: Implied,
+    ) -> Result<HeaderMap> {
         if b.len() > Self::MAX_HEADERS {
-            return get_headers(b, limits, room);
+            return get_headers(b, limits, room, kind);
         }
         if self.last_headers != b[..] {
             self.last_headers.clear();
             self.last_headers.extend_from_slice(b);
             self.last_map = None;
             self.last_ok = None;
-            return get_headers(b, limits, room);
+            return get_headers(b, limits, room, kind);
         }
         b.advance(b.len());
         if let Some(map) = &self.last_map {
@@ -1102,7 +1189,7 @@ impl Seen {
         }
         // Parsed from bytes of its own: the kept map must not hold the packet's buffer.
         let mut own = Bytes::copy_from_slice(&self.last_headers);
-        let map = get_headers(&mut own, limits, room)?;
+        let map = get_headers(&mut own, limits, room, kind)?;
         expect_empty(&own, "head block")?;
         self.last_map = Some(map.clone());
         Ok(map)
@@ -1120,7 +1207,7 @@ impl Seen {
             b.advance(b.len());
             return Ok((map.clone(), true));
         }
-        let mut map = self.headers(b, limits, TRAILER_ROOM)?;
+        let mut map = self.headers(b, limits, TRAILER_ROOM, Implied::Response)?;
         if map.contains_key(GRPC_STATUS) {
             return Ok((map, false));
         }
@@ -1272,7 +1359,7 @@ mod tests {
         let mut b = BytesMut::new();
         b.extend_from_slice(&p.call.to_be_bytes());
         b.extend_from_slice(&[HEAD | END]);
-        put_head_section(&mut b, p.head.as_ref().unwrap()).unwrap();
+        put_head_section(&mut b, p.head.as_ref().unwrap(), p.compact).unwrap();
         b.to_vec()
     }
 
@@ -1341,6 +1428,99 @@ mod tests {
         for p in [response(StatusCode::OK, None), odd] {
             assert_eq!(p.encode().unwrap()[..], written_afresh(&p)[..]);
         }
+    }
+
+    /// A head's entries as decoded, in order.
+    fn entries(p: &Packet) -> Vec<(String, Vec<u8>)> {
+        let (Some(Head::Request { headers, .. }) | Some(Head::Response { headers, .. })) = &p.head
+        else {
+            panic!("no head");
+        };
+        headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn compact_heads_leave_the_standard_entries_off_and_decode_to_the_same_map() {
+        let request = |headers: HeaderMap, compact: bool| {
+            let mut p = Packet::new(7);
+            p.head = Some(Head::Request {
+                path: PathAndQuery::from_static("/a.S/M"),
+                headers,
+                standard: Some(HeaderValue::from_static("ua/1")),
+            });
+            p.end = true;
+            p.compact = compact;
+            p
+        };
+        let response = |headers: HeaderMap, compact: bool| {
+            let mut p = Packet::new(7);
+            p.head = Some(Head::Response {
+                status: StatusCode::OK,
+                headers,
+                standard: Some(HeaderValue::from_static("Thu, 26 Nov 2026 16:00:00 GMT")),
+            });
+            p.end = true;
+            p.compact = compact;
+            p
+        };
+        let mut own = HeaderMap::new();
+        own.insert("x-id", HeaderValue::from_static("1"));
+        // Whole and compact, one after the other on one thread (the head cache must keep
+        // the two forms apart), plain and with entries of their own.
+        for (whole, compact, saved, request_side) in [
+            (
+                request(HeaderMap::new(), false),
+                request(HeaderMap::new(), true),
+                50,
+                true,
+            ),
+            (
+                response(HeaderMap::new(), false),
+                response(HeaderMap::new(), true),
+                34,
+                false,
+            ),
+            (
+                request(own.clone(), false),
+                request(own.clone(), true),
+                0,
+                true,
+            ),
+            (
+                response(own.clone(), false),
+                response(own.clone(), true),
+                0,
+                false,
+            ),
+        ] {
+            let w = whole.encode().unwrap();
+            let c = compact.encode().unwrap();
+            assert_eq!(w.len() - c.len(), saved, "{compact:?}");
+            assert_eq!(c[..], written_afresh(&compact)[..]);
+            assert_eq!(w[..], written_afresh(&whole)[..]);
+            let lim = Limits::default();
+            let (w, c) = (
+                Packet::decode(w, request_side, &lim).unwrap(),
+                Packet::decode(c, request_side, &lim).unwrap(),
+            );
+            assert_eq!(entries(&w), entries(&c));
+        }
+        // Only heads imply entries, and they count against the limit: 511 written and the
+        // two a request implies are 513, one more than 16 KiB holds.
+        let mut b = BytesMut::new();
+        b.put_u32(1);
+        b.put_u8(HEAD);
+        let mut h = BytesMut::new();
+        h.put_u16(2);
+        h.put_slice(b"/a");
+        h.put_u16(IMPLIED | 511);
+        b.put_u32(h.len() as u32);
+        b.put_slice(&h);
+        let e = Packet::decode(b.freeze(), true, &Limits::default()).unwrap_err();
+        assert!(e.to_string().contains("513 header entries"), "{e}");
     }
 
     #[test]
@@ -1953,14 +2133,17 @@ mod tests {
     #[test]
     fn header_counts_and_sizes_are_bounded_before_allocation() {
         let lim = Limits::default();
-        // 40000 entries once panicked inside `HeaderMap::with_capacity`.
-        let e = Packet::decode(with_header_count(40000), false, &lim).unwrap_err();
+        // 40000 entries once panicked inside `HeaderMap::with_capacity`; counts of 32768
+        // and up now carry the implied-entries mark, which trailers may not.
+        let e = Packet::decode(with_header_count(30000), false, &lim).unwrap_err();
         assert!(
             e.to_string()
-                .contains("40000 header entries exceed the 512")
+                .contains("30000 header entries exceed the 512")
                 && e.to_string().contains("max_header_list_size"),
             "{e}"
         );
+        let e = Packet::decode(with_header_count(40000), false, &lim).unwrap_err();
+        assert!(e.to_string().contains("trailers block marks"), "{e}");
         assert!(Packet::decode(with_header_count(u16::MAX), true, &lim).is_err());
         // 500 entries of 33 bytes each pass the count check but not the size.
         let e = Packet::decode(with_header_count(500), false, &lim).unwrap_err();

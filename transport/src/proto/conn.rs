@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::frame::{
-    Body, EAGER_ONE_HEAD, FEATURE_PROBE_READ, FEATURE_RTS_HEAD, Frame, HEADER_LEN, HelloExt,
-    MAX_DESC_LEN, RTS_FIXED, truncate_utf8,
+    Body, EAGER_ONE_HEAD, FEATURE_GRPC_IMPLIED, FEATURE_PROBE_READ, FEATURE_RTS_HEAD, Frame,
+    HEADER_LEN, HelloExt, MAX_DESC_LEN, RTS_FIXED, truncate_utf8,
 };
 use super::probe::{FRAGMENT_PROBE_LEN, Probe, ProbePlan, Progress, Sample, Verdict};
 use super::{
@@ -249,7 +249,7 @@ impl Connection {
             )
             .unwrap_or(u32::MAX),
             ext: HelloExt {
-                features: FEATURE_PROBE_READ | FEATURE_RTS_HEAD,
+                features: FEATURE_PROBE_READ | FEATURE_RTS_HEAD | FEATURE_GRPC_IMPLIED,
             }
             .encode(),
         };
@@ -638,6 +638,11 @@ impl Connection {
             Some(p) if p.features & FEATURE_RTS_HEAD == 0 => 0,
             _ => Self::head_room_in(self.peer.map_or(self.cfg.slot_size, |p| p.slot_size)),
         }
+    }
+
+    /// The optional features the peer's `Hello` announced; `None` before it came.
+    pub fn peer_features(&self) -> Option<u32> {
+        self.peer.map(|p| p.features)
     }
 
     /// Whether a head of `len` bytes fits [`Connection::head_room`].
