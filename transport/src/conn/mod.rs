@@ -1206,12 +1206,7 @@ mod tests {
     /// refused before anything is queued, and so is a head longer than the head room.
     async fn parts_arrive_whole(provider: &str) {
         let at = match provider {
-            "shm" => format!(
-                "shm://{}",
-                std::env::temp_dir()
-                    .join(format!("ibex-unit-{}-parts.sock", std::process::id()))
-                    .display()
-            ),
+            "shm" => unit_shm_uri("parts"),
             _ => "tcp://127.0.0.1:0".into(),
         };
         let cfg = Config {
@@ -1297,6 +1292,17 @@ mod tests {
         );
     }
 
+    /// An shm address of this test process's own, so concurrent test binaries never share
+    /// a socket file.
+    fn unit_shm_uri(name: &str) -> String {
+        format!(
+            "shm://{}",
+            std::env::temp_dir()
+                .join(format!("ibex-unit-{}-{name}.sock", std::process::id()))
+                .display()
+        )
+    }
+
     fn cfg_slot() -> usize {
         Config::default().slot_size
     }
@@ -1306,12 +1312,7 @@ mod tests {
     /// works as any other; the connecting side stays on its caller's runtime.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn serve_threads_home_accepted_connections() {
-        let at = format!(
-            "shm://{}",
-            std::env::temp_dir()
-                .join(format!("ibex-unit-{}-homes.sock", std::process::id()))
-                .display()
-        );
+        let at = unit_shm_uri("homes");
         let cfg = Config {
             serve_threads: 2,
             ..Config::default()
@@ -1373,12 +1374,7 @@ mod tests {
     /// the body but not the head is too small, and the message stays, in its parts.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn recv_into_takes_a_two_part_message_whole() {
-        let at = format!(
-            "shm://{}",
-            std::env::temp_dir()
-                .join(format!("ibex-unit-{}-into.sock", std::process::id()))
-                .display()
-        );
+        let at = unit_shm_uri("into");
         let l = listen(&at, Config::default()).await.unwrap();
         let at = l.local_uri();
         let (b, a) = tokio::join!(l.accept(), connect(&at, Config::default()));
