@@ -435,6 +435,13 @@ pub trait Link: Send + 'static {
     /// Exposes `buf` for one-sided reads by the peer until [`Link::withdraw`].
     fn expose(&mut self, buf: Bytes) -> Result<Exposure, Error>;
 
+    /// Exposes a message body that the peer is about to be told of (an RTS) and will read
+    /// once, whole, right away. A provider whose reads cost the peer a request may start
+    /// moving it now (tcp pushes it behind the RTS); the default is [`Link::expose`].
+    fn expose_message(&mut self, buf: Bytes) -> Result<Exposure, Error> {
+        self.expose(buf)
+    }
+
     /// Withdraws an exposure (the peer's later reads of it fail) and gives the buffer back.
     fn withdraw(&mut self, id: u64) -> Option<Bytes>;
 

@@ -8,8 +8,8 @@
 //!                                                          on the wrong port is told which)
 //! version u16    2 (version 1 was a preface of each provider's own)
 //! slot_size u32  the sender's eager slot size: the largest frame it accepts
-//! features u32   optional features the sender speaks; none are defined yet, and bits a
-//!                side does not know are ignored, so later ones can be added compatibly
+//! features u32   optional features the sender speaks (FEATURE_*); bits a side does not
+//!                know are ignored, so later ones can be added compatibly
 //! token_len u16  at most MAX_TOKEN
 //! ext_len u16    at most MAX_EXT: the provider's own bytes (shm: its segment sizes)
 //! token, ext
@@ -62,6 +62,10 @@ impl Provider {
         }
     }
 }
+
+/// tcp: the sender takes pushed regions (`tcp::wire::T_PUSH`), so its peer may send a
+/// message body right behind the RTS that announces it instead of waiting to be asked.
+pub const FEATURE_TCP_PUSH: u32 = 1;
 
 /// Version of the preface (and of what each provider speaks after it).
 pub const VERSION: u16 = 2;

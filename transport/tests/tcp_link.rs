@@ -789,3 +789,329 @@ async fn links_on_separate_tasks_serve_and_read() {
     }
     assert!(matches!(end, Error::PeerGone(_)), "{end}");
 }
+
+/// Sends one frame and writes what the socket takes now; the rest goes out as the link is
+/// polled (pushes behind it may not fit the socket before the peer reads).
+async fn send_frame(link: &mut TcpLink, frame: &[u8]) {
+    poll_fn(|cx| link.poll_send(cx, frame)).await.unwrap();
+    poll_fn(|cx| match link.poll_flush(cx) {
+        Poll::Ready(r) => {
+            r.unwrap();
+            Poll::Ready(())
+        }
+        Poll::Pending => Poll::Ready(()),
+    })
+    .await;
+}
+
+/// Polls both links until `done(a)` holds.
+async fn poll_until(a: &mut TcpLink, b: &mut TcpLink, done: impl Fn(&TcpLink) -> bool) {
+    tokio::time::timeout(
+        GUARD,
+        poll_fn(|cx| {
+            if let Poll::Ready(ev) = b.poll_event(cx) {
+                panic!("unexpected event on the owner: {ev:?}");
+            }
+            if let Poll::Ready(ev) = a.poll_event(cx) {
+                panic!("unexpected event on the reader: {ev:?}");
+            }
+            if done(a) {
+                Poll::Ready(())
+            } else {
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+        }),
+    )
+    .await
+    .expect("hang guard");
+}
+
+/// Takes `n` read completions on `c`, in order, each a success.
+async fn completions(c: &mut TcpLink, s: &mut TcpLink, n: usize) -> Vec<u64> {
+    let mut s_events = Vec::new();
+    let mut ids = Vec::new();
+    while ids.len() < n {
+        match next_event(c, s, &mut s_events).await.unwrap() {
+            LinkEvent::ReadDone { id, result } => {
+                result.unwrap();
+                ids.push(id);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(s_events.is_empty(), "{s_events:?}");
+    ids
+}
+
+fn flagged(desc: &[u8]) -> bool {
+    desc[7] & 0x80 != 0
+}
+
+#[tokio::test]
+async fn pushed_bodies_fill_reads_posted_before_they_arrive() {
+    let (mut s, mut c) = pair().await;
+    let one = big_region(100_000, 1);
+    let two = big_region(tcp::wire::MAX_PUSH, 2);
+    let e1 = s.expose_message(one.clone()).unwrap();
+    let e2 = s.expose_message(two.clone()).unwrap();
+    assert!(flagged(&e1.descriptor) && flagged(&e2.descriptor));
+    // Nothing goes before the frame that follows the exposure (the RTS, in a connection).
+    poll_fn(|cx| s.poll_flush(cx)).await.unwrap();
+    assert_eq!(s.bytes_queued(), 0);
+    assert_eq!(s.push_stats().sent, 0);
+    let mut d1 = c.alloc_recv(one.len()).unwrap();
+    let mut d2 = c.alloc_recv(two.len()).unwrap();
+    const FRAG: usize = 512 << 10;
+    // SAFETY: both buffers outlive the reads (all complete below); pieces do not overlap.
+    unsafe {
+        c.post_read(1, &e1.descriptor, 0, d1.as_mut_ptr(), one.len())
+            .unwrap();
+        for k in 0..two.len() / FRAG {
+            let p = d2.as_mut_ptr().add(k * FRAG);
+            c.post_read(10 + k as u64, &e2.descriptor, (k * FRAG) as u64, p, FRAG)
+                .unwrap();
+        }
+    }
+    assert_eq!(c.reads_outstanding(), 5);
+    send_frame(&mut s, b"rts").await;
+    let ev = next_event(&mut c, &mut s, &mut Vec::new()).await.unwrap();
+    assert!(
+        matches!(ev, LinkEvent::Frame(ref f) if &f[..] == b"rts"),
+        "{ev:?}"
+    );
+    assert_eq!(completions(&mut c, &mut s, 5).await, [1, 10, 11, 12, 13]);
+    assert!(d1.as_slice() == &one[..] && d2.as_slice() == &two[..]);
+    assert_eq!(
+        c.push_stats(),
+        tcp::PushStats {
+            direct: 2,
+            ..Default::default()
+        },
+        "no read asked the owner"
+    );
+    assert_eq!(s.push_stats().sent, 2);
+    assert_eq!(c.reads_outstanding(), 0);
+}
+
+#[tokio::test]
+async fn pushes_that_arrive_before_their_reads_are_held_then_copied_out() {
+    let (mut s, mut c) = pair().await;
+    let region = big_region(300_000, 3);
+    let e = s.expose_message(region.clone()).unwrap();
+    send_frame(&mut s, b"rts").await;
+    let ev = next_event(&mut c, &mut s, &mut Vec::new()).await.unwrap();
+    assert!(matches!(ev, LinkEvent::Frame(_)));
+    poll_until(&mut c, &mut s, |c| c.pushes_held() == 1).await;
+    let mut dst = c.alloc_recv(region.len()).unwrap();
+    // SAFETY: `dst` outlives the reads; the two halves do not overlap.
+    unsafe {
+        c.post_read(1, &e.descriptor, 0, dst.as_mut_ptr(), 100_000)
+            .unwrap();
+        let p = dst.as_mut_ptr().add(100_000);
+        c.post_read(2, &e.descriptor, 100_000, p, 200_000).unwrap();
+    }
+    assert_eq!(completions(&mut c, &mut s, 2).await, [1, 2]);
+    assert!(dst.as_slice() == &region[..]);
+    assert_eq!(c.pushes_held(), 0, "a push is let go once read whole");
+    // A second read of the region asks the owner, which still exposes it.
+    let mut again = c.alloc_recv(1000).unwrap();
+    // SAFETY: as above.
+    unsafe { c.post_read(3, &e.descriptor, 5000, again.as_mut_ptr(), 1000) }.unwrap();
+    assert_eq!(completions(&mut c, &mut s, 1).await, [3]);
+    assert!(again.as_slice() == &region[5000..6000]);
+    assert_eq!(
+        c.push_stats(),
+        tcp::PushStats {
+            held: 1,
+            asked: 1,
+            ..Default::default()
+        }
+    );
+}
+
+#[tokio::test]
+async fn pushes_past_the_hold_limit_are_dropped_and_read_the_usual_way() {
+    let (mut s, mut c) = pair().await;
+    let n = tcp::wire::MAX_HELD / tcp::wire::MAX_PUSH + 1;
+    let regions: Vec<Bytes> = (0..n)
+        .map(|i| big_region(tcp::wire::MAX_PUSH, i as u64))
+        .collect();
+    let exps: Vec<_> = regions
+        .iter()
+        .map(|r| s.expose_message(r.clone()).unwrap())
+        .collect();
+    send_frame(&mut s, b"rts").await;
+    let ev = next_event(&mut c, &mut s, &mut Vec::new()).await.unwrap();
+    assert!(matches!(ev, LinkEvent::Frame(_)));
+    poll_until(&mut c, &mut s, |c| {
+        c.pushes_held() == n - 1 && c.push_stats().dropped == 1
+    })
+    .await;
+    let mut dsts: Vec<RecvBuf> = regions
+        .iter()
+        .map(|r| c.alloc_recv(r.len()).unwrap())
+        .collect();
+    for (i, (e, d)) in exps.iter().zip(dsts.iter_mut()).enumerate() {
+        // SAFETY: the buffers outlive the reads.
+        unsafe { c.post_read(i as u64, &e.descriptor, 0, d.as_mut_ptr(), d.len()) }.unwrap();
+    }
+    let mut ids = completions(&mut c, &mut s, n).await;
+    ids.sort_unstable();
+    assert_eq!(ids, (0..n as u64).collect::<Vec<_>>());
+    for (r, d) in regions.iter().zip(&dsts) {
+        assert!(d.as_slice() == &r[..]);
+    }
+    assert_eq!(
+        c.push_stats(),
+        tcp::PushStats {
+            held: n as u64 - 1,
+            dropped: 1,
+            asked: 1,
+            ..Default::default()
+        }
+    );
+}
+
+#[tokio::test]
+async fn nothing_is_pushed_to_a_peer_that_does_not_take_pushes() {
+    let (mut s, mut raw) = raw_client().await;
+    skip_preface(&mut raw).await;
+    let e = s.expose_message(Bytes::from(pattern(1, 5000))).unwrap();
+    assert!(!flagged(&e.descriptor));
+    send_frame(&mut s, b"rts").await;
+    let mut got = vec![0u8; 8];
+    use tokio::io::AsyncReadExt;
+    raw.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, [0, 3, 0, 0, 0, b'r', b't', b's']);
+    let more = tokio::time::timeout(Duration::from_millis(100), raw.read(&mut got)).await;
+    assert!(more.is_err(), "nothing follows the frame: {more:?}");
+    assert_eq!(s.push_stats().sent, 0);
+}
+
+/// Reads the link's own preface off the raw peer's socket.
+async fn skip_preface(raw: &mut tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let mut p = [0u8; ibex_transport::preface::FIXED_LEN];
+    raw.read_exact(&mut p).await.unwrap();
+    assert_eq!(&p[..8], b"IBEXTCP\0");
+}
+
+fn push_record(region: u64, claimed: u32, payload: &[u8]) -> Vec<u8> {
+    let mut r = vec![3];
+    r.extend_from_slice(&(12 + payload.len() as u32).to_le_bytes());
+    r.extend_from_slice(&region.to_le_bytes());
+    r.extend_from_slice(&claimed.to_le_bytes());
+    r.extend_from_slice(payload);
+    r
+}
+
+#[tokio::test]
+async fn hostile_pushes_are_protocol_errors() {
+    let mut out_of_order = push_record(5, 4, b"abcd");
+    out_of_order.extend(push_record(5, 4, b"abcd"));
+    let cases: [(Vec<u8>, &str); 5] = [
+        (vec![3, 12, 0, 0, 0], "push record of 12 bytes is outside"),
+        (vec![3, 0xff, 0xff, 0xff, 0x7f], "push record of"),
+        (
+            push_record(1, 10, b"abcd"),
+            "claims 10 bytes in a record carrying 4",
+        ),
+        (out_of_order, "pushes must come in exposure order"),
+        (push_record(1 << 63, 4, b"abcd"), "exposure order"),
+    ];
+    for (record, want) in cases {
+        let (mut s, mut raw) = raw_client().await;
+        raw.write_all(&record).await.unwrap();
+        let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx)))
+            .await
+            .expect("hang guard")
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Protocol(ref m) if m.contains(want)),
+            "{want}: {e}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_marked_region_never_pushed_is_asked_for_once_a_later_push_comes() {
+    use tokio::io::AsyncReadExt;
+    let (mut s, mut raw) = raw_client().await;
+    skip_preface(&mut raw).await;
+    let mut dst = vec![0u8; 100];
+    // SAFETY: `dst` outlives `s`'s use of it (the read fails before the test ends).
+    unsafe { s.post_read(7, &descriptor(3 | 1 << 63, 100), 0, dst.as_mut_ptr(), 100) }.unwrap();
+    raw.write_all(&push_record(4, 4, b"abcd")).await.unwrap();
+    tokio::time::timeout(
+        GUARD,
+        poll_fn(|cx| {
+            assert!(s.poll_event(cx).is_pending());
+            if s.push_stats().asked == 1 {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        }),
+    )
+    .await
+    .expect("hang guard");
+    poll_fn(|cx| s.poll_flush(cx)).await.unwrap();
+    let mut req = [0u8; 33];
+    raw.read_exact(&mut req).await.unwrap();
+    assert_eq!(req[0], 1, "a read request");
+    assert_eq!(&req[13..21], &3u64.to_le_bytes(), "for the region itself");
+    // The peer refuses it: the read fails, the link goes on.
+    let mut resp = vec![2, 13 + 4, 0, 0, 0];
+    resp.extend_from_slice(&7u64.to_le_bytes());
+    resp.extend_from_slice(&[1, 4, 0, 0, 0]);
+    resp.extend_from_slice(b"nope");
+    raw.write_all(&resp).await.unwrap();
+    let ev = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx)))
+        .await
+        .expect("hang guard")
+        .unwrap();
+    assert!(
+        matches!(ev, LinkEvent::ReadDone { id: 7, result: Err(Error::Protocol(ref m)) } if m.contains("nope")),
+        "{ev:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_peer_gone_in_the_middle_of_a_push_fails_its_reads_then_the_link() {
+    let (mut s, mut raw) = raw_client().await;
+    skip_preface(&mut raw).await;
+    let mut dst = vec![0u8; 1000];
+    let p = dst.as_mut_ptr();
+    // SAFETY: `dst` outlives `s`'s use of it (the reads fail before the test ends).
+    unsafe {
+        s.post_read(1, &descriptor(1 | 1 << 63, 1000), 0, p, 600)
+            .unwrap();
+        s.post_read(2, &descriptor(1 | 1 << 63, 1000), 600, p.add(600), 400)
+            .unwrap();
+    }
+    let mut rec = push_record(1, 1000, &[7; 500]);
+    rec[1..5].copy_from_slice(&(12u32 + 1000).to_le_bytes());
+    raw.write_all(&rec).await.unwrap();
+    drop(raw);
+    let mut failed = Vec::new();
+    let last = tokio::time::timeout(GUARD, async {
+        loop {
+            match poll_fn(|cx| s.poll_event(cx)).await {
+                Ok(LinkEvent::ReadDone {
+                    id,
+                    result: Err(Error::PeerGone(_)),
+                }) => failed.push(id),
+                Ok(other) => panic!("unexpected {other:?}"),
+                Err(e) => return e,
+            }
+        }
+    })
+    .await
+    .expect("hang guard");
+    assert_eq!(failed, [1, 2]);
+    assert!(
+        matches!(last, Error::PeerGone(ref m) if m.contains("pushed region")),
+        "{last}"
+    );
+}

@@ -726,7 +726,7 @@ impl State {
         // Checked before exposing: a refused head costs no registration.
         self.core.check_head(head.len())?;
         let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
-        let exposure = link.expose(msg)?;
+        let exposure = link.expose_message(msg)?;
         self.stats.count_registration(exposure.registration);
         if exposure.zero_copy {
             self.stats.pool_bytes_sent += len;

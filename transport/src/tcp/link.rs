@@ -11,6 +11,13 @@
 //!
 //! Emulated one-sided reads are served here, inside `poll_event`, without the peer's core:
 //! the responder looks the region up, then queues the header and a `Bytes` slice of it.
+//!
+//! A message body up to [`wire::MAX_PUSH`] is pushed instead, towards a peer that takes
+//! pushes: it follows the next frame written after it was exposed (normally the RTS that
+//! announces it), so the reader's reads, posted when that RTS arrived, are filled straight
+//! from the socket without a request. A push that finds its reads not posted yet is held
+//! (up to [`wire::MAX_HELD`]) and copied out when they come, or dropped, and then read the
+//! usual way.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice};
@@ -56,6 +63,45 @@ struct Dst {
 // thread that runs on.
 unsafe impl Send for Dst {}
 
+/// A read posted for a pushed region.
+struct PushRead {
+    dst: Dst,
+    region: u64,
+    offset: u64,
+    /// The region's length as its descriptor gave it.
+    region_len: u64,
+}
+
+/// A message body exposed for a peer that takes pushes, not written yet.
+struct Push {
+    region: u64,
+    data: Bytes,
+    /// `frames_staged` when it was exposed: it goes once a later frame is staged.
+    after: u64,
+}
+
+/// A push that arrived before its reads were posted.
+struct Held {
+    buf: Vec<u8>,
+    /// Bytes copied out to reads so far.
+    served: usize,
+}
+
+/// What pushes did on this side, for tests and tuning.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PushStats {
+    /// Regions pushed to the peer.
+    pub sent: u64,
+    /// Pushes read straight into reads that were waiting for them.
+    pub direct: u64,
+    /// Pushes held until their reads came.
+    pub held: u64,
+    /// Pushes dropped because too much was held; their reads asked the owner.
+    pub dropped: u64,
+    /// Reads of pushed regions that asked the owner all the same.
+    pub asked: u64,
+}
+
 /// Where the record parser stands.
 enum Recv {
     /// Between records.
@@ -70,6 +116,24 @@ enum Recv {
     ResponseData { dst: Dst, done: usize },
     /// Collecting the error text of a refused read.
     ResponseError { id: u64, len: usize },
+    /// Inside a push record, before its head; `payload` bytes follow the head.
+    PushHead { payload: usize },
+    /// Streaming a push into the reads that tile it, in offset order; `done` bytes of
+    /// the first are in.
+    PushInto {
+        reads: VecDeque<PushRead>,
+        done: usize,
+    },
+    /// Reading a push of `len` bytes into a buffer of its own; `waiters`
+    /// are reads of it posted meanwhile, or before but not tiling it.
+    PushHold {
+        region: u64,
+        len: usize,
+        buf: Vec<u8>,
+        waiters: Vec<PushRead>,
+    },
+    /// Dropping `left` more bytes of a push nobody will take from here.
+    PushSkip { left: usize },
 }
 
 /// One end of an Ibex connection over TCP. Made by [`super::connect`] or
@@ -103,6 +167,24 @@ pub struct TcpLink {
     regions: HashMap<u64, Bytes>,
     next_region: u64,
 
+    /// The peer takes pushes (its preface's `FEATURE_TCP_PUSH`).
+    push_to_peer: bool,
+    /// Message bodies to push, in exposure order.
+    pushes: VecDeque<Push>,
+    /// Frames staged so far (orders pushes behind their RTS).
+    frames_staged: u64,
+    /// The highest region the peer has pushed; pushes come in exposure order, so a pushed
+    /// region at or below it that is not held was dropped.
+    last_push: u64,
+    /// Reads of pushed regions whose push has not arrived.
+    awaiting: HashMap<u64, Vec<PushRead>>,
+    /// Pushes that arrived before their reads, and their bytes.
+    held: HashMap<u64, Held>,
+    held_bytes: usize,
+    /// Reads completed outside the parser (from held pushes), and failed reads after death.
+    completions: VecDeque<LinkEvent>,
+    push_stats: PushStats,
+
     /// Set once the link failed; later calls report it.
     dead: Option<Error>,
     /// `close()` was called: shut the write side down once the queue drains.
@@ -128,6 +210,7 @@ impl TcpLink {
         peer: String,
         config: &Config,
         peer_slot: usize,
+        push_to_peer: bool,
     ) -> TcpLink {
         // Peers send us frames sized for our slots; the peer's own slot size and a 64 KiB
         // floor are accepted too so a mismatch in what "slot size" covers is never fatal.
@@ -151,6 +234,15 @@ impl TcpLink {
             reads: VecDeque::new(),
             regions: HashMap::new(),
             next_region: 1,
+            push_to_peer,
+            pushes: VecDeque::new(),
+            frames_staged: 0,
+            last_push: 0,
+            awaiting: HashMap::new(),
+            held: HashMap::new(),
+            held_bytes: 0,
+            completions: VecDeque::new(),
+            push_stats: PushStats::default(),
             dead: None,
             closing: false,
             shut: false,
@@ -164,11 +256,28 @@ impl TcpLink {
 
     /// Reads posted and not yet completed.
     pub fn reads_outstanding(&self) -> usize {
-        self.reads.len()
-            + usize::from(matches!(
-                self.recv,
-                Recv::ResponseData { .. } | Recv::ResponseError { .. }
-            ))
+        let in_recv = match &self.recv {
+            Recv::ResponseData { .. } | Recv::ResponseError { .. } => 1,
+            Recv::PushInto { reads, .. } => reads.len(),
+            Recv::PushHold { waiters, .. } => waiters.len(),
+            _ => 0,
+        };
+        let done = self
+            .completions
+            .iter()
+            .filter(|e| matches!(e, LinkEvent::ReadDone { .. }))
+            .count();
+        self.reads.len() + in_recv + self.awaiting.values().map(Vec::len).sum::<usize>() + done
+    }
+
+    /// Pushes in, complete, whose reads have not all been posted.
+    pub fn pushes_held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// What pushes did on this link so far.
+    pub fn push_stats(&self) -> PushStats {
+        self.push_stats
     }
 
     /// Bytes taken for sending and not yet written to the socket.
@@ -186,6 +295,9 @@ impl TcpLink {
         self.staging.clear();
         self.queued = 0;
         self.serves.clear();
+        self.pushes.clear();
+        self.held.clear();
+        self.held_bytes = 0;
     }
 
     fn gone(&self, e: io::Error) -> Error {
@@ -249,6 +361,7 @@ impl TcpLink {
     /// writer's waker is registered; without one (from `post_read`, `close`) nothing is
     /// registered, so an earlier registration by the driver stays in place.
     fn poll_write_out(&mut self, mut cx: Option<&mut Context<'_>>) -> Poll<Result<()>> {
+        self.release_pushes();
         while self.queued > 0 {
             let mut iov = [IoSlice::new(&[]); MAX_IOVECS];
             let mut n = 0;
@@ -289,6 +402,26 @@ impl TcpLink {
             let _ = Pin::new(&mut self.stream).poll_shutdown(&mut ncx);
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// Queues the pushes whose RTS may be staged by now: those exposed before the last frame
+    /// staged. A push is never queued ahead of the frame that follows its exposure, so its
+    /// reader has normally posted the reads before the bytes come.
+    fn release_pushes(&mut self) {
+        while self
+            .pushes
+            .front()
+            .is_some_and(|p| p.after < self.frames_staged)
+        {
+            let Some(p) = self.pushes.pop_front() else {
+                break;
+            };
+            let before = self.staging.len();
+            wire::put_push_head(&mut self.staging, p.region, p.data.len() as u32);
+            self.staged(self.staging.len() - before);
+            self.queue_bytes(p.data);
+            self.push_stats.sent += 1;
+        }
     }
 
     /// Flushes without a context, recording a failure for `poll_event` to report.
@@ -369,6 +502,20 @@ impl TcpLink {
                             wire::READ_RESPONSE_HEAD + wire::MAX_READ
                         ))));
                     }
+                    wire::T_PUSH
+                        if len > wire::PUSH_HEAD && len - wire::PUSH_HEAD <= wire::MAX_PUSH =>
+                    {
+                        Recv::PushHead {
+                            payload: len - wire::PUSH_HEAD,
+                        }
+                    }
+                    wire::T_PUSH => {
+                        return Poll::Ready(Err(Error::Protocol(format!(
+                            "tcp push record of {len} bytes is outside {}..={}",
+                            wire::PUSH_HEAD + 1,
+                            wire::PUSH_HEAD + wire::MAX_PUSH
+                        ))));
+                    }
                     other => {
                         return Poll::Ready(Err(Error::Protocol(format!(
                             "unknown tcp record type {other}; is the peer a different Ibex release?"
@@ -400,6 +547,28 @@ impl TcpLink {
                 Poll::Ready(Ok(None))
             }
             Recv::ResponseData { .. } => self.poll_payload(cx),
+            &Recv::PushHead { payload } => {
+                ready!(self.poll_fill(cx, wire::PUSH_HEAD))?;
+                let (region, len) = wire::push_head(&self.rbuf[..wire::PUSH_HEAD]);
+                self.rbuf.advance(wire::PUSH_HEAD);
+                self.start_push(region, len as usize, payload)?;
+                Poll::Ready(Ok(None))
+            }
+            Recv::PushInto { .. } => self.poll_push_into(cx),
+            Recv::PushHold { .. } => self.poll_push_hold(cx),
+            &Recv::PushSkip { left } => {
+                if self.rbuf.is_empty() {
+                    ready!(self.poll_fill(cx, 1))?;
+                }
+                let n = left.min(self.rbuf.len());
+                self.rbuf.advance(n);
+                self.recv = if n == left {
+                    Recv::Header
+                } else {
+                    Recv::PushSkip { left: left - n }
+                };
+                Poll::Ready(Ok(None))
+            }
             &Recv::ResponseError { id, len } => {
                 ready!(self.poll_fill(cx, len))?;
                 let text = String::from_utf8_lossy(&self.rbuf[..len]).into_owned();
@@ -468,45 +637,187 @@ impl TcpLink {
         let Recv::ResponseData { dst, done } = &mut self.recv else {
             return Poll::Ready(Ok(None));
         };
-        if *done < dst.len && !self.rbuf.is_empty() {
-            let n = self.rbuf.len().min(dst.len - *done);
-            // SAFETY: `dst.ptr..+dst.len` is valid for writes and ours alone until this
-            // read's `ReadDone` (post_read's contract); `*done + n <= dst.len`, and `rbuf`
-            // is our own allocation, so the ranges cannot overlap.
-            unsafe { std::ptr::copy_nonoverlapping(self.rbuf.as_ptr(), dst.ptr.add(*done), n) };
-            self.rbuf.advance(n);
-            *done += n;
-        }
-        while *done < dst.len {
-            // SAFETY: as above; the slice covers exactly the part not yet filled, and
-            // `MaybeUninit` makes no claim that it holds initialised bytes.
-            let rest = unsafe {
-                std::slice::from_raw_parts_mut(
-                    dst.ptr.add(*done).cast::<MaybeUninit<u8>>(),
-                    dst.len - *done,
-                )
-            };
-            let mut rb = ReadBuf::uninit(rest);
-            match Pin::new(&mut self.stream).poll_read(cx, &mut rb) {
-                Poll::Ready(Ok(())) if rb.filled().is_empty() => {
-                    return Poll::Ready(Err(Error::PeerGone(format!(
-                        "{} closed the connection in the middle of a read response",
-                        self.peer
-                    ))));
-                }
-                Poll::Ready(Ok(())) => *done += rb.filled().len(),
-                Poll::Ready(Err(e)) => {
-                    return Poll::Ready(Err(Error::PeerGone(format!(
-                        "connection to {} failed: {e}",
-                        self.peer
-                    ))));
-                }
-                Poll::Pending => return Poll::Pending,
-            }
+        // SAFETY: `dst` is memory lent by `post_read`, valid for `dst.len` writes and ours
+        // alone until this read's `ReadDone`.
+        let r = unsafe { fill(&mut self.stream, &mut self.rbuf, cx, dst.ptr, dst.len, done) };
+        if let Err(e) = ready!(r) {
+            return Poll::Ready(Err(self.cut_off(e, "a read response")));
         }
         let id = dst.id;
         self.recv = Recv::Header;
         Poll::Ready(Ok(Some(LinkEvent::ReadDone { id, result: Ok(()) })))
+    }
+
+    fn cut_off(&self, e: Option<io::Error>, what: &str) -> Error {
+        match e {
+            None => Error::PeerGone(format!(
+                "{} closed the connection in the middle of {what}",
+                self.peer
+            )),
+            Some(e) => self.gone(e),
+        }
+    }
+
+    /// A push's head is in: stream it into the reads waiting for it if they tile it, else
+    /// hold it for reads to come, else drop it and let its reads ask.
+    fn start_push(&mut self, region: u64, len: usize, payload: usize) -> Result<()> {
+        if len != payload {
+            return Err(Error::Protocol(format!(
+                "tcp push of region {region} claims {len} bytes in a record carrying {payload}"
+            )));
+        }
+        if region <= self.last_push || region & wire::PUSHED != 0 {
+            return Err(Error::Protocol(format!(
+                "tcp push of region {region} after region {}: pushes must come in exposure order",
+                self.last_push
+            )));
+        }
+        self.last_push = region;
+        // An owner pushes every region it marks, in order: reads of an earlier marked
+        // region still waiting will not see it come, so they ask.
+        let skipped: Vec<u64> = self
+            .awaiting
+            .keys()
+            .copied()
+            .filter(|&r| r < region)
+            .collect();
+        for r in skipped {
+            for read in self.awaiting.remove(&r).unwrap_or_default() {
+                self.push_stats.asked += 1;
+                self.ask(read);
+            }
+        }
+        let mut reads = self.awaiting.remove(&region).unwrap_or_default();
+        reads.sort_by_key(|r| r.offset);
+        let mut at = 0u64;
+        let tiles = !reads.is_empty()
+            && reads.iter().all(|r| {
+                let ok = r.offset == at && r.region_len == len as u64;
+                at += r.dst.len as u64;
+                ok
+            })
+            && at == len as u64;
+        if tiles {
+            self.push_stats.direct += 1;
+            self.recv = Recv::PushInto {
+                reads: reads.into(),
+                done: 0,
+            };
+            return Ok(());
+        }
+        if self.held_bytes + len <= wire::MAX_HELD {
+            let mut buf = Vec::new();
+            if buf.try_reserve_exact(len).is_ok() {
+                self.held_bytes += len;
+                self.push_stats.held += 1;
+                self.recv = Recv::PushHold {
+                    region,
+                    len,
+                    buf,
+                    waiters: reads,
+                };
+                return Ok(());
+            }
+        }
+        self.push_stats.dropped += 1;
+        for read in reads {
+            self.push_stats.asked += 1;
+            self.ask(read);
+        }
+        self.recv = Recv::PushSkip { left: len };
+        Ok(())
+    }
+
+    /// Streams a push into the first of the reads that tile it; its `ReadDone` when full.
+    fn poll_push_into(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<LinkEvent>>> {
+        let Recv::PushInto { reads, done } = &mut self.recv else {
+            return Poll::Ready(Ok(None));
+        };
+        let Some(front) = reads.front() else {
+            self.recv = Recv::Header;
+            return Poll::Ready(Ok(None));
+        };
+        // SAFETY: `front.dst` is memory lent by `post_read`, valid for `dst.len` writes and
+        // ours alone until its `ReadDone`.
+        let r = unsafe {
+            fill(
+                &mut self.stream,
+                &mut self.rbuf,
+                cx,
+                front.dst.ptr,
+                front.dst.len,
+                done,
+            )
+        };
+        if let Err(e) = ready!(r) {
+            return Poll::Ready(Err(self.cut_off(e, "a pushed region")));
+        }
+        let id = front.dst.id;
+        reads.pop_front();
+        *done = 0;
+        if reads.is_empty() {
+            self.recv = Recv::Header;
+        }
+        Poll::Ready(Ok(Some(LinkEvent::ReadDone { id, result: Ok(()) })))
+    }
+
+    /// Reads a push into its own buffer; then serves the reads already posted for it.
+    fn poll_push_hold(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<LinkEvent>>> {
+        let Recv::PushHold { len, buf, .. } = &mut self.recv else {
+            return Poll::Ready(Ok(None));
+        };
+        let mut done = buf.len();
+        // SAFETY: `buf` has room for `len` bytes (reserved in `start_push`), and `fill`
+        // writes only `done..len` of it.
+        let r = unsafe {
+            fill(
+                &mut self.stream,
+                &mut self.rbuf,
+                cx,
+                buf.as_mut_ptr(),
+                *len,
+                &mut done,
+            )
+        };
+        // SAFETY: `fill` initialised the first `done <= len` bytes (the earlier ones by
+        // earlier calls).
+        unsafe { buf.set_len(done) };
+        if let Err(e) = ready!(r) {
+            return Poll::Ready(Err(self.cut_off(e, "a pushed region")));
+        }
+        let Recv::PushHold {
+            region,
+            len,
+            buf,
+            waiters,
+        } = std::mem::replace(&mut self.recv, Recv::Header)
+        else {
+            return Poll::Ready(Ok(None));
+        };
+        let mut held = Held { buf, served: 0 };
+        for w in waiters {
+            serve_held(&mut held, w, &mut self.completions);
+        }
+        if held.served < len {
+            self.held.insert(region, held);
+        } else {
+            self.held_bytes -= len;
+        }
+        Poll::Ready(Ok(None))
+    }
+
+    /// Asks the owner for a read the usual way (a request record); the caller flushes.
+    fn ask(&mut self, read: PushRead) {
+        let req = ReadRequest {
+            read_id: read.dst.id,
+            region_id: read.region,
+            offset: read.offset,
+            len: read.dst.len as u32,
+        };
+        self.reads.push_back(read.dst);
+        let before = self.staging.len();
+        wire::put_read_request(&mut self.staging, &req);
+        self.staged(self.staging.len() - before);
     }
 
     /// Answers a peer's read request: the data as a slice of the exposed buffer, or an
@@ -577,21 +888,97 @@ impl TcpLink {
         Ok(())
     }
 
-    /// After a failure: first fail every read still owed a completion, then the link.
+    /// After a failure: first fail every read still owed a completion (the one being
+    /// received first, then in request order, then those waiting for pushes), then the link.
     fn poll_dead(&mut self, err: Error) -> Poll<Result<LinkEvent>> {
-        let in_flight = match std::mem::replace(&mut self.recv, Recv::Header) {
-            Recv::ResponseData { dst, .. } => Some(dst.id),
-            Recv::ResponseError { id, .. } => Some(id),
-            _ => None,
-        };
-        match in_flight.or_else(|| self.reads.pop_front().map(|d| d.id)) {
-            Some(id) => Poll::Ready(Ok(LinkEvent::ReadDone {
+        let mut ids = Vec::new();
+        match std::mem::replace(&mut self.recv, Recv::Header) {
+            Recv::ResponseData { dst, .. } => ids.push(dst.id),
+            Recv::ResponseError { id, .. } => ids.push(id),
+            Recv::PushInto { reads, .. } => ids.extend(reads.iter().map(|r| r.dst.id)),
+            Recv::PushHold { waiters, .. } => ids.extend(waiters.iter().map(|r| r.dst.id)),
+            _ => {}
+        }
+        ids.extend(self.reads.drain(..).map(|d| d.id));
+        let mut waiting: Vec<u64> = self
+            .awaiting
+            .drain()
+            .flat_map(|(_, reads)| reads.into_iter().map(|r| r.dst.id))
+            .collect();
+        waiting.sort_unstable();
+        ids.extend(waiting);
+        for id in ids {
+            self.completions.push_back(LinkEvent::ReadDone {
                 id,
-                result: Err(err),
-            })),
+                result: Err(err.clone()),
+            });
+        }
+        match self.completions.pop_front() {
+            Some(event) => Poll::Ready(Ok(event)),
             None => Poll::Ready(Err(err)),
         }
     }
+}
+
+/// Fills `ptr..ptr+len` from `done` on: first with what `rbuf` read ahead, then straight
+/// from the socket. `Err(None)` is end of stream.
+///
+/// # Safety
+/// `ptr..ptr+len` must be valid for writes and touched by nobody else during the call.
+unsafe fn fill(
+    stream: &mut TcpStream,
+    rbuf: &mut BytesMut,
+    cx: &mut Context<'_>,
+    ptr: *mut u8,
+    len: usize,
+    done: &mut usize,
+) -> Poll<std::result::Result<(), Option<io::Error>>> {
+    if *done < len && !rbuf.is_empty() {
+        let n = rbuf.len().min(len - *done);
+        // SAFETY: `*done + n <= len` lies inside the destination (the caller's contract),
+        // and `rbuf` is our own allocation, so the ranges cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(rbuf.as_ptr(), ptr.add(*done), n) };
+        rbuf.advance(n);
+        *done += n;
+    }
+    while *done < len {
+        // SAFETY: as above; the slice covers exactly the part not yet filled, and
+        // `MaybeUninit` makes no claim that it holds initialised bytes.
+        let rest = unsafe {
+            std::slice::from_raw_parts_mut(ptr.add(*done).cast::<MaybeUninit<u8>>(), len - *done)
+        };
+        let mut rb = ReadBuf::uninit(rest);
+        match Pin::new(&mut *stream).poll_read(cx, &mut rb) {
+            Poll::Ready(Ok(())) if rb.filled().is_empty() => return Poll::Ready(Err(None)),
+            Poll::Ready(Ok(())) => *done += rb.filled().len(),
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(Some(e))),
+            Poll::Pending => return Poll::Pending,
+        }
+    }
+    Poll::Ready(Ok(()))
+}
+
+/// Copies a held push out to one of its reads and queues the read's completion.
+fn serve_held(held: &mut Held, read: PushRead, completions: &mut VecDeque<LinkEvent>) {
+    let id = read.dst.id;
+    let result = if read.region_len != held.buf.len() as u64 {
+        Err(Error::Protocol(format!(
+            "pushed region {} carried {} bytes, but its descriptor says {}",
+            read.region,
+            held.buf.len(),
+            read.region_len
+        )))
+    } else {
+        let at = read.offset as usize;
+        // `post_read` checked `offset + len <= region_len`, which is the buffer's length.
+        let src = &held.buf[at..at + read.dst.len];
+        // SAFETY: `read.dst` is memory lent by `post_read`, valid for `dst.len` writes and
+        // ours alone until its `ReadDone`; `src` is our own buffer, so they cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), read.dst.ptr, src.len()) };
+        held.served += src.len();
+        Ok(())
+    };
+    completions.push_back(LinkEvent::ReadDone { id, result });
 }
 
 impl Link for TcpLink {
@@ -648,6 +1035,7 @@ impl Link for TcpLink {
         self.staging.put_slice(head);
         self.staging.put_slice(body);
         self.staged(wire::RECORD_HEADER + len);
+        self.frames_staged += 1;
         if self.queued < SEND_BATCH {
             // Leave it for `poll_flush`/`poll_event`, which the driver's task reaches before
             // it sleeps: this wake makes sure it does even if it calls neither right away.
@@ -676,6 +1064,9 @@ impl Link for TcpLink {
 
     fn poll_event(&mut self, cx: &mut Context<'_>) -> Poll<Result<LinkEvent>> {
         loop {
+            if let Some(event) = self.completions.pop_front() {
+                return Poll::Ready(Ok(event));
+            }
             if let Some(e) = &self.dead {
                 let e = e.clone();
                 return self.poll_dead(e);
@@ -697,8 +1088,36 @@ impl Link for TcpLink {
     fn expose(&mut self, buf: Bytes) -> Result<Exposure> {
         let id = self.next_region;
         self.next_region += 1;
-        let descriptor = wire::descriptor(id, buf.len() as u64);
+        let descriptor = wire::descriptor(id, buf.len() as u64, false);
         self.regions.insert(id, buf);
+        Ok(Exposure {
+            id,
+            descriptor,
+            zero_copy: false,
+            registration: Registration::NotNeeded,
+        })
+    }
+
+    /// Pushes a body up to [`wire::MAX_PUSH`] to a peer that takes pushes, behind the next
+    /// frame (its RTS, normally); it stays exposed too, for reads that ask all the same.
+    fn expose_message(&mut self, buf: Bytes) -> Result<Exposure> {
+        if !self.push_to_peer
+            || buf.is_empty()
+            || buf.len() > wire::MAX_PUSH
+            || self.dead.is_some()
+            || self.closing
+        {
+            return self.expose(buf);
+        }
+        let id = self.next_region;
+        self.next_region += 1;
+        let descriptor = wire::descriptor(id, buf.len() as u64, true);
+        self.regions.insert(id, buf.clone());
+        self.pushes.push_back(Push {
+            region: id,
+            data: buf,
+            after: self.frames_staged,
+        });
         Ok(Exposure {
             id,
             descriptor,
@@ -712,10 +1131,11 @@ impl Link for TcpLink {
     }
 
     fn map_remote(&mut self, descriptor: &[u8], len: u64) -> Result<Option<Bytes>> {
-        let (region, region_len) = wire::parse_descriptor(descriptor)?;
-        if len > region_len {
+        let d = wire::parse_descriptor(descriptor)?;
+        if len > d.len {
             return Err(Error::Protocol(format!(
-                "message of {len} bytes claims region {region}, which holds only {region_len} bytes"
+                "message of {len} bytes claims region {}, which holds only {} bytes",
+                d.region_id, d.len
             )));
         }
         Ok(None)
@@ -735,7 +1155,8 @@ impl Link for TcpLink {
         if self.closing {
             return Err(Error::LocallyClosed);
         }
-        let (region_id, region_len) = wire::parse_descriptor(descriptor)?;
+        let d = wire::parse_descriptor(descriptor)?;
+        let (region_id, region_len) = (d.region_id, d.len);
         if len > wire::MAX_READ {
             return Err(Error::TooLarge {
                 len: len as u64,
@@ -751,16 +1172,37 @@ impl Link for TcpLink {
                 "read of {len} bytes at offset {offset} is outside region {region_id} of {region_len} bytes"
             )));
         }
-        self.reads.push_back(Dst { id, ptr: dst, len });
-        let before = self.staging.len();
-        let req = ReadRequest {
-            read_id: id,
-            region_id,
+        let read = PushRead {
+            dst: Dst { id, ptr: dst, len },
+            region: region_id,
             offset,
-            len: len as u32,
+            region_len,
         };
-        wire::put_read_request(&mut self.staging, &req);
-        self.staged(self.staging.len() - before);
+        if d.pushed {
+            if let Some(held) = self.held.get_mut(&region_id) {
+                serve_held(held, read, &mut self.completions);
+                if held.served >= held.buf.len() {
+                    self.held_bytes -= held.buf.len();
+                    self.held.remove(&region_id);
+                }
+                return Ok(());
+            }
+            if let Recv::PushHold {
+                region, waiters, ..
+            } = &mut self.recv
+                && *region == region_id
+            {
+                waiters.push(read);
+                return Ok(());
+            }
+            if region_id > self.last_push {
+                self.awaiting.entry(region_id).or_default().push(read);
+                return Ok(());
+            }
+            // Dropped for want of room, or read a second time: ask.
+            self.push_stats.asked += 1;
+        }
+        self.ask(read);
         self.flush_now();
         Ok(())
     }

@@ -31,7 +31,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::preface::{self, Preface, Provider};
 
-pub use link::TcpLink;
+pub use link::{PushStats, TcpLink};
 
 /// How long connection setup (TCP connect included, on the client) may take.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -206,7 +206,8 @@ pub(crate) async fn setup(mut stream: TcpStream, config: &Config, peer: String) 
             )
         })?;
     }
-    let ours = Preface::ours(config, Vec::new())?;
+    let mut ours = Preface::ours(config, Vec::new())?;
+    ours.features |= preface::FEATURE_TCP_PUSH;
     let who = format!("peer at {peer}");
     let theirs = preface::exchange(&mut stream, Provider::Tcp, &ours, &who)
         .await?
@@ -217,6 +218,7 @@ pub(crate) async fn setup(mut stream: TcpStream, config: &Config, peer: String) 
         peer,
         config,
         theirs.slot_size as usize,
+        theirs.features & preface::FEATURE_TCP_PUSH != 0,
     ))
 }
 

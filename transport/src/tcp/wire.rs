@@ -19,10 +19,29 @@ pub(crate) const T_READ_REQUEST: u8 = 1;
 /// length covers both, so the stream stays uniformly framed.
 pub(crate) const T_READ_RESPONSE: u8 = 2;
 
+/// Body is a pushed region ([`PUSH_HEAD`]) followed by its bytes: a message body the owner
+/// sends unasked, right behind the RTS that announces it, so that the reader does not
+/// have to ask. Only towards a peer whose preface announced
+/// [`crate::preface::FEATURE_TCP_PUSH`].
+pub(crate) const T_PUSH: u8 = 3;
+
 /// `read_id u64, region_id u64, offset u64, len u32`.
 pub(crate) const READ_REQUEST_BODY: usize = 8 + 8 + 8 + 4;
 /// `read_id u64, status u8, len u32`.
 pub(crate) const READ_RESPONSE_HEAD: usize = 8 + 1 + 4;
+
+/// `region_id u64, len u32`.
+pub(crate) const PUSH_HEAD: usize = 8 + 4;
+/// Largest region an owner pushes, and a reader takes pushed: a gRPC body of up to two
+/// 1 MiB pieces goes as one message. Above it, the two trips a request costs are a small
+/// part of the transfer, and a reader's reads of it may not all be posted at once (8
+/// fragments of 512 KiB by default), which would make it hold the push.
+pub const MAX_PUSH: usize = 2 << 20;
+/// Bytes of pushes a reader holds for reads not posted yet. Past it, a push is read and
+/// dropped, and its reads ask the owner as without pushes.
+pub const MAX_HELD: usize = 2 * MAX_PUSH;
+/// Set in a descriptor's region id when the owner pushes the region.
+pub(crate) const PUSHED: u64 = 1 << 63;
 
 /// Largest read one request may ask for. Bounds what a peer can make us stream in one go
 /// and what a response may claim; the default fragment (512 KiB) is far below it.
@@ -108,6 +127,18 @@ pub(crate) fn read_request(b: &[u8]) -> ReadRequest {
     }
 }
 
+/// Writes the record header and push head; the caller appends `len` bytes.
+pub(crate) fn put_push_head(buf: &mut impl BufMut, region_id: u64, len: u32) {
+    put_record_header(buf, T_PUSH, PUSH_HEAD as u32 + len);
+    buf.put_u64_le(region_id);
+    buf.put_u32_le(len);
+}
+
+/// Parses a push head of at least [`PUSH_HEAD`] bytes into `(region_id, len)`.
+pub(crate) fn push_head(b: &[u8]) -> (u64, u32) {
+    (u64_at(b, 0), u32_at(b, 8))
+}
+
 /// Parses a read-response head of at least [`READ_RESPONSE_HEAD`] bytes.
 pub(crate) fn response_head(b: &[u8]) -> ResponseHead {
     ResponseHead {
@@ -117,16 +148,29 @@ pub(crate) fn response_head(b: &[u8]) -> ResponseHead {
     }
 }
 
-/// Encodes the descriptor of an exposed region.
-pub(crate) fn descriptor(region_id: u64, len: u64) -> bytes::Bytes {
+/// Encodes the descriptor of an exposed region; `pushed` when its owner pushes it.
+pub(crate) fn descriptor(region_id: u64, len: u64, pushed: bool) -> bytes::Bytes {
     let mut d = bytes::BytesMut::with_capacity(DESCRIPTOR_LEN);
-    d.put_u64_le(region_id);
+    d.put_u64_le(if pushed {
+        region_id | PUSHED
+    } else {
+        region_id
+    });
     d.put_u64_le(len);
     d.freeze()
 }
 
-/// Decodes a descriptor into `(region_id, len)`; anything but 16 bytes is refused.
-pub(crate) fn parse_descriptor(d: &[u8]) -> Result<(u64, u64)> {
+/// A decoded descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Descriptor {
+    pub region_id: u64,
+    pub len: u64,
+    /// The owner pushes the region: wait for it rather than ask.
+    pub pushed: bool,
+}
+
+/// Decodes a descriptor; anything but 16 bytes is refused.
+pub(crate) fn parse_descriptor(d: &[u8]) -> Result<Descriptor> {
     if d.len() != DESCRIPTOR_LEN {
         return Err(Error::Protocol(format!(
             "tcp read descriptor has {} bytes, expected {DESCRIPTOR_LEN} (region id + length); \
@@ -134,7 +178,12 @@ pub(crate) fn parse_descriptor(d: &[u8]) -> Result<(u64, u64)> {
             d.len()
         )));
     }
-    Ok((u64_at(d, 0), u64_at(d, 8)))
+    let id = u64_at(d, 0);
+    Ok(Descriptor {
+        region_id: id & !PUSHED,
+        len: u64_at(d, 8),
+        pushed: id & PUSHED != 0,
+    })
 }
 
 #[cfg(test)]
@@ -184,8 +233,19 @@ mod tests {
 
     #[test]
     fn descriptors_round_trip_and_garbage_is_refused() {
-        let d = descriptor(5, 1 << 33);
-        assert_eq!(parse_descriptor(&d).unwrap(), (5, 1 << 33));
+        let d = descriptor(5, 1 << 33, false);
+        let want = Descriptor {
+            region_id: 5,
+            len: 1 << 33,
+            pushed: false,
+        };
+        assert_eq!(parse_descriptor(&d).unwrap(), want);
+        let d = descriptor(5, 1 << 33, true);
+        let pushed = Descriptor {
+            pushed: true,
+            ..want
+        };
+        assert_eq!(parse_descriptor(&d).unwrap(), pushed);
         let e = parse_descriptor(b"short").unwrap_err();
         assert!(e.to_string().contains("expected 16"), "{e}");
     }
