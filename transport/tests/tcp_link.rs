@@ -411,6 +411,26 @@ async fn bad_descriptors_fail_the_read_and_the_link_stays_usable() {
     assert!(s_events.is_empty());
 }
 
+/// After the peer is gone: the reads failed with `PeerGone`, in order, then the link's error.
+async fn fail_out(link: &mut TcpLink) -> (Vec<u64>, Error) {
+    let mut failed = Vec::new();
+    let last = tokio::time::timeout(GUARD, async {
+        loop {
+            match poll_fn(|cx| link.poll_event(cx)).await {
+                Ok(LinkEvent::ReadDone {
+                    id,
+                    result: Err(Error::PeerGone(_)),
+                }) => failed.push(id),
+                Ok(other) => panic!("unexpected {other:?}"),
+                Err(e) => return e,
+            }
+        }
+    })
+    .await
+    .expect("hang guard");
+    (failed, last)
+}
+
 #[tokio::test]
 async fn peer_dropped_mid_read_fails_every_read_then_the_link() {
     let (mut s, mut c) = pair().await;
@@ -443,21 +463,7 @@ async fn peer_dropped_mid_read_fails_every_read_then_the_link() {
     .await;
     assert_eq!(c.reads_outstanding(), 2);
     drop(s);
-    let mut failed = Vec::new();
-    let last = tokio::time::timeout(GUARD, async {
-        loop {
-            match poll_fn(|cx| c.poll_event(cx)).await {
-                Ok(LinkEvent::ReadDone {
-                    id,
-                    result: Err(Error::PeerGone(_)),
-                }) => failed.push(id),
-                Ok(other) => panic!("unexpected {other:?}"),
-                Err(e) => return e,
-            }
-        }
-    })
-    .await
-    .expect("hang guard");
+    let (failed, last) = fail_out(&mut c).await;
     assert_eq!(failed, [1, 2]);
     assert!(matches!(last, Error::PeerGone(_)), "{last}");
     // The link stays dead and says so.
@@ -643,10 +649,7 @@ async fn hostile_records_are_protocol_errors_not_allocations() {
     for (record, want) in cases {
         let (mut s, mut raw) = raw_client().await;
         raw.write_all(record).await.unwrap();
-        let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx)))
-            .await
-            .expect("hang guard")
-            .unwrap_err();
+        let e = own_event(&mut s).await.unwrap_err();
         assert!(
             matches!(e, Error::Protocol(ref m) if m.contains(want)),
             "{want}: {e}"
@@ -658,10 +661,7 @@ async fn hostile_records_are_protocol_errors_not_allocations() {
     rec.extend_from_slice(&5u64.to_le_bytes());
     rec.extend_from_slice(&[0, 0, 0, 0, 0]);
     raw.write_all(&rec).await.unwrap();
-    let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx)))
-        .await
-        .expect("hang guard")
-        .unwrap_err();
+    let e = own_event(&mut s).await.unwrap_err();
     assert!(
         matches!(e, Error::Protocol(ref m) if m.contains("no read is outstanding")),
         "{e}"
@@ -788,6 +788,13 @@ async fn links_on_separate_tasks_serve_and_read() {
         assert_eq!(f[..], pattern(i, i * 10)[..]);
     }
     assert!(matches!(end, Error::PeerGone(_)), "{end}");
+}
+
+/// The link's next event, with nobody else polled.
+async fn own_event(link: &mut TcpLink) -> Result<LinkEvent, Error> {
+    tokio::time::timeout(GUARD, poll_fn(|cx| link.poll_event(cx)))
+        .await
+        .expect("hang guard")
 }
 
 /// Sends one frame and writes what the socket takes now; the rest goes out as the link is
@@ -1023,10 +1030,7 @@ async fn hostile_pushes_are_protocol_errors() {
     for (record, want) in cases {
         let (mut s, mut raw) = raw_client().await;
         raw.write_all(&record).await.unwrap();
-        let e = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx)))
-            .await
-            .expect("hang guard")
-            .unwrap_err();
+        let e = own_event(&mut s).await.unwrap_err();
         assert!(
             matches!(e, Error::Protocol(ref m) if m.contains(want)),
             "{want}: {e}"
@@ -1067,10 +1071,7 @@ async fn a_marked_region_never_pushed_is_asked_for_once_a_later_push_comes() {
     resp.extend_from_slice(&[1, 4, 0, 0, 0]);
     resp.extend_from_slice(b"nope");
     raw.write_all(&resp).await.unwrap();
-    let ev = tokio::time::timeout(GUARD, poll_fn(|cx| s.poll_event(cx)))
-        .await
-        .expect("hang guard")
-        .unwrap();
+    let ev = own_event(&mut s).await.unwrap();
     assert!(
         matches!(ev, LinkEvent::ReadDone { id: 7, result: Err(Error::Protocol(ref m)) } if m.contains("nope")),
         "{ev:?}"
@@ -1094,21 +1095,7 @@ async fn a_peer_gone_in_the_middle_of_a_push_fails_its_reads_then_the_link() {
     rec[1..5].copy_from_slice(&(12u32 + 1000).to_le_bytes());
     raw.write_all(&rec).await.unwrap();
     drop(raw);
-    let mut failed = Vec::new();
-    let last = tokio::time::timeout(GUARD, async {
-        loop {
-            match poll_fn(|cx| s.poll_event(cx)).await {
-                Ok(LinkEvent::ReadDone {
-                    id,
-                    result: Err(Error::PeerGone(_)),
-                }) => failed.push(id),
-                Ok(other) => panic!("unexpected {other:?}"),
-                Err(e) => return e,
-            }
-        }
-    })
-    .await
-    .expect("hang guard");
+    let (failed, last) = fail_out(&mut s).await;
     assert_eq!(failed, [1, 2]);
     assert!(
         matches!(last, Error::PeerGone(ref m) if m.contains("pushed region")),
