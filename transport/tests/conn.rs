@@ -532,6 +532,46 @@ async fn remote_min_derives_from_the_connection() {
     assert_eq!(t.remote_min(), None, "tcp reads are served by the owner");
 }
 
+/// tcp pushes message bodies behind their RTS. With a receive budget far below what is in
+/// flight, the receiver defers most announcements, so their pushes come before their reads:
+/// the link holds them (4 MiB at most) and drops the rest, which are then read by asking.
+/// Every message still arrives whole and in order, pushed or not (2 MiB + 1 is not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_pushes_before_their_reads_are_held_or_dropped_and_nothing_is_lost() {
+    tokio::time::timeout(*GUARD, async {
+        let config = Config {
+            rndv_recv_budget: 256 << 10,
+            ..fixed_threshold(4096)
+        };
+        let (a, b) = pair_with("tcp", "pushheld", config).await;
+        let sizes = [100_000, 700_000, 2 << 20, (2 << 20) + 1, 1_500_000];
+        let n = 24;
+        let sender = tokio::spawn(async move {
+            for i in 0..n {
+                let len = sizes[i % sizes.len()];
+                a.send(pattern(len, i as u8)).await.expect("send");
+            }
+            a
+        });
+        // Let every announcement arrive and wait behind the budget first.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for i in 0..n {
+            let m = b.recv().await.expect("recv");
+            let len = sizes[i % sizes.len()];
+            assert_eq!(m.len(), len, "message {i}");
+            assert!(m == pattern(len, i as u8), "message {i} content");
+        }
+        let _a = sender.await.unwrap();
+        let s = b.stats();
+        assert!(
+            s.proto.rndv_recv_deferred > 0,
+            "the budget deferred nothing: {s}"
+        );
+    })
+    .await
+    .expect("hang guard");
+}
+
 /// Whoever waits, reads: with a budget of `INLINE_READ_MIN_SPIN` or more, a receiver waiting
 /// for a reply reads it from the link on its own task, and runs the copies of a rendezvous
 /// message it read that way itself; under it the driver task spins and delivers
