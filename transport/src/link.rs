@@ -98,6 +98,34 @@ pub trait Registrar: Send + Sync + std::fmt::Debug {
     fn forget(&self, ptr: usize, len: usize);
 }
 
+/// Message bodies pushed unasked behind the RTS that announces them (tcp: docs/tcp.md,
+/// "Pushed message bodies"), and what the reading side did with the ones it got.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PushStats {
+    /// Bodies pushed to the peer.
+    pub sent: u64,
+    /// Pushes read straight into reads that were waiting for them.
+    pub direct: u64,
+    /// Pushes held until their reads came (the receive budget had deferred them), then
+    /// copied out.
+    pub held: u64,
+    /// Pushes dropped because too much was held already; their reads asked the owner.
+    pub dropped: u64,
+    /// Reads of pushed bodies that asked the owner all the same.
+    pub asked: u64,
+}
+
+impl PushStats {
+    /// Adds `other`'s counts to these.
+    pub fn accumulate(&mut self, other: &PushStats) {
+        self.sent += other.sent;
+        self.direct += other.direct;
+        self.held += other.held;
+        self.dropped += other.dropped;
+        self.asked += other.asked;
+    }
+}
+
 /// A local buffer exposed to the peer for one-sided reads.
 #[derive(Debug)]
 pub struct Exposure {
@@ -440,6 +468,12 @@ pub trait Link: Send + 'static {
     /// moving it now (tcp pushes it behind the RTS); the default is [`Link::expose`].
     fn expose_message(&mut self, buf: Bytes) -> Result<Exposure, Error> {
         self.expose(buf)
+    }
+
+    /// What pushing message bodies did on this link (see [`PushStats`]); providers that
+    /// never push keep the default.
+    fn push_stats(&self) -> PushStats {
+        PushStats::default()
     }
 
     /// Withdraws an exposure (the peer's later reads of it fail) and gives the buffer back.

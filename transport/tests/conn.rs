@@ -561,12 +561,21 @@ async fn tcp_pushes_before_their_reads_are_held_or_dropped_and_nothing_is_lost()
             assert_eq!(m.len(), len, "message {i}");
             assert!(m == pattern(len, i as u8), "message {i} content");
         }
-        let _a = sender.await.unwrap();
+        let a = sender.await.unwrap();
+        assert_eq!(a.stats().pushes.sent, 19);
         let s = b.stats();
         assert!(
             s.proto.rndv_recv_deferred > 0,
             "the budget deferred nothing: {s}"
         );
+        let q = s.pushes;
+        assert!(q.held > 0 && q.dropped > 0 && q.asked > 0, "{s}");
+        assert_eq!(
+            q.direct + q.held + q.dropped,
+            (0..n).filter(|i| sizes[i % sizes.len()] <= 2 << 20).count() as u64,
+            "every body of 2 MiB or less was pushed, and one of the three befell each: {s}"
+        );
+        assert!(s.to_string().contains("held"), "{s}");
     })
     .await
     .expect("hang guard");

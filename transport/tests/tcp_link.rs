@@ -5,7 +5,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ibex_transport::link::{Link, LinkEvent, RecvBuf};
+use ibex_transport::link::{Link, LinkEvent, PushStats, RecvBuf};
 use ibex_transport::tcp::{self, TcpLink};
 use ibex_transport::{Config, Error};
 use tokio::io::AsyncWriteExt;
@@ -891,7 +891,7 @@ async fn pushed_bodies_fill_reads_posted_before_they_arrive() {
     assert!(d1.as_slice() == &one[..] && d2.as_slice() == &two[..]);
     assert_eq!(
         c.push_stats(),
-        tcp::PushStats {
+        PushStats {
             direct: 2,
             ..Default::default()
         },
@@ -929,7 +929,7 @@ async fn pushes_that_arrive_before_their_reads_are_held_then_copied_out() {
     assert!(again.as_slice() == &region[5000..6000]);
     assert_eq!(
         c.push_stats(),
-        tcp::PushStats {
+        PushStats {
             held: 1,
             asked: 1,
             ..Default::default()
@@ -971,7 +971,7 @@ async fn pushes_past_the_hold_limit_are_dropped_and_read_the_usual_way() {
     }
     assert_eq!(
         c.push_stats(),
-        tcp::PushStats {
+        PushStats {
             held: n as u64 - 1,
             dropped: 1,
             asked: 1,

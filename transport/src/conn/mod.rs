@@ -710,7 +710,11 @@ impl Connection {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> ConnStats {
-        let st = self.shared().lock();
+        let mut st = self.shared().lock();
+        // A receiver reading inline may hold the link right now: keep the last counts then.
+        if let Some(link) = st.link.as_ref() {
+            st.stats.pushes = link.push_stats();
+        }
         let mut s = st.stats.clone();
         s.proto = st.core.stats().clone();
         s

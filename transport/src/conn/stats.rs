@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::link::Registration;
+use crate::link::{PushStats, Registration};
 use crate::proto::ProtoStats;
 
 /// A snapshot of one connection's counters.
@@ -41,6 +41,9 @@ pub struct ConnStats {
     /// Copies of rendezvous reads that such a receiver ran itself, with the connection's
     /// lock released, rather than waking the driver task to run them (shm's large reads).
     pub inline_copies: u64,
+    /// Message bodies pushed behind their RTS, both ways (tcp). Held and dropped pushes
+    /// mean the receive budget deferred messages (`Config::rndv_recv_budget`).
+    pub pushes: PushStats,
 }
 
 impl ConnStats {
@@ -97,6 +100,7 @@ impl ConnStats {
         self.exposed_from_pool += other.exposed_from_pool;
         self.reg_cache_hits += other.reg_cache_hits;
         self.reg_cache_misses += other.reg_cache_misses;
+        self.pushes.accumulate(&other.pushes);
     }
 
     /// Payload bytes this side copied on receive: eager copies out of slots plus rendezvous
@@ -148,6 +152,14 @@ impl fmt::Display for ConnStats {
                 f,
                 ", {} receives waited for the receive budget",
                 p.rndv_recv_deferred
+            )?;
+        }
+        let q = &self.pushes;
+        if *q != PushStats::default() {
+            write!(
+                f,
+                "\npushed: {} sent; received {} straight into their reads, {} held, {} dropped, {} reads asked",
+                q.sent, q.direct, q.held, q.dropped, q.asked
             )?;
         }
         if let Some(rate) = self.reg_cache_hit_rate() {

@@ -33,7 +33,7 @@ use tokio::net::TcpStream;
 use super::wire::{self, ReadRequest, ResponseHead};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::link::{Exposure, Link, LinkEvent, LinkInfo, Registration};
+use crate::link::{Exposure, Link, LinkEvent, LinkInfo, PushStats, Registration};
 use crate::pool::Pool;
 
 /// How much to read ahead into the record buffer at once. Small enough that a large read
@@ -85,21 +85,6 @@ struct Held {
     buf: Vec<u8>,
     /// Bytes copied out to reads so far.
     served: usize,
-}
-
-/// What pushes did on this side, for tests and tuning.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct PushStats {
-    /// Regions pushed to the peer.
-    pub sent: u64,
-    /// Pushes read straight into reads that were waiting for them.
-    pub direct: u64,
-    /// Pushes held until their reads came.
-    pub held: u64,
-    /// Pushes dropped because too much was held; their reads asked the owner.
-    pub dropped: u64,
-    /// Reads of pushed regions that asked the owner all the same.
-    pub asked: u64,
 }
 
 /// Where the record parser stands.
@@ -273,11 +258,6 @@ impl TcpLink {
     /// Pushes in, complete, whose reads have not all been posted.
     pub fn pushes_held(&self) -> usize {
         self.held.len()
-    }
-
-    /// What pushes did on this link so far.
-    pub fn push_stats(&self) -> PushStats {
-        self.push_stats
     }
 
     /// Bytes taken for sending and not yet written to the socket.
@@ -1128,6 +1108,10 @@ impl Link for TcpLink {
 
     fn withdraw(&mut self, id: u64) -> Option<Bytes> {
         self.regions.remove(&id)
+    }
+
+    fn push_stats(&self) -> PushStats {
+        self.push_stats
     }
 
     fn map_remote(&mut self, descriptor: &[u8], len: u64) -> Result<Option<Bytes>> {

@@ -31,7 +31,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::preface::{self, Preface, Provider};
 
-pub use link::{PushStats, TcpLink};
+pub use link::TcpLink;
 
 /// How long connection setup (TCP connect included, on the client) may take.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
