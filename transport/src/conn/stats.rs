@@ -100,6 +100,8 @@ impl ConnStats {
         self.exposed_from_pool += other.exposed_from_pool;
         self.reg_cache_hits += other.reg_cache_hits;
         self.reg_cache_misses += other.reg_cache_misses;
+        self.inline_reads += other.inline_reads;
+        self.inline_copies += other.inline_copies;
         self.pushes.accumulate(&other.pushes);
     }
 
@@ -212,6 +214,13 @@ mod tests {
             provider: "verbs",
             reg_cache_misses: 1,
             remote_read_bytes: 10,
+            inline_reads: 3,
+            inline_copies: 4,
+            pushes: PushStats {
+                sent: 5,
+                held: 1,
+                ..Default::default()
+            },
             ..Default::default()
         };
         b.proto.eager_msgs_sent = 7;
@@ -232,5 +241,8 @@ mod tests {
             (total.provider, total.proto.eager_threshold),
             ("verbs", 8192)
         );
+        total.accumulate(&b);
+        assert_eq!((total.inline_reads, total.inline_copies), (6, 8));
+        assert_eq!((total.pushes.sent, total.pushes.held), (10, 2));
     }
 }
