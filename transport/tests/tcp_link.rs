@@ -1102,3 +1102,132 @@ async fn a_peer_gone_in_the_middle_of_a_push_fails_its_reads_then_the_link() {
         "{last}"
     );
 }
+
+/// Polls `s` (whose peer is a raw socket) until `done`, failing on any event.
+async fn poll_raw_until(s: &mut TcpLink, done: impl Fn(&TcpLink) -> bool) {
+    tokio::time::timeout(
+        GUARD,
+        poll_fn(|cx| {
+            assert!(s.poll_event(cx).is_pending(), "no event was expected");
+            if done(s) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        }),
+    )
+    .await
+    .expect("hang guard");
+}
+
+/// Writes `bytes` from a task of its own, so the link can be polled meanwhile (more than
+/// the sockets hold would otherwise block the test).
+fn write_behind(
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    bytes: Vec<u8>,
+) -> tokio::task::JoinHandle<tokio::net::tcp::OwnedWriteHalf> {
+    tokio::spawn(async move {
+        wr.write_all(&bytes).await.unwrap();
+        wr
+    })
+}
+
+#[tokio::test]
+async fn many_tiny_pushes_hold_bounded_bookkeeping() {
+    let (mut s, mut raw) = raw_client().await;
+    skip_preface(&mut raw).await;
+    let n = 20_000u64;
+    let mut records = Vec::new();
+    for region in 1..=n {
+        records.extend(push_record(region, 1, b"x"));
+    }
+    let (_rd, wr) = raw.into_split();
+    let w = write_behind(wr, records);
+    poll_raw_until(&mut s, |s| {
+        let p = s.push_stats();
+        p.held + p.dropped == n
+    })
+    .await;
+    // Each held push is charged its bookkeeping as well as its byte.
+    let most = tcp::wire::MAX_HELD / (1 + tcp::wire::HELD_ENTRY_COST);
+    assert_eq!(s.pushes_held(), most);
+    assert_eq!(s.push_stats().held, most as u64);
+    w.await.unwrap();
+}
+
+#[tokio::test]
+async fn held_pushes_whose_reads_never_come_are_let_go() {
+    use tokio::io::AsyncReadExt;
+    let (mut s, mut raw) = raw_client().await;
+    skip_preface(&mut raw).await;
+    let big = tcp::wire::MAX_PUSH;
+    let (mut rd, wr) = raw.into_split();
+    // Regions 1 and 2 come before any read: held, which fills the hold.
+    let mut first = push_record(1, big as u32, &pattern(1, big));
+    first.extend(push_record(2, big as u32, &pattern(2, big)));
+    let w = write_behind(wr, first);
+    poll_raw_until(&mut s, |s| s.pushes_held() == 2).await;
+    let mut wr = w.await.unwrap();
+    // The reader posts a read of region 4 next: the messages of regions 1 and 2 were
+    // never read (refused, say), and their reads will not come now.
+    let mut four = vec![0u8; 100];
+    // SAFETY: `four` outlives the read, which completes below.
+    unsafe { s.post_read(1, &descriptor(4 | 1 << 63, 100), 0, four.as_mut_ptr(), 100) }.unwrap();
+    assert_eq!(
+        s.pushes_held(),
+        0,
+        "held pushes below a region read are let go"
+    );
+    // A push below a region already read is not held either.
+    wr.write_all(&push_record(3, 100, &pattern(3, 100)))
+        .await
+        .unwrap();
+    wr.write_all(&push_record(4, 100, &pattern(4, 100)))
+        .await
+        .unwrap();
+    let ev = own_event(&mut s).await.unwrap();
+    assert!(
+        matches!(
+            ev,
+            LinkEvent::ReadDone {
+                id: 1,
+                result: Ok(())
+            }
+        ),
+        "{ev:?}"
+    );
+    assert_eq!(four, pattern(4, 100));
+    // The hold has room again: region 5, ahead of its reads, is held, not dropped.
+    let w = write_behind(wr, push_record(5, big as u32, &pattern(5, big)));
+    poll_raw_until(&mut s, |s| s.pushes_held() == 1).await;
+    let wr = w.await.unwrap();
+    assert_eq!(
+        s.push_stats(),
+        PushStats {
+            direct: 1,
+            held: 3,
+            dropped: 1,
+            ..Default::default()
+        }
+    );
+    // A late read of a region let go asks the owner.
+    let mut one = vec![0u8; 10];
+    // SAFETY: `one` outlives the read, which the link fails when the peer goes.
+    unsafe {
+        s.post_read(
+            2,
+            &descriptor(1 | 1 << 63, big as u64),
+            0,
+            one.as_mut_ptr(),
+            10,
+        )
+    }
+    .unwrap();
+    let mut req = [0u8; 5 + 28];
+    rd.read_exact(&mut req).await.unwrap();
+    assert_eq!(req[0], 1, "a read request");
+    assert_eq!(&req[13..21], &1u64.to_le_bytes(), "for region 1");
+    drop((rd, wr));
+    let (failed, _) = fail_out(&mut s).await;
+    assert_eq!(failed, [2]);
+}

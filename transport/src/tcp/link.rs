@@ -163,6 +163,10 @@ pub struct TcpLink {
     last_push: u64,
     /// Reads of pushed regions whose push has not arrived.
     awaiting: HashMap<u64, Vec<PushRead>>,
+    /// The highest pushed region a read was posted for. The reader reads messages in order,
+    /// so a push of a lower region that is not being read will not be (its message was
+    /// refused, say): it is not held, or no longer.
+    marked_read_max: u64,
     /// Pushes that arrived before their reads, and their bytes.
     held: HashMap<u64, Held>,
     held_bytes: usize,
@@ -224,6 +228,7 @@ impl TcpLink {
             frames_staged: 0,
             last_push: 0,
             awaiting: HashMap::new(),
+            marked_read_max: 0,
             held: HashMap::new(),
             held_bytes: 0,
             completions: VecDeque::new(),
@@ -685,10 +690,11 @@ impl TcpLink {
             };
             return Ok(());
         }
-        if self.held_bytes + len <= wire::MAX_HELD {
+        // Reads of a region below one already read for will not come, or will ask.
+        if region > self.marked_read_max && self.held_bytes + held_cost(len) <= wire::MAX_HELD {
             let mut buf = Vec::new();
             if buf.try_reserve_exact(len).is_ok() {
-                self.held_bytes += len;
+                self.held_bytes += held_cost(len);
                 self.push_stats.held += 1;
                 self.recv = Recv::PushHold {
                     region,
@@ -778,12 +784,29 @@ impl TcpLink {
         for w in waiters {
             serve_held(&mut held, w, &mut self.completions);
         }
-        if held.served < len {
+        if held.served < len && region > self.marked_read_max {
             self.held.insert(region, held);
         } else {
-            self.held_bytes -= len;
+            self.held_bytes -= held_cost(len);
         }
         Poll::Ready(Ok(None))
+    }
+
+    /// Lets go of held pushes below `region`, which a read was just posted for: the reader
+    /// reads messages in order, so theirs will not come (a late one asks).
+    fn let_go_held_below(&mut self, region: u64) {
+        if self.held.is_empty() {
+            return;
+        }
+        let mut freed = 0;
+        self.held.retain(|&r, h| {
+            let keep = r >= region;
+            if !keep {
+                freed += held_cost(h.buf.len());
+            }
+            keep
+        });
+        self.held_bytes -= freed;
     }
 
     /// Asks the owner for a read the usual way (a request record); the caller flushes.
@@ -936,6 +959,11 @@ unsafe fn fill(
         }
     }
     Poll::Ready(Ok(()))
+}
+
+/// What a held push of `len` bytes counts against [`wire::MAX_HELD`].
+fn held_cost(len: usize) -> usize {
+    len + wire::HELD_ENTRY_COST
 }
 
 /// Copies a held push out to one of its reads and queues the read's completion.
@@ -1163,10 +1191,14 @@ impl Link for TcpLink {
             region_len,
         };
         if d.pushed {
+            if region_id > self.marked_read_max {
+                self.marked_read_max = region_id;
+                self.let_go_held_below(region_id);
+            }
             if let Some(held) = self.held.get_mut(&region_id) {
                 serve_held(held, read, &mut self.completions);
                 if held.served >= held.buf.len() {
-                    self.held_bytes -= held.buf.len();
+                    self.held_bytes -= held_cost(held.buf.len());
                     self.held.remove(&region_id);
                 }
                 return Ok(());

@@ -39,7 +39,10 @@ pub(crate) const PUSH_HEAD: usize = 8 + 4;
 pub const MAX_PUSH: usize = 2 << 20;
 /// Bytes of pushes a reader holds for reads not posted yet. Past it, a push is read and
 /// dropped, and its reads ask the owner as without pushes.
-pub const MAX_HELD: usize = 2 * MAX_PUSH;
+pub const MAX_HELD: usize = 2 * (MAX_PUSH + HELD_ENTRY_COST);
+/// What a held push is charged against [`MAX_HELD`] besides its bytes: its buffer and map
+/// entry. Without it a peer's one-byte pushes could make a reader keep millions of entries.
+pub const HELD_ENTRY_COST: usize = 512;
 /// Set in a descriptor's region id when the owner pushes the region.
 pub(crate) const PUSHED: u64 = 1 << 63;
 
