@@ -20,7 +20,7 @@ fi
 
 # crate dir : targets
 plan=(
-    "transport:frame_decode preface_decode verbs_bootstrap grpc_packet"
+    "transport:frame_decode preface_decode verbs_bootstrap grpc_packet tcp_records"
     "ps-server:ps_request"
 )
 total=0
