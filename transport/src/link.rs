@@ -109,7 +109,8 @@ pub struct PushStats {
     /// Pushes held until their reads came (the receive budget had deferred them), then
     /// copied out.
     pub held: u64,
-    /// Pushes dropped because too much was held already; their reads asked the owner.
+    /// Pushes dropped because too much was held already (their reads asked the owner),
+    /// or because a later region had been read first (their messages were not read).
     pub dropped: u64,
     /// Reads of pushed bodies that asked the owner all the same.
     pub asked: u64,
