@@ -543,6 +543,13 @@ pub trait Link: Send + 'static {
         false
     }
 
+    /// True while the link holds completions nobody has taken with [`Link::try_event`] or
+    /// [`Link::poll_event`] yet (from [`Link::work_done`], say). They raise no readiness:
+    /// a receiver that read the link inline and now stops must hand them to the driver.
+    fn has_completions(&self) -> bool {
+        false
+    }
+
     /// The result of a [`Work`]: the provider reports it as the read's `ReadDone`.
     fn work_done(&mut self, id: u64, result: Result<(), Error>) {
         let _ = (id, result);

@@ -353,6 +353,18 @@ impl State {
     /// itself when the link is worth spinning on ([`InlineRead`]). Returns what the caller
     /// must do after releasing the lock: (what to do, wake the driver, wake the others).
     pub fn take(&mut self, me: &std::task::Waker) -> (Take, bool, bool) {
+        let (take, driver, others) = self.take_inner(me);
+        // Completions of copies a receiver ran itself raise no readiness on the link.
+        // This receiver reads them at its next spin step; if it does not spin on, the
+        // driver must, or their message waits for ever (seen under heavy load: the
+        // driver's turn ran while the copies ran, and the receiver, told not to spin any
+        // more, went to sleep with their completions unread).
+        let unread = !matches!(take, Take::Spin(_))
+            && self.link.as_ref().is_some_and(|l| l.has_completions());
+        (take, driver || unread, others)
+    }
+
+    fn take_inner(&mut self, me: &std::task::Waker) -> (Take, bool, bool) {
         let spin = self.inline.spin;
         if let Some((r, credit_due)) = self.pop_delivered() {
             return (Take::Got(r), credit_due, false);

@@ -1177,6 +1177,10 @@ impl Link for ShmLink {
         self.completions.push_back((id, result));
     }
 
+    fn has_completions(&self) -> bool {
+        !self.completions.is_empty()
+    }
+
     fn close(&mut self) {
         if self.closed {
             return;

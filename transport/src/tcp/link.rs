@@ -1142,6 +1142,10 @@ impl Link for TcpLink {
         self.push_stats
     }
 
+    fn has_completions(&self) -> bool {
+        !self.completions.is_empty()
+    }
+
     fn map_remote(&mut self, descriptor: &[u8], len: u64) -> Result<Option<Bytes>> {
         let d = wire::parse_descriptor(descriptor)?;
         if len > d.len {
