@@ -1739,8 +1739,91 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use super::{InlineRead, OsYield, SpinAdapt, WakeRoom};
+    use super::{InlineRead, OsYield, SpinAdapt, State, Take, WakeRoom};
     use std::time::{Duration, Instant};
+
+    /// A link whose only state is whether completions wait in it, unread.
+    struct Unread(bool);
+
+    impl crate::link::Link for Unread {
+        fn info(&self) -> crate::link::LinkInfo {
+            crate::link::LinkInfo {
+                provider: "unread",
+                max_frame: 4096,
+                rendezvous_path: String::new(),
+                one_sided: false,
+                peer: String::new(),
+                pipelined_reads: false,
+                dma_reads: false,
+                read_depth: 1,
+                max_read: usize::MAX,
+                registrar: None,
+            }
+        }
+        fn poll_send(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+            _: &[u8],
+        ) -> std::task::Poll<Result<(), crate::Error>> {
+            std::task::Poll::Pending
+        }
+        fn poll_flush(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), crate::Error>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn poll_event(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<crate::link::LinkEvent, crate::Error>> {
+            std::task::Poll::Pending
+        }
+        fn expose(&mut self, _: bytes::Bytes) -> Result<crate::link::Exposure, crate::Error> {
+            Err(crate::Error::LocallyClosed)
+        }
+        fn withdraw(&mut self, _: u64) -> Option<bytes::Bytes> {
+            None
+        }
+        fn map_remote(&mut self, _: &[u8], _: u64) -> Result<Option<bytes::Bytes>, crate::Error> {
+            Ok(None)
+        }
+        unsafe fn post_read(
+            &mut self,
+            _: u64,
+            _: &[u8],
+            _: u64,
+            _: *mut u8,
+            _: usize,
+        ) -> Result<(), crate::Error> {
+            Err(crate::Error::LocallyClosed)
+        }
+        fn close(&mut self) {}
+        fn busy_poll(&self) -> bool {
+            true
+        }
+        fn has_completions(&self) -> bool {
+            self.0
+        }
+    }
+
+    /// A receiver that ran a message's copies, was then told spinning no longer pays, and
+    /// goes to sleep: the copies' completions wait in the link, which raises no readiness
+    /// for them, so it must wake the driver to read them (under load the message hung).
+    #[test]
+    fn a_receiver_that_stops_with_completions_unread_wakes_the_driver() {
+        for unread in [true, false] {
+            let config = crate::Config::default();
+            let core = crate::proto::Connection::new(&config, Instant::now());
+            let mut st = State::new(core, Box::new(Unread(unread)), std::sync::Weak::new());
+            st.busy_poll = true;
+            st.inline.spin = Duration::from_millis(5);
+            st.inline.asked = Some(false);
+            let (take, driver, _) = st.take(std::task::Waker::noop());
+            assert!(matches!(take, Take::Wait));
+            assert_eq!(driver, unread, "unread completions: {unread}");
+        }
+    }
 
     /// One process of [`ping_pong`]: its driver's spin policy.
     #[derive(Default)]
