@@ -2,9 +2,10 @@
 //! and `tests/tcp_fuzz_corpus.rs` (which replays the seeds and runs seeded scripts on
 //! stable).
 //!
-//! The input is a script. Each step's first byte picks what the raw peer does (push a
-//! region, send garbage, answer a read request, ask for a region, send a frame) or what the
-//! link's owner does (post reads, expose a body, poll). Then the peer hangs up and the link
+//! The input is a script. Each step's first byte (modulo [`step::COUNT`]) picks what the
+//! raw peer does (push a region, send garbage, answer a read request, ask for a region,
+//! send a frame) or what the link's owner does (post reads of a region or with descriptor
+//! bytes of any kind, expose a body, send a frame, poll). Then the peer hangs up and the link
 //! is polled until it reports its end. What must hold, whatever the peer sends:
 //! - no panic, no hang, nothing allocated by a length the peer chose past the link's caps;
 //! - every read `post_read` accepted completes exactly once, and no other id completes;
@@ -29,6 +30,35 @@ use ibex_transport::tcp::wire::{HELD_ENTRY_COST, MAX_HELD, MAX_PUSH};
 use ibex_transport::tcp::{self, TcpLink};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+/// The steps a script is made of: a step's first byte, modulo [`step::COUNT`].
+#[allow(dead_code)] // The fuzz target only runs scripts; tests write them.
+pub mod step {
+    /// The owner posts reads of a region, as fragments that tile it or one range of it.
+    pub const POST_REGION: u8 = 0;
+    /// The peer pushes a region.
+    pub const PUSH: u8 = 1;
+    /// The peer writes bytes the script does not shape.
+    pub const GARBAGE: u8 = 2;
+    /// The peer answers the oldest read request the link sent it.
+    pub const ANSWER: u8 = 3;
+    /// The owner polls the link until nothing more comes.
+    pub const PUMP: u8 = 4;
+    /// The owner exposes a body, for pushing or for reads only.
+    pub const EXPOSE: u8 = 5;
+    /// The peer asks for a range of an exposed region (or of one that is not).
+    pub const PEER_ASK: u8 = 6;
+    /// The peer sends a frame.
+    pub const FRAME: u8 = 7;
+    /// The owner posts a read with descriptor bytes and a range from the script.
+    pub const POST_RAW: u8 = 8;
+    /// The owner sends a frame; bodies exposed for pushing go behind it.
+    pub const OWNER_FRAME: u8 = 9;
+    pub const COUNT: u8 = 10;
+    /// `POST_REGION` or `PUSH` followed by a byte of 240 or more, such as this one: the
+    /// region id follows as a u64.
+    pub const EXPLICIT: u8 = 250;
+}
 
 /// Steps a script may take; the rest of a longer input is ignored.
 const MAX_STEPS: usize = 48;
@@ -266,20 +296,20 @@ async fn run_inner(data: &[u8]) -> Outcome {
 
 impl State {
     async fn step(&mut self, s: &mut Script<'_>) {
-        match s.u8() % 10 {
-            0 => self.post_region(s),
-            1 => self.push(s).await,
-            2 => {
+        match s.u8() % step::COUNT {
+            step::POST_REGION => self.post_region(s),
+            step::PUSH => self.push(s).await,
+            step::GARBAGE => {
                 let n = s.u8() as usize;
                 let b = s.bytes(n);
                 self.garbage = true;
                 self.peer_write(&b).await;
             }
-            3 => self.answer(s).await,
-            4 => self.pump().await,
-            5 => self.expose(s),
-            6 => self.peer_ask(s).await,
-            7 => {
+            step::ANSWER => self.answer(s).await,
+            step::PUMP => self.pump().await,
+            step::EXPOSE => self.expose(s),
+            step::PEER_ASK => self.peer_ask(s).await,
+            step::FRAME => {
                 let n = 1 + s.u16() as usize % 5000;
                 let body: Vec<u8> = (0..n).map(|i| i as u8 ^ 0x5a).collect();
                 let mut rec = record(0, n);
@@ -287,7 +317,7 @@ impl State {
                 self.frames_sent.push_back(body);
                 self.peer_write(&rec).await;
             }
-            8 => self.post_raw(s),
+            step::POST_RAW => self.post_raw(s),
             _ => self.send_frame(s).await,
         }
     }

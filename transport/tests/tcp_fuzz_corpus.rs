@@ -11,24 +11,11 @@ use std::path::{Path, PathBuf};
 mod tcp_script;
 
 use tcp_script::Outcome;
+use tcp_script::step::*;
 
 fn seed_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/tcp_records")
 }
-
-// Script steps (`tcp_script.rs`, `State::step`).
-const POST_REGION: u8 = 0;
-const PUSH: u8 = 1;
-const GARBAGE: u8 = 2;
-const ANSWER: u8 = 3;
-const PUMP: u8 = 4;
-const EXPOSE: u8 = 5;
-const PEER_ASK: u8 = 6;
-const FRAME: u8 = 7;
-const POST_RAW: u8 = 8;
-const OWNER_FRAME: u8 = 9;
-/// `POST_REGION` / `PUSH` with this first byte: the region id follows as a u64.
-const EXPLICIT: u8 = 250;
 
 fn explicit(step: u8, region: u64, then: u8) -> Vec<u8> {
     let mut v = vec![step, EXPLICIT];
