@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Runs test suites over and over beside busy loops, to find what only a loaded machine
+# shows: hangs, lost wake-ups and tests that lean on timing. A CI machine has 2 cores and
+# runs tests two at a time; this makes it worse on purpose. A lost wake-up that hung a
+# message (docs/transport.md, "Progress") and a test that leaned on timing were found this
+# way, where the plain suite passed (docs/benchmarks.md, #11's twenty-ninth and thirtieth
+# sessions).
+#   scripts/stress.sh [SECONDS] [SUITE...]
+#   SECONDS: how long to go on (default 1800). SUITE: PACKAGE:TEST, e.g.
+#   ibex-transport:conn (default: every integration test of ibex-transport, ibex-ps and
+#   ibex-worker that needs no RDMA device). IBEX_STRESS_LOOPS busy loops (default 2);
+#   IBEX_STRESS_ENV, e.g. IBEX_BUSY_POLL=1, is set for every run.
+# Each run has a 400 s limit (a hang is killed and reported). Prints one line per run and
+# keeps the log of each failed one; ends with the failures, exit status 1 if any.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/common.sh
+need_cargo
+secs=${1:-1800}
+shift || true
+case "$secs" in '' | *[!0-9]*) die "stress.sh: SECONDS is whole seconds, not '$secs'" ;; esac
+loops=${IBEX_STRESS_LOOPS:-2}
+case "$loops" in '' | *[!0-9]*) die "IBEX_STRESS_LOOPS=$loops: give a count, e.g. 2" ;; esac
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
+
+suites=("$@")
+if [ ${#suites[@]} -eq 0 ]; then
+    for t in accept_hostile conn conn_close conn_kill grpc_conformance grpc_direct hostile_grpc \
+        hostile_shm hostile_tcp keepalive shm_kill shm_link tcp_link; do
+        suites+=("ibex-transport:$t")
+    done
+    for t in service hostile_ps kill_restore; do suites+=("ibex-ps:$t"); done
+    for t in training overlap remote_pulls staging; do suites+=("ibex-worker:$t"); done
+fi
+
+# Build once, and take each test binary's path from cargo rather than guess it.
+declare -A bin dir
+for s in "${suites[@]}"; do
+    pkg=${s%%:*}
+    test=${s#*:}
+    [ "$pkg" != "$s" ] && [ -n "$test" ] || die "stress.sh: a suite is PACKAGE:TEST, not '$s'"
+    json=$(cargo test --locked -p "$pkg" --test "$test" --no-run --message-format=json 2>/dev/null) \
+        || die "stress.sh: $pkg's test $test does not build (cargo test -p $pkg --test $test --no-run says why)"
+    read -r exe manifest < <(python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"], m["manifest_path"])
+' "$test" <<< "$json")
+    [ -n "${exe:-}" ] || die "stress.sh: cargo built no test binary '$test' in $pkg"
+    bin[$s]=$exe
+    dir[$s]=$(dirname "$manifest")
+done
+
+logs=$(mktemp -d /tmp/ibex-stress.XXXXXX)
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2> /dev/null || true; done
+}
+trap cleanup EXIT
+for _ in $(seq 1 "$loops"); do
+    (while :; do :; done) &
+    pids+=($!)
+done
+
+end=$(($(date +%s) + secs))
+round=0
+runs=0
+failed=()
+while [ "$(date +%s)" -lt "$end" ]; do
+    round=$((round + 1))
+    for s in "${suites[@]}"; do
+        [ "$(date +%s)" -lt "$end" ] || break
+        log="$logs/$round.${s/:/.}.log"
+        t0=$(date +%s)
+        rc=0
+        # shellcheck disable=SC2086 # IBEX_STRESS_ENV is a list of NAME=VALUE words
+        (cd "${dir[$s]}" && env ${IBEX_STRESS_ENV:-} timeout -s KILL 400 "${bin[$s]}") > "$log" 2>&1 || rc=$?
+        runs=$((runs + 1))
+        what=ok
+        if [ "$rc" = 137 ]; then what="HUNG (killed after 400 s)"; elif [ "$rc" != 0 ]; then what="FAILED (rc=$rc)"; fi
+        echo "round $round $s: $what, $(($(date +%s) - t0)) s"
+        if [ "$what" = ok ]; then rm -f "$log"; else failed+=("$s: $log"); fi
+    done
+done
+echo "stress: $runs runs in $round rounds beside $loops busy loops, ${#failed[@]} failed"
+for f in "${failed[@]}"; do echo "  $f"; done
+[ ${#failed[@]} -eq 0 ] || { echo "failed runs' logs are kept under $logs" >&2; exit 1; }
+rm -rf "$logs"
