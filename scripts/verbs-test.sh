@@ -26,7 +26,8 @@ while (( $# )); do
     shift
 done
 cd "$ROOT"
-say() { echo "== verbs-test: $*" >&2; }
+# Seconds since the script started: the CI log then shows where the stage's time goes.
+say() { echo "== verbs-test: $* (${SECONDS}s)" >&2; }
 
 # Build dependencies of sideway (rdma-mummy-sys runs cmake and bindgen).
 need=()
@@ -122,7 +123,7 @@ run_vm() { # NAME RXE_VM-ARGS... -- ENV...
         # The footprint tests print their measurements (pinned memory, connect time).
         [[ $b == */verbs_many_workers-* || $b == */verbs_scale-* ]] && filter="--nocapture"
         printf -v q '%q ' "$b" $filter "${EXTRA[@]}"
-        script+=$'\n'"echo \"== \$(basename $b)\"; $pre$q"
+        script+=$'\n'"echo \"== \$(basename $b) (\${SECONDS}s in the VM)\"; $pre$q"
     done
     "$RXE_VM" --timeout 1200 "${args[@]}" -- env IBEX_TEST_CONNS="$CONNS" IBEX_TEST_WORKERS="$WORKERS" IBEX_TEST_GUARD_SECS=300 IBEX_PROBE_TIMEOUT_MS=60000 IBEX_HANDSHAKE_TIMEOUT_MS=120000 "${envs[@]}" bash -c "$script"
 }
