@@ -150,15 +150,10 @@ async fn many_concurrent_senders_keep_per_sender_order(p: &str) {
 async fn recv_into_lands_rendezvous_directly(p: &str) {
     let (a, b) = pair_with(p, "into", fixed_threshold(4096)).await;
     // Post the buffer first, then send: the data must land in it with no staging copy.
-    let recv = tokio::spawn(async move {
-        let r = b.recv_into(vec![0u8; 2 << 20]).await;
-        (r, b)
-    });
-    tokio::time::sleep(Duration::from_millis(50)).await;
     let msg = pattern(1 << 20, 7);
+    let recv = posted(b.recv_into(vec![0u8; 2 << 20])).await;
     a.send(msg.clone()).await.unwrap();
-    let (r, b) = recv.await.unwrap();
-    let (buf, n) = r.expect("recv_into");
+    let (buf, n) = recv.await.expect("recv_into");
     assert_eq!(n, 1 << 20);
     assert_eq!(&buf[..n], &msg[..]);
     // Providers that can read into caller memory land it there directly; verbs needs
@@ -169,6 +164,20 @@ async fn recv_into_lands_rendezvous_directly(p: &str) {
     a.send(Bytes::from_static(b"small")).await.unwrap();
     let (buf, n) = b.recv_into([0u8; 16]).await.unwrap();
     assert_eq!(&buf[..n], b"small");
+}
+
+/// `recv_into`, polled once: with nothing delivered yet, that poll posts its buffer, so a
+/// message sent after this returns finds the buffer posted however slow the machine is (a
+/// fixed wait for a spawned receiver could run out first under load). Unconstrained, so the
+/// runtime's task budget cannot make that first poll return before it posts.
+async fn posted<F: Future>(recv: F) -> std::pin::Pin<Box<impl Future<Output = F::Output>>> {
+    let mut recv = Box::pin(tokio::task::unconstrained(recv));
+    let first = std::future::poll_fn(|cx| std::task::Poll::Ready(recv.as_mut().poll(cx))).await;
+    assert!(
+        first.is_pending(),
+        "nothing was sent yet, so nothing can be received"
+    );
+    recv
 }
 
 async fn recv_into_too_small_keeps_message(p: &str) {
@@ -403,7 +412,9 @@ async fn shm_pool_buffers_move_without_copy() {
     drop(bytes);
     drop(m);
     let pool = a.pool().unwrap();
-    for _ in 0..200 {
+    // The release travels to the sender, which a loaded machine may take a while to do.
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < until {
         if pool.free_bytes() > free_before {
             break;
         }

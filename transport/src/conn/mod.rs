@@ -1387,14 +1387,17 @@ mod tests {
         let body = Bytes::from((0..300u32 << 10).map(|i| i as u8).collect::<Vec<u8>>());
         let whole = [&head[..], &body[..]].concat();
 
-        let rx = tokio::spawn({
-            let b = b.clone();
-            async move { b.recv_into(vec![0u8; 400 << 10]).await }
-        });
-        // Posted first: the receiver waits before the message is sent.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Posted first: one poll of the receive, with nothing delivered yet, posts its
+        // buffer before the message is sent (a fixed wait for a spawned receiver could run
+        // out first on a loaded machine). Unconstrained: the task budget cannot cut that
+        // poll short.
+        let mut rx = Box::pin(tokio::task::unconstrained(
+            b.recv_into(vec![0u8; 400 << 10]),
+        ));
+        let first = std::future::poll_fn(|cx| Poll::Ready(rx.as_mut().poll(cx))).await;
+        assert!(first.is_pending());
         a.send_parts(head.clone(), body.clone()).await.unwrap();
-        let (got, len) = rx.await.unwrap().unwrap();
+        let (got, len) = rx.await.unwrap();
         assert_eq!(len, whole.len());
         assert!(got[..len] == whole[..], "head, then body");
         assert_eq!(
