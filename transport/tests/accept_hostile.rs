@@ -152,31 +152,52 @@ async fn set_ups_past_the_cap_are_refused_at_once_while_the_holders_are_young() 
         handshake_timeout: Duration::from_millis(1500),
         ..fixed_threshold(4096)
     };
-    let l = listen(&uri("tcp", "cap"), cfg.clone()).await.unwrap();
-    let addr = tcp_addr(&l);
-    let a = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let b = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    // Both slots are held by silent peers only 20 ms old: the third peer is closed without
-    // its preface, long before their deadline.
-    let third = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let t = Instant::now();
-    let mut got = Vec::new();
-    let mut third = third;
-    tokio::time::timeout(GUARD, third.read_to_end(&mut got))
-        .await
-        .expect("hang guard")
-        .ok();
-    assert!(
-        got.is_empty(),
-        "a refused peer gets no preface ({} bytes came)",
-        got.len()
+    let young = cfg.handshake_timeout / 10;
+    // A loaded machine can let the holders grow past that age before the listener takes
+    // the third peer, which then rightly evicts one of them. Such a run says nothing about
+    // refusal, so it is tried again; a run is judged only when everything from the first
+    // connect to the third peer's answer fit in that age, so the holders were young
+    // whenever the listener looked at the third.
+    const TRIES: u32 = 20;
+    for attempt in 1..=TRIES {
+        let l = listen(&uri("tcp", "cap"), cfg.clone()).await.unwrap();
+        let addr = tcp_addr(&l);
+        let start = Instant::now();
+        let a = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let b = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Both slots are held by silent peers only about 20 ms old: the third peer is closed
+        // without its preface, long before their deadline. The server writes its preface
+        // before it reads anything, so the first read shows which happened: bytes, or the
+        // end of the stream.
+        let mut third = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let t = Instant::now();
+        let mut buf = [0u8; 256];
+        let got = tokio::time::timeout(GUARD, third.read(&mut buf))
+            .await
+            .expect("hang guard")
+            .unwrap_or(0);
+        let span = start.elapsed();
+        if span >= young {
+            println!(
+                "attempt {attempt}: the third peer's answer came {span:?} after the first connect, past {young:?}; trying again"
+            );
+            continue;
+        }
+        assert!(
+            got == 0,
+            "a refused peer gets no preface ({got} bytes came, {span:?} after the first connect)"
+        );
+        println!("refused past the cap after {:?}", t.elapsed());
+        // The deadline frees both slots, and an honest peer gets in.
+        closed_by_server(a, GUARD).await;
+        closed_by_server(b, GUARD).await;
+        served(&l, &l.local_uri(), &cfg).await;
+        return;
+    }
+    panic!(
+        "in {TRIES} tries the third peer's answer never came within {young:?} of the first connect (the machine is too loaded to test refusal of young set-ups)"
     );
-    println!("refused past the cap after {:?}", t.elapsed());
-    // The deadline frees both slots, and an honest peer gets in.
-    closed_by_server(a, GUARD).await;
-    closed_by_server(b, GUARD).await;
-    served(&l, &l.local_uri(), &cfg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -192,6 +213,17 @@ async fn a_flood_of_silent_peers_gives_way_to_an_honest_one_long_before_the_dead
     let mut silent = Vec::new();
     for _ in 0..20 {
         silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    // A connect returns once the kernel has queued the socket, which can be long before a
+    // loaded listener takes it; the slot's age counts from then. The server writes its
+    // preface before reading anything and closes a refused peer at once, so a byte or the
+    // end of the stream on every socket shows that all of them were taken, the holders
+    // among them.
+    for (i, s) in silent.iter().enumerate() {
+        tokio::time::timeout(GUARD, s.peek(&mut [0u8; 1]))
+            .await
+            .unwrap_or_else(|_| panic!("the listener never took silent peer {i}"))
+            .ok();
     }
     // Every slot is held by a silent peer; once they are past the eviction age (250 ms)
     // a newcomer takes the oldest one's slot.

@@ -22,10 +22,13 @@ const TIMEOUT: Duration = Duration::from_millis(300);
 /// A hang guard, not a performance assertion.
 const GUARD: Duration = Duration::from_secs(10);
 
+/// How long the hung peer waited for its close, counted from before it connected: the
+/// server's keep-alive clock starts at or after its accept, so a late start here would let
+/// a loaded client see less than interval + timeout.
 async fn hung_peer_is_closed(at: &str) -> Duration {
+    let t = Instant::now();
     let mut p = Peer::connect_uri(at).await;
     p.handshake().await;
-    let t = Instant::now();
     // Reads what comes, answers nothing.
     let o = tokio::time::timeout(GUARD, p.outcome("a hung peer"))
         .await
@@ -68,29 +71,55 @@ async fn a_listener_closes_a_hung_peer_after_interval_plus_timeout() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_grpc_server_with_keepalive_closes_hung_clients_and_keeps_live_ones() {
-    let listener = listen(&uri("tcp", "grpc-keepalive"), ibex_config())
-        .await
-        .unwrap();
-    let at = listener.local_uri();
+/// How long the live client's server (and the client itself) waits for an answer to a
+/// ping: a loaded machine can stall a runtime for longer than [`TIMEOUT`], which would
+/// close a live client for no fault of its own.
+const LIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A gRPC server on `listener`, pinging with `interval` and `timeout`; it stops when the
+/// returned sender is sent to or dropped.
+fn grpc_server(
+    listener: ibex_transport::Listener,
+    interval: Duration,
+    timeout: Duration,
+) -> (
+    tokio::task::JoinHandle<impl Sized>,
+    tokio::sync::oneshot::Sender<()>,
+) {
     let (svc, _events) = BenchImpl::new();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(
         Server::builder()
-            .http2_keepalive_interval(Some(INTERVAL))
-            .http2_keepalive_timeout(Some(TIMEOUT))
+            .http2_keepalive_interval(Some(interval))
+            .http2_keepalive_timeout(Some(timeout))
             .add_service(svc.server(None, None))
             .serve_with_listener(listener, async {
                 let _ = stop_rx.await;
             }),
     );
+    (server, stop_tx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_server_with_keepalive_closes_hung_clients_and_keeps_live_ones() {
+    // The hung client runs against the short timeout, the live one against a longer one;
+    // both servers ping at the same interval.
+    let hung_listener = listen(&uri("tcp", "grpc-keepalive-hung"), ibex_config())
+        .await
+        .unwrap();
+    let hung_at = hung_listener.local_uri();
+    let (hung_server, hung_stop) = grpc_server(hung_listener, INTERVAL, TIMEOUT);
+    let live_listener = listen(&uri("tcp", "grpc-keepalive-live"), ibex_config())
+        .await
+        .unwrap();
+    let live_at = live_listener.local_uri();
+    let (live_server, live_stop) = grpc_server(live_listener, INTERVAL, LIVE_TIMEOUT);
 
     // A client that pings too, idle for several intervals: still up, same connection.
-    let ch = Endpoint::new(at.clone())
+    let ch = Endpoint::new(live_at)
         .config(ibex_config())
         .http2_keep_alive_interval(Duration::from_millis(100))
-        .keep_alive_timeout(Duration::from_secs(2))
+        .keep_alive_timeout(LIVE_TIMEOUT)
         .connect()
         .await
         .unwrap();
@@ -100,18 +129,22 @@ async fn a_grpc_server_with_keepalive_closes_hung_clients_and_keeps_live_ones() 
     };
     assert_eq!(client.echo(echo.clone()).await.unwrap().into_inner(), echo);
     let conn = ch.connection().expect("an Ibex connection");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Idle past the interval plus the timeout, so a server that closed a client despite its
+    // answers would have done it by now. The hung client's check shares the wait.
+    let idle = INTERVAL + LIVE_TIMEOUT + Duration::from_millis(300);
+    let ((), took) = tokio::join!(tokio::time::sleep(idle), hung_peer_is_closed(&hung_at));
     assert!(!conn.is_closed(), "a live, pinging client was closed");
     assert_eq!(client.echo(echo.clone()).await.unwrap().into_inner(), echo);
     assert!(!conn.is_closed());
 
-    // A client that hangs is closed by the server's pings.
-    let took = hung_peer_is_closed(&at).await;
+    // The client that hung was closed by the server's pings.
     assert!(
         took >= INTERVAL + TIMEOUT - Duration::from_millis(50),
         "{took:?}"
     );
 
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(GUARD, server).await;
+    for (server, stop) in [(hung_server, hung_stop), (live_server, live_stop)] {
+        let _ = stop.send(());
+        let _ = tokio::time::timeout(GUARD, server).await;
+    }
 }
