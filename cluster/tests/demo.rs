@@ -357,8 +357,18 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-    while let Ok(l) = rx.recv_timeout(Duration::from_millis(200)) {
-        lines.push(l);
+    // Worker 0 has exited, but the reader thread may not have forwarded its last lines
+    // yet: it drops the sender at the pipe's end, so drain until then. The cap guards
+    // against a hang only.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(l) => lines.push(l),
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                panic!("worker 0's output did not end within 30 s of its exit")
+            }
+        }
     }
     let r = report(&d.join("report-0.json"));
     assert_eq!(r["steps"], 150, "final step count");

@@ -92,6 +92,23 @@ fn closed_by_server(mut s: TcpStream, what: &str) {
     }
 }
 
+/// Waits until the PS has written to `s` or closed it, without consuming what it wrote.
+fn answered(s: &TcpStream) {
+    s.set_read_timeout(Some(WITHIN)).unwrap();
+    match s.peek(&mut [0u8; 1]) {
+        // Its preface, or (0 bytes) a close.
+        Ok(_) => {}
+        Err(e)
+            if e.kind() == std::io::ErrorKind::WouldBlock
+                || e.kind() == std::io::ErrorKind::TimedOut =>
+        {
+            panic!("the PS left a silent socket unanswered for {WITHIN:?}")
+        }
+        // A reset is a close too.
+        Err(_) => {}
+    }
+}
+
 /// A gRPC call packet for the PS service (see transport/src/grpc/wire.rs).
 fn call_packet(call: u32, method: &str, header_count: u16) -> Bytes {
     let path = format!("/ibex.ps.v1.ParameterServer/{method}");
@@ -133,7 +150,9 @@ fn spawn_ps(uri: &str, dir: &std::path::Path) -> Ps {
             "sync",
         ])
         .args(["--sync-timeout-secs", "2", "--max-elements", "16777216"])
-        .env("IBEX_HANDSHAKE_TIMEOUT_MS", "2000")
+        // Long enough that an honest set-up on a loaded machine is not cut short, and the
+        // silent sockets are still waiting when the newcomers come.
+        .env("IBEX_HANDSHAKE_TIMEOUT_MS", "5000")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -212,6 +231,15 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
     let silent: Vec<TcpStream> = (0..300)
         .map(|_| TcpStream::connect(&addr).unwrap())
         .collect();
+    // A connect returns once the socket is in the PS's listen queue, not once the PS has
+    // taken it off; a starved PS could still be handing out slots when the newcomers come.
+    // Each socket is answered when it is taken off: a slot holder gets the PS's preface,
+    // one past the cap a close. Once all are answered, every slot holder has been waiting
+    // since then, and past the eviction age (a tenth of the set-up deadline, at most
+    // 250 ms) the longest-waiting one must give way to a newcomer.
+    for s in &silent {
+        answered(s);
+    }
     tokio::time::sleep(Duration::from_millis(300)).await;
     cases += 1;
     // Junk instead of a preface, and a preface of another wire version.

@@ -3,7 +3,7 @@
 //! a connection past its lease cap get the bytes in the body. Values are bit-for-bit those
 //! of inline pulls.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ibex_ps::{ExposeLimits, Mode, PsConfig};
 use ibex_worker::pb::parameter_server_client::ParameterServerClient;
@@ -160,12 +160,69 @@ async fn past_the_lease_cap_replies_go_inline_and_released_leases_free_room() {
     drop(stop_shm);
 }
 
+/// A plain gRPC client of the PS on a connection of its own, which releases only what the
+/// test names.
+type RawClient = ParameterServerClient<ibex_transport::grpc::Channel>;
+
+/// A pull of three large parts, one more than the lease cap of 2.
+fn capped_pull() -> pb::PullRequest {
+    pb::PullRequest {
+        names: vec!["big/part_0".into(), "big/part_1".into(), "mid".into()],
+        step: 0,
+        worker: 0,
+        release: vec![],
+    }
+}
+
+fn remote(r: &pb::PullResponse) -> usize {
+    r.values
+        .iter()
+        .filter(|t| matches!(t.data, Some(pb::tensor::Data::Remote(_))))
+        .count()
+}
+
+fn lease_ids(r: &pb::PullResponse) -> Vec<u64> {
+    r.values
+        .iter()
+        .filter_map(|t| match &t.data {
+            Some(pb::tensor::Data::Remote(r)) => Some(r.lease),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Pulls every 100 ms until a reply exposes two parts again, i.e. until every lease `raw`
+/// held has expired (within 30 s, or `why` fails the test). Returns that reply and when its
+/// request went out: its leases cannot expire before then plus the timeout.
+async fn until_exposed(raw: &mut RawClient, why: &str) -> (Instant, pb::PullResponse) {
+    let give_up = Instant::now() + Duration::from_secs(30);
+    // The two leases of one reply are reserved a moment apart, so a sweep can expire one
+    // without the other. A poll that then gets one part exposed hands it back with the
+    // next poll, so that only the leases being waited for hold room, never the poll's own.
+    let mut release = Vec::new();
+    loop {
+        let sent = Instant::now();
+        let mut req = capped_pull();
+        req.release = std::mem::take(&mut release);
+        let r = raw.pull(req).await.unwrap().into_inner();
+        if remote(&r) == 2 {
+            return (sent, r);
+        }
+        assert!(Instant::now() < give_up, "{why}: still held after 30 s");
+        release = lease_ids(&r);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_never_releases_holds_a_bounded_amount_until_the_timeout() {
+    // The pulls checked against live leases normally take milliseconds, well inside this;
+    // the test waits about this long for expiry.
+    let timeout = Duration::from_secs(2);
     let limits = ExposeLimits {
         max_leases: 2,
         max_bytes: 1 << 30,
-        timeout: Duration::from_millis(300),
+        timeout,
     };
     let (spec, stop) = start(TransportKind::Shm, limits);
     let w = Worker::connect(&spec, 0).await.unwrap();
@@ -176,44 +233,40 @@ async fn a_worker_that_never_releases_holds_a_bounded_amount_until_the_timeout()
             .await
             .unwrap(),
     );
-    let remote = |r: &pb::PullResponse| {
-        r.values
-            .iter()
-            .filter(|t| matches!(t.data, Some(pb::tensor::Data::Remote(_))))
-            .count()
-    };
-    let pull = || pb::PullRequest {
-        names: vec!["big/part_0".into(), "big/part_1".into(), "mid".into()],
-        step: 0,
-        worker: 0,
-        release: vec![],
-    };
-    let first = raw.pull(pull()).await.unwrap().into_inner();
+    let mut sent = Instant::now();
+    let first = raw.pull(capped_pull()).await.unwrap().into_inner();
     assert_eq!(remote(&first), 2, "two leases, then inline");
-    let second = raw.pull(pull()).await.unwrap().into_inner();
-    assert_eq!(remote(&second), 0, "the cap is reached: all inline");
-    // Releasing ids this connection was not given does nothing.
-    let mut bogus = pull();
-    bogus.release = vec![0, u64::MAX, 12345];
-    assert_eq!(remote(&raw.pull(bogus).await.unwrap().into_inner()), 0);
+    let give_up = Instant::now() + Duration::from_secs(30);
+    loop {
+        let second = raw.pull(capped_pull()).await.unwrap().into_inner();
+        let mut bogus = capped_pull();
+        bogus.release = vec![0, u64::MAX, 12345];
+        let bogus = raw.pull(bogus).await.unwrap().into_inner();
+        // Leases live at least `timeout` from the request that took them: replies back
+        // before then were answered while both were held. On a machine too loaded for
+        // that, the replies say nothing about the cap, and the check is redone on leases
+        // taken afresh once these have expired.
+        if sent.elapsed() < timeout {
+            assert_eq!(remote(&second), 0, "the cap is reached: all inline");
+            // Releasing ids this connection was not given does nothing.
+            assert_eq!(remote(&bogus), 0, "a bogus release freed room");
+            break;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "two pulls never fit within the {timeout:?} lease"
+        );
+        (sent, _) = until_exposed(&mut raw, "leases taken before a slow round").await;
+    }
     // The worker's own connection has its own allowance.
     let names = ["big", "mid"];
     w.pull(&names, 0).await.unwrap();
     // After the timeout the leases are gone and exposures resume.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let third = raw.pull(pull()).await.unwrap().into_inner();
-    assert_eq!(remote(&third), 2, "expired leases free their room");
+    let (_, third) = until_exposed(&mut raw, "expired leases free their room").await;
     // Releasing them by id frees room at once.
-    let ids: Vec<u64> = third
-        .values
-        .iter()
-        .filter_map(|t| match &t.data {
-            Some(pb::tensor::Data::Remote(r)) => Some(r.lease),
-            _ => None,
-        })
-        .collect();
+    let ids = lease_ids(&third);
     assert!(ids.iter().all(|&id| id != 0));
-    let mut rel = pull();
+    let mut rel = capped_pull();
     rel.release = ids;
     assert_eq!(remote(&raw.pull(rel).await.unwrap().into_inner()), 2);
     drop(stop);
