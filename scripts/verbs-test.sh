@@ -68,9 +68,10 @@ for line in sys.stdin:
 CONNS=${IBEX_TEST_CONNS:-64}
 WORKERS=${IBEX_TEST_WORKERS:-64}
 
-# The VM shares this host's root, so the harness's apt packages land here too (first run only).
-# Run the VM once up front so package installation does not count against the test timeout.
-"$RXE_VM" --timeout 300 -- true
+# The VM shares this host's root, so the harness's apt packages land here too (first run
+# only), and the host checks below load rdma-core's libraries from them. No boot: the
+# installs happen before the VM's timeout starts anyway.
+"$RXE_VM" --prepare
 
 if (( BENCH )); then
     say "building the benchmark (release)"
@@ -98,20 +99,14 @@ done
 
 # One process opens both ends of every link. The tests run with default parallelism: they
 # passed that way on rxe0 and across rxeA/rxeB (add `-- --test-threads=1` to serialise).
-run_vm() { # NAME RXE_VM-ARGS... -- ENV...
+# topology NAME ENV...: the script lines that run every binary once with ENV exported.
+topology() {
     local name=$1; shift
-    local args=() envs=()
-    while [[ $1 != -- ]]; do args+=("$1"); shift; done; shift
-    envs=("$@")
-    say "VM: $name"
-    # One VM per topology runs every binary (a boot costs 10 s to over a minute on a busy
-    # host). The provider-parametrised connection tests and the gRPC conformance suite run
-    # their verbs cases only (the others ran on the host). Emulation is 10-100x slower than
-    # hardware, so the tests' hang guard, the set-up deadline (registering a pool takes
-    # seconds under TCG) and the threshold probe's time limit are raised; no assertion
-    # changes.
-    local script="set -e"
-    local b q
+    local b q lines
+    # Each topology starts from the same environment: what one exports, the next unsets.
+    lines="unset IBEX_TEST_SERVER_DEV IBEX_TEST_CLIENT_DEV IBEX_TEST_LISTEN_ADDR"
+    printf -v q '%q ' "$@"
+    lines+=$'\n'"echo \"== verbs-test: VM: $name (\${SECONDS}s in the VM)\"; export $q"
     for b in "${BINS[@]}"; do
         [[ $b == */verbs_bench-* ]] && continue
         local filter="" pre=""
@@ -123,16 +118,29 @@ run_vm() { # NAME RXE_VM-ARGS... -- ENV...
         # The footprint tests print their measurements (pinned memory, connect time).
         [[ $b == */verbs_many_workers-* || $b == */verbs_scale-* ]] && filter="--nocapture"
         printf -v q '%q ' "$b" $filter "${EXTRA[@]}"
-        script+=$'\n'"echo \"== \$(basename $b) (\${SECONDS}s in the VM)\"; $pre$q"
+        lines+=$'\n'"echo \"== \$(basename $b) (\${SECONDS}s in the VM)\"; $pre$q"
     done
-    "$RXE_VM" --timeout 1200 "${args[@]}" -- env IBEX_TEST_CONNS="$CONNS" IBEX_TEST_WORKERS="$WORKERS" IBEX_TEST_GUARD_SECS=300 IBEX_PROBE_TIMEOUT_MS=60000 IBEX_HANDSHAKE_TIMEOUT_MS=120000 "${envs[@]}" bash -c "$script"
+    printf '%s\n' "$lines"
 }
 
+# One VM runs both topologies: a boot costs 30-60 s under TCG on a busy 2-core host, and
+# --two-hosts brings up rxe0 beside rxeA/rxeB. The provider-parametrised connection tests
+# and the gRPC conformance suite run their verbs cases only (the others ran on the host).
+# Emulation is 10-100x slower than hardware, so the tests' hang guard, the set-up deadline
+# (registering a pool takes seconds under TCG) and the threshold probe's time limit are
+# raised; no assertion changes.
+script="set -e"
+vm_args=() timeout=1200
 if [[ $MODE == both || $MODE == single ]]; then
-    run_vm "single host (rxe0 <-> rxe0)" -- IBEX_TEST_SERVER_DEV=rxe0 IBEX_TEST_CLIENT_DEV=rxe0
+    script+=$'\n'"$(topology "single host (rxe0 <-> rxe0)" IBEX_TEST_SERVER_DEV=rxe0 IBEX_TEST_CLIENT_DEV=rxe0)"
 fi
 if [[ $MODE == both || $MODE == two ]]; then
-    run_vm "two hosts (rxeA <-> rxeB over vethA/vethB)" --two-hosts -- \
-        IBEX_TEST_SERVER_DEV=rxeA IBEX_TEST_CLIENT_DEV=rxeB IBEX_TEST_LISTEN_ADDR=198.51.100.1:0
+    vm_args=(--two-hosts)
+    script+=$'\n'"$(topology "two hosts (rxeA <-> rxeB over vethA/vethB)" \
+        IBEX_TEST_SERVER_DEV=rxeA IBEX_TEST_CLIENT_DEV=rxeB IBEX_TEST_LISTEN_ADDR=198.51.100.1:0)"
 fi
+[[ $MODE == both ]] && timeout=2400
+say "VM: booting for the $MODE run"
+"$RXE_VM" --timeout "$timeout" "${vm_args[@]}" -- env IBEX_TEST_CONNS="$CONNS" IBEX_TEST_WORKERS="$WORKERS" \
+    IBEX_TEST_GUARD_SECS=300 IBEX_PROBE_TIMEOUT_MS=60000 IBEX_HANDSHAKE_TIMEOUT_MS=120000 bash -c "$script"
 say "all verbs tests passed"
