@@ -34,25 +34,16 @@ if [ ${#suites[@]} -eq 0 ]; then
     for t in training overlap remote_pulls staging; do suites+=("ibex-worker:$t"); done
 fi
 
-# Build once, and take each test binary's path from cargo rather than guess it.
+# Build once, and take each test binary's path from cargo rather than guess it: the
+# workspace build's, the binaries CI runs (scripts/common.sh).
 declare -A bin dir
-for s in "${suites[@]}"; do
-    pkg=${s%%:*}
-    test=${s#*:}
-    [ "$pkg" != "$s" ] && [ -n "$test" ] || die "stress.sh: a suite is PACKAGE:TEST, not '$s'"
-    json=$(cargo test --locked -p "$pkg" --test "$test" --no-run --message-format=json 2>/dev/null) \
-        || die "stress.sh: $pkg's test $test does not build (cargo test -p $pkg --test $test --no-run says why)"
-    read -r exe manifest < <(python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
-        print(m["executable"], m["manifest_path"])
-' "$test" <<< "$json") || true
-    [ -n "${exe:-}" ] || die "stress.sh: cargo built no test binary '$test' in $pkg"
-    bin[$s]=$exe
-    dir[$s]=$(dirname "$manifest")
-done
+list=$(workspace_tests "${suites[@]}") || exit 1
+i=0
+while read -r exe d; do
+    bin[${suites[$i]}]=$exe
+    dir[${suites[$i]}]=$d
+    i=$((i + 1))
+done <<< "$list"
 
 logs=$(mktemp -d /tmp/ibex-stress.XXXXXX)
 pids=()

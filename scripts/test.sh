@@ -35,8 +35,14 @@ cargo test --workspace --locked
 
 step "busy-polling (IBEX_BUSY_POLL=1): the gRPC conformance suite, hostile peers and the PS service on serve threads"
 # The suites read the IBEX_* environment: every shm server now serves on threads of its own.
-IBEX_BUSY_POLL=1 cargo test --locked -p ibex-transport --test grpc_conformance --test accept_hostile --test hostile_grpc
-IBEX_BUSY_POLL=1 cargo test --locked -p ibex-ps --test service --test hostile_ps
+# The binaries the workspace tests just ran: `cargo test -p` would first rebuild about 70
+# crates (90 s of this stage on a fresh 2-core machine) for its own feature resolution.
+busy=$(workspace_tests ibex-transport:grpc_conformance ibex-transport:accept_hostile \
+    ibex-transport:hostile_grpc ibex-ps:service ibex-ps:hostile_ps) || exit 1
+while read -r exe dir; do
+    echo "-- IBEX_BUSY_POLL=1 ${exe#"$PWD"/}"
+    (cd "$dir" && IBEX_BUSY_POLL=1 "$exe") || die "$(basename "$exe") failed with IBEX_BUSY_POLL=1 (above)"
+done <<< "$busy"
 
 step "cuda feature: builds and CPU-side tests without a GPU (GPU tests print 'skipped: no CUDA device')"
 cargo test --locked -p ibex-worker --features cuda --lib --test cuda -- --nocapture
