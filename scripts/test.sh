@@ -45,8 +45,11 @@ while read -r exe dir; do
 done <<< "$busy"
 
 step "cuda feature: builds and CPU-side tests without a GPU (GPU tests print 'skipped: no CUDA device')"
-cargo test --locked -p ibex-worker --features cuda --lib --test cuda -- --nocapture
-cargo test --locked -p ibex-cluster --features cuda --bin ibex gpu
+# One cargo run for both packages: each run resolves dependency features for the targets it
+# selects, and two runs compiled much of the workspace twice. The `ibex` binary's tests
+# all run with the feature on (4 s).
+cargo test --locked -p ibex-worker -p ibex-cluster --features ibex-worker/cuda,ibex-cluster/cuda \
+    --lib --test cuda --bin ibex -- --nocapture
 
 step "benchmarks and examples build"
 cargo build --workspace --locked --benches --examples

@@ -38,9 +38,15 @@ if (( ${#need[@]} )); then
     apt-get install -y -qq "${need[@]}" >&2 || { apt-get update -qq >&2 && apt-get install -y -qq "${need[@]}" >&2; }
 fi
 
+# One feature resolution for everything built here: both packages, each with verbs. A
+# `cargo build -p ibex-transport`, a `cargo test -p ibex-transport` and a `cargo test -p
+# ibex-ps` each resolved apart and compiled the transport and much of what it uses again.
+VERBS=(--locked -p ibex-transport -p ibex-ps --features ibex-transport/verbs,ibex-ps/verbs)
+TARGETS=(--lib --test 'verbs_*' --test conn --test grpc_conformance)
 say "building on the host"
-cargo build -p ibex-transport --features verbs --quiet
-mapfile -t BINS < <(cargo test -p ibex-transport --features verbs --no-run --message-format=json 2>/dev/null |
+cargo test "${VERBS[@]}" "${TARGETS[@]}" --no-run --quiet   # a failed build says why here
+# verbs_many_workers runs the real ibex-ps binary, which this build made with verbs.
+mapfile -t BINS < <(cargo test "${VERBS[@]}" "${TARGETS[@]}" --no-run --message-format=json 2>/dev/null |
     python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -50,20 +56,10 @@ for line in sys.stdin:
         continue
     t = m.get("target", {})
     name = t.get("name", "")
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and (name.startswith("verbs_") or name in ("conn", "grpc_conformance")):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in t.get("kind", []) and (name.startswith("verbs_") or name in ("conn", "grpc_conformance")):
         print(m["executable"])')
 (( ${#BINS[@]} )) || { echo "verbs-test.sh: no verbs_* test binaries were built" >&2; exit 1; }
-# One ibex-ps (the real binary, built with verbs) and many workers: the PS's test binary.
-mapfile -t -O "${#BINS[@]}" BINS < <(cargo test -p ibex-ps --features verbs --test verbs_many_workers --no-run --message-format=json 2>/dev/null |
-    python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "verbs_many_workers":
-        print(m["executable"])')
+[[ " ${BINS[*]} " == *"/verbs_many_workers-"* ]] || { echo "verbs-test.sh: ibex-ps's verbs_many_workers was not built" >&2; exit 1; }
 # Connections in the many-connection tests (verbs_scale, verbs_many_workers): the issue's 64.
 CONNS=${IBEX_TEST_CONNS:-64}
 WORKERS=${IBEX_TEST_WORKERS:-64}
@@ -91,7 +87,7 @@ for line in sys.stdin:
 fi
 
 say "host (no RDMA device): unit tests and the no-device error"
-cargo test -p ibex-transport --features verbs --quiet --lib verbs:: >&2
+cargo test "${VERBS[@]}" --lib --quiet verbs:: >&2
 for b in "${BINS[@]}"; do
     case $b in */conn-*|*/grpc_conformance-*) continue ;; esac   # run by scripts/test.sh on the host
     "$b" --quiet "${EXTRA[@]}" >&2
