@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # What one 64 B Echo call costs one side of it: instructions, modelled instruction-cache
 # misses and heap allocations (calls to malloc and calloc) per call, with that side under
-# callgrind and the other side native (the method of #11's per-call tables in
-# docs/benchmarks.md).
+# callgrind and the other side native.
 #   scripts/percall.sh [server|client] [TRANSPORT] [BIN]
 #   defaults: server, ibex-shm, target/release/ibex-bench (build it first:
 #   cargo build --release -p ibex-bench)

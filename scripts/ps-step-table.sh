@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The #13 ps-step table in one go: single-thread memcpy, then ResNet-50 2 workers x 2 PS
+# The ps-step table in one go: single-thread memcpy, then ResNet-50 2 workers x 2 PS
 # for stock tonic, ibex-shm and ibex-tcp back to back (20 steps, then the short
 # `compare --quick` shape of 1 warm-up + 3 steps), one JSON record per line on stdout.
 #   scripts/ps-step-table.sh [DIR]   # DIR holds ibex-bench and ibex-ps (default target/release)

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Runs test suites over and over beside busy loops, to find what only a loaded machine
 # shows: hangs, lost wake-ups and tests that lean on timing. A CI machine has 2 cores and
-# runs tests two at a time; this makes it worse on purpose. A lost wake-up that hung a
-# message (docs/transport.md, "Progress") and a test that leaned on timing were found this
-# way, where the plain suite passed (docs/benchmarks.md, #11's twenty-ninth and thirtieth
-# sessions).
+# runs tests two at a time; this makes it worse on purpose. Lost wake-ups that hang a
+# message (docs/transport.md, "Progress") and tests that lean on timing show up this way
+# where the plain suite passes.
 #   scripts/stress.sh [SECONDS] [SUITE...]
 #   SECONDS: how long to go on (default 1800). SUITE: PACKAGE:TEST, e.g.
 #   ibex-transport:conn (default: every integration test of ibex-transport, ibex-ps and

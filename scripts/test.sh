@@ -34,7 +34,7 @@ step "workspace tests"
 cargo test --workspace --locked
 
 step "busy-polling (IBEX_BUSY_POLL=1): the gRPC conformance suite, hostile peers and the PS service on serve threads"
-# The suites read the IBEX_* environment: every shm server now serves on threads of its own.
+# The suites read the IBEX_* environment: every shm server then serves on threads of its own.
 # The binaries the workspace tests just ran: `cargo test -p` would first rebuild about 70
 # crates (90 s of this stage on a fresh 2-core machine) for its own feature resolution.
 busy=$(workspace_tests ibex-transport:grpc_conformance ibex-transport:accept_hostile \
@@ -46,8 +46,7 @@ done <<< "$busy"
 
 step "cuda feature: builds and CPU-side tests without a GPU (GPU tests print 'skipped: no CUDA device')"
 # One cargo run, one feature resolution, for both packages; the `ibex` binary's tests all
-# run with the feature on (4 s). It saved this stage 26 s, which maturin's build below
-# now spends: that build had reused the dependencies the second of two runs made.
+# run with the feature on (4 s).
 cargo test --locked -p ibex-worker -p ibex-cluster --features ibex-worker/cuda,ibex-cluster/cuda \
     --lib --test cuda --bin ibex -- --nocapture
 

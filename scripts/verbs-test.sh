@@ -60,7 +60,7 @@ for line in sys.stdin:
         print(m["executable"])')
 (( ${#BINS[@]} )) || { echo "verbs-test.sh: no verbs_* test binaries were built" >&2; exit 1; }
 [[ " ${BINS[*]} " == *"/verbs_many_workers-"* ]] || { echo "verbs-test.sh: ibex-ps's verbs_many_workers was not built" >&2; exit 1; }
-# Connections in the many-connection tests (verbs_scale, verbs_many_workers): the issue's 64.
+# Connections in the many-connection tests (verbs_scale, verbs_many_workers): 64 by default.
 CONNS=${IBEX_TEST_CONNS:-64}
 WORKERS=${IBEX_TEST_WORKERS:-64}
 

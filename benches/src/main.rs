@@ -656,8 +656,8 @@ fn run_floor(duration: f64, warmup: f64, only: Option<&str>) -> Res<Vec<Record>>
 
 /// The spinning floor measured just before `t`'s 64 B latency point, labelled as such
 /// ([`report::beside`]): the busy-polling bar divides each round's latency by the floor
-/// of the same moment. This machine moves between states in which a move between the
-/// two cores takes about 0.13 or 0.53 µs, for tens of seconds at a time: a round's first
+/// of the same moment. A VM can move between states in which a move between its two
+/// cores takes about 0.13 or 0.53 µs, for tens of seconds at a time: a round's first
 /// floor and a point half a minute later can see different machines.
 fn run_floor_beside(t: Transport, duration: f64, warmup: f64) -> Res<Vec<Record>> {
     let mut recs = run_floor(duration, warmup, Some("spin"))?;

@@ -323,7 +323,7 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     a.zip(b).map(|(a, b)| a / b)
 }
 
-/// The performance bars, judged on this run's records: where `compare`'s
+/// The performance bars, judged on this run's records: where `compare`'s
 /// alternating rounds measured a bar's points, on each point's median over the rounds (with
 /// the range of the per-round values), else the main run's points. Informational: timings on a shared machine
 /// vary, so nothing fails on them.
@@ -532,8 +532,8 @@ pub fn bars(records: &[Record]) -> String {
             &|v| ratio(v.ps("ibex-shm"), v.ps("raw-shm-types")),
         ),
     ];
-    // The busy-polling bar as judged before the floor was measured beside it: each side's
-    // median, the floor measured at each round's start.
+    // The busy-polling bar judged the other way, for comparison: each side's median, with
+    // the floor measured at each round's start.
     let (g, spread) = measure(&|v| ratio(v.lat64("ibex-shm-busy"), v.floor("spin")));
     if let Some(g) = g {
         out.push_str(&format!(
@@ -774,7 +774,7 @@ mod tests {
             b.contains("[info] 64 B p50 busy-polling, ibex-shm-busy / the round's first spin floor, each side's median: 25.00x"),
             "{b}"
         );
-        // Without a floor beside it (a main run, or rounds before this), the round's own.
+        // Without a floor beside it (a main run, or rounds that measured none), the round's own.
         let main_only = vec![
             Record {
                 payload: "spin".into(),

@@ -1,4 +1,4 @@
-//! One `ibex-ps` over verbs, many workers (issue #16): every worker connects, pushes and
+//! One `ibex-ps` over verbs, many workers: every worker connects, pushes and
 //! pulls a 1 MiB variable (one-sided both ways), and the pinned memory of the PS process and
 //! of this process (all the workers) stays bounded. Runs in the Soft-RoCE VM
 //! (`scripts/verbs-test.sh`, which sets `RXE_VM`, the devices and `IBEX_TEST_WORKERS`);
@@ -240,8 +240,8 @@ async fn scrape(port: u16) -> String {
 
 /// Sync-mode steps as `ps-step` runs them: every worker pushes, then all pull the same
 /// version of the values. After two warm-up steps the PS's pull exposures need no new
-/// registration (its snapshots come from the registered pool; #13's bar is a 90% hit rate,
-/// read from /metrics), and neither process calls `ibv_reg_mr` again.
+/// registration (its snapshots come from the registered pool; the test wants a 90% hit
+/// rate, read from /metrics), and neither process calls `ibv_reg_mr` again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_steps_hit_the_registration_cache() {
     if std::env::var("RXE_VM").is_err() {
@@ -256,8 +256,8 @@ async fn sync_steps_hit_the_registration_cache() {
         .ok()
         .and_then(|a| a.rsplit_once(':').map(|(h, _)| h.to_string()))
         .unwrap_or_else(|| "127.0.0.1".into());
-    // Distinct even when the kernel hands a just-released port out again (it did: the
-    // metrics endpoint once took the shard's port).
+    // Distinct even when the kernel hands a just-released port out again (else the
+    // metrics endpoint could take the shard's port).
     let free = |h: &str| ibex_worker::free_ports(h, 1).expect("a free port")[0];
     let addr = format!("{host}:{}", free(&host));
     let metrics_port = free("127.0.0.1");

@@ -1,4 +1,4 @@
-//! What an idle and a busy connection cost in memory on shm and tcp (issue #16's table; the
+//! What an idle and a busy connection cost in memory on shm and tcp (docs/verbs.md's table; the
 //! verbs figures come from `verbs_scale` in the Soft-RoCE VM). Both ends live in this
 //! process, so each figure counts a connection's two ends. `IBEX_TEST_CONNS` sets the
 //! count (default 16); run with `--nocapture` to see the numbers.

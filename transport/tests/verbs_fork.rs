@@ -1,4 +1,4 @@
-//! Fork safety (issue #16): a process forks after registering memory and while transfers are
+//! Fork safety: a process forks after registering memory and while transfers are
 //! in flight; the child does some work of its own and exits; every transfer of the parent
 //! completes bit for bit, including ones from registered memory the parent rewrites after
 //! the fork (the classic failure: the parent's write breaks copy-on-write, the parent gets a

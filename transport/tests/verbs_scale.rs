@@ -1,5 +1,5 @@
 //! One listener, many connections over verbs: what each connection costs in pinned memory,
-//! and how long connecting takes (issue #16). Runs in the Soft-RoCE VM
+//! and how long connecting takes. Runs in the Soft-RoCE VM
 //! (`scripts/verbs-test.sh`); elsewhere it says why it skips.
 //!
 //! Both ends live in this process, so every figure counts a connection twice (its server

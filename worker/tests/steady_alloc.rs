@@ -2,8 +2,7 @@
 //! warm-up, a step (pull every variable into the same vectors, push every gradient) over
 //! shm asks the allocator for no block of 64 KiB or more in the worker library or in the PS
 //! (both run in this process, so one counting allocator sees both). Fresh large buffers
-//! every step cost a page fault per 4 KiB touched, which `docs/benchmarks.md` measured at a
-//! quarter of the step.
+//! every step cost a page fault per 4 KiB touched, about a quarter of a ResNet-50 step.
 //!
 //! Pulls too: values of at least the connection's `remote_min` (256 KiB here) come back as descriptors of the PS's pooled
 //! snapshots, read one-sided into the caller's vectors, so no response body carries them.
