@@ -1,6 +1,6 @@
 //! f32 tensors as the wire's little-endian bytes (`Tensor.data`, checkpoints). One copy each
 //! way: on little-endian hosts the conversion is a cast plus a memcpy, where a per-element
-//! loop cost the PS and the worker about 15% of a ResNet-50 step (perf, `ibex-bench
+//! loop costs the PS and the worker about 15% of a ResNet-50 step (perf, `ibex-bench
 //! ps-step`).
 
 use bytes::Bytes;

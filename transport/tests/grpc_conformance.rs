@@ -1828,8 +1828,8 @@ mod ibex_only {
             raw.recv().await.is_err(),
             "the server answered garbage instead of closing"
         );
-        // A well-formed request head announcing 40000 headers (this once panicked inside
-        // `http`'s HeaderMap, and the sender heard nothing): the connection closes.
+        // A well-formed request head announcing 40000 headers (allocated unchecked, that
+        // count panics inside `http`'s HeaderMap): the connection closes.
         let raw = ibex_transport::connect(&srv.addr, ibex_config())
             .await
             .unwrap();
