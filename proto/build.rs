@@ -19,14 +19,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut config = prost_build::Config::new();
     // Bulk data must stay zero-copy after decoding: `Bytes` slices, not `Vec<u8>`.
     config.bytes(["."]);
-    // tonic's clients and servers, with unary calls on Ibex's direct path.
-    config.service_generator(ibex_codegen::direct(
-        tonic_prost_build::configure()
-            // Channels are built by the caller (stock tonic or Ibex), so no `connect`
-            // helper tied to tonic's own transport.
-            .build_transport(false)
-            .service_generator(),
-    ));
+    // tonic's clients and servers, and beside each service its Ibex types, whose unary
+    // calls take Ibex's direct path.
+    config.service_generator(ibex_codegen::configure().service_generator());
     config.compile_fds(fds)?;
     Ok(())
 }

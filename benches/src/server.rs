@@ -8,7 +8,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use ibex_proto::bench::v1::bench_server::{Bench, BenchServer};
+use ibex_proto::bench::v1::bench_ibex::{Bench, BenchServer};
 use ibex_proto::bench::v1::{Ack, Payload, StreamRequest};
 use ibex_transport::grpc::PeerHandle;
 use ibex_transport::{Connection, RecvBuf};
@@ -171,7 +171,9 @@ pub fn serve(t: Transport, listen: Option<String>, threads: usize) -> Res<()> {
                         })
                     },
                 );
-                b.add_service(svc).serve_with_incoming(incoming).await?;
+                b.add_service(svc.into_tonic())
+                    .serve_with_incoming(incoming)
+                    .await?;
             }
             Transport::IbexShm
             | Transport::IbexShmBusy

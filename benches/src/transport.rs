@@ -6,6 +6,7 @@ use std::sync::Arc;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use clap::ValueEnum;
 use ibex_proto::bench::v1::bench_client::BenchClient;
+use ibex_proto::bench::v1::bench_ibex::BenchClient as IbexClient;
 use ibex_proto::bench::v1::{Ack, Payload};
 use ibex_transport::{Config, Connection};
 
@@ -100,11 +101,8 @@ impl Transport {
 pub enum Client {
     /// Stock tonic.
     Tonic(BenchClient<tonic::transport::Channel>),
-    /// tonic's generated client over an Ibex channel.
-    Ibex(
-        BenchClient<ibex_transport::grpc::Channel>,
-        ibex_transport::grpc::Channel,
-    ),
+    /// The generated Ibex client (its unary calls direct) over an Ibex channel.
+    Ibex(IbexClient, ibex_transport::grpc::Channel),
     /// The raw transport.
     Raw(Arc<Connection>),
     /// The raw transport with tonic's per-call types around protobuf messages.
@@ -199,7 +197,7 @@ impl Client {
             | Transport::IbexVerbs => {
                 let ch =
                     ibex_transport::grpc::Channel::connect_with_config(addr, t.config()?).await?;
-                let c = BenchClient::new(ch.clone())
+                let c = IbexClient::new(ch.clone())
                     .max_decoding_message_size(MAX_MSG)
                     .max_encoding_message_size(MAX_MSG);
                 Client::Ibex(c, ch)

@@ -19,7 +19,7 @@ mod shard;
 
 use std::sync::Arc;
 
-use ibex_proto::ps::v1::parameter_server_server::ParameterServerServer;
+use ibex_proto::ps::v1::parameter_server_ibex::ParameterServerServer;
 
 pub use bufs::{Buf, F32s};
 pub use checkpoint::KEEP as CHECKPOINTS_KEPT;

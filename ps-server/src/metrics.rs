@@ -202,6 +202,21 @@ fn render_transport(o: &mut String, s: u32, t: &ServerStats) {
         o,
         "# TYPE ibex_transport_connections_total counter\nibex_transport_connections_total{{shard=\"{s}\"}} {conns}"
     );
+    let r = t.routes();
+    let _ = writeln!(
+        o,
+        "# HELP ibex_grpc_calls_total Calls by route: direct handler, tonic's route (adapter), stock HTTP/2.\n# TYPE ibex_grpc_calls_total counter"
+    );
+    for (route, n) in [
+        ("direct", r.direct),
+        ("adapter", r.adapter),
+        ("http2", r.http2),
+    ] {
+        let _ = writeln!(
+            o,
+            "ibex_grpc_calls_total{{shard=\"{s}\",route=\"{route}\"}} {n}"
+        );
+    }
     if !tot.provider.is_empty() {
         let _ = writeln!(
             o,

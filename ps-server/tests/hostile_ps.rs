@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use ibex_proto::ps::v1 as pb;
-use ibex_proto::ps::v1::parameter_server_client::ParameterServerClient;
+use ibex_proto::ps::v1::parameter_server_ibex::ParameterServerClient;
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
 use tonic::Code;
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::Cluster;
 use ibex_ps::Mode;
-use ibex_worker::pb::parameter_server_client::ParameterServerClient;
+use ibex_worker::pb::parameter_server_ibex::ParameterServerClient;
 use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError, pb};
 
 fn var(name: &str, shape: &[usize], init: Init, optimizer: Optimizer) -> VarSpec {
@@ -490,6 +490,19 @@ async fn metrics_carry_the_transport_counters() {
     );
     assert!(
         body.contains("ibex_transport_info{shard=\"0\",provider=\"shm\""),
+        "{body}"
+    );
+    // Every worker call is unary, each answered by its direct handler.
+    assert!(
+        sample(&body, "ibex_grpc_calls_total{shard=\"0\",route=\"direct\"}") >= 4.0,
+        "{body}"
+    );
+    assert_eq!(
+        sample(
+            &body,
+            "ibex_grpc_calls_total{shard=\"0\",route=\"adapter\"}"
+        ),
+        0.0,
         "{body}"
     );
     // Three big gradients were read one-sided by the PS; every reply's 512 KiB of "big"

@@ -17,7 +17,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use grpc_common::transports::{ibex_config, shm_uri};
 use grpc_common::{BenchImpl, pattern};
 use ibex_proto::bench::v1::Payload;
-use ibex_proto::bench::v1::bench_client::BenchClient;
+use ibex_proto::bench::v1::bench_ibex::BenchClient;
 use ibex_transport::Connection;
 use prost::Message;
 

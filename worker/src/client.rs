@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::future::try_join_all;
-use ibex_proto::ps::v1::parameter_server_client::ParameterServerClient;
+use ibex_proto::ps::v1::parameter_server_ibex::ParameterServerClient;
 use ibex_transport::grpc::Channel;
 use ibex_transport::{Config, RecvBuf, RemoteBuf};
 

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use ibex_ps::{ExposeLimits, Mode, PsConfig};
-use ibex_worker::pb::parameter_server_client::ParameterServerClient;
+use ibex_worker::pb::parameter_server_ibex::ParameterServerClient;
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, pb};
 
 mod common;

@@ -1,69 +1,130 @@
-//! Build-time code generation for Ibex: tonic's generated gRPC clients and servers, with
-//! their unary calls on Ibex's direct path.
+//! Build-time code generation for Ibex: tonic's generated gRPC clients and servers, plus,
+//! for each service, a module of Ibex types with the same API whose unary methods take
+//! Ibex's direct path.
 //!
 //! tonic's `Grpc::unary` builds, for every call, an encoder body, a streaming decoder,
 //! compression state and status header maps. Over Ibex a unary request and its answer are
 //! each one packet, so `ibex_transport::grpc` can decode and encode the protobuf message
-//! itself and skip all of that (see `transport/src/grpc/direct.rs`). This crate wraps
-//! tonic-prost-build's generator so that the code it writes takes that path:
+//! itself and skip all of that. For a service `Echo` the generated code holds tonic's
+//! `echo_server` and `echo_client` modules, exactly as tonic-prost-build writes them, and
+//! beside them `echo_ibex`, generated here from the same service description:
 //!
-//! - a generated client over an Ibex `Channel` makes its unary calls directly; over any
-//!   other channel (stock tonic, an interceptor, `http://`) it is tonic's client, unchanged;
-//! - a generated server's unary routes decode a request that came whole over Ibex
-//!   themselves, and leave everything else (stock HTTP/2, compression, several messages)
-//!   to tonic; on an Ibex server each route also offers itself as a direct route, which
-//!   the server then calls with no `http::Request`, router or response body in between
-//!   (only when the service was added as generated, not behind a wrapper).
-//!
-//! The types and their APIs are tonic's own, so user code does not change; only `build.rs`:
+//! - `echo_ibex::EchoServer`, added with `ibex_transport::grpc::Server::builder()
+//!   .add_service(..)`, registers each unary method as a direct handler when it is added;
+//!   its other methods, and what the direct path does not take (compression, a request in
+//!   several messages), go to tonic's `echo_server::EchoServer` for the same service;
+//! - `echo_ibex::EchoClient` over an Ibex `Channel` makes its unary calls directly, and
+//!   everything else through tonic's `echo_client::EchoClient`;
+//! - everything else of tonic's modules (the `Echo` trait, `SERVICE_NAME`) is re-exported,
+//!   so switching a program to the direct path is a change of its `use` lines.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let fds = prost_types::FileDescriptorSet::default();
 //! let mut config = prost_build::Config::new();
 //! config.bytes(["."]);
-//! config.service_generator(ibex_codegen::direct(
-//!     tonic_prost_build::configure().build_transport(false).service_generator(),
-//! ));
+//! config.service_generator(ibex_codegen::configure().service_generator());
 //! config.compile_fds(fds)?;
 //! # Ok(()) }
 //! ```
 //!
 //! The crate that includes the generated code must depend on `ibex-transport` (feature
-//! `grpc`, the default). The wrapper edits tonic-prost-build 0.14's output at a few fixed
-//! places; if a tonic release moves one, the build fails and names it rather than
-//! generating code that silently skips the direct path.
+//! `grpc`, the default) and `tonic`.
 
-use prost_build::{Service, ServiceGenerator};
+use proc_macro2::TokenStream;
+use prost_build::{Method, Service, ServiceGenerator};
+use quote::{format_ident, quote};
 
-/// Wraps tonic-prost-build's service generator (`Builder::service_generator()`) so that
-/// the unary methods it generates go through Ibex's direct path.
-pub fn direct(tonic: Box<dyn ServiceGenerator>) -> Box<dyn ServiceGenerator> {
-    Box::new(Direct { tonic })
+/// A generator to configure: which sides to build, and tonic-prost-build's own settings.
+pub fn configure() -> Builder {
+    Builder {
+        build_client: true,
+        build_server: true,
+        emit_package: true,
+        tonic: Box::new(|b| b),
+    }
 }
 
-struct Direct {
+/// The settings of [`configure`].
+pub struct Builder {
+    build_client: bool,
+    build_server: bool,
+    emit_package: bool,
+    tonic: Box<dyn FnOnce(tonic_prost_build::Builder) -> tonic_prost_build::Builder>,
+}
+
+impl std::fmt::Debug for Builder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Builder")
+            .field("build_client", &self.build_client)
+            .field("build_server", &self.build_server)
+            .field("emit_package", &self.emit_package)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Builder {
+    /// Generate clients (default true), tonic's and Ibex's.
+    pub fn build_client(mut self, enable: bool) -> Self {
+        self.build_client = enable;
+        self
+    }
+
+    /// Generate servers (default true), tonic's and Ibex's.
+    pub fn build_server(mut self, enable: bool) -> Self {
+        self.build_server = enable;
+        self
+    }
+
+    /// Put the package name in method paths (default true), as tonic-prost-build's
+    /// setting of the same name.
+    pub fn emit_package(mut self, enable: bool) -> Self {
+        self.emit_package = enable;
+        self
+    }
+
+    /// Any other tonic-prost-build setting (attributes, codec, comments), applied to the
+    /// builder that generates tonic's modules. The sides and the package setting are this
+    /// builder's, set after `f` runs; tonic's `connect` helpers are never built (they are
+    /// tied to tonic's own transport).
+    pub fn with_tonic(
+        mut self,
+        f: impl FnOnce(tonic_prost_build::Builder) -> tonic_prost_build::Builder + 'static,
+    ) -> Self {
+        self.tonic = Box::new(f);
+        self
+    }
+
+    /// The service generator for `prost_build::Config::service_generator`.
+    pub fn service_generator(self) -> Box<dyn ServiceGenerator> {
+        let tonic = (self.tonic)(tonic_prost_build::configure())
+            .build_client(self.build_client)
+            .build_server(self.build_server)
+            .build_transport(false)
+            .emit_package(self.emit_package)
+            .service_generator();
+        Box::new(Generator {
+            tonic,
+            client: self.build_client,
+            server: self.build_server,
+            emit_package: self.emit_package,
+        })
+    }
+}
+
+struct Generator {
     tonic: Box<dyn ServiceGenerator>,
+    client: bool,
+    server: bool,
+    emit_package: bool,
 }
 
-impl ServiceGenerator for Direct {
+impl ServiceGenerator for Generator {
     fn generate(&mut self, service: Service, buf: &mut String) {
-        let start = buf.len();
-        let name = service.name.clone();
-        let unary = service
-            .methods
-            .iter()
-            .filter(|m| !m.client_streaming && !m.server_streaming)
-            .count();
+        let ibex = ibex_module(&service, self.client, self.server, self.emit_package);
         self.tonic.generate(service, buf);
-        match rewrite(&buf[start..], &name, unary) {
-            Ok(code) => buf.replace_range(start.., &code),
-            // A build script reports by failing; the message names what moved.
-            Err(e) => panic!(
-                "ibex-codegen: service {name}: {e}. ibex-codegen edits tonic-prost-build 0.14's \
-                 output; build with the tonic-prost-build version in Cargo.lock, or use \
-                 tonic_prost_build directly (no direct path)"
-            ),
+        if let Some(tokens) = ibex {
+            buf.push_str(&render(tokens));
         }
     }
 
@@ -76,197 +137,320 @@ impl ServiceGenerator for Direct {
     }
 }
 
-/// tonic's code for service `name` (with `unary` unary methods), edited for the direct path.
-fn rewrite(code: &str, name: &str, unary: usize) -> Result<String, String> {
-    // tonic writes the client's module, then the server's.
-    let split = match code.find(&format!("pub struct {name}Server<T")) {
-        Some(at) => code[..at].rfind("pub mod ").unwrap_or(0),
-        None => code.len(),
-    };
-    let (client_code, server_code) = code.split_at(split);
-    let mut out = if client_code.contains(&format!("pub struct {name}Client<T>")) {
-        client(client_code.to_string(), name, unary)?
+/// Generated tokens as formatted source. The tokens come from this crate's templates, so
+/// a failure is a bug here; a build script reports it by failing.
+fn render(tokens: TokenStream) -> String {
+    match syn::parse2::<syn::File>(tokens) {
+        Ok(file) => prettyplease::unparse(&file),
+        Err(e) => {
+            panic!("ibex-codegen generated code that does not parse (an ibex-codegen bug): {e}")
+        }
+    }
+}
+
+/// tonic's module names: `EchoService` becomes `echo_service`.
+fn snake_case(name: &str) -> String {
+    let mut s = String::new();
+    let mut it = name.chars().peekable();
+    while let Some(c) = it.next() {
+        s.push(c.to_ascii_lowercase());
+        if it.peek().is_some_and(|n| n.is_uppercase()) {
+            s.push('_');
+        }
+    }
+    s
+}
+
+/// A message type as tonic names it from inside its modules.
+fn message_type(ty: &str) -> TokenStream {
+    if ty == "()" {
+        return quote!(());
+    }
+    let path = if ty.starts_with("::") || ty.starts_with("crate::") {
+        ty.to_string()
     } else {
-        client_code.to_string()
+        format!("super::{}", ty.replace('.', "::").trim_start_matches("::"))
     };
-    if server_code.is_empty() {
-        return Ok(out);
+    match syn::parse_str::<syn::Path>(&path) {
+        Ok(p) => quote!(#p),
+        Err(e) => panic!("ibex-codegen: message type `{ty}` is not a Rust path: {e}"),
     }
-    out.push_str(&server(server_code, unary)?);
-    Ok(out)
 }
 
-/// Each unary route answers through `serve_unary`, and its method type (`EchoSvc<T>`, a
-/// handle on the service) becomes `Clone`, so that the route can offer itself to the Ibex
-/// server as a direct route. `Self` (the generated server type) tells the server that the
-/// route is the service it was given, not one behind a wrapper.
-fn server(code: &str, unary: usize) -> Result<String, String> {
-    const CALL: &str = "grpc.unary(method, req).await";
-    let mut code = replace(
-        code,
-        CALL,
-        "::ibex_transport::grpc::serve_unary::<Self, _, _, _>(&mut grpc, method, req, \
-         max_decoding_message_size, max_encoding_message_size).await",
-        unary,
-    )?;
-    const SERVE: &str = "::ibex_transport::grpc::serve_unary::<Self";
-    let calls: Vec<usize> = code.match_indices(SERVE).map(|(i, _)| i).collect();
-    for &at in calls.iter().rev() {
-        // `struct EchoSvc<T: Echo>(pub Arc<T>);`, the route's method type.
-        let def = code[..at]
-            .rfind("struct ")
-            .ok_or("a unary route without its method struct")?;
-        let end = code[def..at]
-            .find(';')
-            .map(|i| def + i)
-            .ok_or("an unterminated method struct")?;
-        let text = &code[def + "struct ".len()..end];
-        let (name, bound) = text
-            .strip_suffix(">(pub Arc<T>)")
-            .and_then(|t| t.split_once("<T: "))
-            .ok_or_else(|| {
-                format!("a unary route's method struct is not `struct NameSvc<T: Trait>(pub Arc<T>)`: `{text}`")
-            })?;
-        let clone = format!(
-            "\n                    impl<T: {bound}> Clone for {name}<T> {{\n                        \
-             fn clone(&self) -> Self {{\n                            Self(Arc::clone(&self.0))\n                        \
-             }}\n                    }}"
-        );
-        code.insert_str(end + 1, &clone);
-    }
-    Ok(code)
+fn is_unary(m: &Method) -> bool {
+    !m.client_streaming && !m.server_streaming
 }
 
-fn client(code: String, name: &str, unary: usize) -> Result<String, String> {
-    const DIRECT: &str = "::ibex_transport::grpc::DirectClient";
-    let mut code = code;
-    for (from, to, n) in [
-        (
-            "inner: tonic::client::Grpc<T>,".to_string(),
-            format!("inner: tonic::client::Grpc<T>,\n        direct: Option<{DIRECT}>,"),
-            1,
-        ),
-        // Telling an Ibex channel apart takes `Any`.
-        (
-            format!("impl<T> {name}Client<T>\n    where\n"),
-            format!("impl<T> {name}Client<T>\n    where\n        T: 'static,\n"),
-            1,
-        ),
-        (
-            "F: tonic::service::Interceptor,".into(),
-            "F: tonic::service::Interceptor + 'static,".into(),
-            1,
-        ),
-        (
-            "let inner = tonic::client::Grpc::new(inner);".into(),
-            format!("let direct = {DIRECT}::of(&inner);\n            let inner = tonic::client::Grpc::new(inner);"),
-            1,
-        ),
-        (
-            "let inner = tonic::client::Grpc::with_origin(inner, origin);".into(),
-            format!("let direct = {DIRECT}::of(&inner);\n            let inner = tonic::client::Grpc::with_origin(inner, origin);"),
-            1,
-        ),
-        ("Self { inner }".into(), "Self { inner, direct }".into(), 2),
-        // The direct path sends and accepts plain messages only.
-        (
-            "self.inner = self.inner.send_compressed(encoding);".into(),
-            "self.inner = self.inner.send_compressed(encoding);\n            self.direct = None;".into(),
-            1,
-        ),
-        (
-            "self.inner = self.inner.accept_compressed(encoding);".into(),
-            "self.inner = self.inner.accept_compressed(encoding);\n            self.direct = None;".into(),
-            1,
-        ),
-        (
-            "self.inner = self.inner.max_decoding_message_size(limit);".into(),
-            "self.inner = self.inner.max_decoding_message_size(limit);\n            \
-             if let Some(d) = &mut self.direct {\n                d.max_decoding_message_size(limit);\n            }"
-                .into(),
-            1,
-        ),
-        (
-            "self.inner = self.inner.max_encoding_message_size(limit);".into(),
-            "self.inner = self.inner.max_encoding_message_size(limit);\n            \
-             if let Some(d) = &mut self.direct {\n                d.max_encoding_message_size(limit);\n            }"
-                .into(),
-            1,
-        ),
-    ] {
-        code = replace(&code, &from, &to, n)?;
+/// The `{service}_ibex` module, or `None` when neither side is built.
+fn ibex_module(s: &Service, client: bool, server: bool, emit_package: bool) -> Option<TokenStream> {
+    if !client && !server {
+        return None;
     }
-    // Each unary method answers from the direct path first, before tonic's readiness
-    // check and method extension, which the direct path does not use. Its path is parsed
-    // once (`from_static` checks every byte, about 230 instructions a call).
-    const CALL: &str = "self.inner.unary(req, path, codec).await";
-    let calls: Vec<usize> = code.match_indices(CALL).map(|(i, _)| i).collect();
-    if calls.len() != unary {
-        return Err(format!(
-            "expected {unary} unary client calls (`{CALL}`), found {}",
-            calls.len()
-        ));
-    }
-    for &at in calls.iter().rev() {
-        let fn_at = code[..at]
-            .rfind("pub async fn ")
-            .ok_or("a unary call outside a client method")?;
-        // `from_static(` and the literal, which the formatter may put on its own line.
-        const PATH: &str = "PathAndQuery::from_static(";
-        let p = code[fn_at..at]
-            .find(PATH)
-            .map(|i| fn_at + i + PATH.len())
-            .and_then(|p| code[p..at].find('"').map(|i| p + i + 1))
-            .ok_or("a unary client method without a static path")?;
-        let path_end = code[p..]
-            .find('"')
-            .map(|i| p + i)
-            .ok_or("an unterminated method path")?;
-        let path = code[p..path_end].to_string();
-        let ret = code[fn_at..at]
-            .find(") -> ")
-            .map(|i| fn_at + i)
-            .ok_or("a unary client method without a return type")?;
-        let open = code[ret..at]
-            .find('{')
-            .map(|i| ret + i + 1)
-            .ok_or("a unary client method without a body")?;
-        code.insert_str(
-            open,
-            &format!(
-                "\n            if let Some(d) = &self.direct {{\n                \
-                 static PATH: ::std::sync::LazyLock<http::uri::PathAndQuery> = \
-                 ::std::sync::LazyLock::new(|| http::uri::PathAndQuery::from_static(\"{path}\"));\n                \
-                 return d.unary(request.into_request(), PATH.clone()).await;\n            }}"
-            ),
-        );
-    }
-    Ok(code)
+    let snake = snake_case(&s.name);
+    let module = format_ident!("{}_ibex", snake);
+    let service_name = if emit_package && !s.package.is_empty() {
+        format!("{}.{}", s.package, s.proto_name)
+    } else {
+        s.proto_name.clone()
+    };
+    let doc = format!(
+        " Ibex's direct path for `{service_name}`: tonic's types for this service, with the \
+         unary methods of the server and the client below answered and called directly \
+         over Ibex (generated by ibex-codegen)."
+    );
+    let server_items = server.then(|| server_items(s, &snake, &service_name));
+    let client_items = client.then(|| client_items(s, &snake, &service_name));
+    Some(quote! {
+        #[doc = #doc]
+        pub mod #module {
+            #![allow(unused_imports, clippy::wildcard_imports, clippy::let_unit_value)]
+            #server_items
+            #client_items
+        }
+    })
 }
 
-/// `code` with each of the `n` occurrences of `from` replaced; any other count is an error.
-fn replace(code: &str, from: &str, to: &str, n: usize) -> Result<String, String> {
-    let found = code.matches(from).count();
-    if found != n {
-        return Err(format!(
-            "expected `{from}` {n} time(s), found it {found} time(s)"
-        ));
+fn server_items(s: &Service, snake: &str, service_name: &str) -> TokenStream {
+    let tonic_mod = format_ident!("{}_server", snake);
+    let server = format_ident!("{}Server", s.name);
+    let service_trait = format_ident!("{}", s.name);
+    let doc = format!(
+        " tonic's `{snake}_server::{}` for Ibex: added to `ibex_transport::grpc::Server`, \
+         each unary method is answered by its direct handler, and every other call by \
+         tonic's server for the same service.",
+        s.name
+    );
+    let routes = s.methods.iter().filter(|m| is_unary(m)).map(|m| {
+        let path = format!("/{service_name}/{}", m.proto_name);
+        let name = format_ident!("{}", m.name);
+        let req = message_type(&m.input_type);
+        let resp = message_type(&m.output_type);
+        quote! {
+            let inner = std::sync::Arc::clone(&service);
+            services.add_unary(
+                #path,
+                ::ibex_transport::grpc::DirectRoute::unary(
+                    move |request: tonic::Request<#req>| -> ::ibex_transport::grpc::UnaryFuture<#resp> {
+                        let inner = std::sync::Arc::clone(&inner);
+                        Box::pin(async move { <T as #service_trait>::#name(&inner, request).await })
+                    },
+                    max_decoding_message_size,
+                    max_encoding_message_size,
+                ),
+            );
+        }
+    });
+    quote! {
+        pub use super::#tonic_mod::*;
+
+        #[doc = #doc]
+        #[derive(Debug)]
+        pub struct #server<T> {
+            inner: std::sync::Arc<T>,
+            tonic: super::#tonic_mod::#server<T>,
+            max_decoding_message_size: Option<usize>,
+            max_encoding_message_size: Option<usize>,
+        }
+
+        impl<T> Clone for #server<T> {
+            fn clone(&self) -> Self {
+                Self {
+                    inner: std::sync::Arc::clone(&self.inner),
+                    tonic: self.tonic.clone(),
+                    max_decoding_message_size: self.max_decoding_message_size,
+                    max_encoding_message_size: self.max_encoding_message_size,
+                }
+            }
+        }
+
+        impl<T: #service_trait> #server<T> {
+            pub fn new(inner: T) -> Self {
+                Self::from_arc(std::sync::Arc::new(inner))
+            }
+
+            pub fn from_arc(inner: std::sync::Arc<T>) -> Self {
+                Self {
+                    tonic: super::#tonic_mod::#server::from_arc(std::sync::Arc::clone(&inner)),
+                    inner,
+                    max_decoding_message_size: None,
+                    max_encoding_message_size: None,
+                }
+            }
+
+            /// Accepts requests compressed with `encoding` (they take tonic's code).
+            #[must_use]
+            pub fn accept_compressed(mut self, encoding: tonic::codec::CompressionEncoding) -> Self {
+                self.tonic = self.tonic.accept_compressed(encoding);
+                self
+            }
+
+            /// Compresses responses with `encoding` for clients that accept it (their
+            /// calls take tonic's code).
+            #[must_use]
+            pub fn send_compressed(mut self, encoding: tonic::codec::CompressionEncoding) -> Self {
+                self.tonic = self.tonic.send_compressed(encoding);
+                self
+            }
+
+            /// Limits the size of a decoded request message (default 4 MiB).
+            #[must_use]
+            pub fn max_decoding_message_size(mut self, limit: usize) -> Self {
+                self.tonic = self.tonic.max_decoding_message_size(limit);
+                self.max_decoding_message_size = Some(limit);
+                self
+            }
+
+            /// Limits the size of an encoded response message (default `usize::MAX`).
+            #[must_use]
+            pub fn max_encoding_message_size(mut self, limit: usize) -> Self {
+                self.tonic = self.tonic.max_encoding_message_size(limit);
+                self.max_encoding_message_size = Some(limit);
+                self
+            }
+
+            /// tonic's server for the same service: for stock tonic's `Server`, or to put
+            /// behind an interceptor or a tower layer (its calls then all take tonic's code).
+            pub fn into_tonic(self) -> super::#tonic_mod::#server<T> {
+                self.tonic
+            }
+        }
+
+        impl<T: #service_trait> ::ibex_transport::grpc::AddService<::ibex_transport::grpc::Generated>
+            for #server<T>
+        {
+            fn add_to(self, services: &mut ::ibex_transport::grpc::Services) {
+                let Self {
+                    inner: service,
+                    tonic,
+                    max_decoding_message_size,
+                    max_encoding_message_size,
+                } = self;
+                services.add_tower(tonic);
+                #(#routes)*
+            }
+        }
     }
-    Ok(code.replace(from, to))
+}
+
+fn client_items(s: &Service, snake: &str, service_name: &str) -> TokenStream {
+    let tonic_mod = format_ident!("{}_client", snake);
+    let client = format_ident!("{}Client", s.name);
+    let doc = format!(
+        " tonic's `{snake}_client::{}` over an Ibex channel: unary calls go directly, \
+         everything else through tonic's client (over an `http://` channel, or once \
+         compression is asked for, every call does).",
+        s.name
+    );
+    let methods = s.methods.iter().map(|m| {
+        let name = format_ident!("{}", m.name);
+        let req = message_type(&m.input_type);
+        let resp = message_type(&m.output_type);
+        let path = format!("/{service_name}/{}", m.proto_name);
+        let request = if m.client_streaming {
+            quote!(impl tonic::IntoStreamingRequest<Message = #req>)
+        } else {
+            quote!(impl tonic::IntoRequest<#req>)
+        };
+        let response = if m.server_streaming {
+            quote!(tonic::codec::Streaming<#resp>)
+        } else {
+            quote!(#resp)
+        };
+        let direct = is_unary(m).then(|| {
+            quote! {
+                if self.direct.active() {
+                    // Parsed once: `from_static` checks every byte.
+                    static PATH: std::sync::LazyLock<tonic::codegen::http::uri::PathAndQuery> =
+                        std::sync::LazyLock::new(|| {
+                            tonic::codegen::http::uri::PathAndQuery::from_static(#path)
+                        });
+                    return self.direct.unary(request.into_request(), PATH.clone()).await;
+                }
+            }
+        });
+        quote! {
+            pub async fn #name(
+                &mut self,
+                request: #request,
+            ) -> std::result::Result<tonic::Response<#response>, tonic::Status> {
+                #direct
+                self.tonic.#name(request).await
+            }
+        }
+    });
+    quote! {
+        pub use super::#tonic_mod::*;
+
+        #[doc = #doc]
+        #[derive(Debug, Clone)]
+        pub struct #client<T = ::ibex_transport::grpc::Channel> {
+            tonic: super::#tonic_mod::#client<T>,
+            direct: ::ibex_transport::grpc::DirectClient,
+        }
+
+        impl #client<::ibex_transport::grpc::Channel> {
+            pub fn new(channel: ::ibex_transport::grpc::Channel) -> Self {
+                Self {
+                    direct: ::ibex_transport::grpc::DirectClient::new(&channel),
+                    tonic: super::#tonic_mod::#client::new(channel),
+                }
+            }
+
+            /// Compresses requests with `encoding` (every call then takes tonic's code).
+            #[must_use]
+            pub fn send_compressed(mut self, encoding: tonic::codec::CompressionEncoding) -> Self {
+                self.tonic = self.tonic.send_compressed(encoding);
+                self.direct.compressed();
+                self
+            }
+
+            /// Accepts responses compressed with `encoding` (every call then takes tonic's
+            /// code).
+            #[must_use]
+            pub fn accept_compressed(mut self, encoding: tonic::codec::CompressionEncoding) -> Self {
+                self.tonic = self.tonic.accept_compressed(encoding);
+                self.direct.compressed();
+                self
+            }
+
+            /// Limits the size of a decoded response message (default 4 MiB).
+            #[must_use]
+            pub fn max_decoding_message_size(mut self, limit: usize) -> Self {
+                self.tonic = self.tonic.max_decoding_message_size(limit);
+                self.direct.max_decoding_message_size(limit);
+                self
+            }
+
+            /// Limits the size of an encoded request message (default `usize::MAX`).
+            #[must_use]
+            pub fn max_encoding_message_size(mut self, limit: usize) -> Self {
+                self.tonic = self.tonic.max_encoding_message_size(limit);
+                self.direct.max_encoding_message_size(limit);
+                self
+            }
+
+            /// tonic's client over the same channel.
+            pub fn into_tonic(self) -> super::#tonic_mod::#client<::ibex_transport::grpc::Channel> {
+                self.tonic
+            }
+
+            #(#methods)*
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prost_build::{Comments, Method};
+    use prost_build::Comments;
 
     fn method(name: &str, client_streaming: bool, server_streaming: bool) -> Method {
         Method {
-            name: name.to_lowercase(),
+            name: snake_case(name),
             proto_name: name.into(),
             comments: Comments::default(),
-            input_type: "super::Req".into(),
-            output_type: "super::Resp".into(),
+            input_type: "Req".into(),
+            output_type: "Resp".into(),
             input_proto_type: ".pkg.Req".into(),
             output_proto_type: ".pkg.Resp".into(),
             options: Default::default(),
@@ -286,20 +470,18 @@ mod tests {
         }
     }
 
-    /// tonic-prost-build's real output for `svc`, through the wrapper.
     fn generate(svc: Service, client: bool, server: bool) -> String {
-        let tonic = tonic_prost_build::configure()
+        let mut g = configure()
             .build_client(client)
             .build_server(server)
-            .build_transport(false)
             .service_generator();
         let mut buf = String::new();
-        direct(tonic).generate(svc, &mut buf);
+        g.generate(svc, &mut buf);
         buf
     }
 
     #[test]
-    fn every_unary_method_and_route_takes_the_direct_path() {
+    fn unary_methods_get_direct_handlers_and_calls_streaming_ones_stay_tonics() {
         let methods = vec![
             method("One", false, false),
             method("Two", false, false),
@@ -308,53 +490,61 @@ mod tests {
             method("Both", true, true),
         ];
         let code = generate(service("pkg.v1", methods), true, true);
+        // tonic's modules are there as tonic writes them, the Ibex module after them.
+        assert!(code.contains("pub mod svc_server"), "{code}");
+        assert!(code.contains("pub mod svc_client"), "{code}");
+        let ibex = &code[code.find("pub mod svc_ibex").expect("the Ibex module")..];
+        assert_eq!(ibex.matches(".add_unary(").count(), 2, "{ibex}");
+        assert!(ibex.contains("\"/pkg.v1.Svc/One\""), "{ibex}");
+        assert!(ibex.contains("\"/pkg.v1.Svc/Two\""), "{ibex}");
+        assert!(!ibex.contains("\"/pkg.v1.Svc/Up\""), "{ibex}");
         assert_eq!(
-            code.matches("DirectClient::of(&inner)").count(),
+            ibex.matches(".unary(request.into_request()").count(),
             2,
-            "new, with_origin"
+            "{ibex}"
         );
-        assert_eq!(code.matches("return d").count(), 2, "{code}");
-        assert!(code.contains("from_static(\"/pkg.v1.Svc/One\")"), "{code}");
-        assert!(code.contains("from_static(\"/pkg.v1.Svc/Two\")"), "{code}");
-        assert_eq!(
-            code.matches("::ibex_transport::grpc::serve_unary::<Self, _, _, _>(")
-                .count(),
-            2
-        );
-        assert!(code.contains("impl<T: Svc> Clone for OneSvc<T>"), "{code}");
-        assert!(code.contains("impl<T: Svc> Clone for TwoSvc<T>"), "{code}");
-        assert!(!code.contains("Clone for UpSvc"), "{code}");
-        // Streaming calls stay tonic's.
-        assert!(code.contains("self.inner.streaming("), "{code}");
-        assert!(code.contains("grpc.server_streaming("), "{code}");
-    }
-
-    #[test]
-    fn services_without_unary_methods_or_without_a_side_still_generate() {
-        let stream_only = vec![method("Down", false, true), method("Up", true, false)];
-        let code = generate(service("", stream_only), true, true);
+        // Every method of the client, streaming ones through tonic's client.
+        for m in ["one", "two", "up", "down", "both"] {
+            assert!(
+                code.contains(&format!("self.tonic.{m}(request).await")),
+                "{m}: {code}"
+            );
+        }
         assert!(
-            !code.contains("serve_unary") && !code.contains("return d"),
+            code.contains("impl tonic::IntoStreamingRequest<Message = super::Req>"),
             "{code}"
         );
-        assert!(code.contains("direct: Option<"), "{code}");
-        let code = generate(service("p", vec![method("One", false, false)]), false, true);
-        assert_eq!(code.matches("serve_unary").count(), 1, "{code}");
-        let code = generate(service("p", vec![method("One", false, false)]), true, false);
-        assert!(code.contains("from_static(\"/p.Svc/One\")"), "{code}");
-        assert!(!code.contains("serve_unary"), "{code}");
+        assert!(
+            code.contains("tonic::codec::Streaming<super::Resp>"),
+            "{code}"
+        );
     }
 
     #[test]
-    fn a_moved_anchor_is_named() {
-        let e = rewrite("pub struct EchoClient<T> { other: u8 }", "Echo", 1).unwrap_err();
-        assert!(e.contains("inner: tonic::client::Grpc<T>,"), "{e}");
-        let e = rewrite(
-            "pub struct EchoServer<T> { inner: Arc<T> } grpc.unary(method, req).await",
-            "Echo",
-            2,
-        )
-        .unwrap_err();
-        assert!(e.contains("found it 1 time(s)"), "{e}");
+    fn one_side_alone_and_no_package_generate_what_is_asked() {
+        let one = || vec![method("One", false, false)];
+        let code = generate(service("p", one()), false, true);
+        assert!(code.contains("pub use super::svc_server::*"), "{code}");
+        assert!(!code.contains("svc_client"), "{code}");
+        let code = generate(service("p", one()), true, false);
+        assert!(code.contains("pub use super::svc_client::*"), "{code}");
+        assert!(!code.contains("svc_server"), "{code}");
+        let code = generate(service("", one()), true, true);
+        assert!(code.contains("\"/Svc/One\""), "{code}");
+        let code = generate(service("p", one()), false, false);
+        assert!(!code.contains("svc_ibex"), "{code}");
+    }
+
+    #[test]
+    fn names_and_types_follow_tonics() {
+        assert_eq!(snake_case("ParameterServer"), "parameter_server");
+        assert_eq!(snake_case("Echo"), "echo");
+        assert_eq!(message_type("()").to_string(), "()");
+        assert_eq!(message_type("Req").to_string(), "super :: Req");
+        assert_eq!(message_type("::x::Req").to_string(), ":: x :: Req");
+        assert_eq!(
+            message_type("super::other::Req").to_string(),
+            "super :: super :: other :: Req"
+        );
     }
 }

@@ -262,7 +262,7 @@ mod tests {
     use tonic::Code;
 
     use super::*;
-    use crate::grpc::demux::{Demux, Got};
+    use crate::grpc::demux::Demux;
     use crate::grpc::pump::trailers_only;
     use crate::grpc::wire::{Head, Limits, Trailers};
     use crate::grpc::{CallShared, WINDOW, attach};
@@ -635,15 +635,9 @@ mod tests {
             let Some(msg) = self.c2s.0.pop_front() else {
                 return;
             };
-            let (mut p, data) = match self.server_demux.push(msg).expect("honest framing") {
-                Got::One(p, d) => (p, d),
-                Got::Repeat(id, frame, k) => {
-                    self.seen.requests_repeated += 1;
-                    self.server_demux
-                        .expand(k, id, frame)
-                        .expect("a repeat has its head kept")
-                }
-            };
+            let before = self.server_demux.repeats();
+            let (mut p, data) = self.server_demux.push(msg).expect("honest framing");
+            self.seen.requests_repeated += (self.server_demux.repeats() - before) as usize;
             let id = p.call;
             if let Some(Head::Request { headers, .. }) = p.head.take() {
                 assert!(
@@ -721,15 +715,9 @@ mod tests {
             let Some(msg) = self.s2c.0.pop_front() else {
                 return;
             };
-            let (mut p, data) = match self.client_demux.push(msg).expect("honest framing") {
-                Got::One(p, d) => (p, d),
-                Got::Repeat(id, frame, k) => {
-                    self.seen.answers_repeated += 1;
-                    self.client_demux
-                        .expand(k, id, frame)
-                        .expect("a repeat has its head kept")
-                }
-            };
+            let before = self.client_demux.repeats();
+            let (mut p, data) = self.client_demux.push(msg).expect("honest framing");
+            self.seen.answers_repeated += (self.client_demux.repeats() - before) as usize;
             if p.goaway {
                 assert!(!self.went_away || p.call == 0);
             }

@@ -11,7 +11,7 @@ use tonic::Status;
 
 use super::body::{IbexBody, Inbound, Inbox, InboxTx, IncomingBody, OnDrop, ReadSource, inbox};
 use super::calls::{CallTable, Entry, Slot, Verdict};
-use super::demux::{Demux, Got, KeptHead};
+use super::demux::Demux;
 use super::pump::{Now, Pumped, Remainder, Side, pump, pump_now};
 use super::wire::{FrameBuf, FrameWriter, GRPC_TIMEOUT, Head, Limits, Packet, Trailers};
 use super::{CallShared, Encoded, Mux, RemoteBuf, parse_timeout, read_while, transport_status};
@@ -377,57 +377,6 @@ impl Shared {
         Shared::deliver(c, ended, p, data);
     }
 
-    /// A whole answer whose head repeats kept head `k` of `demux` ([`Got::Repeat`]): to
-    /// its caller in one piece with no packet made, when the call waits for its head as a
-    /// direct unary call does. Anything else goes on with the packet the repeat stands
-    /// for. False where the connection must close.
-    fn dispatch_repeat(&self, demux: &Demux, k: KeptHead, id: u32, frame: Bytes) -> bool {
-        let Some((
-            Head::Response {
-                status, headers, ..
-            },
-            _,
-        )) = demux.repeated(k)
-        else {
-            return false;
-        };
-        // What the table needs of the packet: it ends the call, with a frame this long.
-        let mut end = Packet::new(id);
-        end.end = true;
-        let mut calls = self.lock();
-        let mut c = match calls.packet(&end, Some(frame.len())) {
-            Verdict::Call(Entry::Ended(c)) => c,
-            Verdict::Overrun(c) => {
-                drop(calls);
-                match demux.expand(k, id, frame) {
-                    Some((p, _)) => self.overrun(p, c),
-                    None => return false,
-                }
-                return true;
-            }
-            // Nothing waits for it (the caller gave up), or (on a client) nothing else.
-            Verdict::Dropped | Verdict::Call(Entry::Live(_) | Entry::Cancelled(_)) => {
-                return true;
-            }
-        };
-        if c.body.is_none()
-            && let Some(h) = c.head.take()
-        {
-            drop(calls);
-            h.send(Ok(RespHead {
-                status: *status,
-                headers: headers.clone(),
-                rest: Rest::Whole(Some(frame), Some(Trailers::OkInHead)),
-            }));
-            return true;
-        }
-        match demux.expand(k, id, frame) {
-            Some((p, data)) => Shared::deliver(&mut c, true, p, data),
-            None => return false,
-        }
-        true
-    }
-
     /// Hands what packet `p` brought (its body frame is `data`) to call `c`, which the
     /// packet `ended`.
     fn deliver(c: &mut Call, ended: bool, mut p: Packet, mut data: Option<Bytes>) {
@@ -552,18 +501,7 @@ impl ReadSource for Shared {
             }
         };
         match demux.push(msg) {
-            Ok(Got::One(p, d)) => self.dispatch(p, d),
-            Ok(Got::Repeat(id, frame, k)) => {
-                if !self.dispatch_repeat(&demux, k, id, frame) {
-                    // Only a kept head is repeated: a bug, which fails this connection's
-                    // calls.
-                    drop(demux);
-                    self.fail_all(Status::internal(format!(
-                        "gRPC call framing: call {id} repeats a head that was not kept (an Ibex bug)"
-                    )));
-                    return Poll::Ready(false);
-                }
-            }
+            Ok((p, d)) => self.dispatch(p, d),
             Err(e) => {
                 drop(demux);
                 tracing::warn!(%e, peer = %self.mux.conn.peer(), "gRPC client: closing the connection");

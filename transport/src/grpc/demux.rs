@@ -9,34 +9,12 @@ use bytes::Bytes;
 use super::wire::{Data, Head, Limits, Packet, Seen, Trailers, WholeParts};
 use crate::error::{Error, Result};
 
-/// What one transport message carried.
-// Returned once per message and taken apart at once: boxing the packet would add an
-// allocation to every call.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
-pub(crate) enum Got {
-    /// One packet, with its body frame if it had one.
-    One(Packet, Option<Bytes>),
-    /// A whole unary packet (see [`WholeParts`]) of call `.0` with body frame `.1`, whose
-    /// head is byte for byte the kept head `.2` ([`Demux::repeated`]): it was not decoded
-    /// again. [`Demux::expand`] makes it the packet the general decoder would have made.
-    Repeat(u32, Bytes, KeptHead),
-}
-
-/// Which of a demultiplexer's kept heads a [`Got::Repeat`] repeats: an index below
-/// [`Demux::MAX_KEPT`], good until the next message is pushed.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct KeptHead(pub(crate) usize);
-
-/// A whole head kept for repeats: its bytes, what they decoded to (an answer's with its
-/// `grpc-status: 0` merged in, see `Trailers::OkInHead`), and a number no other head kept
-/// on this connection had, so that what a side derives from the head (the server: its
-/// route) can be told apart from what it derived from the head kept in its place before.
+/// A whole head kept for repeats: its bytes, and what they decoded to (an answer's with its
+/// `grpc-status: 0` merged in, see `Trailers::OkInHead`).
 #[derive(Debug)]
 struct Kept {
     bytes: Vec<u8>,
     head: Head,
-    id: u64,
 }
 
 /// Reassembles packets from one connection's messages, in order.
@@ -52,7 +30,8 @@ pub(crate) struct Demux {
     /// The head blocks of the last whole unary packets whose head is not kept, most
     /// recent last (at most [`Demux::MAX_KEPT`]).
     recent: Vec<Vec<u8>>,
-    next_id: u64,
+    /// Packets whose head was a repeat, not decoded again.
+    repeats: u64,
     /// The slot the next kept head takes once all are in use.
     next_slot: usize,
 }
@@ -65,7 +44,7 @@ impl Demux {
             seen: Seen::default(),
             kept: Vec::new(),
             recent: Vec::new(),
-            next_id: 0,
+            repeats: 0,
             next_slot: 0,
         }
     }
@@ -78,32 +57,27 @@ impl Demux {
     /// ones and this many recent ones.
     pub(crate) const MAX_KEPT: usize = 4;
 
-    /// Kept head `k` (of a [`Got::Repeat`]) and its number.
-    pub(crate) fn repeated(&self, k: KeptHead) -> Option<(&Head, u64)> {
-        self.kept.get(k.0).map(|h| (&h.head, h.id))
+    /// How many packets came with a head that repeated a kept one, and so were not decoded
+    /// again.
+    pub(crate) fn repeats(&self) -> u64 {
+        self.repeats
     }
 
-    /// The packet that a [`Got::Repeat`] of call `call` and kept head `k` stands for,
-    /// with its body frame.
-    pub(crate) fn expand(
-        &self,
-        k: KeptHead,
-        call: u32,
-        frame: Bytes,
-    ) -> Option<(Packet, Option<Bytes>)> {
-        let (head, _) = self.repeated(k)?;
+    /// The packet a whole message of call `call` stands for whose head repeats kept head
+    /// `k`, with its body frame: what the general decoder makes of the same message.
+    fn expand(&self, k: usize, call: u32, frame: Bytes) -> (Packet, Option<Bytes>) {
         let mut p = Packet::new(call);
-        p.head = Some(head.clone());
+        p.head = Some(self.kept[k].head.clone());
         if !self.request {
             p.trailers = Some(Trailers::OkInHead);
         }
         p.end = true;
-        Some((p, Some(frame)))
+        (p, Some(frame))
     }
 
-    /// Whether `p` with body frame `frame`, as [`Demux::expand`] made it, is the packet
-    /// the general decoder made of the same message (`decoded`, its frame still inline):
-    /// what the fuzz target and the tests require of every repeat.
+    /// Whether `p` with body frame `frame`, as [`Demux::push`] made it, is the packet the
+    /// general decoder made of the same message (`decoded`, its frame still inline): what
+    /// the fuzz target and the tests require of every packet.
     pub(crate) fn same_packet(p: &Packet, frame: Option<&Bytes>, decoded: &Packet) -> bool {
         let d = decoded;
         matches!((&d.data, frame), (Some(Data::Inline(a)), Some(b)) if a == b)
@@ -129,12 +103,7 @@ impl Demux {
 
     /// Keeps a head that came twice, in a free slot or else in the next one in turn.
     fn keep(&mut self, bytes: Vec<u8>, head: Head) {
-        let kept = Kept {
-            bytes,
-            head,
-            id: self.next_id,
-        };
-        self.next_id += 1;
+        let kept = Kept { bytes, head };
         if self.kept.len() < Self::MAX_KEPT {
             self.kept.push(kept);
         } else {
@@ -146,12 +115,15 @@ impl Demux {
     /// Feeds the next message: its bytes, or a two-part message's head and body
     /// (`Connection::recv_parts`). An error means the peer broke the framing: the
     /// connection cannot go on (the caller closes it).
-    pub(crate) fn push(&mut self, (msg, rest): (Bytes, Option<Bytes>)) -> Result<Got> {
+    pub(crate) fn push(
+        &mut self,
+        (msg, rest): (Bytes, Option<Bytes>),
+    ) -> Result<(Packet, Option<Bytes>)> {
         if let Some(body) = rest {
             // A packet with a large body frame, the message's second part.
             let mut p = Packet::decode_with(msg, self.request, &self.limits, &mut self.seen)?;
             return match p.data.take() {
-                Some(Data::Next(len)) if len == body.len() as u64 => Ok(Got::One(p, Some(body))),
+                Some(Data::Next(len)) if len == body.len() as u64 => Ok((p, Some(body))),
                 _ => Err(Error::Protocol(format!(
                     "gRPC call framing: call {}'s packet came with a second part of {} bytes that it does not announce",
                     p.call,
@@ -168,7 +140,8 @@ impl Demux {
         if let Some(w) = &whole {
             let head = &msg[w.head.clone()];
             if let Some(k) = self.kept.iter().position(|k| k.bytes[..] == *head) {
-                return Ok(Got::Repeat(w.call, msg.slice(w.frame.clone()), KeptHead(k)));
+                self.repeats += 1;
+                return Ok(self.expand(k, w.call, msg.slice(w.frame.clone())));
             }
             match self.recent.iter().position(|r| r[..] == *head) {
                 Some(i) => again = Some(self.recent.remove(i)),
@@ -196,8 +169,8 @@ impl Demux {
                 "gRPC call framing: call {} announces a body frame of {len} bytes in a second part, but its message has none",
                 p.call
             ))),
-            Some(Data::Inline(d)) => Ok(Got::One(p, Some(d))),
-            None => Ok(Got::One(p, None)),
+            Some(Data::Inline(d)) => Ok((p, Some(d))),
+            None => Ok((p, None)),
         }
     }
 }
@@ -225,14 +198,14 @@ mod tests {
         p.data = Some(Data::Inline(Bytes::from_static(b"abc")));
         p.end = true;
         match d.push((p.encode().unwrap(), None)).unwrap() {
-            Got::One(p, Some(b)) => assert!(p.call == 1 && p.end && b.as_ref() == b"abc"),
+            (p, Some(b)) => assert!(p.call == 1 && p.end && b.as_ref() == b"abc"),
             other => panic!("{other:?}"),
         }
         let mut p = head(2);
         p.data = Some(Data::Next(5));
         let body = Bytes::from_static(b"12345");
         match d.push((p.encode().unwrap(), Some(body))).unwrap() {
-            Got::One(p, Some(b)) => assert!(p.call == 2 && b.as_ref() == b"12345"),
+            (p, Some(b)) => assert!(p.call == 2 && b.as_ref() == b"12345"),
             other => panic!("{other:?}"),
         }
     }
@@ -296,25 +269,28 @@ mod tests {
     }
 
     /// `d.push(msg)` as a repeat, checked against what the general decoder makes of it:
-    /// the packet, and the kept head's slot and number.
-    fn repeat(d: &mut Demux, msg: Bytes) -> (Packet, usize, u64) {
+    /// the packet, and the kept head's slot.
+    fn repeat(d: &mut Demux, msg: Bytes) -> (Packet, usize) {
         let fresh = Packet::decode(msg.clone(), d.request, &Limits::default()).unwrap();
-        let Got::Repeat(id, frame, k) = d.push((msg, None)).unwrap() else {
-            panic!("not a repeat")
-        };
-        let (p, data) = d.expand(k, id, frame).unwrap();
+        let before = d.repeats();
+        let (p, data) = d.push((msg, None)).unwrap();
+        assert_eq!(d.repeats(), before + 1, "not a repeat");
         assert!(
             Demux::same_packet(&p, data.as_ref(), &fresh),
             "{p:?} {data:?} against {fresh:?}"
         );
-        (p, k.0, d.repeated(k).unwrap().1)
+        let slot = d
+            .kept
+            .iter()
+            .position(|k| Some(&k.head) == p.head.as_ref())
+            .unwrap();
+        (p, slot)
     }
 
     fn decoded(d: &mut Demux, msg: Bytes) {
-        assert!(
-            matches!(d.push((msg, None)).unwrap(), Got::One(..)),
-            "decoded afresh"
-        );
+        let before = d.repeats();
+        d.push((msg, None)).unwrap();
+        assert_eq!(d.repeats(), before, "decoded afresh");
     }
 
     #[test]
@@ -323,7 +299,7 @@ mod tests {
         let a = |id| whole_request(id, None, b"a");
         decoded(&mut d, a(1));
         decoded(&mut d, a(3));
-        let (p, slot, number) = repeat(&mut d, a(5));
+        let (p, slot) = repeat(&mut d, a(5));
         assert_eq!(p.call, 5);
         // Other packets in between leave the kept head alone: a window grant, a head seen
         // once, a request that is not whole.
@@ -336,8 +312,8 @@ mod tests {
         open.data = None;
         open.end = false;
         decoded(&mut d, open.encode().unwrap());
-        let (_, s, n) = repeat(&mut d, a(11));
-        assert_eq!((s, n), (slot, number));
+        let (_, s) = repeat(&mut d, a(11));
+        assert_eq!(s, slot);
         // Heads that take turns (a worker that pushes and pulls) are kept side by side.
         let b = |id| whole_request(id, Some("b"), b"b");
         let c = |id| whole_request(id, Some("c"), b"c");
@@ -350,8 +326,7 @@ mod tests {
             repeat(&mut d, c(id + 100));
             assert_eq!(repeat(&mut d, a(id + 200)).1, slot);
         }
-        // Once every slot is taken, a new head takes them in turn, the oldest first, with
-        // a number of its own.
+        // Once every slot is taken, a new head takes them in turn, the oldest first.
         let e = |id| whole_request(id, Some("e"), b"e");
         let f = |id| whole_request(id, Some("f"), b"f");
         decoded(&mut d, e(31));
@@ -359,9 +334,8 @@ mod tests {
         repeat(&mut d, e(35));
         decoded(&mut d, f(41));
         decoded(&mut d, f(43));
-        let (_, f_slot, f_number) = repeat(&mut d, f(45));
+        let (_, f_slot) = repeat(&mut d, f(45));
         assert_eq!(f_slot, slot, "the first slot is taken again");
-        assert!(f_number > number);
         decoded(&mut d, a(47));
     }
 
@@ -380,7 +354,7 @@ mod tests {
         for i in 0..4 {
             decoded(&mut d, whole_request(2 * i + 201, Some(&long), b"x"));
         }
-        assert!(d.repeated(KeptHead(0)).is_none());
+        assert!(d.kept.is_empty());
     }
 
     #[test]

@@ -1,30 +1,27 @@
 //! The direct unary path: a unary call over Ibex without tonic's per-call machinery.
 //!
-//! Generated code built with `ibex-codegen` calls into this module from its unary methods
-//! (client) and its unary routes (server). A request or response that is one uncompressed
-//! protobuf message is encoded and decoded here with prost, straight from the bytes the
-//! connection delivered, and the answer goes back as one packet. tonic's `Grpc::unary`
-//! builds, for every call, an encoder body, a streaming decoder, compression state and
-//! status header maps; on a 64 B call that was about a third of each side's instructions.
+//! The code ibex-codegen generates registers each unary method of a server as a direct
+//! handler ([`DirectRoute`]) when the service is added, and makes its client's unary calls
+//! through a [`DirectClient`]. A request or response that is one uncompressed protobuf
+//! message is encoded and decoded here with prost, straight from the bytes the connection
+//! delivered, and the answer goes back as one packet. tonic's `Grpc::unary` builds, for
+//! every call, an encoder body, a streaming decoder, compression state and status header
+//! maps, which a unary call over Ibex does not need.
 //!
-//! Everything that the direct path does not cover goes through tonic unchanged: a channel
-//! or server that is not Ibex (`http://`), an intercepted client, compression on either
-//! side, a request that is not exactly one message. The answers are tonic's: the same
-//! status codes and messages for oversize, malformed and compressed messages, metadata and
-//! trailers merged as tonic merges them.
+//! What the direct path does not cover goes through tonic unchanged: a channel that is not
+//! Ibex (`http://`), compression on either side, a request that is not exactly one
+//! message. The answers are tonic's: the same status codes and messages for oversize,
+//! malformed and compressed messages, metadata and trailers merged as tonic merges them.
 
-use std::any::TypeId;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderMap, StatusCode};
 use http_body::Body;
-use tonic::codec::Codec;
 use tonic::metadata::MetadataMap;
-use tonic::server::{Grpc, UnaryService};
 use tonic::{Code, Status};
 
 use super::body::IncomingBody;
@@ -35,29 +32,11 @@ use super::wire::{
     GRPC_STATUS, GRPC_TIMEOUT, STATUS_OK, Trailers,
 };
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
 /// tonic's default limit on a decoded message, on both sides.
 const DEFAULT_MAX_DECODING: usize = 4 << 20;
 
 /// The gRPC message prefix: a compression flag and a big-endian length.
 const PREFIX: usize = 5;
-
-/// A whole unary request as an Ibex connection delivered it: its one body frame. The
-/// server puts it in the request's extensions; [`serve_unary`] takes it out.
-#[derive(Clone, Debug)]
-pub(crate) struct WholeRequest(pub(crate) Bytes);
-
-/// The first whole request of a method path on a connection carries this: the generated
-/// route answers it by leaving a [`DirectRoute`] in `slot`, but only when it belongs to the
-/// very service the server was given (`outer`, the type `add_service` took). A service
-/// behind an interceptor or a tower layer of the user's never offers one, so its calls
-/// keep going through that wrapper.
-#[derive(Clone)]
-pub(crate) struct DirectProbe {
-    pub(crate) outer: TypeId,
-    pub(crate) slot: Arc<OnceLock<DirectRoute>>,
-}
 
 /// What a direct route answers: the response headers (metadata, sanitized; the content
 /// type is added where the answer is sent), the prefixed message and the response's extensions, or the call's
@@ -89,39 +68,57 @@ type RouteFn = dyn Fn(Bytes, HeaderMap, http::Extensions, &mut Context<'_>, Repl
     + Send
     + Sync;
 
-/// A generated unary route that the server calls itself, with no `http::Request`, router,
-/// boxed service or response body: the request's message (unprefixed), its headers and
-/// extensions in, the answer out.
+/// The handler future of a generated unary method, as tonic's generated routes box it.
+pub type UnaryFuture<R> = Pin<Box<dyn Future<Output = Result<tonic::Response<R>, Status>> + Send>>;
+
+/// A direct handler: a unary method of a service generated with ibex-codegen, which the
+/// server calls itself, with no `http::Request`, tower service or response body: the
+/// request's message (unprefixed), its headers and extensions in, the answer out.
 #[derive(Clone)]
-pub(crate) struct DirectRoute {
-    /// The service's decoding limit: a larger message takes the route tonic's way, which
-    /// refuses it in tonic's words.
+pub struct DirectRoute {
+    /// The service's decoding limit: a larger message takes the service's tonic route,
+    /// which refuses it in tonic's words.
     pub(crate) max_decoding: usize,
     call: Arc<RouteFn>,
 }
 
+impl std::fmt::Debug for DirectRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectRoute")
+            .field("max_decoding", &self.max_decoding)
+            .finish_non_exhaustive()
+    }
+}
+
 impl DirectRoute {
-    fn new<S, Req>(service: S, max_decoding: Option<usize>, max_encoding: Option<usize>) -> Self
+    /// The direct handler of a unary method whose handler is `handler`, with the service's
+    /// message limits (`None`: tonic's defaults, 4 MiB decoding and no encoding limit).
+    /// Called by the code ibex-codegen generates.
+    #[doc(hidden)]
+    pub fn unary<Req, Resp, F>(
+        handler: F,
+        max_decoding: Option<usize>,
+        max_encoding: Option<usize>,
+    ) -> Self
     where
-        S: UnaryService<Req> + Clone + Send + Sync + 'static,
-        S::Future: Unpin + Send + 'static,
-        S::Response: prost::Message + Send + 'static,
+        F: Fn(tonic::Request<Req>) -> UnaryFuture<Resp> + Send + Sync + 'static,
         Req: prost::Message + Default + Send + 'static,
+        Resp: prost::Message + Send + 'static,
     {
         let max_encoding = max_encoding.unwrap_or(usize::MAX);
         DirectRoute {
             max_decoding: max_decoding.unwrap_or(DEFAULT_MAX_DECODING),
             call: Arc::new(move |msg, headers, extensions, cx, reply| {
-                let mut handler = match call(service.clone(), msg, headers, extensions) {
+                let mut handler = match call(&handler, msg, headers, extensions) {
                     Ok(h) => h,
                     Err(status) => {
                         reply(Err(status));
                         return Started::Answered;
                     }
                 };
-                // The handler's future (tonic's route boxes it, so it is `Unpin`) is polled
-                // where it is: only one that waits is boxed, with what remains to do.
-                match Pin::new(&mut handler).poll(cx) {
+                // The handler's future (boxed, as tonic's generated routes box it) is
+                // polled where it is: one ready at once answers with nothing more boxed.
+                match handler.as_mut().poll(cx) {
                     Poll::Ready(r) => {
                         answer_now(r, max_encoding, reply);
                         Started::Answered
@@ -150,21 +147,21 @@ impl DirectRoute {
     }
 }
 
-/// Decodes the request and calls the service: the handler's future.
-fn call<S, Req>(
-    mut service: S,
+/// Decodes the request and calls the handler: its future.
+fn call<Req, Resp, F>(
+    handler: &F,
     msg: Bytes,
     headers: HeaderMap,
     extensions: http::Extensions,
-) -> Result<S::Future, Status>
+) -> Result<UnaryFuture<Resp>, Status>
 where
-    S: UnaryService<Req>,
+    F: Fn(tonic::Request<Req>) -> UnaryFuture<Resp>,
     Req: prost::Message + Default,
 {
     // As tonic-prost's decoder.
     let msg = Req::decode(msg).map_err(|e| Status::internal(e.to_string()))?;
     let request = tonic::Request::from_parts(MetadataMap::from_headers(headers), extensions, msg);
-    Ok(service.call(request))
+    Ok(handler(request))
 }
 
 /// Hands what the handler answered at once to `reply`, its message to be encoded where it
@@ -181,7 +178,8 @@ fn answer_now<R: prost::Message>(
     };
     match Message::new(&msg, max_encoding) {
         Ok(frame) => reply(Ok((headers, &frame))),
-        Err(status) => reply(Err(status)),
+        // As tonic: the response's metadata went out in its head before the message failed.
+        Err(status) => reply(Err(with_metadata(status, &headers))),
     }
 }
 
@@ -191,7 +189,10 @@ fn finish<R: prost::Message>(
     max_encoding: usize,
 ) -> DirectAnswer {
     let (headers, msg, extensions) = split(answer)?;
-    Ok((headers, encode(&msg, max_encoding)?, extensions))
+    match encode(&msg, max_encoding) {
+        Ok(frame) => Ok((headers, frame, extensions)),
+        Err(status) => Err(with_metadata(status, &headers)),
+    }
 }
 
 /// A handler's response as the direct path sends it: its headers without what user
@@ -239,63 +240,15 @@ pub(crate) fn direct_message(
     Some((m, plain(headers)?))
 }
 
-/// One unary route of a generated server: the direct path when the request came whole
-/// over Ibex as one uncompressed message, tonic's `Grpc::unary` otherwise. `O` is the
-/// generated server type, which a [`DirectProbe`] checks.
-///
-/// `max_decoding` and `max_encoding` are the service's own limits (`None`: tonic's
-/// defaults, 4 MiB and none).
-#[doc(hidden)]
-pub async fn serve_unary<O, C, S, B>(
-    grpc: &mut Grpc<C>,
-    service: S,
-    mut req: http::Request<B>,
-    max_decoding: Option<usize>,
-    max_encoding: Option<usize>,
-) -> http::Response<tonic::body::Body>
-where
-    O: 'static,
-    C: Codec,
-    C::Decode: prost::Message + Default + Send + 'static,
-    C::Encode: prost::Message + Send + 'static,
-    S: UnaryService<C::Decode, Response = C::Encode> + Clone + Send + Sync + 'static,
-    S::Future: Unpin + Send + 'static,
-    B: Body + Send + 'static,
-    B::Error: Into<BoxError> + Send,
-{
-    if let Some(probe) = req.extensions_mut().remove::<DirectProbe>()
-        && probe.outer == TypeId::of::<O>()
-    {
-        let _ = probe.slot.set(DirectRoute::new(
-            service.clone(),
-            max_decoding,
-            max_encoding,
-        ));
-    }
-    let whole = match req.extensions_mut().remove::<WholeRequest>() {
-        Some(w) if plain(req.headers()).is_some() => w.0,
-        _ => return grpc.unary(service, req).await,
-    };
-    let limit = max_decoding.unwrap_or(DEFAULT_MAX_DECODING);
-    let msg = match one_message(&whole, limit) {
-        Framed::One(m) => m,
-        // tonic's decoder says what is wrong with anything else, in its own words.
-        Framed::Other => return grpc.unary(service, req).await,
-        Framed::Bad(status) => return status.into_http(),
-    };
-    let (parts, _body) = req.into_parts();
-    let answer = match call(service, msg, parts.headers, parts.extensions) {
-        Ok(handler) => finish(handler.await, max_encoding.unwrap_or(usize::MAX)),
-        Err(status) => Err(status),
-    };
-    into_http(answer)
-}
-
-/// The direct side of a generated client: present when its channel is an Ibex one.
+/// The direct side of a client generated with ibex-codegen: its unary calls, encoded and
+/// decoded here and sent through the channel's one call function
+/// ([`Channel::exchange`]), as every other call on the channel is.
 #[doc(hidden)]
 #[derive(Clone)]
 pub struct DirectClient {
-    inner: std::sync::Arc<Inner>,
+    /// `None` over stock HTTP/2 (an `http://` channel), or once compression is asked for:
+    /// calls then take tonic's client.
+    inner: Option<std::sync::Arc<Inner>>,
     max_decoding: usize,
     max_encoding: usize,
 }
@@ -303,6 +256,7 @@ pub struct DirectClient {
 impl std::fmt::Debug for DirectClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DirectClient")
+            .field("active", &self.active())
             .field("max_decoding", &self.max_decoding)
             .field("max_encoding", &self.max_encoding)
             .finish_non_exhaustive()
@@ -310,15 +264,25 @@ impl std::fmt::Debug for DirectClient {
 }
 
 impl DirectClient {
-    /// The direct path for a generated client over `channel`: `Some` when it is an Ibex
-    /// [`Channel`], `None` for anything else (stock tonic, an intercepted service, `http://`).
-    pub fn of<T: 'static>(channel: &T) -> Option<DirectClient> {
-        let c = (channel as &dyn std::any::Any).downcast_ref::<Channel>()?;
-        Some(DirectClient {
-            inner: c.ibex()?.clone(),
+    /// The direct side of a generated client over `channel`.
+    pub fn new(channel: &Channel) -> DirectClient {
+        DirectClient {
+            inner: channel.ibex().cloned(),
             max_decoding: DEFAULT_MAX_DECODING,
             max_encoding: usize::MAX,
-        })
+        }
+    }
+
+    /// Whether unary calls take the direct path: the channel is an Ibex one and no
+    /// compression was asked for (the direct path sends and accepts plain messages only).
+    pub fn active(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// As the generated client's `send_compressed` and `accept_compressed`: from now on,
+    /// tonic's client makes the calls.
+    pub fn compressed(&mut self) {
+        self.inner = None;
     }
 
     /// As the generated client's `max_decoding_message_size`.
@@ -346,8 +310,13 @@ impl DirectClient {
         let mut headers = metadata.into_headers();
         // `te` and `content-type` are among these, and go on the wire after them.
         sanitize(&mut headers);
+        let Some(inner) = &self.inner else {
+            return Err(Status::internal(
+                "the direct path was asked for a call on a channel that is not an Ibex one",
+            ));
+        };
         let answer =
-            Channel::exchange(self.inner.clone(), headers, path, Outgoing::Whole(&data)).await?;
+            Channel::exchange(inner.clone(), headers, path, Outgoing::Whole(&data)).await?;
         let mut headers = answer.headers;
         // The decoder merged a lone `grpc-status: 0` into the head (the usual answer).
         let ok_in_head = matches!(answer.rest, Reply::Whole(_, Some(Trailers::OkInHead)));
@@ -462,16 +431,6 @@ enum Framed {
     Other,
     /// A message over the limit, refused as tonic refuses it.
     Bad(Status),
-}
-
-/// The request's one message, without its prefix, if `frame` is exactly one plain message
-/// within `limit` (the rest of [`direct_message`], for a request whose headers are known
-/// to allow it).
-pub(crate) fn one_plain_message(frame: &Bytes, limit: usize) -> Option<Bytes> {
-    match one_message(frame, limit) {
-        Framed::One(m) => Some(m),
-        Framed::Other | Framed::Bad(_) => None,
-    }
 }
 
 fn one_message(frame: &Bytes, limit: usize) -> Framed {

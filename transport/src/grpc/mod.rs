@@ -50,8 +50,9 @@ use tokio::sync::Notify;
 
 pub use body::IncomingBody;
 pub use client::{Channel, Endpoint};
-pub use direct::{DirectClient, serve_unary};
-pub use server::{Builder, ConnectInfo, PeerHandle, Server, ServerStats};
+pub use direct::{DirectClient, DirectRoute, UnaryFuture};
+pub use router::{AddService, Generated, Services, Tower};
+pub use server::{Builder, ConnectInfo, PeerHandle, RouteCounts, Server, ServerStats};
 
 pub use crate::conn::RemoteBuf;
 
@@ -72,9 +73,9 @@ pub mod fuzzing {
 
     use super::CallShared;
     use super::calls::{Admit, CallTable, Entry, Slot, Verdict};
-    use super::demux::{Demux, Got};
+    use super::demux::Demux;
     use super::pump::Side;
-    use super::wire::{Data, Limits, Packet};
+    use super::wire::{Limits, Packet};
 
     /// A transport message as a receiver gets it: its bytes, or a two-part message's head
     /// and body (`Connection::recv_parts`).
@@ -113,20 +114,18 @@ pub mod fuzzing {
 
     /// Feeds `messages` to one connection's call demultiplexer, as a server
     /// (`request`) or a client would receive them, and what comes out to the side's call
-    /// table (a client with calls `0..8` open, odd ones whole unary calls). Every packet it accepts must re-encode to
-    /// bytes that decode to the same packet, a head decoded with what the connection has
-    /// seen (a kept header map, say) must equal one decoded afresh, and the server's table
-    /// must keep its limit.
+    /// table (a client with calls `0..8` open, odd ones whole unary calls). Every packet it
+    /// accepts must be the packet the general decoder makes of its message alone (a head
+    /// kept for repeats included), must re-encode to bytes that decode to the same packet,
+    /// and the server's table must keep its limit.
     /// Returns how many packets came out before the first framing error (which ends a
     /// real connection), or the broken invariant.
     pub fn feed(messages: &[Message], request: bool) -> Result<usize, String> {
         feed_counting(messages, request).map(|(n, _)| n)
     }
 
-    /// [`feed`], which also says how many packets came as repeats of a kept head, each
-    /// checked against the general decoder's packet.
+    /// [`feed`], which also says how many packets came with a head repeating a kept one.
     pub fn feed_counting(messages: &[Message], request: bool) -> Result<(usize, usize), String> {
-        let mut repeats = 0;
         let limits = Limits::default();
         let mut demux = Demux::new(request, limits);
         let side = if request { Side::Server } else { Side::Client };
@@ -147,50 +146,41 @@ pub mod fuzzing {
         for m in messages {
             // This message's own packet, decoded with nothing seen before.
             let fresh = Packet::decode(m.0.clone(), request, &limits).ok();
-            let packets = match demux.push(m.clone()) {
-                Ok(Got::One(p, _)) => {
-                    if fresh.as_ref().is_some_and(|f| f.head != p.head) {
-                        return Err("a head decodes differently after others".into());
-                    }
-                    vec![p]
-                }
-                Ok(Got::Repeat(id, frame, k)) => {
-                    // Not decoded again: it must be exactly what the general decoder makes
-                    // of this message on its own.
-                    let (p, data) = demux
-                        .expand(k, id, frame)
-                        .ok_or("a repeat with no kept head")?;
-                    let Some(f) = fresh else {
-                        return Err("a repeat where the general decoder refuses the packet".into());
-                    };
-                    if !Demux::same_packet(&p, data.as_ref(), &f) {
-                        return Err(format!(
-                            "a repeat differs from the general decoder's packet: {p:?} {data:?} against {f:?}"
-                        ));
-                    }
-                    repeats += 1;
-                    vec![p]
-                }
-                Err(_) => return Ok((n, repeats)),
+            let before = demux.repeats();
+            let (p, data) = match demux.push(m.clone()) {
+                Ok(got) => got,
+                Err(_) => return Ok((n, demux.repeats() as usize)),
             };
-            for p in packets {
-                let once = p
-                    .encode()
-                    .map_err(|e| format!("an accepted packet does not re-encode: {e}"))?;
-                let again = Packet::decode(once.clone(), request, &limits)
-                    .map_err(|e| format!("a re-encoded packet does not decode: {e}"))?
-                    .encode()
-                    .map_err(|e| format!("a decoded packet does not re-encode: {e}"))?;
-                if once != again {
-                    return Err("re-encoding is not stable".into());
+            if demux.repeats() != before {
+                // Not decoded again: it must be exactly what the general decoder makes of
+                // this message on its own.
+                let Some(f) = fresh else {
+                    return Err("a repeat where the general decoder refuses the packet".into());
+                };
+                if !Demux::same_packet(&p, data.as_ref(), &f) {
+                    return Err(format!(
+                        "a repeat differs from the general decoder's packet: {p:?} {data:?} against {f:?}"
+                    ));
                 }
-                n += 1;
-                if !to_table(&mut table, p, request)? {
-                    return Ok((n, repeats));
-                }
+            } else if fresh.as_ref().is_some_and(|f| f.head != p.head) {
+                return Err("a head decodes differently after others".into());
+            }
+            let once = p
+                .encode()
+                .map_err(|e| format!("an accepted packet does not re-encode: {e}"))?;
+            let again = Packet::decode(once.clone(), request, &limits)
+                .map_err(|e| format!("a re-encoded packet does not decode: {e}"))?
+                .encode()
+                .map_err(|e| format!("a decoded packet does not re-encode: {e}"))?;
+            if once != again {
+                return Err("re-encoding is not stable".into());
+            }
+            n += 1;
+            if !to_table(&mut table, p, data.as_ref().map(Bytes::len), request)? {
+                return Ok((n, demux.repeats() as usize));
             }
         }
-        Ok((n, repeats))
+        Ok((n, demux.repeats() as usize))
     }
 
     struct Fuzzed(Arc<CallShared>);
@@ -202,12 +192,12 @@ pub mod fuzzing {
     }
 
     /// What a side does with a packet's call state; false where the connection ends.
-    fn to_table(table: &mut CallTable<Fuzzed>, p: Packet, request: bool) -> Result<bool, String> {
-        let len = match &p.data {
-            Some(Data::Inline(d)) => Some(d.len()),
-            Some(Data::Next(len)) => Some(*len as usize),
-            None => None,
-        };
+    fn to_table(
+        table: &mut CallTable<Fuzzed>,
+        p: Packet,
+        len: Option<usize>,
+        request: bool,
+    ) -> Result<bool, String> {
         if request && p.head.is_some() {
             match table.admit(p.call) {
                 Err(_) => return Ok(false),

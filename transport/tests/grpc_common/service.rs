@@ -13,7 +13,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ibex_proto::bench::v1::bench_server::{Bench, BenchServer};
+use ibex_proto::bench::v1::bench_ibex::{Bench, BenchServer};
 use ibex_proto::bench::v1::{Ack, Payload, StreamRequest};
 use tokio::sync::mpsc;
 use tokio_stream::{Stream, StreamExt};
@@ -56,7 +56,7 @@ impl BenchImpl {
     }
 
     /// The service with message size limits (`None` keeps tonic's defaults: 4 MiB decode,
-    /// unlimited encode).
+    /// unlimited encode), as ibex-codegen generates it (`into_tonic` gives tonic's).
     pub fn server(
         self,
         max_decode: Option<usize>,

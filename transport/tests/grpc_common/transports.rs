@@ -21,7 +21,18 @@ pub struct Services {
 }
 
 impl Services {
-    pub fn new<S>(svc: S) -> Services
+    /// The test service as ibex-codegen generates it: stock tonic serves tonic's server
+    /// for it, Ibex registers its unary methods as direct handlers.
+    pub fn new(svc: ibex_proto::bench::v1::bench_ibex::BenchServer<super::BenchImpl>) -> Services {
+        Services {
+            routes: Routes::new(svc.clone().into_tonic()),
+            add: Box::new(move |b| b.add_service(svc)),
+        }
+    }
+
+    /// Any tower service (tonic's generated server, one behind an interceptor or a layer):
+    /// every call goes through it on Ibex too.
+    pub fn tower<S>(svc: S) -> Services
     where
         S: tower::Service<http::Request<tonic::body::Body>, Error = std::convert::Infallible>
             + tonic::server::NamedService
