@@ -119,6 +119,12 @@ impl Launch {
         self
     }
 
+    /// Leaves an environment variable of this process out of the server's.
+    pub fn env_remove(&mut self, key: impl AsRef<OsStr>) -> &mut Launch {
+        self.cmd.env_remove(key);
+        self
+    }
+
     /// Starts the server, its stdout and stderr captured, and returns once its address
     /// accepts a connection. Fails, naming what did not happen and with the server's output,
     /// when no address was given, the program cannot start, it exits first, or the
