@@ -5,6 +5,7 @@ use std::ffi::OsStr;
 use std::fmt;
 use std::io::{self, Read};
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStderr, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -67,9 +68,30 @@ impl Launch {
             .unwrap_or(program.as_os_str())
             .to_string_lossy()
             .into_owned();
+        let mut cmd = Command::new(program);
+        // Drop kills the server when a test fails by panicking; this covers a test process
+        // that dies without unwinding (an abort, or killed by a harness's timeout). The
+        // kernel sends the signal when the thread that started the server ends, so a
+        // server belongs on the thread that holds it: the test's own (an async test's body
+        // runs there too, under `block_on`).
+        let parent = std::process::id();
+        // SAFETY: the closure runs between fork and exec and makes only async-signal-safe
+        // calls (prctl, getppid), allocating nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // The test died before the line above took effect: nobody will stop this.
+                if libc::getppid() as u32 != parent {
+                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
         Launch {
             what,
-            cmd: Command::new(program),
+            cmd,
             ready: None,
             within: READY_WITHIN,
         }
@@ -445,6 +467,57 @@ mod tests {
         let pid = s.id();
         drop(s);
         assert!(!alive(pid), "killed and reaped");
+    }
+
+    #[test]
+    fn a_panicking_test_leaves_no_server_behind() {
+        let port = crate::free_port();
+        let (tx, rx) = mpsc::channel();
+        let test = std::thread::spawn(move || {
+            let s = fake(&format!("tcp:{port}"))
+                .ready_on(&format!("tcp://127.0.0.1:{port}"))
+                .spawn()
+                .expect("ready");
+            tx.send(s.id()).unwrap();
+            panic!("a failing test");
+        });
+        assert!(test.join().is_err());
+        let pid = rx.recv().unwrap();
+        assert!(!alive(pid), "killed and reaped while the test unwound");
+    }
+
+    #[test]
+    fn the_server_dies_with_the_thread_that_started_it() {
+        let port = crate::free_port();
+        let pid = std::thread::spawn(move || {
+            let s = fake(&format!("tcp:{port}"))
+                .ready_on(&format!("tcp://127.0.0.1:{port}"))
+                .spawn()
+                .expect("ready");
+            let pid = s.id();
+            // As if the test process died: no Drop.
+            std::mem::forget(s);
+            pid
+        })
+        .join()
+        .unwrap();
+        // The kernel's SIGKILL is immediate, but reaping is ours: wait for the zombie.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let state = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| Some(s.rsplit_once(')')?.1.split_whitespace().next()?.to_string()))
+        };
+        while state().as_deref() != Some("Z") && Instant::now() < deadline {
+            std::thread::sleep(POLL);
+        }
+        assert_eq!(
+            state().as_deref(),
+            Some("Z"),
+            "the orphaned server was killed"
+        );
+        // SAFETY: reaps the zombie child this test left unreaped on purpose.
+        unsafe { libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0) };
     }
 
     #[test]
