@@ -61,6 +61,9 @@ impl Launch {
     /// `program` is the binary's path. Cargo tells only the integration tests of the
     /// binary's own package where it is (`env!("CARGO_BIN_EXE_ibex-ps")` in ibex-ps's
     /// tests), so the caller names it rather than this crate guessing.
+    ///
+    /// The server is killed when the thread that spawned it ends, even if the test process
+    /// dies without unwinding.
     pub fn new(program: impl AsRef<Path>) -> Launch {
         let program = program.as_ref();
         let what = program
@@ -147,10 +150,11 @@ impl Launch {
         self
     }
 
-    /// Starts the server, its stdout and stderr captured, and returns once its address
-    /// accepts a connection. Fails, naming what did not happen and with the server's output,
-    /// when no address was given, the program cannot start, it exits first, or the
-    /// deadline passes (the server is killed then).
+    /// Starts the server, its stdout and stderr captured, and returns once it listens on
+    /// its address. Fails, naming what did not happen and with the server's output, when
+    /// no address was given, the program cannot start, it exits first, or the deadline
+    /// passes (the server is killed then). Call it on the thread that keeps the server
+    /// (see [`Launch::new`]).
     pub fn spawn(&mut self) -> Result<Server, LaunchError> {
         let what = self.what.clone();
         let Some(uri) = self.ready.clone() else {
