@@ -8,6 +8,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use ibex_test_support::{Launch, Server, free_port};
+
 const IBEX: &str = env!("CARGO_BIN_EXE_ibex");
 
 /// A scratch directory removed at the end of the test.
@@ -251,12 +253,7 @@ fn launcher_reports_bad_task_descriptions() {
 fn ps_killed_mid_training_resumes_from_its_checkpoint() {
     let dir = Dir::new("kill");
     let d = &dir.0;
-    let ports: Vec<u16> = (0..4)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect::<Vec<_>>()
-        .iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect();
+    let ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
     let spec = d.join("cluster.toml");
     std::fs::write(
         &spec,
@@ -267,8 +264,8 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
     )
     .unwrap();
     let steps = "150";
-    let ps = |i: usize, restore: bool| -> Child {
-        let mut c = Command::new(IBEX);
+    let ps = |i: usize, restore: bool| -> Server {
+        let mut c = Launch::new(IBEX);
         c.args([
             "launch",
             "--spec",
@@ -282,9 +279,10 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
         .arg("--checkpoint-dir")
         .arg(d.join(format!("ckpt-{i}")))
         .env("IBEX_SHM_DIR", d)
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(
-            std::fs::File::create(d.join(format!("ps-{i}-{restore}.log"))).unwrap(),
+        // Where an shm PS of this spec listens (`ClusterSpec::ps_uri`).
+        .ready_on(&format!(
+            "shm://{}",
+            d.join(format!("ibex-{}.sock", ports[i])).display()
         ));
         if restore {
             c.arg("--restore");
@@ -313,9 +311,11 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
             .spawn()
             .unwrap()
     };
-    let mut kids = Kids(vec![ps(0, false), ps(1, false), worker(0), worker(1)]);
+    let mut ps0 = ps(0, false);
+    let _ps1 = ps(1, false);
+    let mut kids = Kids(vec![worker(0), worker(1)]);
     let (tx, rx) = mpsc::channel();
-    let out = kids.0[2].stdout.take().unwrap();
+    let out = kids.0[0].stdout.take().unwrap();
     std::thread::spawn(move || {
         for l in BufReader::new(out).lines().map_while(Result::ok) {
             let _ = tx.send(l);
@@ -335,25 +335,24 @@ fn ps_killed_mid_training_resumes_from_its_checkpoint() {
             break;
         }
     }
-    kids.0[0].kill().unwrap(); // SIGKILL: no shutdown checkpoint
-    kids.0[0].wait().unwrap();
+    ps0.kill().unwrap(); // SIGKILL: no shutdown checkpoint
     std::thread::sleep(Duration::from_millis(300));
-    kids.0[0] = ps(0, true);
+    let _restored = ps(0, true);
 
     let mut lines = Vec::new();
-    for i in [2, 3] {
+    for i in [0, 1] {
         let deadline = Instant::now() + Duration::from_secs(180);
         loop {
             while let Ok(l) = rx.try_recv() {
                 lines.push(l);
             }
             if let Some(s) = kids.0[i].try_wait().unwrap() {
-                let log = std::fs::read_to_string(d.join(format!("worker-{}.log", i - 2)))
-                    .unwrap_or_default();
-                assert!(s.success(), "worker {} failed: {log}", i - 2);
+                let log =
+                    std::fs::read_to_string(d.join(format!("worker-{i}.log"))).unwrap_or_default();
+                assert!(s.success(), "worker {i} failed: {log}");
                 break;
             }
-            assert!(Instant::now() < deadline, "worker {} did not finish", i - 2);
+            assert!(Instant::now() < deadline, "worker {i} did not finish");
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -429,24 +428,19 @@ fn two_consecutive_ports() -> u16 {
 fn launch_from_slurm_and_tf_config() {
     let dir = Dir::new("sched");
     let p = two_consecutive_ports();
-    let mut kids = Kids(vec![
-        Command::new(IBEX)
-            .args(["launch", "--checkpoint-dir"])
-            .arg(dir.0.join("ckpt"))
-            .env_remove("TF_CONFIG")
-            .envs([
-                ("SLURM_PROCID", "0".to_string()),
-                ("SLURM_NTASKS", "2".to_string()),
-                ("SLURM_JOB_NODELIST", "127.0.0.1".to_string()),
-                ("IBEX_NUM_PS", "1".to_string()),
-                ("IBEX_BASE_PORT", p.to_string()),
-                ("IBEX_TRANSPORT", "tcp".to_string()),
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    ]);
+    let _ps = Launch::new(IBEX)
+        .args(["launch", "--checkpoint-dir"])
+        .arg(dir.0.join("ckpt"))
+        .env_remove("TF_CONFIG")
+        .env("SLURM_PROCID", "0")
+        .env("SLURM_NTASKS", "2")
+        .env("SLURM_JOB_NODELIST", "127.0.0.1")
+        .env("IBEX_NUM_PS", "1")
+        .env("IBEX_BASE_PORT", p.to_string())
+        .env("IBEX_TRANSPORT", "tcp")
+        .ready_on(&format!("tcp://127.0.0.1:{p}"))
+        .spawn()
+        .unwrap();
     let tf = format!(
         r#"{{"cluster":{{"ps":["127.0.0.1:{p}"],"worker":["127.0.0.1:{}"]}},"task":{{"type":"worker","index":0}}}}"#,
         p + 1
@@ -479,5 +473,4 @@ fn launch_from_slurm_and_tf_config() {
         "{}",
         r["comm_profile"]
     );
-    kids.0[0].kill().unwrap();
 }

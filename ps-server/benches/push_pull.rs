@@ -7,13 +7,8 @@
 use std::time::{Duration, Instant};
 
 use ibex_ps::{Mode, PsConfig};
+use ibex_test_support::free_port;
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .map(|l| l.local_addr().map(|a| a.port()).unwrap_or(0))
-        .unwrap_or(0)
-}
 
 async fn bench(transport: TransportKind, steps: u64) -> Result<(), Box<dyn std::error::Error>> {
     let spec = ClusterSpec {

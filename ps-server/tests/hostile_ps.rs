@@ -12,12 +12,12 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use ibex_proto::ps::v1 as pb;
 use ibex_proto::ps::v1::parameter_server_ibex::ParameterServerClient;
+use ibex_test_support::{Launch, Server};
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
 use tonic::Code;
 
@@ -124,41 +124,17 @@ fn call_packet(call: u32, method: &str, header_count: u16) -> Bytes {
     b.freeze()
 }
 
-struct Ps {
-    child: Child,
-    log: std::path::PathBuf,
-}
-
-impl Drop for Ps {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn_ps(uri: &str, dir: &std::path::Path) -> Ps {
-    let log = dir.join("ps.log");
-    let child = Command::new(env!("CARGO_BIN_EXE_ibex-ps"))
-        .args([
-            "--listen",
-            uri,
-            "--shard",
-            "0",
-            "--num-workers",
-            "1",
-            "--mode",
-            "sync",
-        ])
+fn spawn_ps(uri: &str) -> Server {
+    Launch::new(env!("CARGO_BIN_EXE_ibex-ps"))
+        .listen(uri)
+        .args(["--shard", "0", "--num-workers", "1", "--mode", "sync"])
         .args(["--sync-timeout-secs", "2", "--max-elements", "16777216"])
         // Long enough that an honest set-up on a loaded machine is not cut short, and the
         // silent sockets are still waiting when the newcomers come.
         .env("IBEX_HANDSHAKE_TIMEOUT_MS", "5000")
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
-        .unwrap();
-    Ps { child, log }
+        .expect("ibex-ps")
 }
 
 fn tensor(name: &str, shape: &[u64], data: pb::tensor::Data) -> pb::Tensor {
@@ -176,30 +152,17 @@ fn inline(n: usize) -> pb::tensor::Data {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
-    let dir = tempfile::tempdir().unwrap();
     let port = common::free_port();
     let addr = format!("127.0.0.1:{port}");
     let uri = format!("tcp://{addr}");
-    let ps = spawn_ps(&uri, dir.path());
-    let pid = ps.child.id();
+    let ps = spawn_ps(&uri);
+    let pid = ps.id();
     let spec = ClusterSpec {
         ps: vec![addr.clone()],
         workers: vec!["127.0.0.1:0".into()],
         transport: TransportKind::Tcp,
     };
-    let w = {
-        let t = Instant::now();
-        loop {
-            match Worker::connect(&spec, 0).await {
-                Ok(w) => break w,
-                Err(e) if t.elapsed() < WITHIN => {
-                    let _ = e;
-                    tokio::time::sleep(Duration::from_millis(50)).await
-                }
-                Err(e) => panic!("the PS did not come up: {e}"),
-            }
-        }
-    };
+    let w = Worker::connect(&spec, 0).await.expect("connect to the PS");
     w.create_variables(&vars()).await.unwrap();
     let init = w.pull(&["a", "b"], 0).await.unwrap();
     let rss0 = rss_kib(pid);
@@ -270,7 +233,7 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
         .unwrap_or_else(|e| {
             panic!(
                 "an honest connection during the silent flood: {e}\nPS log:\n{}",
-                std::fs::read_to_string(&ps.log).unwrap_or_default()
+                ps.output()
             )
         });
     c.send(call_packet(1, "Stats", 40000)).await.unwrap();
@@ -426,10 +389,10 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
 
     // Still serving, and never panicked.
     let mut ps = ps;
-    assert!(ps.child.try_wait().unwrap().is_none(), "the PS exited");
+    assert!(ps.try_wait().unwrap().is_none(), "the PS exited");
     let stats = bad.stats(pb::StatsRequest {}).await.unwrap().into_inner();
     assert_eq!(stats.step, STEPS, "every honest step applied once");
-    let log = std::fs::read_to_string(&ps.log).unwrap_or_default();
+    let log = ps.output();
     assert!(!log.contains("panicked"), "the PS panicked:\n{log}");
     eprintln!(
         "ibex-ps: {cases} hostile cases beside {STEPS} honest steps; a new client connected and \
@@ -448,5 +411,4 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
         rss0 >> 10,
         peak >> 10
     );
-    let _ = ps.child.kill();
 }

@@ -6,8 +6,9 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
+use ibex_test_support::{Launch, Server};
 use ibex_worker::{
     ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError,
 };
@@ -16,32 +17,29 @@ const STEPS: u64 = 10;
 const KILL_AFTER: u64 = 8;
 const EVERY: u64 = 3;
 
-fn spawn_ps(spec: &ClusterSpec, i: usize, dir: &Path, restore: bool) -> Child {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ibex-ps"));
-    c.args([
-        "--listen",
-        &spec.ps_uri(i),
-        "--shard",
-        &i.to_string(),
-        "--num-workers",
-        "1",
-        "--mode",
-        "sync",
-    ])
-    .args([
-        "--checkpoint-every",
-        &EVERY.to_string(),
-        "--sync-timeout-secs",
-        "10",
-    ])
-    .arg("--checkpoint-dir")
-    .arg(dir)
-    .stdout(Stdio::null())
-    .stderr(Stdio::null());
+fn spawn_ps(spec: &ClusterSpec, i: usize, dir: &Path, restore: bool) -> Server {
+    let mut c = Launch::new(env!("CARGO_BIN_EXE_ibex-ps"));
+    c.listen(&spec.ps_uri(i))
+        .args([
+            "--shard",
+            &i.to_string(),
+            "--num-workers",
+            "1",
+            "--mode",
+            "sync",
+        ])
+        .args([
+            "--checkpoint-every",
+            &EVERY.to_string(),
+            "--sync-timeout-secs",
+            "10",
+        ])
+        .arg("--checkpoint-dir")
+        .arg(dir);
     if restore {
         c.arg("--restore");
     }
-    c.spawn().unwrap()
+    c.spawn().expect("ibex-ps")
 }
 
 fn vars() -> Vec<VarSpec> {
@@ -91,11 +89,6 @@ fn reference(a0: &[f32], b0: &[f32]) -> (Vec<f32>, Vec<f32>) {
     (a, b)
 }
 
-fn signal(c: &Child, sig: i32) {
-    // SAFETY: plain kill(2) on a child we spawned and have not reaped.
-    assert_eq!(unsafe { libc::kill(c.id() as i32, sig) }, 0);
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_then_restore_loses_and_repeats_no_step() {
     kill_restore(false).await
@@ -118,7 +111,7 @@ async fn kill_restore(keep_worker: bool) {
         workers: vec!["127.0.0.1:0".into()],
         transport: TransportKind::Tcp,
     };
-    let mut ps: Vec<Child> = (0..2)
+    let mut ps: Vec<Server> = (0..2)
         .map(|i| spawn_ps(&spec, i, dir.path(), false))
         .collect();
     let w = Worker::connect(&spec, 0).await.unwrap();
@@ -133,7 +126,6 @@ async fn kill_restore(keep_worker: bool) {
 
     // Shard 0 dies without warning; shard 1 has applied step 7 too (8 steps).
     ps[0].kill().unwrap();
-    ps[0].wait().unwrap();
     assert!(
         w.pull(&["a"], KILL_AFTER).await.is_err(),
         "the dead shard is noticed"
@@ -184,10 +176,11 @@ async fn kill_restore(keep_worker: bool) {
 
     // SIGTERM: graceful shutdown with a final checkpoint of step 10.
     for c in &ps {
-        signal(c, libc::SIGTERM);
+        c.terminate().unwrap();
     }
     for c in &mut ps {
-        assert!(c.wait().unwrap().success());
+        // A hang guard: the final checkpoint of two tiny shards takes milliseconds.
+        assert!(c.wait(Duration::from_secs(60)).unwrap().success());
     }
     for i in 0..2 {
         assert!(

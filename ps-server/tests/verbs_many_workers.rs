@@ -5,10 +5,10 @@
 //! elsewhere it says why it skips.
 #![cfg(feature = "verbs")]
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ibex_test_support::{Launch, Server, free_port, free_port_on};
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
 
 /// `VmPin` + `VmLck` of `pid`, in KiB.
@@ -31,13 +31,18 @@ fn rss_kib(pid: &str) -> u64 {
 /// The two tests take turns: each loads the one emulated device on its own.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-struct Ps(Child);
-
-impl Drop for Ps {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+/// `ibex-ps` serving verbs on `addr` for `workers` workers, its /metrics on `metrics_port`;
+/// returns once it accepts connections.
+fn spawn_ps(addr: &str, mode: &str, workers: usize, metrics_port: u16) -> Server {
+    let mut ps = Launch::new(env!("CARGO_BIN_EXE_ibex-ps"));
+    ps.listen(&format!("verbs://{addr}"))
+        .args(["--mode", mode])
+        .args(["--num-workers", &workers.to_string()])
+        .args(["--metrics", &format!("127.0.0.1:{metrics_port}")]);
+    if let Ok(d) = std::env::var("IBEX_TEST_SERVER_DEV") {
+        ps.env("IBEX_RDMA_DEVICE", d);
     }
+    ps.spawn().expect("start ibex-ps")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,37 +60,20 @@ async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
         .ok()
         .and_then(|a| a.rsplit_once(':').map(|(h, _)| h.to_string()))
         .unwrap_or_else(|| "127.0.0.1".into());
-    let port = ibex_worker::free_ports(&host, 1).expect("a free port")[0];
+    let port = free_port_on(&host);
     let addr = format!("{host}:{port}");
-    let metrics_port = ibex_worker::free_ports("127.0.0.1", 1).expect("a free port")[0];
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ibex-ps"));
-    cmd.args(["--listen", &format!("verbs://{addr}"), "--mode", "async"])
-        .args(["--num-workers", &n.to_string()])
-        .args(["--metrics", &format!("127.0.0.1:{metrics_port}")])
-        .stdout(Stdio::null());
-    if let Ok(d) = std::env::var("IBEX_TEST_SERVER_DEV") {
-        cmd.env("IBEX_RDMA_DEVICE", d);
-    }
-    let ps = Ps(cmd.spawn().expect("start ibex-ps"));
-    let pid = ps.0.id().to_string();
+    let metrics_port = free_port();
+    let ps = spawn_ps(&addr, "async", n, metrics_port);
+    let pid = ps.id().to_string();
     let spec = ClusterSpec {
         ps: vec![addr.clone()],
         workers: (0..n).map(|i| format!("w{i}:0")).collect(),
         transport: TransportKind::Verbs,
     };
 
-    // The PS needs a moment to bind; connecting retries until it is up.
-    let t0 = Instant::now();
-    let first = loop {
-        match Worker::connect(&spec, 0).await {
-            Ok(w) => break w,
-            Err(e) if t0.elapsed() < Duration::from_secs(60) => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("worker 0 could not connect: {e}"),
-        }
-    };
+    let first = Worker::connect(&spec, 0)
+        .await
+        .unwrap_or_else(|e| panic!("worker 0 could not connect: {e}"));
     let len = 256 << 10; // f32s: 1 MiB, above the one-sided threshold both ways
     let vars = [VarSpec {
         name: "w".into(),
@@ -258,18 +246,9 @@ async fn sync_steps_hit_the_registration_cache() {
         .unwrap_or_else(|| "127.0.0.1".into());
     // Distinct even when the kernel hands a just-released port out again (else the
     // metrics endpoint could take the shard's port).
-    let free = |h: &str| ibex_worker::free_ports(h, 1).expect("a free port")[0];
-    let addr = format!("{host}:{}", free(&host));
-    let metrics_port = free("127.0.0.1");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ibex-ps"));
-    cmd.args(["--listen", &format!("verbs://{addr}"), "--mode", "sync"])
-        .args(["--num-workers", &n.to_string()])
-        .args(["--metrics", &format!("127.0.0.1:{metrics_port}")])
-        .stdout(Stdio::null());
-    if let Ok(d) = std::env::var("IBEX_TEST_SERVER_DEV") {
-        cmd.env("IBEX_RDMA_DEVICE", d);
-    }
-    let _ps = Ps(cmd.spawn().expect("start ibex-ps"));
+    let addr = format!("{host}:{}", free_port_on(&host));
+    let metrics_port = free_port();
+    let _ps = spawn_ps(&addr, "sync", n, metrics_port);
     let spec = ClusterSpec {
         ps: vec![addr],
         workers: (0..n).map(|i| format!("w{i}:0")).collect(),
@@ -284,18 +263,11 @@ async fn sync_steps_hit_the_registration_cache() {
         optimizer: Optimizer::Sgd { lr: 0.1 },
         sparse: false,
     }];
-    let t0 = Instant::now();
     let mut workers = Vec::new();
     for i in 0..n {
-        let w = loop {
-            match Worker::connect(&spec, i).await {
-                Ok(w) => break w,
-                Err(_) if t0.elapsed() < Duration::from_secs(60) => {
-                    tokio::time::sleep(Duration::from_millis(200)).await
-                }
-                Err(e) => panic!("worker {i}: {e}"),
-            }
-        };
+        let w = Worker::connect(&spec, i)
+            .await
+            .unwrap_or_else(|e| panic!("worker {i}: {e}"));
         w.create_variables(&vars).await.expect("create_variables");
         workers.push(w);
     }

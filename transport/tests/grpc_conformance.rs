@@ -1248,11 +1248,7 @@ mod ibex_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn connect_any_and_serve_any_speak_http2_and_ibex() {
         within(async {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
+            let port = ibex_test_support::free_port();
             for uri in [format!("http://127.0.0.1:{port}"), shm_uri()] {
                 let (svc, _ev) = BenchImpl::new();
                 let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -1441,11 +1437,7 @@ mod ibex_only {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn reconnect_tcp() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = ibex_test_support::free_port();
         within(reconnect(format!("tcp://127.0.0.1:{port}"))).await
     }
 

@@ -5,6 +5,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
+use ibex_test_support::pattern;
 use ibex_transport::link::{Link, LinkEvent, PushStats, RecvBuf};
 use ibex_transport::tcp::{self, TcpLink};
 use ibex_transport::{Config, Error};
@@ -29,13 +30,6 @@ async fn pair_with(server: Config, client: Config) -> (TcpLink, TcpLink) {
 
 async fn pair() -> (TcpLink, TcpLink) {
     pair_with(config(), config()).await
-}
-
-/// Deterministic content: byte `j` of item `i`.
-fn pattern(i: usize, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|j| (i.wrapping_mul(131) ^ j.wrapping_mul(7)) as u8)
-        .collect()
 }
 
 fn frame_len(i: usize, slot: usize) -> usize {
@@ -91,7 +85,7 @@ async fn frames_arrive_in_order_and_intact_both_ways() {
                 let (tx, rx) = if k == 0 { (c, s) } else { (s, c) };
                 // Direction `k` offsets its item indices so the two streams differ.
                 while sent[k] < N {
-                    let f = pattern(sent[k] + k * N, frame_len(sent[k], slot));
+                    let f = pattern(frame_len(sent[k], slot), (sent[k] + k * N) as u8);
                     match tx.poll_send(cx, &f) {
                         Poll::Ready(r) => {
                             r.unwrap();
@@ -109,7 +103,7 @@ async fn frames_arrive_in_order_and_intact_both_ways() {
                     };
                     assert_eq!(f.len(), frame_len(got[k], slot), "frame {} length", got[k]);
                     assert!(
-                        f[..] == pattern(got[k] + k * N, f.len())[..],
+                        f[..] == pattern(f.len(), (got[k] + k * N) as u8)[..],
                         "frame {} content",
                         got[k]
                     );
@@ -207,7 +201,7 @@ async fn reads_interleave_with_frames() {
                 posted += 1;
             }
             while frames_to_s < 2 * posted {
-                match c.poll_send(cx, &pattern(frames_to_s, 100 + frames_to_s)) {
+                match c.poll_send(cx, &pattern(100 + frames_to_s, frames_to_s as u8)) {
                     Poll::Ready(r) => {
                         r.unwrap();
                         frames_to_s += 1;
@@ -216,7 +210,7 @@ async fn reads_interleave_with_frames() {
                 }
             }
             while frames_to_c < 2 * posted {
-                match s.poll_send(cx, &pattern(frames_to_c + 9, 50 + frames_to_c)) {
+                match s.poll_send(cx, &pattern(50 + frames_to_c, (frames_to_c + 9) as u8)) {
                     Poll::Ready(r) => {
                         r.unwrap();
                         frames_to_c += 1;
@@ -232,7 +226,7 @@ async fn reads_interleave_with_frames() {
             while let Poll::Ready(ev) = c.poll_event(cx) {
                 match ev.unwrap() {
                     LinkEvent::Frame(f) => {
-                        assert_eq!(f[..], pattern(c_got + 9, 50 + c_got)[..]);
+                        assert_eq!(f[..], pattern(50 + c_got, (c_got + 9) as u8)[..]);
                         c_got += 1;
                     }
                     LinkEvent::ReadDone { id, result } => {
@@ -246,7 +240,7 @@ async fn reads_interleave_with_frames() {
                 let LinkEvent::Frame(f) = ev else {
                     panic!("serving reads must not surface events")
                 };
-                assert_eq!(f[..], pattern(s_got, 100 + s_got)[..]);
+                assert_eq!(f[..], pattern(100 + s_got, s_got as u8)[..]);
                 s_got += 1;
             }
             if done == frags && s_got == 2 * frags && c_got == 2 * frags {
@@ -341,7 +335,7 @@ fn descriptor(region: u64, len: u64) -> Vec<u8> {
 #[tokio::test]
 async fn bad_descriptors_fail_the_read_and_the_link_stays_usable() {
     let (mut s, mut c) = pair().await;
-    let region = Bytes::from(pattern(1, 10_000));
+    let region = pattern(10_000, 1);
     let exp = s.expose(region.clone()).unwrap();
     let mut dst = c.alloc_recv(20_000).unwrap();
     let p = dst.as_mut_ptr();
@@ -514,7 +508,7 @@ async fn a_frame_left_unwritten_wakes_the_sender_and_goes_out_with_the_next_poll
 async fn close_delivers_what_was_sent_then_end_of_stream() {
     let (mut s, mut c) = pair().await;
     for i in 0..3 {
-        poll_fn(|cx| c.poll_send(cx, &pattern(i, 1000)))
+        poll_fn(|cx| c.poll_send(cx, &pattern(1000, i as u8)))
             .await
             .unwrap();
     }
@@ -528,7 +522,7 @@ async fn close_delivers_what_was_sent_then_end_of_stream() {
         let LinkEvent::Frame(f) = next_event(&mut s, &mut c, &mut ignored).await.unwrap() else {
             panic!()
         };
-        assert_eq!(f[..], pattern(i, 1000)[..]);
+        assert_eq!(f[..], pattern(1000, i as u8)[..]);
     }
     let e = next_event(&mut s, &mut c, &mut ignored).await.unwrap_err();
     assert!(
@@ -768,7 +762,7 @@ async fn links_on_separate_tasks_serve_and_read() {
         })
         .await;
         for i in 0..100 {
-            poll_fn(|cx| c.poll_send(cx, &pattern(i, i * 10)))
+            poll_fn(|cx| c.poll_send(cx, &pattern(i * 10, i as u8)))
                 .await
                 .unwrap();
         }
@@ -785,7 +779,7 @@ async fn links_on_separate_tasks_serve_and_read() {
         .unwrap();
     assert_eq!(frames.len(), 100);
     for (i, f) in frames.iter().enumerate() {
-        assert_eq!(f[..], pattern(i, i * 10)[..]);
+        assert_eq!(f[..], pattern(i * 10, i as u8)[..]);
     }
     assert!(matches!(end, Error::PeerGone(_)), "{end}");
 }
@@ -984,7 +978,7 @@ async fn pushes_past_the_hold_limit_are_dropped_and_read_the_usual_way() {
 async fn nothing_is_pushed_to_a_peer_that_does_not_take_pushes() {
     let (mut s, mut raw) = raw_client().await;
     skip_preface(&mut raw).await;
-    let e = s.expose_message(Bytes::from(pattern(1, 5000))).unwrap();
+    let e = s.expose_message(pattern(5000, 1)).unwrap();
     assert!(!flagged(&e.descriptor));
     send_frame(&mut s, b"rts").await;
     let mut got = vec![0u8; 8];
@@ -1163,8 +1157,8 @@ async fn held_pushes_whose_reads_never_come_are_let_go() {
     let big = tcp::wire::MAX_PUSH;
     let (mut rd, wr) = raw.into_split();
     // Regions 1 and 2 come before any read: held, which fills the hold.
-    let mut first = push_record(1, big as u32, &pattern(1, big));
-    first.extend(push_record(2, big as u32, &pattern(2, big)));
+    let mut first = push_record(1, big as u32, &pattern(big, 1));
+    first.extend(push_record(2, big as u32, &pattern(big, 2)));
     let w = write_behind(wr, first);
     poll_raw_until(&mut s, |s| s.pushes_held() == 2).await;
     let mut wr = w.await.unwrap();
@@ -1179,10 +1173,10 @@ async fn held_pushes_whose_reads_never_come_are_let_go() {
         "held pushes below a region read are let go"
     );
     // A push below a region already read is not held either.
-    wr.write_all(&push_record(3, 100, &pattern(3, 100)))
+    wr.write_all(&push_record(3, 100, &pattern(100, 3)))
         .await
         .unwrap();
-    wr.write_all(&push_record(4, 100, &pattern(4, 100)))
+    wr.write_all(&push_record(4, 100, &pattern(100, 4)))
         .await
         .unwrap();
     let ev = own_event(&mut s).await.unwrap();
@@ -1196,9 +1190,9 @@ async fn held_pushes_whose_reads_never_come_are_let_go() {
         ),
         "{ev:?}"
     );
-    assert_eq!(four, pattern(4, 100));
+    assert_eq!(four, pattern(100, 4));
     // The hold has room again: region 5, ahead of its reads, is held, not dropped.
-    let w = write_behind(wr, push_record(5, big as u32, &pattern(5, big)));
+    let w = write_behind(wr, push_record(5, big as u32, &pattern(big, 5)));
     poll_raw_until(&mut s, |s| s.pushes_held() == 1).await;
     let wr = w.await.unwrap();
     assert_eq!(

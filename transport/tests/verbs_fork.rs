@@ -9,6 +9,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use ibex_test_support::pattern;
 use ibex_transport::{Config, Connection, connect, listen, verbs};
 
 fn skip() -> bool {
@@ -26,12 +27,6 @@ fn config(var: &str) -> Config {
     c.fragment_size = Some(c.default_fragment_size);
     c.pool_size = 16 << 20;
     c
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
-        .collect()
 }
 
 const LEN: usize = 1 << 20;

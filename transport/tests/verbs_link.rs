@@ -12,6 +12,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
+use ibex_test_support::pattern;
 use ibex_transport::Config;
 use ibex_transport::error::Error;
 use ibex_transport::link::{Link, LinkEvent, Registration};
@@ -114,17 +115,6 @@ async fn frame(link: &mut VerbsLink) -> Bytes {
     }
 }
 
-fn pattern(seed: u32, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| {
-            (i as u32)
-                .wrapping_mul(2654435761)
-                .wrapping_add(seed)
-                .to_le_bytes()[1]
-        })
-        .collect()
-}
-
 #[tokio::test]
 async fn setup_info_and_a_frame_each_way() {
     let Some(env) = env() else { return };
@@ -174,7 +164,7 @@ async fn hundreds_of_frames_arrive_in_order_and_intact() {
         let sizes = sizes.clone();
         async move {
             for (i, &n) in sizes.iter().enumerate() {
-                send(&mut c, &pattern(i as u32, n)).await;
+                send(&mut c, &pattern(n, i as u8)).await;
             }
             c
         }
@@ -183,7 +173,7 @@ async fn hundreds_of_frames_arrive_in_order_and_intact() {
         for (i, &n) in sizes.iter().enumerate() {
             let f = frame(&mut s).await;
             assert_eq!(f.len(), n, "frame {i} length");
-            assert!(f[..] == pattern(i as u32, n)[..], "frame {i} content");
+            assert!(f[..] == pattern(n, i as u8)[..], "frame {i} content");
         }
         s
     };
@@ -203,7 +193,7 @@ async fn two_part_frames_arrive_as_one() {
         cases.extend([(inline / 2, inline - inline / 2), (1, inline)]);
     }
     for (i, &(h, b)) in cases.iter().enumerate() {
-        let whole = pattern(i as u32, h + b);
+        let whole = pattern(h + b, i as u8);
         let (head, body) = whole.split_at(h);
         poll_fn(|cx| c.poll_send_parts(cx, head, body))
             .await
@@ -229,7 +219,7 @@ async fn full_ring_gives_pending_then_progress() {
     let mut pending = false;
     // The server does not poll, so the client's sends cannot all retire: it must say Pending.
     for _ in 0..200 {
-        let f = pattern(sent, frame_len);
+        let f = pattern(frame_len, sent as u8);
         let r = poll_fn(|cx| Poll::Ready(c.poll_send(cx, &f))).await;
         match r {
             Poll::Ready(Ok(())) => sent += 1,
@@ -248,14 +238,14 @@ async fn full_ring_gives_pending_then_progress() {
     let total = sent + 50;
     let tx = async move {
         for i in sent..total {
-            send(&mut c, &pattern(i, frame_len)).await;
+            send(&mut c, &pattern(frame_len, i as u8)).await;
         }
         c
     };
     let rx = async move {
         for i in 0..total {
             let f = frame(&mut s).await;
-            assert!(f[..] == pattern(i, frame_len)[..], "frame {i}");
+            assert!(f[..] == pattern(frame_len, i as u8)[..], "frame {i}");
         }
         s
     };
@@ -269,7 +259,7 @@ async fn rdma_read_in_fragments_with_several_outstanding() {
     let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
     // A plain heap buffer (registered on expose) and a pool buffer (the pool's own region).
     let len = 4 << 20;
-    let data = Bytes::from(pattern(7, len));
+    let data = pattern(len, 7);
     let exp = s.expose(data.clone()).expect("expose");
     assert!(!exp.zero_copy);
     assert_eq!(
@@ -279,7 +269,7 @@ async fn rdma_read_in_fragments_with_several_outstanding() {
     );
     let pool = s.pool().expect("registered pool");
     let mut pb = pool.alloc(300_000).expect("pool alloc");
-    pb.copy_from_slice(&pattern(9, 300_000));
+    pb.copy_from_slice(&pattern(300_000, 9));
     let pooled = pb.freeze();
     let exp2 = s.expose(pooled.clone()).expect("expose pool buffer");
 
@@ -352,7 +342,7 @@ async fn reads_past_the_read_depth_or_max_read_are_refused_and_the_rest_complete
     assert_eq!(c.info().read_depth, depth);
     let max_read = c.info().max_read;
     let (frag, n) = (16 << 10, depth + 1);
-    let data = Bytes::from(pattern(11, frag * n));
+    let data = pattern(frag * n, 11);
     let exp = s.expose(data.clone()).expect("expose");
     let mut dst = c.alloc_recv(frag * n).expect("alloc_recv");
     let post = |c: &mut VerbsLink, i: usize, dst: &mut ibex_transport::link::RecvBuf| {
@@ -373,7 +363,7 @@ async fn reads_past_the_read_depth_or_max_read_are_refused_and_the_rest_complete
     let e = post(&mut c, depth, &mut dst).expect_err("a read past the depth");
     assert!(e.to_string().contains("read depth"), "{e}");
     let mut big = c.alloc_recv(max_read + 1).expect("alloc_recv");
-    let long = Bytes::from(pattern(12, max_read + 1));
+    let long = pattern(max_read + 1, 12);
     let exp_long = s.expose(long).expect("expose");
     // SAFETY: as above.
     let e = unsafe { c.post_read(999, &exp_long.descriptor, 0, big.as_mut_ptr(), max_read + 1) }
@@ -534,7 +524,7 @@ async fn close_delivers_what_was_sent_then_peer_sees_it_gone() {
     // waits until the peer's slots took everything.
     let flush = async {
         for i in 0..37u32 {
-            send(&mut c, &pattern(i, 100 + i as usize * 50)).await;
+            send(&mut c, &pattern(100 + i as usize * 50, i as u8)).await;
         }
         c.close();
         tokio::time::timeout(LIMIT, poll_fn(|cx| c.poll_flush(cx)))
@@ -545,7 +535,7 @@ async fn close_delivers_what_was_sent_then_peer_sees_it_gone() {
     let rx = async {
         for i in 0..37u32 {
             assert!(
-                frame(&mut s).await[..] == pattern(i, 100 + i as usize * 50)[..],
+                frame(&mut s).await[..] == pattern(100 + i as usize * 50, i as u8)[..],
                 "frame {i}"
             );
         }
@@ -571,7 +561,7 @@ async fn a_flushed_close_survives_the_sender_dropping_its_queue_pair() {
     let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
     // Fewer than the receive slots posted at connect, marker included: no reader needed.
     for i in 0..5u32 {
-        send(&mut c, &pattern(i, 700)).await;
+        send(&mut c, &pattern(700, i as u8)).await;
     }
     c.close();
     tokio::time::timeout(LIMIT, poll_fn(|cx| c.poll_flush(cx)))
@@ -580,7 +570,10 @@ async fn a_flushed_close_survives_the_sender_dropping_its_queue_pair() {
         .expect("flush");
     drop(c);
     for i in 0..5u32 {
-        assert!(frame(&mut s).await[..] == pattern(i, 700)[..], "frame {i}");
+        assert!(
+            frame(&mut s).await[..] == pattern(700, i as u8)[..],
+            "frame {i}"
+        );
     }
     let e = next(&mut s).await.expect_err("peer closed");
     assert!(
@@ -653,10 +646,10 @@ async fn busy_poll_mode_moves_frames_and_reads() {
     let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
     assert!(s.busy_polling() && c.busy_polling());
     for i in 0..50u32 {
-        send(&mut c, &pattern(i, 1000)).await;
-        assert!(frame(&mut s).await[..] == pattern(i, 1000)[..]);
+        send(&mut c, &pattern(1000, i as u8)).await;
+        assert!(frame(&mut s).await[..] == pattern(1000, i as u8)[..]);
     }
-    let data = Bytes::from(pattern(3, 1 << 20));
+    let data = pattern(1 << 20, 3);
     let exp = s.expose(data.clone()).expect("expose");
     let mut dst = c.alloc_recv(1 << 20).expect("alloc_recv");
     // SAFETY: dst outlives the link.
@@ -706,13 +699,16 @@ async fn an_idle_link_holds_few_receive_slots_and_a_burst_grows_them() {
     );
     let tx = async {
         for i in 0..300u32 {
-            send(&mut c, &pattern(i, 1000)).await;
+            send(&mut c, &pattern(1000, i as u8)).await;
         }
         c
     };
     let rx = async {
         for i in 0..300u32 {
-            assert!(frame(&mut s).await[..] == pattern(i, 1000)[..], "frame {i}");
+            assert!(
+                frame(&mut s).await[..] == pattern(1000, i as u8)[..],
+                "frame {i}"
+            );
         }
         s
     };
@@ -734,7 +730,7 @@ async fn registrations_outlive_their_exposure_and_the_next_exposure_hits() {
     let Some(env) = env() else { return };
     let cfg = small_config();
     let (mut s, mut c) = pair_with(&env, &cfg, &cfg).await;
-    let buf = Bytes::from(pattern(9, 256 << 10));
+    let buf = pattern(256 << 10, 9);
     let first = s.expose(buf.clone()).expect("expose");
     assert_eq!(first.registration, Registration::Registered);
     assert!(s.withdraw(first.id).is_some());

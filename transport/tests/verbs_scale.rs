@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use ibex_test_support::pattern;
 use ibex_transport::{Config, Connection, connect, listen, verbs};
 
 fn skip() -> bool {
@@ -45,13 +45,6 @@ fn config(var: &str) -> Config {
     c.eager_threshold = Some(16 << 10);
     c.fragment_size = Some(c.default_fragment_size);
     c
-}
-
-fn pattern(len: usize, seed: u8) -> Bytes {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect::<Vec<u8>>()
-        .into()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -33,13 +33,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Two PS: the variable's 1 MiB parts spread over both, so the copies for one PS
     // overlap the send to the other.
-    let ports: Vec<u16> = (0..2)
-        .map(|_| {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map(|a| a.port())
-        })
-        .collect::<Result<_, _>>()?;
+    let ports = ibex_worker::free_ports("127.0.0.1", 2)?;
     let spec = ClusterSpec {
         ps: ports.iter().map(|p| format!("127.0.0.1:{p}")).collect(),
         workers: vec!["127.0.0.1:0".into()],

@@ -7,10 +7,7 @@ use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, TransportKind};
 use tokio::sync::oneshot;
 
-/// A local port nothing listens on right now, never one this process handed out before.
-pub fn free_port() -> u16 {
-    ibex_worker::free_ports("127.0.0.1", 1).expect("a free port")[0]
-}
+pub use ibex_test_support::free_port;
 
 /// Running in-process shards; dropping stops them.
 pub struct Cluster {

@@ -1,7 +1,6 @@
 //! Helpers shared by the connection test binaries (a directory module, so cargo does not
 //! build it as a test of its own).
 
-use bytes::Bytes;
 use ibex_transport::Config;
 
 /// Logs to the test's output, filtered by `RUST_LOG` (nothing without it); safe to call
@@ -14,14 +13,8 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// A recognisable payload: byte i is `i * 31 + seed`.
-#[allow(dead_code)] // not every test binary that shares this module sends patterns
-pub fn pattern(len: usize, seed: u8) -> Bytes {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect::<Vec<u8>>()
-        .into()
-}
+#[allow(unused_imports)] // not every test binary that shares this module sends patterns
+pub use ibex_test_support::pattern;
 
 /// The default configuration with a fixed eager threshold and the default fragment size
 /// fixed too, so that no connect-time probe runs.

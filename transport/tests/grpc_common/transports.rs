@@ -220,9 +220,7 @@ impl Transport for Stock {
     }
 
     async fn dead_addr() -> String {
-        // A port that was just free: bind, note, release.
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
+        format!("127.0.0.1:{}", ibex_test_support::free_port())
     }
 }
 

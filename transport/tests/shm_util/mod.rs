@@ -48,20 +48,8 @@ pub async fn frame(link: &mut ShmLink) -> Bytes {
     }
 }
 
-/// Deterministic content whose period (1 MiB + 13) does not line up with fragments or
-/// bounce slots, so a misplaced chunk shows.
-pub fn pattern(len: usize, seed: u32) -> Bytes {
-    let period = (1 << 20) + 13;
-    let block: Vec<u8> = (0..period.min(len) as u32)
-        .map(|i| (i.wrapping_add(seed).wrapping_mul(2_654_435_761) >> 24) as u8)
-        .collect();
-    let mut v = Vec::with_capacity(len);
-    while v.len() < len {
-        let n = (len - v.len()).min(block.len());
-        v.extend_from_slice(&block[..n]);
-    }
-    Bytes::from(v)
-}
+#[allow(unused_imports)] // not every test binary that shares this module sends patterns
+pub use ibex_test_support::pattern;
 
 /// Reads `total` bytes of `desc` with `frag`-byte reads, `inflight` at a time, the way the
 /// driver does. Frames arriving meanwhile are an error.

@@ -5,10 +5,7 @@ use std::time::Duration;
 use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, TransportKind};
 
-/// A local port nothing listens on right now, never one this process handed out before.
-pub fn free_port() -> u16 {
-    ibex_worker::free_ports("127.0.0.1", 1).expect("a free port")[0]
-}
+pub use ibex_test_support::free_port;
 
 /// Starts `num_ps` sync-mode PS shards for `workers` workers on the current runtime; returns
 /// the spec and their stop handles (dropping a handle stops its shard).
