@@ -125,6 +125,7 @@ async fn shutdown_signal() {
 
 async fn run_ps(spec: &ClusterSpec, index: usize, args: &LaunchArgs) -> Result<(), String> {
     let mut config = ibex_ps::PsConfig::new(spec.ps_listen_uri(index));
+    config.transport = ibex_transport::Config::from_env().map_err(|e| e.to_string())?;
     config.shard = u32::try_from(index).map_err(|_| format!("PS index {index} is too large"))?;
     config.num_workers = u32::try_from(spec.workers.len())
         .map_err(|_| format!("{} workers is too many", spec.workers.len()))?;

@@ -37,6 +37,9 @@ pub struct PsConfig {
     /// Bounds on pull replies exposed for one-sided reads (library only; defaults from
     /// the binary).
     pub expose: crate::ExposeLimits,
+    /// The transport's settings for worker connections: `Config::default()` from
+    /// [`PsConfig::new`], `Config::from_env()` (the `IBEX_*` variables) from the command line.
+    pub transport: ibex_transport::Config,
 }
 
 impl PsConfig {
@@ -54,6 +57,7 @@ impl PsConfig {
             sync_timeout: Duration::from_secs(30),
             limits: Limits::default(),
             expose: crate::ExposeLimits::default(),
+            transport: ibex_transport::Config::default(),
         }
     }
 
@@ -106,6 +110,8 @@ impl PsConfig {
                 a.sync_timeout_secs.or(file.sync_timeout_secs).unwrap_or(30),
             ),
             expose: crate::ExposeLimits::default(),
+            transport: ibex_transport::Config::from_env()
+                .map_err(|e| PsError::Config(e.to_string()))?,
         })
     }
 

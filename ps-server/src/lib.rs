@@ -94,7 +94,7 @@ pub async fn run(
         }
     }
     let metrics = Arc::new(Metrics::default());
-    let server = ibex_transport::grpc::Server::builder();
+    let server = ibex_transport::grpc::Server::builder().config(config.transport.clone());
     if !config.listen.starts_with("http://") {
         metrics.set_transport(server.stats());
     }

@@ -36,6 +36,9 @@ impl Cluster {
         let mut tasks = Vec::new();
         for i in 0..num_ps {
             let mut cfg = PsConfig::new(spec.ps_uri(i));
+            // The `IBEX_*` environment, as the binary reads it (CI reruns these suites
+            // with busy-polling on).
+            cfg.transport = ibex_transport::Config::from_env().expect("IBEX_* variables");
             cfg.shard = i as u32;
             cfg.num_workers = workers;
             cfg.mode = mode;

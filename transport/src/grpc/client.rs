@@ -596,9 +596,9 @@ impl Drop for CallGuard {
 
 impl Channel {
     /// Connects to a gRPC server at an Ibex address (`shm:///path.sock`, `tcp://host:port`)
-    /// with the default configuration and its environment overrides.
+    /// with the default configuration (`Config::default()`).
     pub async fn connect(uri: &str) -> Result<Channel> {
-        Channel::connect_with_config(uri, Config::from_env()?).await
+        Channel::connect_with_config(uri, Config::default()).await
     }
 
     /// Connects with an explicit transport configuration. When the connection is gone
@@ -862,7 +862,7 @@ impl Channel {
             // A message small enough to ride in its packet needs no body to pump.
             Err(data) if data.len() <= shared.mux.inline_max() => {
                 head.end = true;
-                head.compact = shared.mux.compact();
+                head.compact = true;
                 let now = match head.encode_written(data) {
                     // The message's encoding disagrees with its length; nothing went out.
                     Err(e) => Now::Failed(Status::internal(format!(
@@ -1030,7 +1030,7 @@ impl Endpoint {
         }
     }
 
-    /// The transport configuration (default: [`Config::from_env`]).
+    /// The transport configuration (default: `Config::default()`; a program that wants the `IBEX_*` environment passes [`Config::from_env`]).
     pub fn config(mut self, config: Config) -> Self {
         self.config = Some(config);
         self
@@ -1159,10 +1159,10 @@ impl Endpoint {
         self
     }
 
-    fn config_or_env(&self) -> Result<Config> {
+    fn transport_config(&self) -> Result<Config> {
         let mut c = match &self.config {
             Some(c) => c.clone(),
-            None => Config::from_env()?,
+            None => Config::default(),
         };
         if let Some(k) = self.tcp_keepalive {
             c.tcp_keepalive = k;
@@ -1211,7 +1211,7 @@ impl Endpoint {
     }
 
     fn inner(&self) -> Result<Inner> {
-        let config = self.config_or_env()?;
+        let config = self.transport_config()?;
         config.validate()?;
         crate::conn::Addr::parse(&self.uri)?;
         let limits = Limits {

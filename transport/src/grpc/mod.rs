@@ -244,9 +244,6 @@ fn cost(len: usize) -> i64 {
 pub(crate) struct Mux {
     conn: Connection,
     side: Side,
-    /// Whether the peer adds the standard head entries back ([`Mux::compact`]): 0 not
-    /// known yet, 1 no, 2 yes.
-    compact: std::sync::atomic::AtomicU8,
 }
 
 /// A packet [`Mux::send_now`] could not send at once.
@@ -274,31 +271,7 @@ fn transport_status(e: &Error) -> Status {
 
 impl Mux {
     fn new(conn: Connection, side: Side) -> Mux {
-        Mux {
-            conn,
-            side,
-            compact: std::sync::atomic::AtomicU8::new(0),
-        }
-    }
-
-    /// Whether packets to this peer may leave a head's standard entries off
-    /// ([`crate::proto::frame::FEATURE_GRPC_IMPLIED`]). Asked of the connection until its
-    /// peer's `Hello` is in (heads go whole until then), then kept: the answer never
-    /// changes, and asking locks the connection.
-    fn compact(&self) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
-        match self.compact.load(Relaxed) {
-            2 => true,
-            1 => false,
-            _ => match self.conn.peer_features() {
-                None => false,
-                Some(f) => {
-                    let yes = f & crate::proto::frame::FEATURE_GRPC_IMPLIED != 0;
-                    self.compact.store(if yes { 2 } else { 1 }, Relaxed);
-                    yes
-                }
-            },
-        }
+        Mux { conn, side }
     }
 
     /// The largest body frame copied into its packet, and the piece size of large frames.
@@ -325,7 +298,7 @@ impl Mux {
     /// Encodes `pkt` with `data` as its body frame (see [`attach`]): the packet, and the
     /// body frame when it goes as the second part of a two-part message.
     fn encode(&self, mut pkt: Packet, data: Option<Bytes>) -> Result<(Bytes, Option<Bytes>)> {
-        pkt.compact = self.compact();
+        pkt.compact = true;
         let next = attach(&mut pkt, data, self.inline_max());
         let head = pkt.encode()?;
         match next {
@@ -406,7 +379,7 @@ impl Mux {
             return self.send_now(pkt, Some(data.into_bytes()));
         }
         let call = pkt.call;
-        pkt.compact = self.compact();
+        pkt.compact = true;
         let head = pkt.encode_around(data)?;
         Ok(self.conn.try_send(head)?.map(|head| Encoded {
             call,
@@ -434,7 +407,7 @@ impl Mux {
         mut pkt: Packet,
         frame: &dyn FrameWriter,
     ) -> Result<Option<Encoded>> {
-        pkt.compact = self.compact();
+        pkt.compact = true;
         let head = pkt.encode_written(frame)?;
         let sent = self.send_encoded_now(pkt.call, head);
         // The packet (its head's map) is dropped once the bytes are on their way: the

@@ -206,7 +206,7 @@ impl Builder {
         self.stats.clone()
     }
 
-    /// The transport configuration for accepted connections (default: [`Config::from_env`]).
+    /// The transport configuration for accepted connections (default: `Config::default()`; a program that wants the `IBEX_*` environment passes [`Config::from_env`]).
     pub fn config(mut self, config: Config) -> Self {
         self.config = Some(config);
         self
@@ -308,7 +308,7 @@ impl Builder {
     ) -> Result<()> {
         let mut config = match &self.config {
             Some(c) => c.clone(),
-            None => Config::from_env()?,
+            None => Config::default(),
         };
         if let Some(k) = self.tcp_keepalive {
             config.tcp_keepalive = k;

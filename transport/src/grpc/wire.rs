@@ -280,9 +280,9 @@ impl Trailers {
 #[derive(Debug, Default)]
 pub(crate) struct Packet {
     pub call: u32,
-    /// Encode for a peer that adds a head's standard entries back itself (it announced
-    /// [`crate::proto::frame::FEATURE_GRPC_IMPLIED`]): a head with no entries of its own leaves
-    /// them off. Never decoded: a decoded head holds them.
+    /// Leave a head's standard entries off when it has no entries of its own: every
+    /// decoder adds them back ([`IMPLIED`]), so the connection's side sets this on every
+    /// packet it sends. Never decoded: a decoded head holds them.
     pub compact: bool,
     pub head: Option<Head>,
     pub data: Option<Data>,
