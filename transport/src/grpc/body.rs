@@ -1,6 +1,5 @@
-//! The body of an incoming call half (the request on the server, the response on the
-//! client): what the connection's reader dispatched to this call, handed to tonic as an
-//! `http_body::Body`, with flow-control credit returned as it is consumed.
+//! The body of an incoming call half (request on the server, response on the client): what
+//! the reader dispatched to the call, as an `http_body::Body`, returning credit as consumed.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -28,9 +27,8 @@ pub(crate) enum Inbound {
     Error(Status),
 }
 
-/// A call's inbound queue: what the connection's reader dispatched, for the body to take.
-/// Lighter than a channel (a tokio channel allocates a 32-slot block per call, and calls are
-/// many and short).
+/// A call's inbound queue, lighter than a channel: a tokio channel allocates a 32-slot block
+/// per call, and calls are many and short.
 pub(crate) struct Inbox {
     queue: Mutex<VecDeque<Inbound>>,
     waker: AtomicWaker,
@@ -40,11 +38,9 @@ pub(crate) struct Inbox {
     held: Option<Arc<Held>>,
 }
 
-/// Body bytes a server connection holds for its calls' handlers: received, not yet taken.
-/// Each call's window bounds its own share; this bounds their sum (HTTP/2's connection
-/// window), so a client that opens many calls whose handlers do not read cannot make the
-/// server buffer `calls x window`. Past the limit the connection stops reading (its
-/// transport credits then hold the client back) until handlers take some.
+/// Body bytes a server connection holds for handlers that have not taken them. This bounds
+/// the sum over its calls (HTTP/2's connection window), so calls whose handlers do not read
+/// cannot make the server buffer `calls x window`: past it the connection stops reading.
 pub(crate) struct Held {
     bytes: AtomicUsize,
     limit: usize,
@@ -201,10 +197,9 @@ impl IncomingBody {
         }
     }
 
-    /// A call half that arrived whole in one packet (a unary request or response): its
-    /// body frame, then its trailers (client side) or its end. No inbox, no flow control,
-    /// nothing to wait for. On the server, `held` keeps the bytes on the connection's
-    /// account until the handler takes them, as an inbox does.
+    /// A call half that arrived whole in one packet (a unary request or response): its body
+    /// frame, then trailers (client) or its end, with no inbox or flow control. On the server
+    /// `held` keeps the bytes on the connection's account until the handler takes them.
     pub(crate) fn complete(
         data: Option<Bytes>,
         trailers: Option<HeaderMap>,
@@ -333,11 +328,9 @@ impl std::fmt::Debug for IbexBody {
 
 impl Drop for IbexBody {
     fn drop(&mut self) {
-        // Nobody reads this inbox any more: forget the reader's waker, so the dispatcher
-        // closing the inbox later does not wake the task that finished with it. On the
-        // server that task is the connection's own (its calls run inside it): a task woken
-        // while it runs is re-queued as a yield, and tokio then wakes an idle worker thread
-        // to steal it, one futex wake and context switch per call for nothing.
+        // Forget the reader's waker, so the inbox's later close does not wake the task that
+        // is done with it: on the server that is the connection's own task, and waking a
+        // running task re-queues it as a yield and wakes an idle worker to steal it.
         drop(self.rx.waker.take());
     }
 }
@@ -441,9 +434,8 @@ impl http_body::Body for IbexBody {
                         && budget > 0
                         && !read_all
                     {
-                        // A frame this task reads for its own inbox must not wake it while it
-                        // runs (tokio would re-queue it as a yield and wake an idle worker
-                        // thread): unregister while reading, and look again afterwards.
+                        // Unregistered while reading: a frame read for our own inbox must
+                        // not wake this running task (a yield, and an idle worker woken).
                         drop(this.rx.waker.take());
                         match r.poll_read(cx) {
                             Poll::Ready(true) => budget -= 1,

@@ -1,13 +1,8 @@
 //! The call multiplexer's state, sans IO: which calls a connection carries, which ids are
-//! free, whether new calls are still taken (GOAWAY, the server's limit), and what an
-//! inbound packet means for the call it names (window grant, receive accounting, the
-//! packet that ends the call here).
-//!
-//! Client and server each keep one table per connection, behind that connection's lock,
-//! and do only the IO the table's answers ask for (a oneshot, an inbox, a packet to send).
-//! The rules live here once, and `tests` drive a client table and a server table against
-//! each other over a simulated connection, deterministically, the way `tests/proto_sim.rs`
-//! drives the transport core.
+//! free, whether new calls are taken (GOAWAY, the server's limit), and what an inbound packet
+//! means for its call. Client and server keep one table per connection, behind its lock, and
+//! do only the IO its answers ask for, so the rules live here once and `tests` can drive both
+//! tables against each other over a simulated connection, deterministically.
 
 use std::collections::hash_map::Entry as MapEntry;
 
@@ -52,9 +47,8 @@ pub(crate) enum Admit {
 pub(crate) enum Entry<'a, T> {
     /// The call goes on.
     Live(&'a mut T),
-    /// The client cancelled (server): the call's state is finished, so its handler's
-    /// future stops, and the call stays in the table until that future is gone
-    /// ([`CallTable::end`]): the limit on calls in flight counts every handler still held.
+    /// The client cancelled (server): the call's state is finished so its handler stops, and
+    /// it stays in the table until that future is gone, so the limit counts it.
     Cancelled(&'a mut T),
     /// This packet ends the call here (client: the server's end or reset): it is out of
     /// the table, its state finished.
@@ -63,14 +57,12 @@ pub(crate) enum Entry<'a, T> {
 
 /// What one inbound packet means.
 pub(crate) enum Verdict<'a, T> {
-    /// For no one: a packet of a call already over here (cancelled, finished), or a GOAWAY
-    /// (now recorded).
+    /// For no one: a packet of a call already over here, or a GOAWAY (now recorded).
     Dropped,
     /// For a call in progress; any window it grants is applied, any data accounted.
     Call(Entry<'a, T>),
-    /// The peer sent past the call's window. The call is out of the table. As HTTP/2's
-    /// FLOW_CONTROL_ERROR: no honest peer does it, and going on would buffer what it sends
-    /// next.
+    /// The peer sent past the call's window; the call is out of the table. As HTTP/2's
+    /// FLOW_CONTROL_ERROR: no honest peer does it, and going on would buffer what follows.
     Overrun(T),
 }
 
@@ -104,9 +96,8 @@ impl<T: Slot> CallTable<T> {
         self.open_with_parity(value, 0)
     }
 
-    /// Starts a whole unary call of the direct path (client): gives it the next free odd
-    /// id, which tells the decoder that its answer may merge into one map
-    /// ([`super::wire::whole_unary`]).
+    /// Starts a whole unary call of the direct path (client): the next free odd id tells the
+    /// decoder its answer may merge into one map ([`super::wire::whole_unary`]).
     pub(crate) fn open_whole(&mut self, value: T) -> Result<u32, Status> {
         self.open_with_parity(value, 1)
     }
@@ -184,8 +175,7 @@ impl<T: Slot> CallTable<T> {
             return Verdict::Overrun(c);
         }
         match self.side {
-            // The server's end is the end of the call: the request half is over (or no
-            // longer wanted) by then.
+            // The server's end ends the call: the request half is over or no longer wanted.
             Side::Client if p.end || p.reset => {
                 let c = slot.remove();
                 c.call().finish();
@@ -239,7 +229,6 @@ impl<T: Slot> CallTable<T> {
         self.closed.as_ref()
     }
 
-    /// How many calls the table holds.
     pub(crate) fn len(&self) -> usize {
         self.map.len()
     }

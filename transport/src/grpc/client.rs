@@ -115,15 +115,13 @@ impl Future for HeadRx {
     }
 }
 
-/// A gRPC client channel over one Ibex connection. Cheap to clone; all clones multiplex
-/// their calls on the same connection. Hand it to any generated client:
+/// A gRPC client channel over one Ibex connection. Cheap to clone; all clones multiplex their
+/// calls on the same connection. Hand it to any generated client:
 /// `BenchClient::new(Channel::connect("shm:///run/ibex.sock").await?)`.
 ///
-/// It does not reconnect: once the connection is gone, calls fail with `Unavailable`
-/// saying why, and a new channel must be connected.
-///
-/// A call runs to completion on the task that makes it: the request goes onto the link from
-/// the caller's poll, and the caller reads its own response off the connection.
+/// Once the connection is gone, calls fail `Unavailable` saying why, and the next call
+/// connects again (a [`Channel::new`] channel cannot). A call runs to completion on the task
+/// that makes it, which also reads its own response off the connection.
 #[derive(Clone)]
 pub struct Channel {
     kind: Kind,
@@ -281,10 +279,9 @@ impl Inner {
     }
 }
 
-/// There is no reader task: whoever waits for the server (a caller for its response head, a
-/// response body for its next frame, a request stream for window) reads the connection
-/// itself and hands what it reads to the calls it belongs to. A unary call is completed on
-/// the task that made it, with no hop between tasks.
+/// There is no reader task: whoever waits for the server (a caller for its head, a body for
+/// its next frame, a request stream for window) reads the connection and hands what it reads
+/// to its calls, so a unary call completes on the task that made it.
 struct Shared {
     mux: Arc<Mux>,
     calls: Mutex<CallTable<Call>>,
@@ -515,23 +512,20 @@ impl ReadSource for Shared {
     }
 }
 
-/// A request's sending half that could not finish at once.
-// Moved once, straight into the call's future (or dropped): boxing the large variant
-// would add an allocation and save no copy.
+// Moved once, straight into the call's future (or dropped): boxing the large variant would
+// add an allocation and save no copy.
 #[allow(clippy::large_enum_variant)]
 /// What a call sends after its head.
 pub(crate) enum Outgoing<'a> {
     /// A body, with the gRPC request headers (`te`, `content-type`) among the head's.
     Body(tonic::body::Body),
-    /// One whole prefixed message, written where it goes (into the head's packet when it
-    /// rides inline); the gRPC request headers go with it as [`Head::Request`]'s
-    /// `standard`.
+    /// One whole prefixed message, written where it goes (into the head's packet if inline);
+    /// the gRPC request headers go with it as [`Head::Request`]'s `standard`.
     Whole(&'a (dyn FrameWriter + Sync)),
 }
 
-/// What is left to send of a request that did not go out whole at once, as a future.
-/// Made out of line: built on a caller's stack before it moves to the heap, it would
-/// otherwise reserve its size in the frame of every call, the whole ones among them.
+/// What is left to send of a request that did not go out whole at once, as a future. Out of
+/// line, so callers' frames do not reserve its size on every call.
 #[inline(never)]
 fn sending(
     shared: &Arc<Shared>,
@@ -601,10 +595,9 @@ impl Channel {
         Channel::connect_with_config(uri, Config::default()).await
     }
 
-    /// Connects with an explicit transport configuration. When the connection is gone
-    /// (the server restarted, a network failure), the calls in flight fail `Unavailable`
-    /// naming the cause and the next call connects again, with back-off, as tonic's
-    /// channel does.
+    /// Connects with an explicit transport configuration. When the connection is gone, calls
+    /// in flight fail `Unavailable` naming the cause and the next call reconnects, with
+    /// back-off, as tonic's channel does.
     pub async fn connect_with_config(uri: &str, config: Config) -> Result<Channel> {
         let conn = crate::conn::connect(uri, config.clone()).await?;
         let limits = Limits::default();
@@ -910,9 +903,8 @@ impl Channel {
         };
         if let Some(later) = later {
             let mut sending = sending(&shared, &call, id, later);
-            // What is left usually goes out in this first poll, which saves a task hop;
-            // whatever would wait finishes in its own task. Either way the sending future
-            // is never dropped half-way.
+            // What is left usually goes out in this first poll, saving a task hop; what would
+            // wait finishes in its own task, so the sending future is never dropped half-way.
             let finished =
                 std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx).is_ready())).await;
             if !finished {
@@ -1030,7 +1022,8 @@ impl Endpoint {
         }
     }
 
-    /// The transport configuration (default: `Config::default()`; a program that wants the `IBEX_*` environment passes [`Config::from_env`]).
+    /// The transport configuration (default `Config::default()`; pass [`Config::from_env`]
+    /// for the `IBEX_*` environment).
     pub fn config(mut self, config: Config) -> Self {
         self.config = Some(config);
         self

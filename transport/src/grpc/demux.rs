@@ -1,8 +1,6 @@
-//! The inbound half of the call framing, sans IO: turns the connection's transport messages
-//! back into packets with their body frames. Client and server share it, and any task
-//! that reads the connection feeds the one instance a connection has. A packet and its
-//! body are one transport message: the body inline, or a two-part message's second part
-//! (`Connection::send_parts`), so nothing waits for a message still to come.
+//! The inbound half of the call framing, sans IO: turns a connection's transport messages
+//! back into packets with their body frames, fed by whichever task reads the connection. A
+//! packet and its body are one message (inline, or a two-part message's second part).
 
 use bytes::Bytes;
 
@@ -52,13 +50,11 @@ impl Demux {
     /// Longer heads are decoded every time.
     const MAX_REPEAT: usize = 512;
 
-    /// Heads kept at once: a connection calls a handful of methods (a PS worker pushes
-    /// and pulls), and each has its head. Each miss compares a head with this many kept
-    /// ones and this many recent ones.
+    /// Heads kept at once: a connection calls a handful of methods, each with its head. A
+    /// miss compares a head with this many kept and this many recent ones.
     pub(crate) const MAX_KEPT: usize = 4;
 
-    /// How many packets came with a head that repeated a kept one, and so were not decoded
-    /// again.
+    /// How many packets came with a head repeating a kept one, so were not decoded again.
     pub(crate) fn repeats(&self) -> u64 {
         self.repeats
     }
@@ -132,9 +128,8 @@ impl Demux {
             };
         }
         // A whole unary packet whose head repeats is not decoded again. A head is kept once
-        // it came twice among the last few whole packets, so a connection whose heads
-        // change on every call (a request id, a trace context) pays a copy of each head and
-        // a few comparisons, not a map, and its heads never push out the kept ones.
+        // it came twice among the last few, so heads that change every call (a request id)
+        // cost a copy and a few comparisons, and never push out the kept ones.
         let whole = WholeParts::of(&msg, self.request).filter(|w| w.head.len() <= Self::MAX_REPEAT);
         let mut again = None;
         if let Some(w) = &whole {

@@ -1,17 +1,12 @@
-//! The direct unary path: a unary call over Ibex without tonic's per-call machinery.
+//! The direct unary path: unary calls over Ibex without tonic's per-call machinery (an
+//! encoder body, a streaming decoder, compression state and status header maps per call).
 //!
-//! The code ibex-codegen generates registers each unary method of a server as a direct
-//! handler ([`DirectRoute`]) when the service is added, and makes its client's unary calls
-//! through a [`DirectClient`]. A request or response that is one uncompressed protobuf
-//! message is encoded and decoded here with prost, straight from the bytes the connection
-//! delivered, and the answer goes back as one packet. tonic's `Grpc::unary` builds, for
-//! every call, an encoder body, a streaming decoder, compression state and status header
-//! maps, which a unary call over Ibex does not need.
-//!
-//! What the direct path does not cover goes through tonic unchanged: a channel that is not
-//! Ibex (`http://`), compression on either side, a request that is not exactly one
-//! message. The answers are tonic's: the same status codes and messages for oversize,
-//! malformed and compressed messages, metadata and trailers merged as tonic merges them.
+//! ibex-codegen registers each unary method of a server as a [`DirectRoute`] and makes its
+//! client's unary calls through a [`DirectClient`]. A request or response that is one
+//! uncompressed protobuf message is encoded and decoded here with prost, straight from the
+//! connection's bytes, and the answer goes back as one packet. Everything else (`http://`
+//! channels, compression, not exactly one message) goes through tonic unchanged, and the
+//! answers are tonic's: the same statuses, metadata and trailers merged as tonic merges them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -38,18 +33,16 @@ const DEFAULT_MAX_DECODING: usize = 4 << 20;
 /// The gRPC message prefix: a compression flag and a big-endian length.
 const PREFIX: usize = 5;
 
-/// What a direct route answers: the response headers (metadata, sanitized; the content
-/// type is added where the answer is sent), the prefixed message and the response's extensions, or the call's
-/// status.
+/// What a direct route answers: the response headers (metadata, sanitized; the content type
+/// is added where the answer is sent), the prefixed message and extensions, or the status.
 pub(crate) type DirectAnswer = Result<(HeaderMap, FrameBuf, http::Extensions), Status>;
 
 /// A direct call whose handler did not finish in its first poll.
 pub(crate) type DirectFuture = Pin<Box<dyn Future<Output = DirectAnswer> + Send>>;
 
-/// An answer ready in a direct call's first poll, handed to the server while the handler's
-/// message is still where the handler left it: the response headers (sanitized) and the
-/// message, which is encoded straight into the packet that carries it; or the call's
-/// status.
+/// An answer ready in a direct call's first poll, while the message is still where the
+/// handler left it: the sanitized response headers and the message, to be encoded straight
+/// into its packet; or the call's status.
 pub(crate) type ReadyAnswer<'a> = Result<(HeaderMap, &'a dyn FrameWriter), Status>;
 
 /// Where a direct call's first poll hands a ready answer.
@@ -164,9 +157,8 @@ where
     Ok(handler(request))
 }
 
-/// Hands what the handler answered at once to `reply`, its message to be encoded where it
-/// goes. The message and the response's extensions are dropped after the answer has gone
-/// out: the client works on it meanwhile.
+/// Hands what the handler answered at once to `reply`, its message encoded where it goes.
+/// Message and extensions are dropped once the answer is out: the client works meanwhile.
 fn answer_now<R: prost::Message>(
     answer: Result<tonic::Response<R>, Status>,
     max_encoding: usize,
@@ -195,9 +187,8 @@ fn finish<R: prost::Message>(
     }
 }
 
-/// A handler's response as the direct path sends it: its headers without what user
-/// metadata may not set (the content type goes onto the wire after them, see
-/// `Head::Response`), its message, its extensions.
+/// A handler's response as the direct path sends it: its headers without what user metadata
+/// may not set (the content type follows them on the wire), its message, its extensions.
 fn split<R>(
     answer: Result<tonic::Response<R>, Status>,
 ) -> Result<(HeaderMap, R, http::Extensions), Status> {
@@ -240,9 +231,8 @@ pub(crate) fn direct_message(
     Some((m, plain(headers)?))
 }
 
-/// The direct side of a client generated with ibex-codegen: its unary calls, encoded and
-/// decoded here and sent through the channel's one call function
-/// ([`Channel::exchange`]), as every other call on the channel is.
+/// The direct side of an ibex-codegen client: its unary calls, encoded and decoded here and
+/// sent through [`Channel::exchange`], as every other call on the channel is.
 #[doc(hidden)]
 #[derive(Clone)]
 pub struct DirectClient {
@@ -457,10 +447,9 @@ fn not_one_message(len: usize) -> Status {
 
 /// A message with its gRPC prefix, refused as tonic's encoder refuses one over `limit`.
 fn encode<M: prost::Message>(msg: &M, limit: usize) -> Result<FrameBuf, Status> {
-    // Behind room for the packet where that pays, which is then written around the
-    // message instead of copying it.
-    // A frame of another length than announced would reach the peer malformed; refused,
-    // it fails the one call.
+    // Behind room for the packet where that pays, so the packet is written around it. A
+    // frame of another length than announced would reach the peer malformed: refused, it
+    // fails the one call.
     FrameBuf::from_writer(&Message::new(msg, limit)?)
         .map_err(|e| Status::internal(format!("the response could not be sent: {e}")))
 }
@@ -514,12 +503,10 @@ impl<M: prost::Message> FrameWriter for Message<'_, M> {
     }
 }
 
-/// The writer a message is encoded through: exactly the bytes its `encoded_len`
-/// announced, in a buffer reserved beforehand. prost writes every tag and length as
-/// single bytes; through `BytesMut` each of those is a capacity check and a `memcpy`
-/// call (about 60 instructions a byte, a tenth of a small call's encoding), here a
-/// store. It never grows and never panics: a faulty `Message` impl that writes past the
-/// end leaves an empty frame, which the packet's length check refuses.
+/// The writer a message is encoded through: exactly the bytes its `encoded_len` announced, in
+/// a buffer reserved beforehand, so prost's single-byte tag and length writes are stores, not
+/// a capacity check and a `memcpy` call each. It never grows or panics: a faulty `Message`
+/// that writes past the end leaves an empty frame, which the packet's length check refuses.
 struct Exact<'a> {
     buf: &'a mut [std::mem::MaybeUninit<u8>],
     at: usize,

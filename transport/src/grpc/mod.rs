@@ -1,8 +1,5 @@
 //! gRPC over Ibex: a tonic-compatible client [`Channel`] and [`Server`] that carry calls as
-//! Ibex messages instead of HTTP/2 frames.
-//!
-//! Generated tonic clients and servers work unchanged; only the channel and server lines
-//! differ from stock tonic:
+//! Ibex messages instead of HTTP/2 frames. Generated tonic clients and servers work unchanged:
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
@@ -15,19 +12,11 @@
 //! # Ok(()) }
 //! ```
 //!
-//! How calls travel is described in `grpc/wire.rs`: each call is
-//! `HEAD *DATA [TRAILERS|END]` in each direction, many calls share one connection, and every
-//! body frame is its own transport message above a few KiB (in 1 MiB pieces from 2 MiB up,
-//! so the receiver decodes while the rest moves), and the transport moves large messages
-//! rendezvous without a copy. Flow control is per call (a byte window), so a slow
-//! reader of one call never stalls the others. What HTTP/2 did and tonic's own server layer
-//! did is done here: `grpc-timeout` deadlines (enforced on both sides), cancellation (the
-//! handler's future is dropped when the client cancels or goes away), trailers and
-//! trailers-only responses, and graceful shutdown. See `docs/grpc.md`.
-//!
-//! For bulk data that should not pass through protobuf at all, a handler can pull a buffer
-//! the client exposed ([`Channel::expose`]) with the [`PeerHandle`] found in the request's
-//! extensions.
+//! Each call is `HEAD *DATA [TRAILERS|END]` each way (`wire.rs`); many calls share one
+//! connection, and flow control is per call, so a slow reader of one call never stalls the
+//! others. What HTTP/2 and tonic's server layer did is done here: `grpc-timeout` deadlines,
+//! cancellation, trailers-only responses and graceful shutdown. A handler can pull a buffer
+//! the client exposed ([`Channel::expose`]) with the [`PeerHandle`] in the request's extensions.
 
 mod body;
 mod calls;
@@ -63,8 +52,7 @@ use pump::Side;
 use tonic::Status;
 use wire::{Data, FrameBuf, FrameWriter, PACKET_ROOM, Packet, Trailers};
 
-/// Entry points for the fuzz targets and their seed-corpus test (`transport/fuzz`); not a
-/// stable API.
+/// Entry points for the fuzz targets and their seed corpus (`transport/fuzz`); not stable API.
 #[doc(hidden)]
 pub mod fuzzing {
     use bytes::{Buf, Bytes};
@@ -77,14 +65,12 @@ pub mod fuzzing {
     use super::pump::Side;
     use super::wire::{Limits, Packet};
 
-    /// A transport message as a receiver gets it: its bytes, or a two-part message's head
-    /// and body (`Connection::recv_parts`).
+    /// A received transport message: its bytes, or a two-part message's head and body.
     pub type Message = (Bytes, Option<Bytes>);
 
-    /// Splits a fuzz input into transport messages: each is a u16 (big endian) length and
-    /// that many bytes ([`SECOND_PART`] set in the length: the low 15 bits are the first
-    /// part's, and a second part follows, as a u16 length and its bytes); a short tail is
-    /// the last message.
+    /// Splits a fuzz input into messages: each a u16 (big endian) length and its bytes; with
+    /// [`SECOND_PART`] set, the low 15 bits are the first part's length and a second part (u16
+    /// length, bytes) follows. A short tail is the last message.
     pub fn split_messages(mut data: &[u8]) -> Vec<Message> {
         fn part(data: &mut &[u8], len: usize) -> Bytes {
             let len = len.min(data.len());
@@ -105,21 +91,17 @@ pub mod fuzzing {
         out
     }
 
-    /// The bit of a fuzz input's message length that says a second part follows
-    /// ([`split_messages`]).
+    /// Set in a fuzz input's message length when a second part follows.
     pub const SECOND_PART: u16 = 0x8000;
 
     /// The calls a fuzzed client has open, and the fuzzed server's limit.
     const CALLS: u32 = 8;
 
-    /// Feeds `messages` to one connection's call demultiplexer, as a server
-    /// (`request`) or a client would receive them, and what comes out to the side's call
-    /// table (a client with calls `0..8` open, odd ones whole unary calls). Every packet it
-    /// accepts must be the packet the general decoder makes of its message alone (a head
-    /// kept for repeats included), must re-encode to bytes that decode to the same packet,
-    /// and the server's table must keep its limit.
-    /// Returns how many packets came out before the first framing error (which ends a
-    /// real connection), or the broken invariant.
+    /// Feeds `messages` to a server's (`request`) or client's demultiplexer and call table (a
+    /// client with calls `0..8` open, odd ones whole unary). Each accepted packet must be what
+    /// the general decoder makes of its message alone and re-encode to the same packet, and
+    /// the server's table must keep its limit. Returns the packets before the first framing
+    /// error, or the broken invariant.
     pub fn feed(messages: &[Message], request: bool) -> Result<usize, String> {
         feed_counting(messages, request).map(|(n, _)| n)
     }
@@ -131,8 +113,7 @@ pub mod fuzzing {
         let side = if request { Side::Server } else { Side::Client };
         let mut table = CallTable::new(side, CALLS as usize);
         if !request {
-            // Ids 0..CALLS: even ones ordinary calls, odd ones whole unary calls of the
-            // direct path (`wire::whole_unary`), as a client numbers them.
+            // Even ids ordinary calls, odd ones whole unary calls (`wire::whole_unary`).
             for i in 0..CALLS {
                 let slot = Fuzzed(CallShared::new());
                 let _ = if i % 2 == 0 {
@@ -152,8 +133,7 @@ pub mod fuzzing {
                 Err(_) => return Ok((n, demux.repeats() as usize)),
             };
             if demux.repeats() != before {
-                // Not decoded again: it must be exactly what the general decoder makes of
-                // this message on its own.
+                // A repeated head must decode exactly as its message alone would.
                 let Some(f) = fresh else {
                     return Err("a repeat where the general decoder refuses the packet".into());
                 };
@@ -275,13 +255,9 @@ impl Mux {
     }
 
     /// The largest body frame copied into its packet, and the piece size of large frames.
-    ///
-    /// A body rides in its packet as long as the packet stays eager: one message each way,
-    /// as the transport itself would send those bytes. (A fixed 8 KiB cap used to send
-    /// larger bodies as a second message, which cost 15-25% at 16-60 KiB on shm, and up to
-    /// 3-4x where that message went rendezvous; docs/benchmarks.md.) Pieces are two
-    /// rendezvous fragments, so each piece's read is pipelined, and at least 1 MiB
-    /// (measured: smaller pieces cost more in per-message work than the overlap wins).
+    /// A body rides in its packet while the packet stays eager: one message each way. Pieces
+    /// are two rendezvous fragments, so each piece's read is pipelined, and at least 1 MiB,
+    /// below which per-message work outweighs the overlap.
     fn sizes(&self) -> (usize, usize) {
         let (threshold, fragment) = self.conn.message_sizes();
         (
@@ -290,7 +266,6 @@ impl Mux {
         )
     }
 
-    /// The largest body frame that rides inside its packet.
     fn inline_max(&self) -> usize {
         self.sizes().0
     }
@@ -302,11 +277,9 @@ impl Mux {
         let next = attach(&mut pkt, data, self.inline_max());
         let head = pkt.encode()?;
         match next {
-            // The body rides inline after all where the packet then still goes eager (a
-            // body just over `inline_max` with a short packet: an inline length takes 4
-            // bytes where a separate one takes 8), and where the packet is too long to
-            // ride in the frame that announces a two-part message (a head of tens of KiB,
-            // or a peer whose build has no two-part messages): a copy, but one message.
+            // Inline after all where the packet then still goes eager (an inline length
+            // takes 4 bytes, a separate one 8), or is too long for the frame announcing a
+            // two-part message (a large head, or a peer without two-part messages).
             Some(body)
                 if head.len() + body.len() <= self.conn.eager_threshold() + 4
                     || head.len() > self.conn.head_room() =>
@@ -318,10 +291,8 @@ impl Mux {
         }
     }
 
-    /// Sends `pkt`, with `data` as its body frame (inline when small, else as the second
-    /// part of one two-part message with the packet). The packet is encoded before the
-    /// future is made, so the future holds bytes, not the packet (it lives inside every
-    /// call's future).
+    /// Sends `pkt` with `data` as its body frame. Encoded before the future is made, so the
+    /// future (inside every call's) holds bytes, not the packet.
     fn send(&self, pkt: Packet, data: Option<Bytes>) -> impl Future<Output = Result<()>> + '_ {
         let call = pkt.call;
         let encoded = self.encode(pkt, data);
@@ -337,9 +308,8 @@ impl Mux {
             return self.conn.send(head).await;
         };
         let sent = self.conn.send_parts(head, body).await;
-        // The transport refused the message whole (too large for the peer, a failed
-        // registration): the peer saw none of it, and learns that this call failed. The
-        // call's other packets and every other call go on.
+        // Refused whole (too large for the peer, a failed registration): the peer saw none
+        // of it and learns that this call failed; other calls go on.
         if let Err(e) = &sent {
             let mut abort = Packet::new(call);
             match self.side {
@@ -370,9 +340,8 @@ impl Mux {
             .map(|head| Encoded { call, head, body }))
     }
 
-    /// [`Mux::send_now`] for a body frame encoded behind room for its packet: when it rides
-    /// inline, the packet is written around it ([`Packet::encode_around`]) instead of
-    /// copying it.
+    /// [`Mux::send_now`] for a frame with room for its packet: inline, the packet is written
+    /// around it ([`Packet::encode_around`]) instead of copying it.
     fn send_framed_now(&self, mut pkt: Packet, data: FrameBuf) -> Result<Option<Encoded>> {
         // (`inline_max` locks the connection's state: asked only for frames with room.)
         if !data.has_room() || data.len() > self.inline_max() {
@@ -388,8 +357,7 @@ impl Mux {
         }))
     }
 
-    /// [`Mux::send_now`] for a body frame that writes itself: inline, it is encoded straight
-    /// into the packet's buffer.
+    /// [`Mux::send_now`] for a frame that writes itself, straight into the packet if inline.
     fn send_written_now(&self, pkt: Packet, frame: &dyn FrameWriter) -> Result<Option<Encoded>> {
         if frame.len() > self.inline_max() {
             return match FrameBuf::from_writer(frame)? {
@@ -400,8 +368,7 @@ impl Mux {
         self.send_inline_written_now(pkt, frame)
     }
 
-    /// [`Mux::send_written_now`] for a frame the caller found to be within
-    /// [`Mux::inline_max`].
+    /// [`Mux::send_written_now`] for a frame known to be within [`Mux::inline_max`].
     fn send_inline_written_now(
         &self,
         mut pkt: Packet,
@@ -410,14 +377,12 @@ impl Mux {
         pkt.compact = true;
         let head = pkt.encode_written(frame)?;
         let sent = self.send_encoded_now(pkt.call, head);
-        // The packet (its head's map) is dropped once the bytes are on their way: the
-        // peer works on them meanwhile.
+        // Dropped (its head's map) once the bytes are on their way: the peer works meanwhile.
         drop(pkt);
         sent
     }
 
-    /// Sends call `call`'s packet, already encoded with its body frame, or hands it back
-    /// when the link has no room now.
+    /// Sends call `call`'s encoded packet, or hands it back when the link has no room now.
     fn send_encoded_now(&self, call: u32, head: Bytes) -> Result<Option<Encoded>> {
         let unsent = self.conn.try_send(head)?;
         Ok(unsent.map(|head| Encoded {
@@ -481,10 +446,9 @@ pub(crate) fn attach(pkt: &mut Packet, data: Option<Bytes>, inline_max: usize) -
 pub(crate) async fn read_while<F: Future>(src: &dyn ReadSource, fut: F) -> F::Output {
     let mut fut = std::pin::pin!(fut);
     std::future::poll_fn(|cx| {
-        // While this task reads for `fut` itself, `fut` is polled with a waker that does
-        // nothing: what the task reads for it would otherwise wake this very task while it
-        // runs, which tokio re-queues as a yield (waking an idle worker thread to steal it).
-        // The real waker goes to `fut` last, before the task sleeps.
+        // `fut` is polled with a no-op waker while this task reads for it: waking the running
+        // task re-queues it as a yield (and wakes an idle worker to steal it). The real waker
+        // goes to `fut` last, before the task sleeps.
         let mut quiet = Context::from_waker(std::task::Waker::noop());
         for _ in 0..READ_BUDGET {
             if let Poll::Ready(v) = fut.as_mut().poll(&mut quiet) {
@@ -492,8 +456,7 @@ pub(crate) async fn read_while<F: Future>(src: &dyn ReadSource, fut: F) -> F::Ou
             }
             match src.poll_read(cx) {
                 Poll::Ready(true) => {}
-                // Closed: whatever `fut` waits on was failed with the connection. Nothing
-                // to read now: `fut` takes the real waker (and may have become ready).
+                // Closed, or nothing to read: `fut` takes the real waker (and may be ready).
                 Poll::Ready(false) | Poll::Pending => return fut.as_mut().poll(cx),
             }
         }
@@ -558,9 +521,8 @@ pub(crate) struct CallShared {
     /// overtake the head, or the peer would see a reset for a call it does not know yet.
     head_sent: Flag,
     head_skipped: AtomicBool,
-    /// Client side: where the response head is left for the caller (see
-    /// [`client::HeadTx`]); here rather than in a channel of its own, which cost an
-    /// allocation and about a thousand instructions a call.
+    /// Client side: where the response head is left for the caller ([`client::HeadTx`]); a
+    /// channel of its own would cost an allocation a call.
     head: std::sync::Mutex<client::HeadSlot>,
 }
 
@@ -601,8 +563,7 @@ impl CallShared {
         }
     }
 
-    /// Takes `len` bytes of window if there is any left (a frame may go while the window
-    /// is positive, so one larger than the window still goes, alone).
+    /// Takes `len` bytes of window if any is left (a frame larger than the window goes alone).
     fn try_acquire(&self, len: usize) -> bool {
         match self.send_window.lock() {
             Ok(mut w) if *w > 0 => {

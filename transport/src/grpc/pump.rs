@@ -1,7 +1,6 @@
-//! The outgoing half of a call (the request on the client, the response on the server):
-//! turns an `http_body::Body` into packets. Whatever the body has ready at once rides in the
-//! same packet as the head, so a unary call is one message each way; after that each body
-//! frame waits for flow-control window and goes as its own packet.
+//! The outgoing half of a call (request on the client, response on the server): turns an
+//! `http_body::Body` into packets. What the body has ready at once rides with the head, so a
+//! unary call is one message each way; later frames each wait for window and go alone.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -93,10 +92,9 @@ fn sent(r: crate::error::Result<()>) -> Pumped {
     }
 }
 
-/// Sends `first` (the head packet, and a body frame already taken for it) and then `body`
-/// for call `id`. `deadline` (server only) ends the response
-/// with `DeadlineExceeded` if the body is still going when it passes. `reader` (client
-/// only) is read while waiting for window, since the peer's grants arrive on it.
+/// Sends `first` (the head packet and any body frame taken for it), then `body`, for call `id`.
+/// `deadline` (server) ends the response with `DeadlineExceeded` if it passes mid-body;
+/// `reader` (client) is read while waiting for window, since the grants arrive on it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn pump<B>(
     mux: &Arc<Mux>,
@@ -174,12 +172,10 @@ where
                         }
                         p = Packet::new(id);
                     }
-                    // A large frame goes in pieces (views of it, no copy), so the receiver
-                    // can hand the first to its decoder while the next is still moving: a
-                    // whole 16 MiB message would otherwise be read, then copied by tonic's
-                    // decoder, then answered, one stage after the other. The last piece
-                    // takes the remainder (up to two pieces' worth), so a message just over
-                    // a multiple of the piece size does not end in a tiny one.
+                    // A large frame goes in pieces (views, no copy) so the receiver decodes
+                    // the first while the next still moves, instead of read, copy and answer
+                    // in turn. The last piece takes the remainder (under two pieces' worth),
+                    // so no message ends in a tiny piece.
                     let piece_size = mux.sizes().1;
                     while data.len() >= 2 * piece_size {
                         let piece = data.split_to(piece_size);
@@ -236,10 +232,8 @@ pub(crate) enum Now<B> {
     Sent,
     /// All of it is one encoded packet, which waits for room in the send queue.
     Unsent(Encoded),
-    /// The rest would wait, is large, or failed: [`pump`] goes on from it. Boxed: the
-    /// calls that get here make a future for the rest anyway, and inline it made every
-    /// `Now` 472 bytes, copied several times a call by the unary calls that never get
-    /// here (three copies in a client's call, callgrind).
+    /// The rest would wait, is large, or failed: [`pump`] goes on from it. Boxed, so the unary
+    /// calls that never get here do not copy a large `Now` around.
     Rest(Box<Remainder<B>>),
     /// The transport refused the packet (the connection is failing).
     Failed(Status),
@@ -261,10 +255,9 @@ impl<B> Now<B> {
     }
 }
 
-/// Sends `head` and the body with it when all of the body is ready at once and fits in one
-/// packet (a unary request or response, in the common case), with no future and no wait;
-/// otherwise returns what [`pump`] is to do with the rest. A future for each call's sending
-/// half (a few kilobytes, past the allocator's fast sizes) is what this saves.
+/// Sends `head` and the body when all of it is ready at once and fits in one packet (a unary
+/// call, usually), with no future and no wait, saving a large future allocated per call;
+/// otherwise returns what [`pump`] is to do with the rest.
 pub(crate) fn pump_now<B>(mux: &Mux, mut head: Packet, mut body: B, side: Side) -> Now<B>
 where
     B: Body<Data = Bytes> + Unpin,

@@ -1,26 +1,22 @@
-//! The call-framing layer: how gRPC calls are multiplexed over one Ibex connection.
-//!
-//! Every transport message is one *packet* for one call:
+//! The call framing: how gRPC calls share one Ibex connection. Every transport message is one
+//! *packet* for one call:
 //!
 //! ```text
 //! u32 call id (big endian) | u8 flags | sections, in flag order:
 //!   HEAD       u32 len | head block     request: u16 path len, path, header list
 //!                                       response: u16 HTTP status, header list
 //!   DATA       u32 len | bytes          body bytes, inline (small frames)
-//!   DATA_NEXT  u64 len                  body bytes are the transport message's second part
-//!                                       (a two-part message: this packet in the frame that
-//!                                       announces it, the body by rendezvous), untouched, so
-//!                                       large ones go with no copy
+//!   DATA_NEXT  u64 len                  body bytes are the message's second part
+//!                                       (rendezvous, untouched: large ones go with no copy)
 //!   TRAILERS   u32 len | header list    implies END
 //!   WINDOW     u32 credit               flow control: the peer consumed this much
 //! header list: u16 count, then per entry u16 name len, name, u32 value len, value
 //! ```
 //!
-//! `END` ends the sender's side of the call (client: half-close; server: response done),
-//! `RESET` aborts the call (client cancel, or the server gave up), `GOAWAY` (call id 0) tells
-//! the client that the server is draining and takes no new calls. A call is
-//! `HEAD *DATA [TRAILERS | END]` each way, the model of gRPC's own in-memory transport;
-//! whatever is ready at once travels in one packet (a unary request is one message).
+//! `END` ends the sender's side (client: half-close; server: response done), `RESET` aborts
+//! the call, `GOAWAY` (call id 0) tells the client the server takes no new calls. A call is
+//! `HEAD *DATA [TRAILERS | END]` each way, as in gRPC's in-memory transport; what is ready at
+//! once travels in one packet.
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::uri::PathAndQuery;
@@ -37,9 +33,8 @@ pub(crate) const RESET: u8 = 32;
 pub(crate) const WINDOW: u8 = 64;
 pub(crate) const GOAWAY: u8 = 128;
 
-/// Room for a packet's own fields beside an inline body frame (call id, flags, lengths, a
-/// small head): a body frame is copied into its packet while both fit under the
-/// connection's eager threshold, and travels as its own transport message above that.
+/// Room for a packet's own fields beside an inline body frame: a body frame is copied into
+/// its packet while both fit the eager threshold, and goes as its own message above that.
 pub(crate) const PACKET_ROOM: usize = 512;
 
 /// Bytes a header map takes on the wire (see `put_headers_and`).
@@ -64,17 +59,12 @@ const FRAME_ROOM: usize = 256;
 /// Bytes kept after a [`FrameBuf`] body frame: a `grpc-status: 0` trailer block and a window.
 const FRAME_TAIL: usize = 32;
 
-/// Frames from this size up get room for their packet; smaller ones are copied into it.
-/// Writing around a frame costs a shared-buffer header (an allocation and two atomic
-/// counts) in place of the packet's own buffer, about 140 instructions more per packet than
-/// copying a 64-byte frame (callgrind), and an exactly sized frame turns into `Bytes`
-/// without an allocation of its own, which one with room does not.
+/// Frames from this size up get room for their packet; smaller ones are copied into it, since
+/// writing around a frame costs a shared-buffer header (an allocation and two atomic counts).
 const FRAME_ROOM_MIN: usize = 2048;
 
-/// A body frame that writes itself into whatever buffer it goes to: a packet's own buffer
-/// when it rides inline ([`Packet::encode_written`]), so a small message is encoded once,
-/// straight into the bytes that go to the transport, with no buffer of its own to allocate,
-/// copy and free (the direct path, both sides).
+/// A body frame that writes itself into the buffer it goes to: a packet's own when inline
+/// ([`Packet::encode_written`]), so a small message is encoded once, with no buffer of its own.
 pub(crate) trait FrameWriter {
     /// The frame's length in bytes.
     fn len(&self) -> usize;
@@ -82,10 +72,8 @@ pub(crate) trait FrameWriter {
     fn put(&self, b: &mut BytesMut);
 }
 
-/// A body frame written behind room for its packet's fields
-/// ([`Packet::encode_around`]): one allocation and no copy of the frame where the packet
-/// would otherwise copy it into a buffer of its own. The direct path encodes its messages
-/// this way. Frames under [`FRAME_ROOM_MIN`] get no room and are copied as before.
+/// A body frame written behind room for its packet's fields ([`Packet::encode_around`]), so
+/// the packet need not copy it. Frames under [`FRAME_ROOM_MIN`] get no room and are copied.
 #[derive(Debug)]
 pub(crate) enum FrameBuf {
     /// A small frame, exactly sized.
@@ -106,9 +94,8 @@ impl FrameBuf {
         buf
     }
 
-    /// `frame` in a buffer of its own, for a frame that goes separately or through a body;
-    /// refused, as [`Packet::encode_written`] refuses it, when it wrote another length than
-    /// it announced.
+    /// `frame` in a buffer of its own, for a frame sent apart or through a body; refused if it
+    /// wrote another length than it announced, as [`Packet::encode_written`] refuses it.
     pub(crate) fn from_writer(frame: &dyn FrameWriter) -> Result<FrameBuf> {
         let len = frame.len();
         let mut buf = FrameBuf::buffer(len);
@@ -129,13 +116,11 @@ impl FrameBuf {
         }
     }
 
-    /// Whether the frame has room for its packet in front ([`Packet::encode_around`]
-    /// copies it otherwise).
+    /// Whether the frame has room for its packet in front (else [`Packet::encode_around`] copies).
     pub(crate) fn has_room(&self) -> bool {
         matches!(self, FrameBuf::Room(_))
     }
 
-    /// The frame's length.
     pub(crate) fn len(&self) -> usize {
         match self {
             FrameBuf::Plain(b) => b.len(),
@@ -143,7 +128,6 @@ impl FrameBuf {
         }
     }
 
-    /// The frame.
     pub(crate) fn as_slice(&self) -> &[u8] {
         match self {
             FrameBuf::Plain(b) => b,
@@ -162,9 +146,8 @@ impl FrameBuf {
         }
     }
 
-    /// Splits off room for `before` bytes of packet fields, empty and ending where the
-    /// frame starts, and the frame (with its tail room); the frame back if `before` does
-    /// not fit the room.
+    /// Splits off empty room for `before` bytes of packet fields, ending where the frame
+    /// starts, and the frame with its tail room; the frame back if `before` does not fit.
     fn split_for(self, before: usize) -> std::result::Result<(BytesMut, BytesMut), FrameBuf> {
         match self {
             FrameBuf::Room(mut room) if before <= FRAME_ROOM => {
@@ -209,19 +192,17 @@ pub(crate) enum Head {
     Request {
         path: PathAndQuery,
         headers: HeaderMap,
-        /// Sending only (`None` when decoded): the headers every gRPC request carries,
-        /// written after `headers` with no map made for them: `te: trailers`,
-        /// `content-type: application/grpc`, and this `user-agent` unless `headers` has
-        /// one. The receiver decodes them into its map like any other.
+        /// Sending only: the headers every gRPC request carries, written after `headers` with
+        /// no map made for them: `te`, `content-type` and this `user-agent` unless `headers`
+        /// has one.
         standard: Option<HeaderValue>,
     },
     /// Server to client: the HTTP status and the response headers.
     Response {
         status: StatusCode,
         headers: HeaderMap,
-        /// Sending only (`None` when decoded): the headers every gRPC response head
-        /// carries, written after `headers` unless it has them: `content-type:
-        /// application/grpc` and this `date`.
+        /// Sending only: `content-type: application/grpc` and this `date`, written after
+        /// `headers` unless it has them, with no map made for them.
         standard: Option<HeaderValue>,
     },
 }
@@ -245,8 +226,8 @@ pub(crate) enum Trailers {
     /// merges a unary answer's trailers into its metadata (received only: the whole
     /// answer of a direct unary call, see [`whole_unary`]).
     OkInHead,
-    /// Any other trailers. Boxed: a map is 96 bytes, and inline it made every packet,
-    /// copied several times a call, that much larger for the rare answer that has one.
+    /// Any other trailers. Boxed: inline, a map would make every packet (copied several times
+    /// a call) 96 bytes larger for the rare answer that has one.
     Map(Box<HeaderMap>),
 }
 
@@ -303,7 +284,7 @@ impl Packet {
 
     /// Encodes the packet. `Data::Next` only records the length; the caller sends the bytes.
     pub(crate) fn encode(&self) -> Result<Bytes> {
-        // Sized exactly: growing mid-encode reallocated and copied once or twice per call.
+        // Sized exactly, so encoding never grows the buffer.
         let mut b = BytesMut::with_capacity(self.encoded_len());
         let mut flags = self.put_head(&mut b)?;
         match &self.data {
@@ -346,10 +327,9 @@ impl Packet {
         Ok(b.freeze())
     }
 
-    /// Encodes the packet with `frame` as its inline body frame (the packet's own `data`
-    /// must be `None`), writing the packet's fields into the room in front of the frame and
-    /// after it: the frame's bytes are not copied. A head too large for the room is the
-    /// one case that copies.
+    /// Encodes the packet with `frame` as its inline body frame (own `data` must be `None`),
+    /// writing the fields into the room around the frame instead of copying it; only a head
+    /// too large for the room copies.
     pub(crate) fn encode_around(&self, frame: FrameBuf) -> Result<Bytes> {
         debug_assert!(
             self.data.is_none(),
@@ -405,9 +385,8 @@ impl Packet {
                 Some(Trailers::OkInHead),
             ) = (h, &self.trailers)
             {
-                // A received answer with its ok trailer merged in is written as it came:
-                // the trailer apart, so that it decodes to itself (only re-encoding a
-                // received packet, as the fuzz harness does, gets here).
+                // Only re-encoding a received packet (the fuzz harness) gets here: its merged
+                // ok trailer is written apart again, so that it decodes to itself.
                 let mut apart = headers.clone();
                 apart.remove(GRPC_STATUS);
                 let h = Head::Response {
@@ -572,9 +551,8 @@ impl Packet {
             });
         }
         if let Some((status, mut h)) = response_head {
-            // tonic's client merges the trailers into the response's headers: room for them
-            // now saves growing (and rehashing) the map then. A whole direct answer's lone
-            // `grpc-status: 0` is merged here, into a map kept for the next answer.
+            // Room for the trailers tonic's client merges into the headers saves growing the
+            // map then; a whole direct answer's lone `grpc-status: 0` is merged here.
             let headers = if whole_unary(call) && p.trailers == Some(Trailers::Ok) {
                 let (map, merged) = seen.headers_with_ok(&mut h, limits)?;
                 if merged {
@@ -602,13 +580,11 @@ impl Packet {
     }
 }
 
-/// Where the parts of a *whole unary packet* lie in a transport message: one that carries
-/// a call's head, its one body frame and its end, and nothing else. Those are nearly all
-/// packets on a connection of unary calls, and their heads repeat call after call
-/// ([`super::demux::Demux`] decodes such a head once). A request is `HEAD | DATA | END`;
-/// an answer is `HEAD | DATA | TRAILERS` (`END` or not: trailers end the call) of a whole
-/// unary call ([`whole_unary`]) whose trailers are `grpc-status: 0` alone. Only the
-/// layout is checked here: the head block's contents are the general decoder's to judge.
+/// Where the parts of a *whole unary packet* lie in a message: a call's head, its one body
+/// frame and its end, nothing else (nearly every packet of unary calls; their heads repeat,
+/// see [`super::demux::Demux`]). A request is `HEAD | DATA | END`; an answer of a
+/// [`whole_unary`] call is `HEAD | DATA | TRAILERS` with trailers `grpc-status: 0` alone.
+/// Only the layout is checked here; the head's contents are the general decoder's to judge.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct WholeParts {
     pub(crate) call: u32,
@@ -697,10 +673,9 @@ impl Head {
 }
 
 thread_local! {
-    /// The HEAD section this thread wrote last for a [`Head::plain`] head. Successive calls
-    /// repeat it (a generated client's path and user agent; a server's status and date,
-    /// which changes once a second), and copying it costs less than writing it entry by
-    /// entry. Its bytes follow from the head alone, so one copy serves every connection.
+    /// The HEAD section this thread last wrote for a [`Head::plain`] head: successive calls
+    /// repeat it, and copying it costs less than writing it entry by entry. Its bytes follow
+    /// from the head alone, so one copy serves every connection.
     static LAST_HEAD: std::cell::RefCell<LastHead> = std::cell::RefCell::default();
 }
 
@@ -845,9 +820,8 @@ fn put_headers(b: &mut BytesMut, h: &HeaderMap) -> Result<()> {
     put_headers_and(b, h, &Standard::NONE)
 }
 
-/// The entries [`Head::Request::standard`] stands for: constant ones, written as bytes
-/// encoded at compile time, then at most one that varies (the user agent, the date).
-/// Entry by entry, the three of a request cost about 500 instructions to write.
+/// The entries [`Head::Request::standard`] stands for: constant ones, encoded at compile time
+/// so they are copied rather than written entry by entry, then at most one that varies.
 struct Standard<'a> {
     fixed: &'static [u8],
     fixed_count: u16,
@@ -869,7 +843,6 @@ impl Standard<'_> {
         usize::from(self.fixed_count) + usize::from(self.tail.is_some())
     }
 
-    /// Their encoded size.
     fn len(&self) -> usize {
         self.fixed.len()
             + self
@@ -922,10 +895,9 @@ const REQUEST_ENTRIES: [u8; 50] = {
 };
 
 /// The entries a head's `standard` stands for, after `headers`: on a request `te`,
-/// `content-type` and the user agent `standard` unless `headers` has one; on a response
-/// `content-type` and the date `standard`, each unless `headers` has it.
-/// `compact`: the peer adds the constant ones back itself ([`IMPLIED`]), so a head with
-/// no headers of its own (nearly every call) leaves them off the wire.
+/// `content-type` and the user agent unless `headers` has one; on a response `content-type`
+/// and the date, each unless `headers` has it. With `compact` (the peer adds the constant
+/// ones back, [`IMPLIED`]) a head with no headers of its own leaves them off the wire.
 fn standard_headers<'a>(
     headers: &HeaderMap,
     standard: &'a Option<HeaderValue>,
@@ -1127,19 +1099,14 @@ fn get_headers(b: &mut Bytes, limits: &Limits, room: usize, kind: Implied) -> Re
     Ok(h)
 }
 
-/// What one connection's decoder has seen, so that what repeats is parsed once.
-///
-/// - Method paths: a connection calls a handful of methods over and over, and parsing a
-///   path (checking every byte) cost about 700 instructions a call. Holds the first
-///   [`Seen::MAX_PATHS`] distinct paths; others are parsed each time, so a peer that sends
-///   many distinct paths gains nothing and costs no memory.
-/// - The last head's header list: call after call, a connection's heads carry the same
-///   headers (`te`, `content-type`, `user-agent` on requests; `content-type` and a `date`
-///   that changes once a second on responses). A list seen twice in a row is kept as its
-///   map, and the next identical list becomes a clone of that map: two allocations and
-///   a copy, where parsing, matching and hashing each entry cost 1.2-1.4 k instructions
-///   per head (callgrind, 64 B Echo). A list that changes every call (a request id, a
-///   trace context) costs one copy of its bytes, at most [`Seen::MAX_HEADERS`].
+/// What one connection's decoder has seen, so that what repeats is parsed once:
+/// - method paths: a connection calls a handful of methods, and parsing a path checks every
+///   byte. The first [`Seen::MAX_PATHS`] distinct paths are kept; others are parsed each
+///   time, so a peer sending many distinct paths gains nothing and costs no memory;
+/// - the last head's header list: a list seen twice in a row is kept as its map, and the
+///   next identical list is a clone of it instead of parsing, matching and hashing each
+///   entry. A list that changes every call costs a copy of its bytes (up to
+///   [`Seen::MAX_HEADERS`]).
 #[derive(Debug, Default)]
 pub(crate) struct Seen {
     paths: Vec<PathAndQuery>,
@@ -1178,9 +1145,8 @@ impl Seen {
             if room == 0 {
                 return Ok(map.clone());
             }
-            // A clone has no spare room, and the trailers that tonic's client merges into a
-            // response's head would then grow it (a reallocation, about 600 instructions):
-            // a map with room, filled from the kept one, costs less than either.
+            // A clone has no spare room for the trailers tonic's client merges into the head
+            // (a reallocation then): a map with room, filled from the kept one, is cheaper.
             let mut m = HeaderMap::with_capacity(map.len() + room);
             for (k, v) in map {
                 m.append(k.clone(), v.clone());
@@ -1246,10 +1212,9 @@ impl Seen {
     }
 }
 
-/// Names that gRPC calls carry, made once: a name parsed from bytes that is not one of
-/// HTTP's standard ones is copied into an allocation of its own, and every response has at
-/// least `grpc-status`. A `static`, not a `const`: a const array is built (and dropped) anew
-/// at every use, which callgrind counted at 400 instructions per decode.
+/// Names that gRPC calls carry, made once: a parsed name that is not one of HTTP's standard
+/// ones is otherwise copied into an allocation of its own. A `static`, not a `const`: a const
+/// array is built and dropped anew at every use.
 static KNOWN_NAMES: [HeaderName; 10] = [
     HeaderName::from_static("grpc-status"),
     HeaderName::from_static("grpc-message"),
@@ -1289,9 +1254,8 @@ fn header_name(b: &[u8]) -> Result<HeaderName> {
     HeaderName::from_bytes(b).map_err(|_| proto_err("invalid header name".into()))
 }
 
-/// One of [`KNOWN_NAMES`], by a `match` on the bytes (the compiler branches on the length
-/// first): a search of the list compared a request's `te`, `content-type` and
-/// `user-agent` with seven to nine names each, about 600 instructions a call.
+/// One of [`KNOWN_NAMES`], by a `match` on the bytes (branching on the length first) rather
+/// than comparing each name in turn.
 fn known_name(b: &[u8]) -> Option<&'static HeaderName> {
     let i = match b {
         b"grpc-status" => 0,
@@ -2133,8 +2097,8 @@ mod tests {
     #[test]
     fn header_counts_and_sizes_are_bounded_before_allocation() {
         let lim = Limits::default();
-        // 40000 entries once panicked inside `HeaderMap::with_capacity`; counts of 32768
-        // and up now carry the implied-entries mark, which trailers may not.
+        // Refused before `HeaderMap::with_capacity`, which panics on huge counts; counts of
+        // 32768 and up carry the implied-entries mark, which trailers may not.
         let e = Packet::decode(with_header_count(30000), false, &lim).unwrap_err();
         assert!(
             e.to_string()
