@@ -190,7 +190,7 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
     let w = {
         let t = Instant::now();
         loop {
-            match Worker::connect(&spec, 0).await {
+            match Worker::connect(&spec, 0, &ibex_worker::transport_config().unwrap()).await {
                 Ok(w) => break w,
                 Err(e) if t.elapsed() < WITHIN => {
                     let _ = e;

@@ -77,7 +77,7 @@ async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
     // The PS needs a moment to bind; connecting retries until it is up.
     let t0 = Instant::now();
     let first = loop {
-        match Worker::connect(&spec, 0).await {
+        match Worker::connect(&spec, 0, &ibex_worker::transport_config().unwrap()).await {
             Ok(w) => break w,
             Err(e) if t0.elapsed() < Duration::from_secs(60) => {
                 let _ = e;
@@ -106,7 +106,7 @@ async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
     let start = Instant::now();
     for i in 1..n {
         let t = Instant::now();
-        let w = Worker::connect(&spec, i)
+        let w = Worker::connect(&spec, i, &ibex_worker::transport_config().unwrap())
             .await
             .unwrap_or_else(|e| panic!("worker {i} of {n}: {e}"));
         connect_ms.push(t.elapsed().as_secs_f64() * 1e3);
@@ -288,7 +288,7 @@ async fn sync_steps_hit_the_registration_cache() {
     let mut workers = Vec::new();
     for i in 0..n {
         let w = loop {
-            match Worker::connect(&spec, i).await {
+            match Worker::connect(&spec, i, &ibex_worker::transport_config().unwrap()).await {
                 Ok(w) => break w,
                 Err(_) if t0.elapsed() < Duration::from_secs(60) => {
                     tokio::time::sleep(Duration::from_millis(200)).await

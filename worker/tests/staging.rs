@@ -35,7 +35,9 @@ fn g(step: u64, i: usize) -> f32 {
 /// with the same gradients; afterwards both must hold identical values, equal to plain SGD.
 async fn staged_equals_slices(transport: TransportKind) -> Worker {
     let (spec, _stops) = common::start_sync_ps(transport, 2, 1);
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = Worker::connect(&spec, 0, &ibex_worker::transport_config().unwrap())
+        .await
+        .unwrap();
     let small = [7usize];
     w.create_variables(&[
         var("a_big", &BIG),
@@ -163,8 +165,14 @@ async fn staged_pushes_over_tcp_go_inline() {
 async fn a_buffer_in_flight_is_not_handed_out_again() {
     let (spec, _stops) = common::start_sync_ps(TransportKind::Shm, 1, 2);
     let vars = [var("w", &[100_000])];
-    let w0 = Arc::new(Worker::connect(&spec, 0).await.unwrap());
-    let w1 = Worker::connect(&spec, 1).await.unwrap();
+    let w0 = Arc::new(
+        Worker::connect(&spec, 0, &ibex_worker::transport_config().unwrap())
+            .await
+            .unwrap(),
+    );
+    let w1 = Worker::connect(&spec, 1, &ibex_worker::transport_config().unwrap())
+        .await
+        .unwrap();
     w0.create_variables(&vars).await.unwrap();
     w1.create_variables(&vars).await.unwrap();
 
@@ -214,7 +222,9 @@ async fn a_buffer_in_flight_is_not_handed_out_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misuse_gets_typed_errors() {
     let (spec, _stops) = common::start_sync_ps(TransportKind::Tcp, 2, 1);
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = Worker::connect(&spec, 0, &ibex_worker::transport_config().unwrap())
+        .await
+        .unwrap();
     let table = VarSpec {
         sparse: true,
         ..var("emb", &[10, 4])

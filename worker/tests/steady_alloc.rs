@@ -86,7 +86,9 @@ async fn large_allocs<T>(f: impl Future<Output = T>) -> (u64, T) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_ps_step_allocates_no_large_buffer() {
     let (spec, _stops) = common::start_sync_ps(TransportKind::Shm, 2, 1);
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = Worker::connect(&spec, 0, &ibex_worker::transport_config().unwrap())
+        .await
+        .unwrap();
     // A split variable (two parts on two PS), whole ones on either PS, and a small one.
     let vars = [
         var("fc", &[640, 512]),

@@ -1012,14 +1012,14 @@ pub async fn listen(uri: &str, config: Config) -> Result<Listener> {
 }
 
 /// Listens on `host:port` over tcp and, for peers on this host, over shm at
-/// [`auto_shm_path`]`(port)`, so that [`connect_auto`] can pick the best path; and over
+/// [`auto_shm_path`] in [`Config::shm_dir`], so that [`connect_auto`] can pick the best path; and over
 /// verbs (bootstrap on port + 1) when this host has an RDMA device.
 pub async fn listen_auto(host_port: &str, config: Config) -> Result<Listener> {
     config.validate()?;
     let tcp = crate::tcp::listen(host_port, &config).await?;
     let local = tcp_uri(&tcp)?;
     let port = tcp.local_addr()?.port();
-    let path = auto_shm_path(port);
+    let path = auto_shm_path(&config.shm_dir, port);
     let shm = crate::shm::listen(&path, &config).await?;
     let mut sources = vec![accept::Source::Tcp(tcp), accept::Source::Shm(shm)];
     listen_auto_verbs(host_port, port, &config, &mut sources).await;
@@ -1069,11 +1069,11 @@ pub async fn connect(uri: &str, config: Config) -> Result<Connection> {
 
 /// Connects to an auto listener at `host:port` over the best provider: shm when the host is
 /// this machine and its shm socket exists; verbs (bootstrap on port + 1) when this host has
-/// an RDMA device and the peer answers there; tcp otherwise. `IBEX_TRANSPORT=shm|tcp|verbs`
-/// forces one. The choice is logged.
+/// an RDMA device and the peer answers there; tcp otherwise. [`Config::auto_transport`]
+/// (`IBEX_TRANSPORT=shm|tcp|verbs`) forces one. The choice is logged.
 pub async fn connect_auto(host_port: &str, config: Config) -> Result<Connection> {
-    let uri = choose_auto(host_port)?;
-    if uri.starts_with("verbs://") && std::env::var("IBEX_TRANSPORT").is_err() {
+    let uri = choose_auto(host_port, &config)?;
+    if uri.starts_with("verbs://") && config.auto_transport.is_none() {
         match connect(&uri, config.clone()).await {
             Ok(c) => {
                 tracing::info!(%uri, "connect_auto picked verbs");
@@ -1091,8 +1091,8 @@ pub async fn connect_auto(host_port: &str, config: Config) -> Result<Connection>
     connect(&uri, config).await
 }
 
-/// The URI [`connect_auto`] would try first for `host:port`.
-pub fn choose_auto(host_port: &str) -> Result<String> {
+/// The URI [`connect_auto`] would try first for `host:port` with `config`.
+pub fn choose_auto(host_port: &str, config: &Config) -> Result<String> {
     let bad = |why: &str| Error::Address {
         addr: host_port.into(),
         why: why.into(),
@@ -1101,12 +1101,9 @@ pub fn choose_auto(host_port: &str) -> Result<String> {
         .rsplit_once(':')
         .ok_or_else(|| bad("expected host:port"))?;
     let port: u16 = port.parse().map_err(|_| bad("port is not a number"))?;
-    let shm = auto_shm_path(port);
+    let shm = auto_shm_path(&config.shm_dir, port);
     let verbs = || format!("verbs://{host}:{}", port.saturating_add(1));
-    let forced = std::env::var("IBEX_TRANSPORT")
-        .ok()
-        .filter(|s| !s.is_empty());
-    match forced.as_deref() {
+    match config.auto_transport.as_deref().filter(|s| !s.is_empty()) {
         Some("shm") => return Ok(format!("shm://{}", shm.display())),
         Some("tcp") => return Ok(format!("tcp://{host_port}")),
         Some("verbs") => return Ok(verbs()),

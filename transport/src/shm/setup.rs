@@ -461,14 +461,8 @@ async fn handshake(
     config: &Config,
     dialer: bool,
 ) -> Result<Option<ShmLink>> {
-    // Environment switches are read first, so a bad value fails before any I/O.
-    let spin = match std::env::var("IBEX_SHM_SPIN_US") {
-        Ok(v) => Duration::from_micros(v.trim().parse::<u64>().map_err(|_| {
-            Error::Config(format!("IBEX_SHM_SPIN_US={v:?} is not a number of microseconds (example: 30; 0 never spins)"))
-        })?),
-        Err(_) => super::link::DEFAULT_SPIN,
-    };
-    let force = std::env::var("IBEX_SHM_FORCE_BOUNCE").is_ok_and(|v| v == "1");
+    let spin = config.shm_spin;
+    let force = config.shm_force_bounce;
     cma::allow_peer_reads();
     let (peer_pid, peer_uid) = socket_peer_cred(&stream)?;
     let probe = Box::new(random_word());
