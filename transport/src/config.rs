@@ -40,19 +40,19 @@ pub struct Config {
     pub probe_fragments: bool,
     /// Reads in flight per connection.
     pub max_reads_in_flight: usize,
-    /// Largest message this side accepts.
+    /// Largest message this side accepts (default [`DEFAULT_MAX_MESSAGE_SIZE`]).
     pub max_message_size: u64,
     /// Bytes of rendezvous receives one connection may hold at once: announced by the peer,
     /// given memory by this side, and not yet taken by the application. An announcement
     /// past it waits (its credit with it) until earlier ones are taken; one message alone
     /// is always let through, so the bound is the larger of this and `max_message_size`
-    /// (`IBEX_RNDV_RECV_BUDGET`; default 256 MiB).
+    /// (`IBEX_RNDV_RECV_BUDGET`; default [`DEFAULT_RNDV_RECV_BUDGET`]).
     pub rndv_recv_budget: usize,
     /// Size of the registered pool (shm: one shared segment per side and peer process, used
     /// by all connections between the two; verbs: the bound on the peer-readable slabs
     /// `Connection::alloc` draws from, per process and device, and the size of the one-piece
     /// `Connection::pool`, registered the first time something asks for it).
-    /// `IBEX_POOL_SIZE`.
+    /// `IBEX_POOL_SIZE`; default [`DEFAULT_POOL_SIZE`].
     pub pool_size: usize,
     /// verbs: upper bound on the local memory this process registers on one device for eager
     /// slots, send slots and RDMA READ destinations, shared by all its connections there
@@ -166,9 +166,9 @@ impl Default for Config {
             probe_fragments: true,
             probe_threshold: true,
             max_reads_in_flight: 8,
-            max_message_size: 1 << 30,
-            rndv_recv_budget: 256 << 20,
-            pool_size: 256 << 20,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            rndv_recv_budget: DEFAULT_RNDV_RECV_BUDGET,
+            pool_size: DEFAULT_POOL_SIZE,
             verbs_mem_limit: 1 << 30,
             reg_cache_size: 64 << 20,
             auth_token: None,
@@ -327,7 +327,7 @@ impl Config {
 
     /// Checks that the values fit together.
     pub fn validate(&self) -> Result<()> {
-        if self.slot_size < 1024 || self.slot_size > (16 << 20) {
+        if !(MIN_SLOT_SIZE..=MAX_SLOT_SIZE).contains(&self.slot_size) {
             return Err(Error::Config(format!(
                 "slot_size {} must be within 1 KiB..=16 MiB",
                 self.slot_size
@@ -357,10 +357,11 @@ impl Config {
                     .into(),
             ));
         }
-        if self.verbs_mem_limit < (4 << 20) {
+        if self.verbs_mem_limit < VERBS_SLAB {
             return Err(Error::Config(format!(
-                "verbs_mem_limit {} must be at least 4 MiB (IBEX_VERBS_MEM_LIMIT sets it, e.g. 1G)",
-                self.verbs_mem_limit
+                "verbs_mem_limit {} must be at least one {} MiB slab (IBEX_VERBS_MEM_LIMIT sets it, e.g. 1G)",
+                self.verbs_mem_limit,
+                VERBS_SLAB >> 20
             )));
         }
         if self.handshake_timeout.is_zero() {
@@ -476,6 +477,30 @@ pub const INLINE_WATCH_PAUSES: u32 = 40;
 pub const INLINE_WATCH_REPLIES: std::time::Duration = std::time::Duration::from_micros(4);
 /// Largest fragment size a configuration (or a peer's probe sample) may ask for.
 pub const MAX_FRAGMENT: usize = 64 << 20;
+/// The default of [`Config::max_message_size`]: a parameter server's whole shard of a
+/// large model goes as one message, while a peer's announcement cannot make this side
+/// allocate without bound.
+pub const DEFAULT_MAX_MESSAGE_SIZE: u64 = 1 << 30;
+/// Smallest eager slot a configuration may ask for and a peer may announce: room for a
+/// small message and the frame around it.
+pub const MIN_SLOT_SIZE: usize = 1024;
+/// Largest eager slot a configuration may ask for and a peer may announce (every
+/// provider's handshake checks it): a slot is memory each credit holds at both ends, and
+/// past this size rendezvous moves a message at least as fast.
+pub const MAX_SLOT_SIZE: usize = 16 << 20;
+/// The default of [`Config::rndv_recv_budget`]: room for a few of the largest tensors a
+/// PS step moves to be announced and read at once, while what a peer can make one
+/// connection hold stays bounded. The gRPC server holds request bodies for its handlers
+/// within the same bound by default.
+pub const DEFAULT_RNDV_RECV_BUDGET: usize = 256 << 20;
+/// The default of [`Config::pool_size`]: a process's zero-copy buffers for one peer
+/// (shm) or device (verbs) fit in it, for the PS's tensors included, while memory that is
+/// only mapped or registered once stays modest.
+pub const DEFAULT_POOL_SIZE: usize = 256 << 20;
+/// verbs: the size of one slab of local registered memory. Small enough that registering
+/// one is quick (about 30 ms under full emulation, microseconds on hardware), large
+/// enough that a busy process needs few; [`Config::verbs_mem_limit`] holds one at least.
+pub const VERBS_SLAB: usize = 4 << 20;
 /// The default of [`Config::shm_spin`]: the consumer of a full ring is another process,
 /// usually draining it right now, so a short spin usually finds space without the cost
 /// of an eventfd sleep and wake-up. Receive-side spinning is [`Config::spin`].

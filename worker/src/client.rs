@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::future::try_join_all;
+use ibex_proto::ps::MAX_MESSAGE;
 use ibex_proto::ps::v1::parameter_server_client::ParameterServerClient;
 use ibex_transport::grpc::Channel;
 use ibex_transport::{Config, RecvBuf, RemoteBuf};
@@ -20,9 +21,6 @@ use crate::types::VarSpec;
 
 /// How long `connect` keeps retrying a PS that is not up yet.
 const CONNECT_RETRY: Duration = Duration::from_secs(30);
-
-/// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
-const MAX_MESSAGE: usize = 1 << 30;
 
 /// Tensor bytes one request body carries at most (a larger tensor travels alone). A pull
 /// or push of a whole model goes as several concurrent requests per PS: each side's

@@ -46,16 +46,19 @@ const ACK: u8 = b'K';
 
 /// Data bytes of the ring we ask the peer to create for frames coming to us: all our
 /// credits' worth of full slots plus headroom for control records, at least four maximal
-/// records (a record may use at most a quarter of the ring), at most 256 MiB (beyond
-/// that the producer simply waits for space).
+/// records (a record may use at most a quarter of the ring), at most [`MAX_RX_RING`].
 pub fn rx_ring_capacity(config: &Config) -> usize {
     let record = record_for(config.slot_size);
     let want = (config.credits as usize)
         .saturating_mul(record)
         .saturating_add(64 << 10);
-    let cap = want.clamp(4 * record + 4096, (256 << 20).max(4 * record + 4096));
+    let cap = want.clamp(4 * record + 4096, MAX_RX_RING.max(4 * record + 4096));
     cap.div_ceil(4096) * 4096
 }
+
+/// Largest ring asked for by credits alone: beyond it the producer simply waits for space,
+/// which the consumer makes without the application's help, so more memory buys little.
+pub const MAX_RX_RING: usize = 256 << 20;
 
 fn record_for(slot: usize) -> usize {
     ring::RECORD_HEADER + slot.div_ceil(8) * 8
