@@ -214,7 +214,8 @@ impl Connection {
     /// with it. Large messages are read by the peer from this buffer (no copy on this side;
     /// none at all for registered-pool buffers on shm). Eager-sized ones are copied into a
     /// slot anyway, so they are copied and the buffer comes back at once; so are, on verbs,
-    /// unregistered ones up to 1 MiB, copied into registered memory (see `BOUNCE_MAX`).
+    /// unregistered ones up to 1 MiB, copied into registered memory (see
+    /// [`crate::proto::COPY_MAX`]).
     pub async fn send_owned<B>(&self, buf: B) -> Result<B>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
@@ -298,36 +299,41 @@ impl Connection {
             return Ok(msg);
         }
         let protocol = protocol.into();
-        let registrar = {
+        // The core decides (`LinkCaps::staging`); this carries its decision out.
+        let (staging, registrar) = {
             let st = shared.lock();
-            st.info.registrar.clone().filter(|r| {
-                let p = protocol.or_else(|| st.core.classify(msg.len() as u64).ok());
-                p == Some(crate::proto::Protocol::Rendezvous) && r.would_register(&msg)
-            })
+            let p = protocol.or_else(|| st.core.classify(msg.len() as u64).ok());
+            match (st.info.registrar.clone(), p) {
+                (Some(r), Some(p)) => (
+                    st.core
+                        .link()
+                        .staging(p, msg.len(), || r.would_register(&msg)),
+                    r,
+                ),
+                _ => return Ok(msg),
+            }
         };
-        let Some(r) = registrar else {
-            return Ok(msg);
-        };
-        if msg.len() <= BOUNCE_MAX
-            && let Some(mut b) = r.try_alloc(msg.len())
-        {
-            // A fresh buffer (an encoded gRPC body, say) would be registered for this one
-            // send and never hit the cache again: a copy into memory that is registered
-            // already costs less than `ibv_reg_mr` and its undoing. Usually a slab has
-            // room, and nothing here blocks.
-            b.copy_from_slice(&msg);
-            Ok(b.freeze())
-        } else if msg.len() <= BOUNCE_MAX {
-            // No room: growing the slabs registers, so it runs off the runtime.
-            outside_runtime(|| -> Result<Bytes> {
-                let mut b = r.alloc(msg.len())?;
-                b.copy_from_slice(&msg);
-                Ok(b.freeze())
-            })
-            .or_else(|_| outside_runtime(|| r.prepare(&msg)).map(|()| msg))
-        } else {
-            outside_runtime(|| r.prepare(&msg))?;
-            Ok(msg)
+        match staging {
+            crate::proto::Staging::AsIs => Ok(msg),
+            crate::proto::Staging::Copy => {
+                if let Some(mut b) = registrar.try_alloc(msg.len()) {
+                    // Usually a slab has room, and nothing here blocks.
+                    b.copy_from_slice(&msg);
+                    return Ok(b.freeze());
+                }
+                // No room: growing the slabs registers, so it runs off the runtime; where
+                // no slab can be had, the message is registered after all.
+                outside_runtime(|| -> Result<Bytes> {
+                    let mut b = registrar.alloc(msg.len())?;
+                    b.copy_from_slice(&msg);
+                    Ok(b.freeze())
+                })
+                .or_else(|_| outside_runtime(|| registrar.prepare(&msg)).map(|()| msg))
+            }
+            crate::proto::Staging::Register => {
+                outside_runtime(|| registrar.prepare(&msg))?;
+                Ok(msg)
+            }
         }
     }
 
@@ -1149,13 +1155,6 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
         .await
         .map_err(|e| Error::io("registering memory", std::io::Error::other(e.to_string())))?
 }
-
-/// Rendezvous sends of unregistered memory up to this long are copied into registered memory
-/// instead of being registered (verbs): the memcpy of at most 1 MiB (about 50 µs here, less
-/// for the typical few-KiB body) is cheaper than registering and deregistering pages that
-/// the next send will not reuse. Longer ones are registered (and cached), where the copy
-/// would cost more than the registration.
-const BOUNCE_MAX: usize = 1 << 20;
 
 /// Returns to the runtime once, waking itself: a cooperative spin's step. Not
 /// `tokio::task::yield_now`, which defers the wake-up until the runtime has polled its I/O

@@ -367,6 +367,7 @@ impl ShmLink {
             dma_reads: false,
             read_depth: usize::MAX,
             max_read: usize::MAX,
+            max_push: 0,
             registrar: None,
         };
         Ok(ShmLink {
