@@ -138,6 +138,7 @@ async fn run_ps(spec: &ClusterSpec, index: usize, args: &LaunchArgs) -> Result<(
     config.restore = args.restore;
     config.sync_timeout = std::time::Duration::from_secs(args.sync_timeout_secs);
     config.metrics = args.metrics.clone();
+    config.transport = Some(ibex_worker::transport_config().map_err(|e| e.to_string())?);
     ibex_ps::run(config, shutdown_signal())
         .await
         .map_err(|e| format!("PS {index}: {e}"))

@@ -37,6 +37,10 @@ pub struct PsConfig {
     /// Bounds on pull replies exposed for one-sided reads (library only; defaults from
     /// the binary).
     pub expose: crate::ExposeLimits,
+    /// Transport settings of the connections this shard accepts. [`PsConfig::from_args`]
+    /// takes them from the environment (`ibex_transport::Config::from_env`, the `IBEX_*`
+    /// variables); `None` leaves them to the gRPC server's default.
+    pub transport: Option<ibex_transport::Config>,
 }
 
 impl PsConfig {
@@ -54,6 +58,7 @@ impl PsConfig {
             sync_timeout: Duration::from_secs(30),
             limits: Limits::default(),
             expose: crate::ExposeLimits::default(),
+            transport: None,
         }
     }
 
@@ -106,6 +111,9 @@ impl PsConfig {
                 a.sync_timeout_secs.or(file.sync_timeout_secs).unwrap_or(30),
             ),
             expose: crate::ExposeLimits::default(),
+            transport: Some(
+                ibex_transport::Config::from_env().map_err(|e| PsError::Config(e.to_string()))?,
+            ),
         })
     }
 

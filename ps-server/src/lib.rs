@@ -92,7 +92,10 @@ pub async fn run(
         }
     }
     let metrics = Arc::new(Metrics::default());
-    let server = ibex_transport::grpc::Server::builder();
+    let mut server = ibex_transport::grpc::Server::builder();
+    if let Some(t) = config.transport.clone() {
+        server = server.config(t);
+    }
     if !config.listen.starts_with("http://") {
         metrics.set_transport(server.stats());
     }
