@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use bytes::{BufMut, Bytes, BytesMut};
 use ibex_proto::ps::v1 as pb;
 use ibex_proto::ps::v1::parameter_server_client::ParameterServerClient;
-use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
+use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec};
 use tonic::Code;
 
 const STEPS: u64 = 60;
@@ -190,7 +190,7 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
     let w = {
         let t = Instant::now();
         loop {
-            match Worker::connect(&spec, 0, &ibex_worker::transport_config().unwrap()).await {
+            match common::connect_worker(&spec, 0).await {
                 Ok(w) => break w,
                 Err(e) if t.elapsed() < WITHIN => {
                     let _ = e;

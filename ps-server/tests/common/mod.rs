@@ -7,6 +7,16 @@ use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, TransportKind};
 use tokio::sync::oneshot;
 
+/// Connects worker `index` of `spec` with the environment's transport settings, as the
+/// binaries do.
+pub async fn connect_worker(
+    spec: &ClusterSpec,
+    index: usize,
+) -> Result<ibex_worker::Worker, ibex_worker::WorkerError> {
+    let config = ibex_worker::transport_config().expect("IBEX_* environment variables");
+    ibex_worker::Worker::connect(spec, index, &config).await
+}
+
 /// A local port nothing listens on right now, never one this process handed out before.
 pub fn free_port() -> u16 {
     ibex_worker::free_ports("127.0.0.1", 1).expect("a free port")[0]

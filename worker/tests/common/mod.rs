@@ -5,6 +5,17 @@ use std::time::Duration;
 use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, TransportKind};
 
+#[allow(dead_code)] // not every test binary that shares this module connects workers
+/// Connects worker `index` of `spec` with the environment's transport settings, as the
+/// binaries do.
+pub async fn connect_worker(
+    spec: &ClusterSpec,
+    index: usize,
+) -> Result<ibex_worker::Worker, ibex_worker::WorkerError> {
+    let config = ibex_worker::transport_config().expect("IBEX_* environment variables");
+    ibex_worker::Worker::connect(spec, index, &config).await
+}
+
 /// A local port nothing listens on right now, never one this process handed out before.
 pub fn free_port() -> u16 {
     ibex_worker::free_ports("127.0.0.1", 1).expect("a free port")[0]
