@@ -477,33 +477,32 @@ pub const INLINE_WATCH_PAUSES: u32 = 40;
 pub const INLINE_WATCH_REPLIES: std::time::Duration = std::time::Duration::from_micros(4);
 /// Largest fragment size a configuration (or a peer's probe sample) may ask for.
 pub const MAX_FRAGMENT: usize = 64 << 20;
-/// The default of [`Config::max_message_size`]: a parameter server's whole shard of a
-/// large model goes as one message, while a peer's announcement cannot make this side
-/// allocate without bound.
+/// The default of [`Config::max_message_size`]: one message may carry a whole shard's
+/// tensors (a PS's pull reply), and a peer's announcement past it is a protocol violation, so
+/// no peer makes this side allocate more for one message (docs/security.md).
 pub const DEFAULT_MAX_MESSAGE_SIZE: u64 = 1 << 30;
-/// Smallest eager slot a configuration may ask for and a peer may announce: room for a
-/// small message and the frame around it.
+/// Smallest eager slot a configuration may ask for, and a peer may announce in any
+/// provider's handshake: one bound for both, so no peer can make us accept absurd frames.
 pub const MIN_SLOT_SIZE: usize = 1024;
-/// Largest eager slot a configuration may ask for and a peer may announce (every
-/// provider's handshake checks it): a slot is memory each credit holds at both ends, and
-/// past this size rendezvous moves a message at least as fast.
+/// Largest eager slot a configuration may ask for, and a peer may announce in any
+/// provider's handshake (see [`MIN_SLOT_SIZE`]).
 pub const MAX_SLOT_SIZE: usize = 16 << 20;
-/// The default of [`Config::rndv_recv_budget`]: room for a few of the largest tensors a
-/// PS step moves to be announced and read at once, while what a peer can make one
-/// connection hold stays bounded. The gRPC server holds request bodies for its handlers
-/// within the same bound by default.
+/// The default of [`Config::rndv_recv_budget`]: the memory a peer can make one connection
+/// hold for rendezvous receives (docs/security.md). The gRPC server's default for the
+/// request bodies it holds for handlers is the same bound.
 pub const DEFAULT_RNDV_RECV_BUDGET: usize = 256 << 20;
-/// The default of [`Config::pool_size`]: a process's zero-copy buffers for one peer
-/// (shm) or device (verbs) fit in it, for the PS's tensors included, while memory that is
-/// only mapped or registered once stays modest.
+/// The default of [`Config::pool_size`]: the zero-copy memory a process maps per shm peer
+/// process, or registers per verbs device, for buffers from `Connection::alloc`. Past it,
+/// allocations fall back to heap memory where callers allow (the worker's staging cache,
+/// docs/ps.md), so it bounds pinned memory, not what can be sent.
 pub const DEFAULT_POOL_SIZE: usize = 256 << 20;
 /// verbs: the size of one slab of local registered memory. Small enough that registering
 /// one is quick (about 30 ms under full emulation, microseconds on hardware), large
 /// enough that a busy process needs few; [`Config::verbs_mem_limit`] holds one at least.
 pub const VERBS_SLAB: usize = 4 << 20;
 /// The default of [`Config::shm_spin`]: the consumer of a full ring is another process,
-/// usually draining it right now, so a short spin usually finds space without the cost
-/// of an eventfd sleep and wake-up. Receive-side spinning is [`Config::spin`].
+/// usually draining it right now. Receive-side spinning is the driver's
+/// ([`Config::spin`]), since only it knows whether other work is waiting.
 pub const SHM_SPIN: std::time::Duration = std::time::Duration::from_micros(30);
 /// The default of [`Config::verbs_spin`]: long enough to catch a reply on a fast network,
 /// short enough not to matter when idle.

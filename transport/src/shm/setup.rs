@@ -56,8 +56,8 @@ pub fn rx_ring_capacity(config: &Config) -> usize {
     cap.div_ceil(4096) * 4096
 }
 
-/// Largest ring asked for by credits alone: beyond it the producer simply waits for space,
-/// which the consumer makes without the application's help, so more memory buys little.
+/// Largest ring asked for by credits alone: beyond it the producer simply waits for space
+/// (the consumer drains the ring without the application's help, so that cannot deadlock).
 pub const MAX_RX_RING: usize = 256 << 20;
 
 fn record_for(slot: usize) -> usize {
