@@ -84,6 +84,8 @@ impl LinkInfo {
             registers: self.registrar.is_some(),
             max_push: self.max_push,
             max_read: self.max_read,
+            pipelined_reads: self.pipelined_reads,
+            dma_reads: self.dma_reads,
         }
     }
 }

@@ -66,23 +66,8 @@ impl Connection {
     /// outside this crate can be plugged in.
     pub async fn establish(link: Box<dyn Link>, config: &Config) -> Result<Connection> {
         config.validate()?;
-        // The fragment size matters where reads are pipelined over a network (RDMA READ).
-        // On shm (one CMA copy) and tcp (a stream) the probe's read samples (tens of MiB per
-        // connection) cost more than any fragment size wins back: measured, six fresh
-        // connections probing made a short ps-throughput run 20x slower.
-        let mut config = config.clone();
         let info = link.info();
-        if !info.pipelined_reads {
-            config.probe_fragments = false;
-        }
-        // Where a rendezvous read is a CPU copy (shm, tcp), eager wins at every size a slot
-        // takes: measured with fixed thresholds, 2-4x on shm and about 3x on tcp at 4-60 KiB.
-        // The probe's samples could not see it (each pays a wake-up of tens of microseconds)
-        // and picked thresholds from 1 to 64 KiB at random from one connection to the next.
-        if !info.dma_reads {
-            config.probe_threshold = false;
-        }
-        let config = &config;
+        let config = &info.caps().tune(config);
         let probe = config.wants_probe();
         let probe_len = config.probe_buffer_len();
         // The probe's rendezvous samples read a zero buffer. One per length for the whole

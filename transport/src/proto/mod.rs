@@ -13,8 +13,9 @@
 //!   several in flight, and the completion (`RndvDone`) that releases the sender's buffer;
 //! - coalescing of small messages queued while the link is busy;
 //! - the connect-time probe, which picks the eager threshold and the fragment size;
-//! - the per-message decisions that depend on what the link can do ([`LinkCaps`]): copy a
-//!   send into registered memory or register it, push a body behind its RTS or not;
+//! - the decisions that depend on what the link can do ([`LinkCaps`]): what the probe
+//!   measures, whether a send is copied into registered memory or registered, whether a
+//!   body is pushed behind its RTS;
 //! - in-order delivery, whatever order reads complete in.
 //!
 //! Flow control. Each data frame (`Eager`, `Rts`, `ProbeEager`, `ProbeRts`) takes one of the
