@@ -165,7 +165,7 @@ pub fn worker(a: PsWorkerArgs) -> Res<()> {
         .enable_all()
         .build()?;
     let r = rt.block_on(async {
-        let w = Worker::connect(&spec, a.index).await?;
+        let w = Worker::connect(&spec, a.index, &ibex_worker::transport_config()?).await?;
         let vars = var_specs(a.model);
         w.create_variables(&vars).await?;
         let names: Vec<&str> = vars.iter().map(|v| v.name.as_str()).collect();

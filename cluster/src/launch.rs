@@ -125,7 +125,6 @@ async fn shutdown_signal() {
 
 async fn run_ps(spec: &ClusterSpec, index: usize, args: &LaunchArgs) -> Result<(), String> {
     let mut config = ibex_ps::PsConfig::new(spec.ps_listen_uri(index));
-    config.transport = ibex_transport::Config::from_env().map_err(|e| e.to_string())?;
     config.shard = u32::try_from(index).map_err(|_| format!("PS index {index} is too large"))?;
     config.num_workers = u32::try_from(spec.workers.len())
         .map_err(|_| format!("{} workers is too many", spec.workers.len()))?;
@@ -139,6 +138,7 @@ async fn run_ps(spec: &ClusterSpec, index: usize, args: &LaunchArgs) -> Result<(
     config.restore = args.restore;
     config.sync_timeout = std::time::Duration::from_secs(args.sync_timeout_secs);
     config.metrics = args.metrics.clone();
+    config.transport = ibex_worker::transport_config().map_err(|e| e.to_string())?;
     ibex_ps::run(config, shutdown_signal())
         .await
         .map_err(|e| format!("PS {index}: {e}"))

@@ -396,7 +396,8 @@ async fn connect(
     index: usize,
     vars: &[VarSpec],
 ) -> Result<Arc<Worker>, WorkerError> {
-    let w = Worker::connect(spec, index).await?;
+    let config = ibex_worker::transport_config().map_err(|e| WorkerError::Usage(e.to_string()))?;
+    let w = Worker::connect(spec, index, &config).await?;
     // Every worker creates the same list: identical specs are a no-op on the PS, and each
     // Worker needs the placement to know where a variable lives.
     w.create_variables(vars).await?;

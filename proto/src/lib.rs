@@ -21,6 +21,11 @@ pub mod bench {
 
 /// `ibex.ps.v1`: the parameter-server service `ParameterServer`.
 pub mod ps {
+    /// Largest protobuf body either side of the service encodes or decodes: bodies carry
+    /// whole shards' tensors, far past tonic's 4 MiB default, and none can be larger than
+    /// the transport takes by default in one message.
+    pub const MAX_MESSAGE: usize = ibex_transport::config::DEFAULT_MAX_MESSAGE_SIZE as usize;
+
     /// Version 1 of the package.
     pub mod v1 {
         #![allow(missing_docs)]

@@ -23,7 +23,7 @@ async fn bench(transport: TransportKind, steps: u64) -> Result<(), Box<dyn std::
     let server = tokio::spawn(ibex_ps::run(cfg, async move {
         let _ = rx.await;
     }));
-    let w = Worker::connect(&spec, 0).await?;
+    let w = Worker::connect(&spec, 0, &ibex_worker::transport_config()?).await?;
     let sizes = [16 << 10, 64 << 10, 256 << 10, 1 << 20];
     let vars: Vec<VarSpec> = sizes
         .iter()

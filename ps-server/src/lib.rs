@@ -19,6 +19,7 @@ mod shard;
 
 use std::sync::Arc;
 
+use ibex_proto::ps::MAX_MESSAGE;
 use ibex_proto::ps::v1::parameter_server_ibex::ParameterServerServer;
 
 pub use bufs::{Buf, F32s};
@@ -41,9 +42,6 @@ pub fn init_logging() {
         .with_writer(std::io::stderr)
         .try_init();
 }
-
-/// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
-const MAX_MESSAGE: usize = 1 << 30;
 
 /// Why a PS could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]

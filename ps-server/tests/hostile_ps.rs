@@ -18,7 +18,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use ibex_proto::ps::v1 as pb;
 use ibex_proto::ps::v1::parameter_server_ibex::ParameterServerClient;
 use ibex_test_support::{Launch, Server};
-use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
+use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec};
 use tonic::Code;
 
 const STEPS: u64 = 60;
@@ -162,7 +162,9 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
         workers: vec!["127.0.0.1:0".into()],
         transport: TransportKind::Tcp,
     };
-    let w = Worker::connect(&spec, 0).await.expect("connect to the PS");
+    let w = common::connect_worker(&spec, 0)
+        .await
+        .expect("connect to the PS");
     w.create_variables(&vars()).await.unwrap();
     let init = w.pull(&["a", "b"], 0).await.unwrap();
     let rss0 = rss_kib(pid);

@@ -114,7 +114,7 @@ async fn kill_restore(keep_worker: bool) {
     let mut ps: Vec<Server> = (0..2)
         .map(|i| spawn_ps(&spec, i, dir.path(), false))
         .collect();
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = common::connect_worker(&spec, 0).await.unwrap();
     w.create_variables(&vars()).await.unwrap();
     assert_ne!(
         w.placement("a").unwrap().parts[0].ps,
@@ -146,7 +146,7 @@ async fn kill_restore(keep_worker: bool) {
         }
     } else {
         drop(w);
-        let w = Worker::connect(&spec, 0).await.unwrap();
+        let w = common::connect_worker(&spec, 0).await.unwrap();
         w.create_variables(&vars()).await.unwrap();
         w
     };

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::Cluster;
 use ibex_ps::Mode;
 use ibex_worker::pb::parameter_server_ibex::ParameterServerClient;
-use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError, pb};
+use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, WorkerError, pb};
 
 fn var(name: &str, shape: &[usize], init: Init, optimizer: Optimizer) -> VarSpec {
     VarSpec {
@@ -66,8 +66,8 @@ fn f32_tensor(name: &str, shape: &[u64], v: &[f32]) -> pb::Tensor {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_step_averages_all_workers_then_applies_once() {
     let c = Cluster::start(1, 2, Mode::Sync, TransportKind::Tcp, |_| {}).await;
-    let w0 = Worker::connect(&c.spec, 0).await.unwrap();
-    let w1 = Worker::connect(&c.spec, 1).await.unwrap();
+    let w0 = common::connect_worker(&c.spec, 0).await.unwrap();
+    let w1 = common::connect_worker(&c.spec, 1).await.unwrap();
     let vars = [var(
         "w",
         &[4],
@@ -102,8 +102,8 @@ async fn sync_step_averages_all_workers_then_applies_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_mode_applies_each_push_as_it_arrives() {
     let c = Cluster::start(1, 2, Mode::Async, TransportKind::Tcp, |_| {}).await;
-    let w0 = Worker::connect(&c.spec, 0).await.unwrap();
-    let w1 = Worker::connect(&c.spec, 1).await.unwrap();
+    let w0 = common::connect_worker(&c.spec, 0).await.unwrap();
+    let w1 = common::connect_worker(&c.spec, 1).await.unwrap();
     let vars = [var("b", &[2], Init::Zeros, Optimizer::Sgd { lr: 1.0 })];
     w0.create_variables(&vars).await.unwrap();
     w1.create_variables(&vars).await.unwrap();
@@ -123,7 +123,7 @@ async fn async_mode_applies_each_push_as_it_arrives() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn optimizers_match_reference_values() {
     let c = Cluster::start(2, 1, Mode::Sync, TransportKind::Tcp, |_| {}).await;
-    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    let w = common::connect_worker(&c.spec, 0).await.unwrap();
     let grads: [[f32; 3]; 3] = [[0.1, -0.2, 0.3], [0.4, 0.0, -0.5], [-0.3, 0.6, 0.2]];
     let opts = [
         ("sgd", Optimizer::Sgd { lr: 0.1 }),
@@ -204,7 +204,7 @@ async fn bad_input_gets_the_right_status() {
         cfg.sync_timeout = Duration::from_millis(500)
     })
     .await;
-    let w0 = Worker::connect(&c.spec, 0).await.unwrap();
+    let w0 = common::connect_worker(&c.spec, 0).await.unwrap();
     let vars = [
         var("w", &[2, 3], Init::Zeros, Optimizer::Sgd { lr: 0.1 }),
         VarSpec {
@@ -352,7 +352,7 @@ async fn bad_input_gets_the_right_status() {
     assert!(e.to_string().contains("already pushed"), "{e}");
 
     // Worker 1 completes step 0; a push of step 0 is now stale.
-    let w1 = Worker::connect(&c.spec, 1).await.unwrap();
+    let w1 = common::connect_worker(&c.spec, 1).await.unwrap();
     w1.create_variables(&vars).await.unwrap();
     w1.push_sparse(0, "emb", &[], &[]).await.unwrap();
     assert_eq!(
@@ -367,7 +367,7 @@ async fn bad_input_gets_the_right_status() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_variables_are_partitioned_across_shards() {
     let c = Cluster::start(2, 1, Mode::Sync, TransportKind::Tcp, |_| {}).await;
-    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    let w = common::connect_worker(&c.spec, 0).await.unwrap();
     let init = Init::Normal { std: 1.0, seed: 3 };
     // 400 x 1000 f32 = 1.6 MB: two parts, one per shard.
     w.create_variables(&[
@@ -395,7 +395,7 @@ async fn large_variables_are_partitioned_across_shards() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sparse_rows_sum_duplicate_ids() {
     let c = Cluster::start(1, 1, Mode::Sync, TransportKind::Tcp, |_| {}).await;
-    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    let w = common::connect_worker(&c.spec, 0).await.unwrap();
     let table = VarSpec {
         sparse: true,
         ..var(
@@ -421,7 +421,7 @@ async fn sparse_rows_sum_duplicate_ids() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_gradients_travel_as_remote_buffers_over_shm() {
     let c = Cluster::start(1, 1, Mode::Sync, TransportKind::Shm, |_| {}).await;
-    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    let w = common::connect_worker(&c.spec, 0).await.unwrap();
     w.create_variables(&[var(
         "v",
         &[256, 512],
@@ -469,7 +469,7 @@ async fn metrics_carry_the_transport_counters() {
         cfg.metrics = Some(format!("127.0.0.1:{port}"))
     })
     .await;
-    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    let w = common::connect_worker(&c.spec, 0).await.unwrap();
     w.create_variables(&[
         var("big", &[256, 512], Init::Zeros, Optimizer::Sgd { lr: 1.0 }),
         var("small", &[4], Init::Zeros, Optimizer::Sgd { lr: 1.0 }),
@@ -585,7 +585,7 @@ async fn checkpoint_save_restore_and_metrics() {
         cfg.metrics = Some(format!("127.0.0.1:{metrics_port}"));
     })
     .await;
-    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    let w = common::connect_worker(&c.spec, 0).await.unwrap();
     let half = VarSpec {
         dtype: Dtype::F16,
         ..var(
@@ -663,7 +663,7 @@ async fn hostile_definitions_get_named_limits() {
     })
     .await;
     // Connecting retries while the shard starts; the raw client does not.
-    let _w = Worker::connect(&c.spec, 0).await.unwrap();
+    let _w = common::connect_worker(&c.spec, 0).await.unwrap();
     let mut raw = raw(&c.spec, 0).await;
     let def = |name: &str, shape: &[u64]| pb::VariableDef {
         name: name.into(),
@@ -805,7 +805,7 @@ async fn one_payload_copy_per_pushed_byte_over_shm() {
         cfg.metrics = Some(format!("127.0.0.1:{port}"))
     })
     .await;
-    let w = Worker::connect(&c.spec, 0).await.unwrap();
+    let w = common::connect_worker(&c.spec, 0).await.unwrap();
     // "big" is split into two parts (1.25 MiB > 1 MiB); all parts but "small" go remote.
     let shapes: [(&str, &[usize]); 3] =
         [("big", &[640, 512]), ("mid", &[256, 512]), ("small", &[10])];

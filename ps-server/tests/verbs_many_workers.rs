@@ -71,7 +71,8 @@ async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
         transport: TransportKind::Verbs,
     };
 
-    let first = Worker::connect(&spec, 0)
+    let config = ibex_worker::transport_config().expect("IBEX_* environment variables");
+    let first = Worker::connect(&spec, 0, &config)
         .await
         .unwrap_or_else(|e| panic!("worker 0 could not connect: {e}"));
     let len = 256 << 10; // f32s: 1 MiB, above the one-sided threshold both ways
@@ -94,7 +95,7 @@ async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
     let start = Instant::now();
     for i in 1..n {
         let t = Instant::now();
-        let w = Worker::connect(&spec, i)
+        let w = Worker::connect(&spec, i, &ibex_worker::transport_config().unwrap())
             .await
             .unwrap_or_else(|e| panic!("worker {i} of {n}: {e}"));
         connect_ms.push(t.elapsed().as_secs_f64() * 1e3);
@@ -265,7 +266,7 @@ async fn sync_steps_hit_the_registration_cache() {
     }];
     let mut workers = Vec::new();
     for i in 0..n {
-        let w = Worker::connect(&spec, i)
+        let w = Worker::connect(&spec, i, &config)
             .await
             .unwrap_or_else(|e| panic!("worker {i}: {e}"));
         w.create_variables(&vars).await.expect("create_variables");

@@ -416,7 +416,9 @@ impl Worker {
                 spec.spec.workers.len()
             )));
         }
-        let w = block(py, ibex_worker::Worker::connect(&spec.spec, index))?.map_err(err)?;
+        let config = ibex_worker::transport_config().map_err(spec_err)?;
+        let w =
+            block(py, ibex_worker::Worker::connect(&spec.spec, index, &config))?.map_err(err)?;
         Ok(Worker { inner: Arc::new(w) })
     }
 

@@ -522,15 +522,16 @@ impl State {
         self.peer_write(&rec).await;
     }
 
-    /// The owner exposes a body: pushed towards this peer (it takes pushes) up to
-    /// `MAX_PUSH`, or for reads only.
+    /// The owner exposes a body: as a message body, pushed towards this peer (it takes
+    /// pushes) where the core's rule says so (`LinkCaps::pushes`), as a connection would;
+    /// or for reads only.
     fn expose(&mut self, s: &mut Script<'_>) {
         let b = s.u8();
         let len = SIZES[(b % 8) as usize] + usize::from(b & 0x40 != 0) * (MAX_PUSH - 7);
         let data = Bytes::from_static(pattern(u64::from(b) + 1000, 0, len));
         let message = b & 0x80 == 0;
-        let r = if message {
-            self.link.expose_message(data.clone())
+        let r = if message && self.link.info().caps().pushes(len) {
+            self.link.expose_pushed(data.clone())
         } else {
             self.link.expose(data.clone())
         };

@@ -40,19 +40,19 @@ pub struct Config {
     pub probe_fragments: bool,
     /// Reads in flight per connection.
     pub max_reads_in_flight: usize,
-    /// Largest message this side accepts.
+    /// Largest message this side accepts (default [`DEFAULT_MAX_MESSAGE_SIZE`]).
     pub max_message_size: u64,
     /// Bytes of rendezvous receives one connection may hold at once: announced by the peer,
     /// given memory by this side, and not yet taken by the application. An announcement
     /// past it waits (its credit with it) until earlier ones are taken; one message alone
     /// is always let through, so the bound is the larger of this and `max_message_size`
-    /// (`IBEX_RNDV_RECV_BUDGET`; default 256 MiB).
+    /// (`IBEX_RNDV_RECV_BUDGET`; default [`DEFAULT_RNDV_RECV_BUDGET`]).
     pub rndv_recv_budget: usize,
     /// Size of the registered pool (shm: one shared segment per side and peer process, used
     /// by all connections between the two; verbs: the bound on the peer-readable slabs
     /// `Connection::alloc` draws from, per process and device, and the size of the one-piece
     /// `Connection::pool`, registered the first time something asks for it).
-    /// `IBEX_POOL_SIZE`.
+    /// `IBEX_POOL_SIZE`; default [`DEFAULT_POOL_SIZE`].
     pub pool_size: usize,
     /// verbs: upper bound on the local memory this process registers on one device for eager
     /// slots, send slots and RDMA READ destinations, shared by all its connections there
@@ -65,8 +65,34 @@ pub struct Config {
     pub reg_cache_size: usize,
     /// Optional shared secret that the peer must present at setup (`IBEX_AUTH_TOKEN`).
     pub auth_token: Option<String>,
-    /// verbs: the RDMA device to use (e.g. `mlx5_0`, `rxe0`); overrides `IBEX_RDMA_DEVICE`.
+    /// verbs: the RDMA device to use (e.g. `mlx5_0`, `rxe0`; `IBEX_RDMA_DEVICE`); `None` =
+    /// the first device with an ACTIVE port and a usable GID.
     pub rdma_device: Option<String>,
+    /// verbs: the device port, from 1 (`IBEX_RDMA_PORT`); `None` = the first ACTIVE port.
+    pub rdma_port: Option<u8>,
+    /// verbs: the GID table index (`IBEX_GID_INDEX`); `None` = a RoCE v2 GID (IPv4-mapped
+    /// first) on Ethernet, index 0 on InfiniBand.
+    pub gid_index: Option<u32>,
+    /// verbs: spin on the completion queue in a dedicated thread per link instead of
+    /// spinning briefly and then sleeping on the completion channel
+    /// (`IBEX_VERBS_BUSY_POLL=1`).
+    pub verbs_busy_poll: bool,
+    /// verbs: how long the completion queue is polled empty before the link sleeps on its
+    /// completion channel (`IBEX_VERBS_SPIN_US`; default [`VERBS_SPIN`]).
+    pub verbs_spin: std::time::Duration,
+    /// shm: how long a sender spins for ring space before it sleeps on an eventfd
+    /// (`IBEX_SHM_SPIN_US`; default [`SHM_SPIN`]; zero never spins).
+    pub shm_spin: std::time::Duration,
+    /// shm: this side reads rendezvous data through the peer's bounce area rather than with
+    /// a CMA copy (`IBEX_SHM_FORCE_BOUNCE=1`), to test or compare the fallback path.
+    pub shm_force_bounce: bool,
+    /// Where [`crate::listen_auto`] puts its shm socket and [`crate::connect_auto`] looks
+    /// for it (`IBEX_SHM_DIR`, else `XDG_RUNTIME_DIR`, else `/tmp`, the default here).
+    pub shm_dir: std::path::PathBuf,
+    /// The provider [`crate::connect_auto`] uses instead of picking one: `shm`, `tcp` or
+    /// `verbs` (`IBEX_TRANSPORT`; `None`, the default, picks). Checked when it is used, so
+    /// that a value meant for another layer (a worker's `grpc`) fails only there.
+    pub auto_transport: Option<String>,
     /// How long a receiver that finds nothing busy-polls the link before it sleeps
     /// (`IBEX_SPIN_US`; default 100 µs; zero never spins). The spin yields to the runtime
     /// between polls, so tasks that are ready run first; a few hundred µs buys the lowest
@@ -140,13 +166,21 @@ impl Default for Config {
             probe_fragments: true,
             probe_threshold: true,
             max_reads_in_flight: 8,
-            max_message_size: 1 << 30,
-            rndv_recv_budget: 256 << 20,
-            pool_size: 256 << 20,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            rndv_recv_budget: DEFAULT_RNDV_RECV_BUDGET,
+            pool_size: DEFAULT_POOL_SIZE,
             verbs_mem_limit: 1 << 30,
             reg_cache_size: 64 << 20,
             auth_token: None,
             rdma_device: None,
+            rdma_port: None,
+            gid_index: None,
+            verbs_busy_poll: false,
+            verbs_spin: VERBS_SPIN,
+            shm_spin: SHM_SPIN,
+            shm_force_bounce: false,
+            shm_dir: std::path::PathBuf::from(DEFAULT_SHM_DIR),
+            auto_transport: None,
             spin: DEFAULT_SPIN,
             handshake_timeout: std::time::Duration::from_secs(5),
             max_handshakes: 128,
@@ -164,7 +198,11 @@ impl Config {
     /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_SPIN_US`,
     /// `IBEX_AUTH_TOKEN`, `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`,
     /// `IBEX_RNDV_RECV_BUDGET`, `IBEX_KEEPALIVE_MS`, `IBEX_KEEPALIVE_TIMEOUT_MS`,
-    /// `IBEX_POOL_SIZE`, `IBEX_SERVE_THREADS`, `IBEX_BUSY_POLL`).
+    /// `IBEX_POOL_SIZE`, `IBEX_SERVE_THREADS`, `IBEX_BUSY_POLL`, `IBEX_SHM_SPIN_US`,
+    /// `IBEX_SHM_FORCE_BOUNCE`, `IBEX_SHM_DIR` / `XDG_RUNTIME_DIR`, `IBEX_TRANSPORT`,
+    /// `IBEX_RDMA_DEVICE`, `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`, `IBEX_VERBS_BUSY_POLL`,
+    /// `IBEX_VERBS_SPIN_US`). The library reads the environment nowhere else: binaries
+    /// call this, and every entry point takes the `Config` it returns.
     pub fn from_env() -> Result<Self> {
         Config::default().with_env()
     }
@@ -243,13 +281,53 @@ impl Config {
         {
             self.auth_token = Some(t);
         }
+        if let Some(us) = env_number("IBEX_SHM_SPIN_US", "example: 30; 0 never spins")? {
+            self.shm_spin = std::time::Duration::from_micros(us);
+        }
+        if std::env::var("IBEX_SHM_FORCE_BOUNCE").is_ok_and(|v| v == "1") {
+            self.shm_force_bounce = true;
+        }
+        if let Some(dir) = env_shm_dir() {
+            self.shm_dir = dir;
+        }
+        if let Some(t) = env_nonempty("IBEX_TRANSPORT") {
+            self.auto_transport = Some(t);
+        }
+        if let Some(d) = env_nonempty("IBEX_RDMA_DEVICE") {
+            self.rdma_device = Some(d);
+        }
+        if let Some(p) = env_number("IBEX_RDMA_PORT", "example: 1")? {
+            self.rdma_port = Some(
+                u8::try_from(p)
+                    .ok()
+                    .filter(|&p| p > 0)
+                    .ok_or_else(|| Error::Config(format!("IBEX_RDMA_PORT={p} must be 1..=255")))?,
+            );
+        }
+        if let Some(i) = env_number("IBEX_GID_INDEX", "example: 1")? {
+            self.gid_index = Some(u32::try_from(i).map_err(|_| {
+                Error::Config(format!("IBEX_GID_INDEX={i} is not a GID table index"))
+            })?);
+        }
+        match env_nonempty("IBEX_VERBS_BUSY_POLL").as_deref() {
+            None | Some("0") | Some("false") | Some("no") => {}
+            Some("1") | Some("true") | Some("yes") => self.verbs_busy_poll = true,
+            Some(v) => {
+                return Err(Error::Config(format!(
+                    "IBEX_VERBS_BUSY_POLL={v:?}: use 1 or 0"
+                )));
+            }
+        }
+        if let Some(us) = env_number("IBEX_VERBS_SPIN_US", "example: 20")? {
+            self.verbs_spin = std::time::Duration::from_micros(us);
+        }
         self.validate()?;
         Ok(self)
     }
 
     /// Checks that the values fit together.
     pub fn validate(&self) -> Result<()> {
-        if self.slot_size < 1024 || self.slot_size > (16 << 20) {
+        if !(MIN_SLOT_SIZE..=MAX_SLOT_SIZE).contains(&self.slot_size) {
             return Err(Error::Config(format!(
                 "slot_size {} must be within 1 KiB..=16 MiB",
                 self.slot_size
@@ -279,10 +357,11 @@ impl Config {
                     .into(),
             ));
         }
-        if self.verbs_mem_limit < (4 << 20) {
+        if self.verbs_mem_limit < VERBS_SLAB {
             return Err(Error::Config(format!(
-                "verbs_mem_limit {} must be at least 4 MiB (IBEX_VERBS_MEM_LIMIT sets it, e.g. 1G)",
-                self.verbs_mem_limit
+                "verbs_mem_limit {} must be at least one {} MiB slab (IBEX_VERBS_MEM_LIMIT sets it, e.g. 1G)",
+                self.verbs_mem_limit,
+                VERBS_SLAB >> 20
             )));
         }
         if self.handshake_timeout.is_zero() {
@@ -398,6 +477,64 @@ pub const INLINE_WATCH_PAUSES: u32 = 40;
 pub const INLINE_WATCH_REPLIES: std::time::Duration = std::time::Duration::from_micros(4);
 /// Largest fragment size a configuration (or a peer's probe sample) may ask for.
 pub const MAX_FRAGMENT: usize = 64 << 20;
+/// The default of [`Config::max_message_size`]: one message may carry a whole shard's
+/// tensors (a PS's pull reply), and a peer's announcement past it is a protocol violation, so
+/// no peer makes this side allocate more for one message (docs/security.md).
+pub const DEFAULT_MAX_MESSAGE_SIZE: u64 = 1 << 30;
+/// Smallest eager slot a configuration may ask for, and a peer may announce in any
+/// provider's handshake: one bound for both, so no peer can make us accept absurd frames.
+pub const MIN_SLOT_SIZE: usize = 1024;
+/// Largest eager slot a configuration may ask for, and a peer may announce in any
+/// provider's handshake (see [`MIN_SLOT_SIZE`]).
+pub const MAX_SLOT_SIZE: usize = 16 << 20;
+/// The default of [`Config::rndv_recv_budget`]: the memory a peer can make one connection
+/// hold for rendezvous receives (docs/security.md). The gRPC server's default for the
+/// request bodies it holds for handlers is the same bound.
+pub const DEFAULT_RNDV_RECV_BUDGET: usize = 256 << 20;
+/// The default of [`Config::pool_size`]: the zero-copy memory a process maps per shm peer
+/// process, or registers per verbs device, for buffers from `Connection::alloc`. Past it,
+/// allocations fall back to heap memory where callers allow (the worker's staging cache,
+/// docs/ps.md), so it bounds pinned memory, not what can be sent.
+pub const DEFAULT_POOL_SIZE: usize = 256 << 20;
+/// verbs: the size of one slab of local registered memory. Small enough that registering
+/// one is quick (about 30 ms under full emulation, microseconds on hardware), large
+/// enough that a busy process needs few; [`Config::verbs_mem_limit`] holds one at least.
+pub const VERBS_SLAB: usize = 4 << 20;
+/// The default of [`Config::shm_spin`]: the consumer of a full ring is another process,
+/// usually draining it right now. Receive-side spinning is the driver's
+/// ([`Config::spin`]), since only it knows whether other work is waiting.
+pub const SHM_SPIN: std::time::Duration = std::time::Duration::from_micros(30);
+/// The default of [`Config::verbs_spin`]: long enough to catch a reply on a fast network,
+/// short enough not to matter when idle.
+pub const VERBS_SPIN: std::time::Duration = std::time::Duration::from_micros(20);
+/// The last choice of [`Config::shm_dir`], where neither `IBEX_SHM_DIR` nor
+/// `XDG_RUNTIME_DIR` names one.
+pub const DEFAULT_SHM_DIR: &str = "/tmp";
+
+/// The shm socket directory the environment names (`IBEX_SHM_DIR`, else
+/// `XDG_RUNTIME_DIR`), as [`Config::from_env`] reads it into [`Config::shm_dir`]. Public for
+/// spec modules that name a job's shm sockets before any `Config` exists.
+pub fn env_shm_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("IBEX_SHM_DIR")
+        .or_else(|| std::env::var_os("XDG_RUNTIME_DIR"))
+        .map(std::path::PathBuf::from)
+}
+
+/// A variable's value, unset and empty alike being `None`.
+fn env_nonempty(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// A non-negative integer from `name`; `example` goes into the error.
+fn env_number(name: &str, example: &str) -> Result<Option<u64>> {
+    env_nonempty(name)
+        .map(|v| {
+            v.trim()
+                .parse::<u64>()
+                .map_err(|_| Error::Config(format!("{name}={v:?} is not a number ({example})")))
+        })
+        .transpose()
+}
 
 /// A positive number of milliseconds from `name`; `example` goes into the error.
 fn env_millis(name: &str, example: u64) -> Result<Option<std::time::Duration>> {

@@ -67,10 +67,27 @@ pub struct LinkInfo {
     /// The longest single read the link takes (verbs: one RDMA READ work request); the
     /// connection's fragments are never longer. `usize::MAX` where any length goes.
     pub max_read: usize,
+    /// The longest message body the link can push behind the RTS that announces it
+    /// ([`Link::expose_pushed`]; tcp towards a peer that takes pushes: `wire::MAX_PUSH`).
+    /// 0 where it cannot push.
+    pub max_push: usize,
     /// Exposing memory or receiving into it needs registration, which the connection does
     /// ahead of time, off the runtime and outside its lock, through this (verbs). `None`
     /// where any memory will do.
     pub registrar: Option<Arc<dyn Registrar>>,
+}
+
+impl LinkInfo {
+    /// What the sans-IO core decides from: [`crate::proto::LinkCaps`].
+    pub fn caps(&self) -> crate::proto::LinkCaps {
+        crate::proto::LinkCaps {
+            registers: self.registrar.is_some(),
+            max_push: self.max_push,
+            max_read: self.max_read,
+            pipelined_reads: self.pipelined_reads,
+            dma_reads: self.dma_reads,
+        }
+    }
 }
 
 /// Registration work a provider lets the connection run where it blocks nobody: on a
@@ -465,9 +482,12 @@ pub trait Link: Send + 'static {
     fn expose(&mut self, buf: Bytes) -> Result<Exposure, Error>;
 
     /// Exposes a message body that the peer is about to be told of (an RTS) and will read
-    /// once, whole, right away. A provider whose reads cost the peer a request may start
-    /// moving it now (tcp pushes it behind the RTS); the default is [`Link::expose`].
-    fn expose_message(&mut self, buf: Bytes) -> Result<Exposure, Error> {
+    /// once, whole, right away, and pushes it behind the next frame written (that RTS), so
+    /// that the peer's reads need no request. The core asks for it where
+    /// [`LinkInfo::max_push`] takes the body ([`crate::proto::LinkCaps::pushes`]); a link
+    /// that cannot push it now (closing, dead) exposes it for reads only. Providers that
+    /// never push keep the default, [`Link::expose`].
+    fn expose_pushed(&mut self, buf: Bytes) -> Result<Exposure, Error> {
         self.expose(buf)
     }
 

@@ -77,8 +77,8 @@ pub const MAX_TOKEN: usize = 1024;
 pub const MAX_EXT: usize = 1024;
 /// Slot sizes a peer may announce: the bounds of `Config::validate`, so no peer can make us
 /// accept absurd frames.
-const MIN_SLOT: u32 = 1024;
-const MAX_SLOT: u32 = 16 << 20;
+const MIN_SLOT: u32 = crate::config::MIN_SLOT_SIZE as u32;
+const MAX_SLOT: u32 = crate::config::MAX_SLOT_SIZE as u32;
 
 /// One side's preface.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -114,10 +114,11 @@ impl QpInfo {
                 "peer announced unusable queue pair parameters {info:?}"
             )));
         }
-        if info.slot_size > 16 << 20 {
+        if info.slot_size as usize > crate::config::MAX_SLOT_SIZE {
             return Err(Error::Handshake(format!(
-                "peer announced a {}-byte receive slot; at most 16 MiB is supported",
-                info.slot_size
+                "peer announced a {}-byte receive slot; at most {} MiB is supported",
+                info.slot_size,
+                crate::config::MAX_SLOT_SIZE >> 20
             )));
         }
         Ok(info)

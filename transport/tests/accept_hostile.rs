@@ -286,14 +286,14 @@ async fn silent_and_junk_shm_peers(cfg: Config, tag: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_listener_serves_tcp_and_shm_side_by_side_and_accept_is_cancel_safe() {
     init_tracing();
-    let cfg = patient();
     let dir = std::env::temp_dir().join(format!("ibex-accept-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // The shm path of an auto listener comes from its port; it only has to be somewhere
     // private to this process.
-    // SAFETY: set before any other thread of this test reads the environment, and only
-    // this test in this binary uses auto listeners.
-    unsafe { std::env::set_var("IBEX_SHM_DIR", &dir) };
+    let cfg = Config {
+        shm_dir: dir.clone(),
+        ..patient()
+    };
     let l = ibex_transport::listen_auto("127.0.0.1:0", cfg.clone())
         .await
         .unwrap();

@@ -779,23 +779,30 @@ fn connect_auto_prefers_shm_on_the_same_host() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let dir = tempdir();
-        // SAFETY: single-threaded at this point of the test; no other thread reads the env.
-        unsafe { std::env::set_var("IBEX_SHM_DIR", &dir) };
-        let l = ibex_transport::listen_auto("127.0.0.1:0", fixed_threshold(4096))
+        let cfg = Config {
+            shm_dir: dir.clone(),
+            ..fixed_threshold(4096)
+        };
+        let l = ibex_transport::listen_auto("127.0.0.1:0", cfg.clone())
             .await
             .unwrap();
         let port = l.local_uri().rsplit(':').next().unwrap().to_string();
-        let uri = ibex_transport::choose_auto(&format!("127.0.0.1:{port}")).unwrap();
+        let uri = ibex_transport::choose_auto(&format!("127.0.0.1:{port}"), &cfg).unwrap();
         assert!(uri.starts_with("shm://"), "{uri}");
         assert_eq!(
-            ibex_transport::choose_auto("192.0.2.9:80").unwrap(),
+            ibex_transport::choose_auto("192.0.2.9:80", &cfg).unwrap(),
             "tcp://192.0.2.9:80"
         );
-        let hp = format!("127.0.0.1:{port}");
-        let (a, b) = tokio::join!(
-            l.accept(),
-            ibex_transport::connect_auto(&hp, fixed_threshold(4096))
+        let forced = Config {
+            auto_transport: Some("tcp".into()),
+            ..cfg.clone()
+        };
+        assert_eq!(
+            ibex_transport::choose_auto(&format!("127.0.0.1:{port}"), &forced).unwrap(),
+            format!("tcp://127.0.0.1:{port}")
         );
+        let hp = format!("127.0.0.1:{port}");
+        let (a, b) = tokio::join!(l.accept(), ibex_transport::connect_auto(&hp, cfg.clone()));
         assert_eq!(b.unwrap().provider(), "shm");
         assert_eq!(a.unwrap().provider(), "shm");
         drop(l);

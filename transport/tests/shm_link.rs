@@ -1,7 +1,7 @@
 //! Integration tests of the shm provider: setup, frames, rendezvous reads (CMA, bounce,
 //! pool mapping), bad descriptors, auth, socket paths and close. Child processes (this
 //! binary re-executed on an `#[ignore]`d test) cover the two-process case and the forced
-//! bounce path, whose switch is an environment variable read at setup.
+//! bounce path, whose switch the child takes from the environment (`Config::from_env`).
 
 mod shm_util;
 
@@ -177,7 +177,7 @@ fn cma_allowed() -> bool {
 async fn region_read_via_cma_in_fragments() {
     let cfg = small_config();
     let (mut a, mut b) = pair("cma", &cfg, &cfg).await;
-    if cma_allowed() && std::env::var_os("IBEX_SHM_FORCE_BOUNCE").is_none() {
+    if cma_allowed() && !cfg.shm_force_bounce {
         assert_eq!(b.info().rendezvous_path, "cma");
         assert!(b.info().one_sided);
     }
@@ -431,8 +431,11 @@ fn bounce_reads_when_cma_is_forced_off() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "helper: run by bounce_reads_when_cma_is_forced_off with IBEX_SHM_FORCE_BOUNCE=1"]
 async fn bounce_child() {
-    assert_eq!(std::env::var("IBEX_SHM_FORCE_BOUNCE").as_deref(), Ok("1"));
     let cfg = small_config();
+    assert!(
+        cfg.shm_force_bounce,
+        "IBEX_SHM_FORCE_BOUNCE=1 reaches the Config"
+    );
     let (mut a, mut b) = pair("bounce", &cfg, &cfg).await;
     assert_eq!(b.info().rendezvous_path, "bounce");
     assert!(!b.info().one_sided);

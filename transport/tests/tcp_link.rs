@@ -854,8 +854,13 @@ async fn pushed_bodies_fill_reads_posted_before_they_arrive() {
     let (mut s, mut c) = pair().await;
     let one = big_region(100_000, 1);
     let two = big_region(tcp::wire::MAX_PUSH, 2);
-    let e1 = s.expose_message(one.clone()).unwrap();
-    let e2 = s.expose_message(two.clone()).unwrap();
+    assert_eq!(
+        s.info().max_push,
+        tcp::wire::MAX_PUSH,
+        "the peer takes pushes"
+    );
+    let e1 = s.expose_pushed(one.clone()).unwrap();
+    let e2 = s.expose_pushed(two.clone()).unwrap();
     assert!(flagged(&e1.descriptor) && flagged(&e2.descriptor));
     // Nothing goes before the frame that follows the exposure (the RTS, in a connection).
     poll_fn(|cx| s.poll_flush(cx)).await.unwrap();
@@ -899,7 +904,7 @@ async fn pushed_bodies_fill_reads_posted_before_they_arrive() {
 async fn pushes_that_arrive_before_their_reads_are_held_then_copied_out() {
     let (mut s, mut c) = pair().await;
     let region = big_region(300_000, 3);
-    let e = s.expose_message(region.clone()).unwrap();
+    let e = s.expose_pushed(region.clone()).unwrap();
     send_frame(&mut s, b"rts").await;
     let ev = next_event(&mut c, &mut s, &mut Vec::new()).await.unwrap();
     assert!(matches!(ev, LinkEvent::Frame(_)));
@@ -940,7 +945,7 @@ async fn pushes_past_the_hold_limit_are_dropped_and_read_the_usual_way() {
         .collect();
     let exps: Vec<_> = regions
         .iter()
-        .map(|r| s.expose_message(r.clone()).unwrap())
+        .map(|r| s.expose_pushed(r.clone()).unwrap())
         .collect();
     send_frame(&mut s, b"rts").await;
     let ev = next_event(&mut c, &mut s, &mut Vec::new()).await.unwrap();
@@ -978,7 +983,9 @@ async fn pushes_past_the_hold_limit_are_dropped_and_read_the_usual_way() {
 async fn nothing_is_pushed_to_a_peer_that_does_not_take_pushes() {
     let (mut s, mut raw) = raw_client().await;
     skip_preface(&mut raw).await;
-    let e = s.expose_message(pattern(5000, 1)).unwrap();
+    assert_eq!(s.info().max_push, 0, "so the core asks for no push");
+    // Asked all the same, the link still writes no push the peer would refuse.
+    let e = s.expose_pushed(pattern(5000, 1)).unwrap();
     assert!(!flagged(&e.descriptor));
     send_frame(&mut s, b"rts").await;
     let mut got = vec![0u8; 8];

@@ -52,7 +52,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let _ = rx.await;
         }));
     }
-    let w = Worker::connect(&spec, 0).await?;
+    let w = Worker::connect(&spec, 0, &ibex_worker::transport_config()?).await?;
     let var = VarSpec {
         name: "t".into(),
         dtype: Dtype::F32,

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::future::try_join_all;
+use ibex_proto::ps::MAX_MESSAGE;
 use ibex_proto::ps::v1::parameter_server_ibex::ParameterServerClient;
 use ibex_transport::grpc::Channel;
 use ibex_transport::{Config, RecvBuf, RemoteBuf};
@@ -20,9 +21,6 @@ use crate::types::VarSpec;
 
 /// How long `connect` keeps retrying a PS that is not up yet.
 const CONNECT_RETRY: Duration = Duration::from_secs(30);
-
-/// Protobuf bodies carry whole shards' tensors: tonic's 4 MiB default is far too small.
-const MAX_MESSAGE: usize = 1 << 30;
 
 /// Tensor bytes one request body carries at most (a larger tensor travels alone). A pull
 /// or push of a whole model goes as several concurrent requests per PS: each side's
@@ -104,16 +102,22 @@ impl std::fmt::Debug for Worker {
 }
 
 impl Worker {
-    /// Connects to every PS of `spec` over its transport, retrying each for up to 30 s
-    /// while it starts.
-    pub async fn connect(spec: &ClusterSpec, worker_index: usize) -> Result<Worker, WorkerError> {
+    /// Connects to every PS of `spec` over its transport with the settings of `config`
+    /// (binaries pass [`crate::transport_config`], the job environment's), retrying each PS
+    /// for up to 30 s while it starts.
+    pub async fn connect(
+        spec: &ClusterSpec,
+        worker_index: usize,
+        config: &Config,
+    ) -> Result<Worker, WorkerError> {
         if spec.ps.is_empty() {
             return Err(WorkerError::Usage("the cluster spec lists no PS".into()));
         }
         let index = u32::try_from(worker_index)
             .map_err(|_| WorkerError::Usage("worker index too large".into()))?;
         let clients =
-            try_join_all((0..spec.ps.len()).map(|i| connect_one(i, spec.ps_uri(i)))).await?;
+            try_join_all((0..spec.ps.len()).map(|i| connect_one(i, spec.ps_uri(i), config)))
+                .await?;
         let load = vec![0; clients.len()];
         Ok(Worker {
             index,
@@ -893,9 +897,8 @@ pub(crate) fn f32_to_bytes(v: &[f32]) -> Bytes {
 }
 
 /// Connects to PS `ps` at `uri`: an Ibex address, or `http://` for a `grpc` cluster.
-async fn connect_one(ps: usize, uri: String) -> Result<Client, WorkerError> {
+async fn connect_one(ps: usize, uri: String, config: &Config) -> Result<Client, WorkerError> {
     let deadline = Instant::now() + CONNECT_RETRY;
-    let config = Config::from_env().map_err(|e| WorkerError::Usage(e.to_string()))?;
     loop {
         let attempt = Channel::connect_any(&uri, config.clone())
             .await

@@ -269,10 +269,7 @@ impl ClusterSpec {
         let (host, port) = split_host_port(addr).unwrap_or((addr, 0));
         let host = bind.unwrap_or(host);
         match self.transport {
-            TransportKind::Shm => format!(
-                "shm://{}",
-                ibex_transport::conn::auto_shm_path(port).display()
-            ),
+            TransportKind::Shm => format!("shm://{}", shm_socket(port).display()),
             TransportKind::Tcp => format!("tcp://{host}:{port}"),
             TransportKind::Verbs => format!("verbs://{host}:{port}"),
             TransportKind::Grpc => format!("http://{host}:{port}"),
@@ -311,6 +308,22 @@ pub fn free_ports(host: &str, count: usize) -> std::io::Result<Vec<u16>> {
         }
     }
     Ok(ports)
+}
+
+/// The transport settings of a task of this job: the `IBEX_*` variables its environment
+/// sets ([`ibex_transport::Config::from_env`]), read here with the rest of the job's
+/// environment. Binaries pass what this returns to [`crate::Worker::connect`].
+pub fn transport_config() -> Result<ibex_transport::Config, SpecError> {
+    ibex_transport::Config::from_env().map_err(|e| SpecError::Invalid(e.to_string()))
+}
+
+/// The shm socket of the task listening on `port`: in the directory the job's environment
+/// names (`IBEX_SHM_DIR`, else `XDG_RUNTIME_DIR`), as [`transport_config`] reads it, so that
+/// the PS's listener and its workers agree on it.
+fn shm_socket(port: u16) -> PathBuf {
+    let dir = ibex_transport::config::env_shm_dir()
+        .unwrap_or_else(|| ibex_transport::Config::default().shm_dir);
+    ibex_transport::conn::auto_shm_path(&dir, port)
 }
 
 fn transport_from_env() -> Result<TransportKind, SpecError> {
@@ -648,10 +661,7 @@ mod tests {
         assert_eq!(s.ps_uri(0), "http://h1:7000");
         assert_eq!(s.ps_listen_uri(0), "http://0.0.0.0:7000");
         s.transport = TransportKind::Shm;
-        let want = format!(
-            "shm://{}",
-            ibex_transport::conn::auto_shm_path(7000).display()
-        );
+        let want = format!("shm://{}", shm_socket(7000).display());
         assert_eq!(s.ps_uri(0), want);
         assert_eq!(s.ps_listen_uri(0), want);
     }

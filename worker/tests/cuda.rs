@@ -5,7 +5,7 @@
 
 mod common;
 
-use ibex_worker::{Dtype, Gpu, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError};
+use ibex_worker::{Dtype, Gpu, Init, Optimizer, TransportKind, VarSpec, WorkerError};
 
 const LR: f32 = 0.1;
 /// 640 x 512 f32: two parts of 640 KiB across two PS (descriptor path on shm).
@@ -64,7 +64,7 @@ fn g(step: u64, i: usize) -> f32 {
 async fn device_matches_host(transport: TransportKind) {
     let Some(gpu) = gpu() else { return };
     let (spec, _stops) = common::start_sync_ps(transport, 2, 1);
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = common::connect_worker(&spec, 0).await.unwrap();
     let small = [7usize];
     w.create_variables(&[
         var("a_big", &BIG),
@@ -139,7 +139,7 @@ async fn device_pushes_over_stock_grpc_match_host_pushes() {
 async fn device_errors_are_typed() {
     let Some(gpu) = gpu() else { return };
     let (spec, _stops) = common::start_sync_ps(TransportKind::Shm, 1, 1);
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = common::connect_worker(&spec, 0).await.unwrap();
     w.create_variables(&[var("v", &[5])]).await.unwrap();
     let wrong = gpu.alloc_zeros(3).unwrap();
     match w.push_device(&gpu, 0, &[("v", &wrong)]).await {

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, WorkerError};
+use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, WorkerError};
 
 const STEPS: u64 = 6;
 
@@ -51,7 +51,7 @@ async fn train(transport: TransportKind, layered: bool) -> Vec<Vec<f32>> {
     for r in 0..2 {
         let spec = spec.clone();
         handles.push(tokio::spawn(async move {
-            let w = Arc::new(Worker::connect(&spec, r).await.unwrap());
+            let w = Arc::new(common::connect_worker(&spec, r).await.unwrap());
             w.create_variables(&vars()).await.unwrap();
             let mut vals = w.pull(&NAMES, 0).await.unwrap();
             for k in 0..STEPS {
@@ -103,8 +103,8 @@ async fn layered_pushes_equal_one_push_pull_per_step() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pull_waits_for_every_worker_and_errors_end_the_step() {
     let (spec, _stops) = common::start_sync_ps(TransportKind::Tcp, 2, 2);
-    let w0 = Arc::new(Worker::connect(&spec, 0).await.unwrap());
-    let w1 = Arc::new(Worker::connect(&spec, 1).await.unwrap());
+    let w0 = Arc::new(common::connect_worker(&spec, 0).await.unwrap());
+    let w1 = Arc::new(common::connect_worker(&spec, 1).await.unwrap());
     w0.create_variables(&vars()).await.unwrap();
     w1.create_variables(&vars()).await.unwrap();
     let zeros: Vec<Vec<f32>> = vars().iter().map(|v| vec![0.0; v.numel()]).collect();

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use ibex_ps::{ExposeLimits, Mode, PsConfig};
 use ibex_worker::pb::parameter_server_ibex::ParameterServerClient;
-use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker, pb};
+use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, pb};
 
 mod common;
 use common::free_port;
@@ -67,7 +67,7 @@ fn vars() -> Vec<VarSpec> {
 /// `STEPS` push-pulls into reused vectors, then a plain pull; returns every step's values
 /// and the worker's total one-sided read bytes.
 async fn train(spec: &ClusterSpec) -> (Vec<Vec<Vec<f32>>>, u64) {
-    let w = Worker::connect(spec, 0).await.unwrap();
+    let w = common::connect_worker(spec, 0).await.unwrap();
     w.create_variables(&vars()).await.unwrap();
     let names: Vec<&str> = SHAPES.iter().map(|(n, _)| *n).collect();
     let mut out = vec![Vec::new(); names.len()];
@@ -225,7 +225,7 @@ async fn a_worker_that_never_releases_holds_a_bounded_amount_until_the_timeout()
         timeout,
     };
     let (spec, stop) = start(TransportKind::Shm, limits);
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = common::connect_worker(&spec, 0).await.unwrap();
     w.create_variables(&vars()).await.unwrap();
     // A raw client on its own connection that never names a lease in `release`.
     let mut raw = ParameterServerClient::new(
@@ -402,7 +402,7 @@ async fn a_hostile_pull_reply_is_a_clear_error_not_a_panic_or_an_over_read() {
         // The server task may not be listening yet.
         let t = std::time::Instant::now();
         let w = loop {
-            match Worker::connect(&spec, 0).await {
+            match common::connect_worker(&spec, 0).await {
                 Ok(w) => break w,
                 Err(e) if t.elapsed() < std::time::Duration::from_secs(10) => {
                     let _ = e;

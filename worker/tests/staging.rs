@@ -35,7 +35,7 @@ fn g(step: u64, i: usize) -> f32 {
 /// with the same gradients; afterwards both must hold identical values, equal to plain SGD.
 async fn staged_equals_slices(transport: TransportKind) -> Worker {
     let (spec, _stops) = common::start_sync_ps(transport, 2, 1);
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = common::connect_worker(&spec, 0).await.unwrap();
     let small = [7usize];
     w.create_variables(&[
         var("a_big", &BIG),
@@ -163,8 +163,8 @@ async fn staged_pushes_over_tcp_go_inline() {
 async fn a_buffer_in_flight_is_not_handed_out_again() {
     let (spec, _stops) = common::start_sync_ps(TransportKind::Shm, 1, 2);
     let vars = [var("w", &[100_000])];
-    let w0 = Arc::new(Worker::connect(&spec, 0).await.unwrap());
-    let w1 = Worker::connect(&spec, 1).await.unwrap();
+    let w0 = Arc::new(common::connect_worker(&spec, 0).await.unwrap());
+    let w1 = common::connect_worker(&spec, 1).await.unwrap();
     w0.create_variables(&vars).await.unwrap();
     w1.create_variables(&vars).await.unwrap();
 
@@ -214,7 +214,7 @@ async fn a_buffer_in_flight_is_not_handed_out_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn misuse_gets_typed_errors() {
     let (spec, _stops) = common::start_sync_ps(TransportKind::Tcp, 2, 1);
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = common::connect_worker(&spec, 0).await.unwrap();
     let table = VarSpec {
         sparse: true,
         ..var("emb", &[10, 4])

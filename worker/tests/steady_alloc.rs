@@ -12,7 +12,7 @@ mod common;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
+use ibex_worker::{Dtype, Init, Optimizer, TransportKind, VarSpec};
 
 const LARGE: usize = 64 << 10;
 /// Counts blocks of at least [`LARGE`] bytes (fresh, or grown to that size) while armed.
@@ -85,7 +85,7 @@ async fn large_allocs<T>(f: impl Future<Output = T>) -> (u64, T) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_ps_step_allocates_no_large_buffer() {
     let (spec, _stops) = common::start_sync_ps(TransportKind::Shm, 2, 1);
-    let w = Worker::connect(&spec, 0).await.unwrap();
+    let w = common::connect_worker(&spec, 0).await.unwrap();
     // A split variable (two parts on two PS), whole ones on either PS, and a small one.
     let vars = [
         var("fc", &[640, 512]),

@@ -5,7 +5,7 @@
 
 mod common;
 
-use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec, Worker};
+use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, TransportKind, VarSpec};
 
 const N: usize = 64;
 const D: usize = 5;
@@ -62,7 +62,7 @@ async fn run(transport: TransportKind) {
     for r in 0..2 {
         let (spec, vars, xs, ys) = (spec.clone(), vars.clone(), xs.clone(), ys.clone());
         handles.push(tokio::spawn(async move {
-            let w = Worker::connect(&spec, r).await.unwrap();
+            let w = common::connect_worker(&spec, r).await.unwrap();
             w.create_variables(&vars).await.unwrap();
             let half = N / 2;
             let (xs, ys) = (&xs[r * half..(r + 1) * half], &ys[r * half..(r + 1) * half]);
@@ -143,6 +143,6 @@ async fn a_spec_without_ps_is_refused() {
         workers: vec![],
         transport: TransportKind::Tcp,
     };
-    let e = Worker::connect(&spec, 0).await.unwrap_err();
+    let e = common::connect_worker(&spec, 0).await.unwrap_err();
     assert!(e.to_string().contains("no PS"), "{e}");
 }

@@ -8,6 +8,15 @@ use ibex_worker::{ClusterSpec, TransportKind};
 use tokio::sync::oneshot;
 
 pub use ibex_test_support::free_port;
+/// Connects worker `index` of `spec` with the environment's transport settings, as the
+/// binaries do.
+pub async fn connect_worker(
+    spec: &ClusterSpec,
+    index: usize,
+) -> Result<ibex_worker::Worker, ibex_worker::WorkerError> {
+    let config = ibex_worker::transport_config().expect("IBEX_* environment variables");
+    ibex_worker::Worker::connect(spec, index, &config).await
+}
 
 /// Running in-process shards; dropping stops them.
 pub struct Cluster {

@@ -2,7 +2,7 @@
 //! provider), and plain `host:port` for [`crate::connect_auto`].
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
@@ -65,13 +65,9 @@ fn check_host_port(s: &str) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// Where the shm socket of an auto listener on `port` lives: `$IBEX_SHM_DIR`, else
-/// `$XDG_RUNTIME_DIR`, else `/tmp`.
-pub fn auto_shm_path(port: u16) -> PathBuf {
-    let dir = std::env::var_os("IBEX_SHM_DIR")
-        .or_else(|| std::env::var_os("XDG_RUNTIME_DIR"))
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/tmp"));
+/// Where the shm socket of an auto listener on `port` lives in `dir`
+/// ([`crate::Config::shm_dir`]).
+pub fn auto_shm_path(dir: &Path, port: u16) -> PathBuf {
     dir.join(format!("ibex-{port}.sock"))
 }
 

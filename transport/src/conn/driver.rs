@@ -603,7 +603,7 @@ impl State {
         link.enable_work();
         let info = link.info();
         let mut core = core;
-        core.set_max_read(info.max_read);
+        core.set_link(info.caps());
         // The pool is asked for on first use (`Connection::pool`): on verbs that registers
         // memory, which must not happen at connect or under this lock.
         let pool = None;
@@ -738,7 +738,11 @@ impl State {
         // Checked before exposing: a refused head costs no registration.
         self.core.check_head(head.len())?;
         let link = self.link.as_mut().ok_or(Error::LocallyClosed)?;
-        let exposure = link.expose_message(msg)?;
+        let exposure = if self.core.link().pushes(msg.len()) {
+            link.expose_pushed(msg)?
+        } else {
+            link.expose(msg)?
+        };
         self.stats.count_registration(exposure.registration);
         if exposure.zero_copy {
             self.stats.pool_bytes_sent += len;
@@ -1757,6 +1761,7 @@ mod tests {
                 dma_reads: false,
                 read_depth: 1,
                 max_read: usize::MAX,
+                max_push: 0,
                 registrar: None,
             }
         }

@@ -66,23 +66,8 @@ impl Connection {
     /// outside this crate can be plugged in.
     pub async fn establish(link: Box<dyn Link>, config: &Config) -> Result<Connection> {
         config.validate()?;
-        // The fragment size matters where reads are pipelined over a network (RDMA READ).
-        // On shm (one CMA copy) and tcp (a stream) the probe's read samples (tens of MiB per
-        // connection) cost more than any fragment size wins back: measured, six fresh
-        // connections probing made a short ps-throughput run 20x slower.
-        let mut config = config.clone();
         let info = link.info();
-        if !info.pipelined_reads {
-            config.probe_fragments = false;
-        }
-        // Where a rendezvous read is a CPU copy (shm, tcp), eager wins at every size a slot
-        // takes: measured with fixed thresholds, 2-4x on shm and about 3x on tcp at 4-60 KiB.
-        // The probe's samples could not see it (each pays a wake-up of tens of microseconds)
-        // and picked thresholds from 1 to 64 KiB at random from one connection to the next.
-        if !info.dma_reads {
-            config.probe_threshold = false;
-        }
-        let config = &config;
+        let config = &info.caps().tune(config);
         let probe = config.wants_probe();
         let probe_len = config.probe_buffer_len();
         // The probe's rendezvous samples read a zero buffer. One per length for the whole
@@ -214,7 +199,8 @@ impl Connection {
     /// with it. Large messages are read by the peer from this buffer (no copy on this side;
     /// none at all for registered-pool buffers on shm). Eager-sized ones are copied into a
     /// slot anyway, so they are copied and the buffer comes back at once; so are, on verbs,
-    /// unregistered ones up to 1 MiB, copied into registered memory (see `BOUNCE_MAX`).
+    /// unregistered ones up to 1 MiB, copied into registered memory (see
+    /// [`crate::proto::COPY_MAX`]).
     pub async fn send_owned<B>(&self, buf: B) -> Result<B>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
@@ -272,12 +258,6 @@ impl Connection {
         self.shared().lock().core.head_room()
     }
 
-    /// The optional features the peer's `Hello` announced (`proto::frame::FEATURE_*`), or
-    /// `None` while it has not come.
-    pub(crate) fn peer_features(&self) -> Option<u32> {
-        self.shared().lock().core.peer_features()
-    }
-
     /// Puts a message where the provider can expose it without registering per message
     /// (verbs); returns it unchanged elsewhere. Synchronous, before any queueing: callers
     /// rely on a send that was polled once being queued in call order and not cut off
@@ -298,36 +278,41 @@ impl Connection {
             return Ok(msg);
         }
         let protocol = protocol.into();
-        let registrar = {
+        // The core decides (`LinkCaps::staging`); this carries its decision out.
+        let (staging, registrar) = {
             let st = shared.lock();
-            st.info.registrar.clone().filter(|r| {
-                let p = protocol.or_else(|| st.core.classify(msg.len() as u64).ok());
-                p == Some(crate::proto::Protocol::Rendezvous) && r.would_register(&msg)
-            })
+            let p = protocol.or_else(|| st.core.classify(msg.len() as u64).ok());
+            match (st.info.registrar.clone(), p) {
+                (Some(r), Some(p)) => (
+                    st.core
+                        .link()
+                        .staging(p, msg.len(), || r.would_register(&msg)),
+                    r,
+                ),
+                _ => return Ok(msg),
+            }
         };
-        let Some(r) = registrar else {
-            return Ok(msg);
-        };
-        if msg.len() <= BOUNCE_MAX
-            && let Some(mut b) = r.try_alloc(msg.len())
-        {
-            // A fresh buffer (an encoded gRPC body, say) would be registered for this one
-            // send and never hit the cache again: a copy into memory that is registered
-            // already costs less than `ibv_reg_mr` and its undoing. Usually a slab has
-            // room, and nothing here blocks.
-            b.copy_from_slice(&msg);
-            Ok(b.freeze())
-        } else if msg.len() <= BOUNCE_MAX {
-            // No room: growing the slabs registers, so it runs off the runtime.
-            outside_runtime(|| -> Result<Bytes> {
-                let mut b = r.alloc(msg.len())?;
-                b.copy_from_slice(&msg);
-                Ok(b.freeze())
-            })
-            .or_else(|_| outside_runtime(|| r.prepare(&msg)).map(|()| msg))
-        } else {
-            outside_runtime(|| r.prepare(&msg))?;
-            Ok(msg)
+        match staging {
+            crate::proto::Staging::AsIs => Ok(msg),
+            crate::proto::Staging::Copy => {
+                if let Some(mut b) = registrar.try_alloc(msg.len()) {
+                    // Usually a slab has room, and nothing here blocks.
+                    b.copy_from_slice(&msg);
+                    return Ok(b.freeze());
+                }
+                // No room: growing the slabs registers, so it runs off the runtime; where
+                // no slab can be had, the message is registered after all.
+                outside_runtime(|| -> Result<Bytes> {
+                    let mut b = registrar.alloc(msg.len())?;
+                    b.copy_from_slice(&msg);
+                    Ok(b.freeze())
+                })
+                .or_else(|_| outside_runtime(|| registrar.prepare(&msg)).map(|()| msg))
+            }
+            crate::proto::Staging::Register => {
+                outside_runtime(|| registrar.prepare(&msg))?;
+                Ok(msg)
+            }
         }
     }
 
@@ -1012,14 +997,14 @@ pub async fn listen(uri: &str, config: Config) -> Result<Listener> {
 }
 
 /// Listens on `host:port` over tcp and, for peers on this host, over shm at
-/// [`auto_shm_path`]`(port)`, so that [`connect_auto`] can pick the best path; and over
+/// [`auto_shm_path`] in [`Config::shm_dir`], so that [`connect_auto`] can pick the best path; and over
 /// verbs (bootstrap on port + 1) when this host has an RDMA device.
 pub async fn listen_auto(host_port: &str, config: Config) -> Result<Listener> {
     config.validate()?;
     let tcp = crate::tcp::listen(host_port, &config).await?;
     let local = tcp_uri(&tcp)?;
     let port = tcp.local_addr()?.port();
-    let path = auto_shm_path(port);
+    let path = auto_shm_path(&config.shm_dir, port);
     let shm = crate::shm::listen(&path, &config).await?;
     let mut sources = vec![accept::Source::Tcp(tcp), accept::Source::Shm(shm)];
     listen_auto_verbs(host_port, port, &config, &mut sources).await;
@@ -1069,11 +1054,11 @@ pub async fn connect(uri: &str, config: Config) -> Result<Connection> {
 
 /// Connects to an auto listener at `host:port` over the best provider: shm when the host is
 /// this machine and its shm socket exists; verbs (bootstrap on port + 1) when this host has
-/// an RDMA device and the peer answers there; tcp otherwise. `IBEX_TRANSPORT=shm|tcp|verbs`
-/// forces one. The choice is logged.
+/// an RDMA device and the peer answers there; tcp otherwise. [`Config::auto_transport`]
+/// (`IBEX_TRANSPORT=shm|tcp|verbs`) forces one. The choice is logged.
 pub async fn connect_auto(host_port: &str, config: Config) -> Result<Connection> {
-    let uri = choose_auto(host_port)?;
-    if uri.starts_with("verbs://") && std::env::var("IBEX_TRANSPORT").is_err() {
+    let uri = choose_auto(host_port, &config)?;
+    if uri.starts_with("verbs://") && config.auto_transport.is_none() {
         match connect(&uri, config.clone()).await {
             Ok(c) => {
                 tracing::info!(%uri, "connect_auto picked verbs");
@@ -1091,8 +1076,8 @@ pub async fn connect_auto(host_port: &str, config: Config) -> Result<Connection>
     connect(&uri, config).await
 }
 
-/// The URI [`connect_auto`] would try first for `host:port`.
-pub fn choose_auto(host_port: &str) -> Result<String> {
+/// The URI [`connect_auto`] would try first for `host:port` with `config`.
+pub fn choose_auto(host_port: &str, config: &Config) -> Result<String> {
     let bad = |why: &str| Error::Address {
         addr: host_port.into(),
         why: why.into(),
@@ -1101,12 +1086,9 @@ pub fn choose_auto(host_port: &str) -> Result<String> {
         .rsplit_once(':')
         .ok_or_else(|| bad("expected host:port"))?;
     let port: u16 = port.parse().map_err(|_| bad("port is not a number"))?;
-    let shm = auto_shm_path(port);
+    let shm = auto_shm_path(&config.shm_dir, port);
     let verbs = || format!("verbs://{host}:{}", port.saturating_add(1));
-    let forced = std::env::var("IBEX_TRANSPORT")
-        .ok()
-        .filter(|s| !s.is_empty());
-    match forced.as_deref() {
+    match config.auto_transport.as_deref().filter(|s| !s.is_empty()) {
         Some("shm") => return Ok(format!("shm://{}", shm.display())),
         Some("tcp") => return Ok(format!("tcp://{host_port}")),
         Some("verbs") => return Ok(verbs()),
@@ -1152,13 +1134,6 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
         .await
         .map_err(|e| Error::io("registering memory", std::io::Error::other(e.to_string())))?
 }
-
-/// Rendezvous sends of unregistered memory up to this long are copied into registered memory
-/// instead of being registered (verbs): the memcpy of at most 1 MiB (about 50 µs here, less
-/// for the typical few-KiB body) is cheaper than registering and deregistering pages that
-/// the next send will not reuse. Longer ones are registered (and cached), where the copy
-/// would cost more than the registration.
-const BOUNCE_MAX: usize = 1 << 20;
 
 /// Returns to the runtime once, waking itself: a cooperative spin's step. Not
 /// `tokio::task::yield_now`, which defers the wake-up until the runtime has polled its I/O

@@ -211,6 +211,10 @@ const WINDOW: i64 = 8 << 20;
 /// The largest piece a large body frame is cut into.
 pub(crate) const MAX_PIECE: usize = 8 << 20;
 
+/// The smallest piece: below it, per-message work outweighs what overlapping the pieces'
+/// reads wins.
+const MIN_PIECE: usize = 1 << 20;
+
 /// Each frame counts at least this much against the window, so a stream of tiny frames is
 /// bounded in count too.
 const MIN_FRAME_COST: i64 = 1024;
@@ -256,13 +260,13 @@ impl Mux {
 
     /// The largest body frame copied into its packet, and the piece size of large frames.
     /// A body rides in its packet while the packet stays eager: one message each way. Pieces
-    /// are two rendezvous fragments, so each piece's read is pipelined, and at least 1 MiB,
-    /// below which per-message work outweighs the overlap.
+    /// are two rendezvous fragments, so each piece's read is pipelined, within
+    /// [`MIN_PIECE`]..=[`MAX_PIECE`].
     fn sizes(&self) -> (usize, usize) {
         let (threshold, fragment) = self.conn.message_sizes();
         (
             threshold.saturating_sub(PACKET_ROOM),
-            (2 * fragment).clamp(1 << 20, MAX_PIECE),
+            (2 * fragment).clamp(MIN_PIECE, MAX_PIECE),
         )
     }
 

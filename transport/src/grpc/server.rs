@@ -64,9 +64,6 @@ struct ServeLimits {
     max_held: usize,
 }
 
-/// The default of [`ServeLimits::max_held`]: as the transport's receive budget.
-const DEFAULT_MAX_HELD: usize = 256 << 20;
-
 /// The default of [`Builder::max_concurrent_calls`].
 pub const DEFAULT_MAX_CONCURRENT_CALLS: usize = 4096;
 
@@ -76,7 +73,7 @@ impl Default for ServeLimits {
             wire: Limits::default(),
             max_concurrent_calls: DEFAULT_MAX_CONCURRENT_CALLS,
             keepalive: None,
-            max_held: DEFAULT_MAX_HELD,
+            max_held: crate::config::DEFAULT_RNDV_RECV_BUDGET,
         }
     }
 }

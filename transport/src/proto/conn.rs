@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::caps::LinkCaps;
 use super::frame::{
-    Body, EAGER_ONE_HEAD, FEATURE_GRPC_IMPLIED, FEATURE_PROBE_READ, FEATURE_RTS_HEAD, Frame,
-    HEADER_LEN, HelloExt, MAX_DESC_LEN, RTS_FIXED, truncate_utf8,
+    Body, EAGER_ONE_HEAD, FEATURE_PROBE_READ, FEATURE_RTS_HEAD, Frame, HEADER_LEN, HelloExt,
+    MAX_DESC_LEN, RTS_FIXED, truncate_utf8,
 };
 use super::probe::{FRAGMENT_PROBE_LEN, Probe, ProbePlan, Progress, Sample, Verdict};
 use super::{
@@ -179,8 +180,9 @@ pub struct Connection {
     recv: BTreeMap<MsgId, InMsg>,
     /// Accepted messages with fragments still to issue; reads go out in message order.
     read_queue: BTreeSet<MsgId>,
-    /// The link's longest single read; fragments are never longer.
-    max_read: usize,
+    /// What the link can do ([`Connection::set_link`]); fragments are never longer than
+    /// its longest read.
+    link: LinkCaps,
     /// Reads in flight: id -> message.
     reads: Map<u64, MsgId>,
     next_read_id: u64,
@@ -249,7 +251,7 @@ impl Connection {
             )
             .unwrap_or(u32::MAX),
             ext: HelloExt {
-                features: FEATURE_PROBE_READ | FEATURE_RTS_HEAD | FEATURE_GRPC_IMPLIED,
+                features: FEATURE_PROBE_READ | FEATURE_RTS_HEAD,
             }
             .encode(),
         };
@@ -270,7 +272,7 @@ impl Connection {
             next_deliver: 0,
             recv: BTreeMap::new(),
             read_queue: BTreeSet::new(),
-            max_read: usize::MAX,
+            link: LinkCaps::default(),
             reads: Map::default(),
             next_read_id: 0,
             unconsumed: Map::default(),
@@ -911,18 +913,28 @@ impl Connection {
 
     /// The rendezvous fragment size in force for this side's reads: configured, else the
     /// probe's verdict, else the default.
-    /// Never longer than the link's longest single read ([`Connection::set_max_read`]).
+    /// Never longer than the link's longest single read ([`LinkCaps::max_read`]).
     pub fn fragment_size(&self) -> usize {
         self.cfg
             .fragment_size
             .or(self.fragment_verdict)
             .unwrap_or(self.cfg.default_fragment_size)
-            .min(self.max_read)
+            .min(self.link.max_read)
     }
 
-    /// The link's longest single read (`LinkInfo::max_read`): fragments are cut to it.
-    pub fn set_max_read(&mut self, max_read: usize) {
-        self.max_read = max_read.max(1);
+    /// What the link can do (`LinkInfo::caps`): fragments are cut to its longest read, and
+    /// [`Connection::link`]'s decisions follow it.
+    pub fn set_link(&mut self, caps: LinkCaps) {
+        self.link = LinkCaps {
+            max_read: caps.max_read.max(1),
+            ..caps
+        };
+    }
+
+    /// The link's capabilities, and the per-message decisions made from them
+    /// ([`LinkCaps::staging`], [`LinkCaps::pushes`]).
+    pub fn link(&self) -> &LinkCaps {
+        &self.link
     }
 
     /// The fragment size the probe picked; `None` before it finished, if it did not

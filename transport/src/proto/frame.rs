@@ -40,11 +40,6 @@ pub const FLAG_HEAD: u8 = 0x01;
 /// Feature bit: the sender takes an `Rts` with [`FLAG_HEAD`]. A peer sends one only to a
 /// side that announced it: older peers reject unknown flags.
 pub const FEATURE_RTS_HEAD: u32 = 1 << 1;
-/// Feature bit: the sender's gRPC layer reads heads whose standard entries (`te`,
-/// `content-type`) are implied rather than written (docs/grpc.md, "Wire format"). The
-/// transport only carries it: a gRPC layer leaves them off only towards a side that
-/// announced it, since older decoders read the mark as a header count past their limit.
-pub const FEATURE_GRPC_IMPLIED: u32 = 1 << 2;
 /// Bytes of an `Rts` body besides its descriptor and head: `seq`, `len`, the descriptor's
 /// length.
 pub const RTS_FIXED: usize = 8 + 8 + 2;

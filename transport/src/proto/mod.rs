@@ -13,6 +13,9 @@
 //!   several in flight, and the completion (`RndvDone`) that releases the sender's buffer;
 //! - coalescing of small messages queued while the link is busy;
 //! - the connect-time probe, which picks the eager threshold and the fragment size;
+//! - the decisions that depend on what the link can do ([`LinkCaps`]): what the probe
+//!   measures, whether a send is copied into registered memory or registered, whether a
+//!   body is pushed behind its RTS;
 //! - in-order delivery, whatever order reads complete in.
 //!
 //! Flow control. Each data frame (`Eager`, `Rts`, `ProbeEager`, `ProbeRts`) takes one of the
@@ -22,10 +25,12 @@
 //! window is owed) when every message of the frame has been consumed by the application, so
 //! unread data is bounded by `credits × slot_size` plus the rendezvous messages in flight.
 
+mod caps;
 mod conn;
 pub mod frame;
 mod probe;
 
+pub use caps::{COPY_MAX, LinkCaps, Staging};
 pub use conn::{Connection, Transmit};
 pub use probe::{
     FRAGMENT_CANDIDATES, FRAGMENT_PROBE_LEN, FragmentCost, PROBE_TIMEOUT, ProbePlan, SizeCost,

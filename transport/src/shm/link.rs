@@ -32,11 +32,6 @@ use crate::error::{Error, Result};
 use crate::link::{Exposure, Link, LinkEvent, LinkInfo, Registration, Work};
 use crate::pool::Pool;
 
-/// How long `poll_send` spins for ring space before sleeping on an eventfd (the consumer
-/// is another process, usually draining right now). Receive-side spinning is the
-/// driver's (`Link::try_event`), since only it knows whether other work is waiting.
-/// `IBEX_SHM_SPIN_US` overrides it.
-pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(30);
 /// Busy-waits up to `budget` for `ready`. Every few iterations it yields the CPU, so on
 /// an oversubscribed host the peer thread we are waiting for gets to run.
 fn spin_until(budget: Duration, mut ready: impl FnMut() -> bool) -> bool {
@@ -372,6 +367,7 @@ impl ShmLink {
             dma_reads: false,
             read_depth: usize::MAX,
             max_read: usize::MAX,
+            max_push: 0,
             registrar: None,
         };
         Ok(ShmLink {

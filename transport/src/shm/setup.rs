@@ -46,16 +46,19 @@ const ACK: u8 = b'K';
 
 /// Data bytes of the ring we ask the peer to create for frames coming to us: all our
 /// credits' worth of full slots plus headroom for control records, at least four maximal
-/// records (a record may use at most a quarter of the ring), at most 256 MiB (beyond
-/// that the producer simply waits for space).
+/// records (a record may use at most a quarter of the ring), at most [`MAX_RX_RING`].
 pub fn rx_ring_capacity(config: &Config) -> usize {
     let record = record_for(config.slot_size);
     let want = (config.credits as usize)
         .saturating_mul(record)
         .saturating_add(64 << 10);
-    let cap = want.clamp(4 * record + 4096, (256 << 20).max(4 * record + 4096));
+    let cap = want.clamp(4 * record + 4096, MAX_RX_RING.max(4 * record + 4096));
     cap.div_ceil(4096) * 4096
 }
+
+/// Largest ring asked for by credits alone: beyond it the producer simply waits for space
+/// (the consumer drains the ring without the application's help, so that cannot deadlock).
+pub const MAX_RX_RING: usize = 256 << 20;
 
 fn record_for(slot: usize) -> usize {
     ring::RECORD_HEADER + slot.div_ceil(8) * 8
@@ -461,14 +464,8 @@ async fn handshake(
     config: &Config,
     dialer: bool,
 ) -> Result<Option<ShmLink>> {
-    // Environment switches are read first, so a bad value fails before any I/O.
-    let spin = match std::env::var("IBEX_SHM_SPIN_US") {
-        Ok(v) => Duration::from_micros(v.trim().parse::<u64>().map_err(|_| {
-            Error::Config(format!("IBEX_SHM_SPIN_US={v:?} is not a number of microseconds (example: 30; 0 never spins)"))
-        })?),
-        Err(_) => super::link::DEFAULT_SPIN,
-    };
-    let force = std::env::var("IBEX_SHM_FORCE_BOUNCE").is_ok_and(|v| v == "1");
+    let spin = config.shm_spin;
+    let force = config.shm_force_bounce;
     cma::allow_peer_reads();
     let (peer_pid, peer_uid) = socket_peer_cred(&stream)?;
     let probe = Box::new(random_word());

@@ -13,7 +13,7 @@
 //! the responder looks the region up, then queues the header and a `Bytes` slice of it.
 //!
 //! A message body up to [`wire::MAX_PUSH`] is pushed instead, towards a peer that takes
-//! pushes: it follows the next frame written after it was exposed (normally the RTS that
+//! pushes (the core decides which, from `LinkInfo::max_push`): it follows the next frame written after it was exposed (normally the RTS that
 //! announces it), so the reader's reads, posted when that RTS arrived, are filled straight
 //! from the socket without a request. A push that finds its reads not posted yet is held
 //! (up to [`wire::MAX_HELD`]) and copied out when they come, or dropped, and then read the
@@ -1001,6 +1001,7 @@ impl Link for TcpLink {
             dma_reads: false,
             read_depth: usize::MAX,
             max_read: usize::MAX,
+            max_push: if self.push_to_peer { wire::MAX_PUSH } else { 0 },
             registrar: None,
         }
     }
@@ -1106,15 +1107,13 @@ impl Link for TcpLink {
         })
     }
 
-    /// Pushes a body up to [`wire::MAX_PUSH`] to a peer that takes pushes, behind the next
-    /// frame (its RTS, normally); it stays exposed too, for reads that ask all the same.
-    fn expose_message(&mut self, buf: Bytes) -> Result<Exposure> {
-        if !self.push_to_peer
-            || buf.is_empty()
-            || buf.len() > wire::MAX_PUSH
-            || self.dead.is_some()
-            || self.closing
-        {
+    /// Pushes a body behind the next frame (its RTS, normally); it stays exposed too, for
+    /// reads that ask all the same. Which bodies are pushed is the core's decision
+    /// (`LinkCaps::pushes`, from `max_push` in [`Link::info`]); this link only never
+    /// writes a push its peer would refuse, nor one it can no longer write.
+    fn expose_pushed(&mut self, buf: Bytes) -> Result<Exposure> {
+        let takes = self.push_to_peer && !buf.is_empty() && buf.len() <= wire::MAX_PUSH;
+        if !takes || self.dead.is_some() || self.closing {
             return self.expose(buf);
         }
         let id = self.next_region;

@@ -52,9 +52,9 @@ use crate::error::{Error, Result};
 use crate::link::Registration;
 use crate::pool::{Pool, PoolBufMut};
 
-/// Size of one local slab. Small enough that registering one is quick (about 30 ms under
-/// full emulation, microseconds on hardware), large enough that a busy process needs few.
-pub(crate) const SLAB: usize = 4 << 20;
+/// Size of one local slab: [`crate::config::VERBS_SLAB`], beside the memory limit that
+/// must hold one.
+pub(crate) use crate::config::VERBS_SLAB as SLAB;
 /// Cached registrations kept at most, whatever their size (each costs the device an MR).
 const CACHE_ENTRIES: usize = 1024;
 /// How often the domain thread wakes without an event (trimming, stop checks).

@@ -731,6 +731,7 @@ impl Link for VerbsLink {
             dma_reads: true,
             read_depth: self.max_rd,
             max_read: MAX_READ,
+            max_push: 0,
             registrar: Some(Arc::new(DomainRegistrar(self.domain.clone()))),
         }
     }

@@ -6,7 +6,8 @@
 //! READ (see [`VerbsLink`]). `docs/verbs.md` explains the design and how to test it on
 //! Soft-RoCE.
 //!
-//! Environment: `IBEX_RDMA_DEVICE` (e.g. `mlx5_0`, `rxe0`), `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`,
+//! Settings (in `Config`, which `Config::from_env` fills from the environment):
+//! `IBEX_RDMA_DEVICE` (e.g. `mlx5_0`, `rxe0`), `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`,
 //! `IBEX_VERBS_BUSY_POLL=1` (dedicated busy-poll thread instead of the completion channel),
 //! `IBEX_VERBS_SPIN_US` (spin budget before sleeping, default 20).
 
@@ -52,8 +53,8 @@ const WANT_INLINE: u32 = 128;
 /// READ depth we use at most, whatever the device allows: enough to keep a link busy.
 const MAX_READ_DEPTH: u32 = 16;
 
-/// Which device, port and GID to use, and how to make progress. Defaults come from the
-/// environment ([`VerbsOptions::from_env`]); set fields directly to run two endpoints on
+/// Which device, port and GID to use, and how to make progress. `listen` and `connect` take
+/// them from their `Config` ([`VerbsOptions::from_config`]); set fields directly to run two endpoints on
 /// different devices in one process.
 #[derive(Debug, Clone)]
 pub struct VerbsOptions {
@@ -80,52 +81,24 @@ impl Default for VerbsOptions {
             port: None,
             gid_index: None,
             busy_poll: false,
-            spin: progress::DEFAULT_SPIN,
+            spin: crate::config::VERBS_SPIN,
         }
     }
 }
 
 impl VerbsOptions {
-    /// Options from `IBEX_RDMA_DEVICE`, `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`, `IBEX_VERBS_BUSY_POLL`,
-    /// `IBEX_VERBS_SPIN_US`.
-    pub fn from_env() -> Result<VerbsOptions> {
-        let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
-        let num = |n: &str| -> Result<Option<u32>> {
-            var(n)
-                .map(|v| {
-                    v.trim()
-                        .parse::<u32>()
-                        .map_err(|_| Error::Config(format!("{n}={v:?} is not a number")))
-                })
-                .transpose()
-        };
-        let port = num("IBEX_RDMA_PORT")?
-            .map(|p| {
-                u8::try_from(p)
-                    .ok()
-                    .filter(|&p| p > 0)
-                    .ok_or_else(|| Error::Config(format!("IBEX_RDMA_PORT={p} must be 1..=255")))
-            })
-            .transpose()?;
-        let busy_poll = match var("IBEX_VERBS_BUSY_POLL").as_deref() {
-            None | Some("0") | Some("false") | Some("no") => false,
-            Some("1") | Some("true") | Some("yes") => true,
-            Some(v) => {
-                return Err(Error::Config(format!(
-                    "IBEX_VERBS_BUSY_POLL={v:?}: use 1 or 0"
-                )));
-            }
-        };
-        let spin = num("IBEX_VERBS_SPIN_US")?.map_or(progress::DEFAULT_SPIN, |us| {
-            Duration::from_micros(us.into())
-        });
-        Ok(VerbsOptions {
-            device: var("IBEX_RDMA_DEVICE"),
-            port,
-            gid_index: num("IBEX_GID_INDEX")?,
-            busy_poll,
-            spin,
-        })
+    /// The options `config` names ([`Config::rdma_device`], [`Config::rdma_port`],
+    /// [`Config::gid_index`], [`Config::verbs_busy_poll`], [`Config::verbs_spin`]; from
+    /// `IBEX_RDMA_DEVICE`, `IBEX_RDMA_PORT`, `IBEX_GID_INDEX`, `IBEX_VERBS_BUSY_POLL`,
+    /// `IBEX_VERBS_SPIN_US` through [`Config::from_env`]).
+    pub fn from_config(config: &Config) -> VerbsOptions {
+        VerbsOptions {
+            device: config.rdma_device.clone(),
+            port: config.rdma_port,
+            gid_index: config.gid_index,
+            busy_poll: config.verbs_busy_poll,
+            spin: config.verbs_spin,
+        }
     }
 }
 
@@ -136,16 +109,7 @@ fn strip_scheme(addr: &str) -> &str {
 /// Listens for verbs connections on `addr` (`host:port`, optionally `verbs://host:port`; the
 /// TCP bootstrap port). Fails at once, with the fix in the message, if no RDMA device is usable.
 pub async fn listen(addr: &str, config: &Config) -> Result<VerbsListener> {
-    listen_with(addr, config, options(config)?).await
-}
-
-/// Options from the environment, with the device named in `config` taking precedence.
-fn options(config: &Config) -> Result<VerbsOptions> {
-    let mut o = VerbsOptions::from_env()?;
-    if let Some(d) = &config.rdma_device {
-        o.device = Some(d.clone());
-    }
-    Ok(o)
+    listen_with(addr, config, VerbsOptions::from_config(config)).await
 }
 
 /// [`listen`] with explicit device options.
@@ -170,7 +134,7 @@ pub async fn listen_with(addr: &str, config: &Config, opts: VerbsOptions) -> Res
 
 /// Connects to a verbs listener at `addr` (`host:port` or `verbs://host:port`).
 pub async fn connect(addr: &str, config: &Config) -> Result<VerbsLink> {
-    connect_with(addr, config, options(config)?).await
+    connect_with(addr, config, VerbsOptions::from_config(config)).await
 }
 
 /// [`connect`] with explicit device options.

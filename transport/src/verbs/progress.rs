@@ -24,10 +24,6 @@ use tokio::io::unix::AsyncFd;
 
 use crate::error::{Error, Result};
 
-/// Default for how long to spin on an empty CQ before sleeping: long enough to catch a reply
-/// on a fast network, short enough not to matter when idle (`IBEX_VERBS_SPIN_US`).
-pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(20);
-
 /// One work completion, copied out of the CQ.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Wc {

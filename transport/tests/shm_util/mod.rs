@@ -21,7 +21,9 @@ pub fn small_config() -> Config {
         slot_size: 4096,
         credits: 4,
         pool_size: 4 << 20,
-        ..Config::default()
+        // The environment's settings, so that a child run with `IBEX_SHM_FORCE_BOUNCE=1`
+        // reads through the bounce area.
+        ..Config::from_env().expect("IBEX_* environment variables")
     }
 }
 

@@ -6,6 +6,16 @@ use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, TransportKind};
 
 pub use ibex_test_support::free_port;
+#[allow(dead_code)] // not every test binary that shares this module connects workers
+/// Connects worker `index` of `spec` with the environment's transport settings, as the
+/// binaries do.
+pub async fn connect_worker(
+    spec: &ClusterSpec,
+    index: usize,
+) -> Result<ibex_worker::Worker, ibex_worker::WorkerError> {
+    let config = ibex_worker::transport_config().expect("IBEX_* environment variables");
+    ibex_worker::Worker::connect(spec, index, &config).await
+}
 
 /// Starts `num_ps` sync-mode PS shards for `workers` workers on the current runtime; returns
 /// the spec and their stop handles (dropping a handle stops its shard).
