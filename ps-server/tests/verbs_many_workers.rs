@@ -72,6 +72,7 @@ async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
         ps: vec![addr.clone()],
         workers: (0..n).map(|i| format!("w{i}:0")).collect(),
         transport: TransportKind::Verbs,
+        timeouts: Default::default(),
     };
 
     // The PS needs a moment to bind; connecting retries until it is up.
@@ -274,6 +275,7 @@ async fn sync_steps_hit_the_registration_cache() {
         ps: vec![addr],
         workers: (0..n).map(|i| format!("w{i}:0")).collect(),
         transport: TransportKind::Verbs,
+        timeouts: Default::default(),
     };
     let len = 256 << 10;
     let vars = [VarSpec {

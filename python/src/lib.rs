@@ -220,6 +220,59 @@ impl Spec {
         self.spec.to_toml()
     }
 
+    /// The same spec with other bounds, in seconds (docs/ps.md, "Failures"): `sync` is
+    /// the PS's sync timeout, which `connect` and `call` follow unless given; `keepalive`
+    /// 0 turns pings off. Each must be positive.
+    #[pyo3(signature = (*, sync=None, connect=None, call=None, keepalive=None))]
+    fn with_timeouts(
+        &self,
+        sync: Option<f64>,
+        connect: Option<f64>,
+        call: Option<f64>,
+        keepalive: Option<f64>,
+    ) -> PyResult<Spec> {
+        let secs = |name: &str, v: f64| {
+            std::time::Duration::try_from_secs_f64(v).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "{name}={v} is not a number of seconds (examples: 10, 0.5)"
+                ))
+            })
+        };
+        let mut t = self.spec.timeouts;
+        if let Some(v) = sync {
+            let keep = (t.keepalive, t.keepalive_timeout);
+            t = ibex_worker::Timeouts::following(secs("sync_timeout", v)?);
+            (t.keepalive, t.keepalive_timeout) = keep;
+        }
+        if let Some(v) = connect {
+            t.connect = secs("connect_timeout", v)?;
+        }
+        if let Some(v) = call {
+            t.call = secs("call_timeout", v)?;
+        }
+        if let Some(v) = keepalive {
+            t.keepalive = Some(secs("keepalive", v)?).filter(|k| !k.is_zero());
+        }
+        Ok(Spec {
+            spec: self.spec.clone().with_timeouts(t).map_err(spec_err)?,
+            job: self.job.clone(),
+            index: self.index,
+        })
+    }
+
+    /// The bounds in seconds: `{"sync", "connect", "call", "keepalive"}` (keepalive None
+    /// when off).
+    #[getter]
+    fn timeouts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = self.spec.timeouts;
+        let d = PyDict::new(py);
+        d.set_item("sync", t.sync.as_secs_f64())?;
+        d.set_item("connect", t.connect.as_secs_f64())?;
+        d.set_item("call", t.call.as_secs_f64())?;
+        d.set_item("keepalive", t.keepalive.map(|k| k.as_secs_f64()))?;
+        Ok(d)
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Spec(ps={:?}, workers={:?}, transport={:?})",
@@ -407,7 +460,8 @@ fn var_spec(t: VarTuple) -> PyResult<VarSpec> {
 
 #[pymethods]
 impl Worker {
-    /// Connects to every PS of `spec` (retrying each for up to 30 s while it starts).
+    /// Connects to every PS of `spec` (retrying each while it starts, for up to the spec's
+    /// connect timeout).
     #[staticmethod]
     fn connect(py: Python<'_>, spec: &Spec, index: usize) -> PyResult<Worker> {
         if index >= spec.spec.workers.len() {
