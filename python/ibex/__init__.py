@@ -20,6 +20,7 @@ import numpy as np
 from . import _native
 from ._native import (
     BufferBusyError,
+    DeadlineError,
     IbexError,
     PsTimeoutError,
     RejectedError,
@@ -48,6 +49,7 @@ __all__ = [
     "ShapeMismatchError",
     "StaleStepError",
     "PsTimeoutError",
+    "DeadlineError",
     "UnavailableError",
     "RejectedError",
     "BufferBusyError",

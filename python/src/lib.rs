@@ -10,7 +10,7 @@
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, VarSpec, WorkerError};
 use numpy::ndarray::{ArrayViewMut, IxDyn};
@@ -24,55 +24,61 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyWeakrefMethods, PyWeakrefReference};
 
 create_exception!(
-    _native,
+    ibex,
     IbexError,
     PyException,
     "Base class of every Ibex error."
 );
 create_exception!(
-    _native,
+    ibex,
     UnknownVariableError,
     IbexError,
     "The variable was not created (create_variables) or a PS does not know it."
 );
 create_exception!(
-    _native,
+    ibex,
     ShapeMismatchError,
     IbexError,
     "An array's shape or element count does not match its variable."
 );
 create_exception!(
-    _native,
+    ibex,
     StaleStepError,
     IbexError,
     "The PS already applied that step, or this worker pushed the variable twice for it."
 );
 create_exception!(
-    _native,
+    ibex,
     PsTimeoutError,
     IbexError,
     "A sync step did not complete within the PS's --sync-timeout-secs."
 );
 create_exception!(
-    _native,
+    ibex,
     UnavailableError,
     IbexError,
     "A PS cannot be reached: not started, dead, or shutting down."
 );
 create_exception!(
-    _native,
+    ibex,
+    DeadlineError,
+    IbexError,
+    "A PS did not answer a call, or could not be reached, within its deadline (connect_timeout, call_timeout)."
+);
+create_exception!(
+    ibex,
     RejectedError,
     IbexError,
     "The PS rejected the request as malformed (INVALID_ARGUMENT, OUT_OF_RANGE, ALREADY_EXISTS)."
 );
 create_exception!(
-    _native,
+    ibex,
     BufferBusyError,
     IbexError,
     "A staging buffer is still held by a push in flight or another lease."
 );
 create_exception!(
-    _native,
+    ibex,
     SpecError,
     IbexError,
     "The cluster spec (TOML, TF_CONFIG, Slurm) is missing or invalid."
@@ -96,11 +102,26 @@ fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     .map_err(|e| PyRuntimeError::new_err(format!("starting the Ibex runtime: {e}")))
 }
 
-/// Runs `fut` to completion with the GIL released. The future is never dropped early, so
-/// borrows of NumPy memory it holds stay valid for its whole life.
+/// How long a blocked call runs with the GIL released before it looks for a signal.
+const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+
+/// Runs `fut` to completion with the GIL released, in slices of [`SIGNAL_SLICE`]: between
+/// them Python's signal handlers run (`check_signals`), so Ctrl-C interrupts a blocked
+/// connect or step within about that. An interrupted call's future is dropped here, on
+/// the caller's thread, before the call returns, so borrows of NumPy memory it holds end
+/// with it; what it had sent stays sent (a push may still count on the PS).
 fn block<T: Send>(py: Python<'_>, fut: impl Future<Output = T> + Send) -> PyResult<T> {
     let rt = runtime()?;
-    Ok(py.detach(|| rt.block_on(fut)))
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        let slice = py.detach(|| {
+            rt.block_on(async { tokio::time::timeout(SIGNAL_SLICE, &mut fut).await })
+        });
+        match slice {
+            Ok(v) => return Ok(v),
+            Err(_) => py.check_signals()?,
+        }
+    }
 }
 
 /// A worker error as the Python exception of its kind, with the Rust message.
@@ -111,6 +132,7 @@ fn err(e: WorkerError) -> PyErr {
         WorkerError::ShapeMismatch { .. } => ShapeMismatchError::new_err(msg),
         WorkerError::StaleStep { .. } => StaleStepError::new_err(msg),
         WorkerError::Timeout { .. } => PsTimeoutError::new_err(msg),
+        WorkerError::Deadline { .. } => DeadlineError::new_err(msg),
         WorkerError::Unavailable { .. } => UnavailableError::new_err(msg),
         WorkerError::Rejected { .. } => RejectedError::new_err(msg),
         WorkerError::BufferBusy { .. } => BufferBusyError::new_err(msg),
@@ -1198,6 +1220,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PsTimeoutError", py.get_type::<PsTimeoutError>())?;
     m.add("UnavailableError", py.get_type::<UnavailableError>())?;
     m.add("RejectedError", py.get_type::<RejectedError>())?;
+    m.add("DeadlineError", py.get_type::<DeadlineError>())?;
     m.add("BufferBusyError", py.get_type::<BufferBusyError>())?;
     m.add("SpecError", py.get_type::<SpecError>())?;
     Ok(())
