@@ -88,18 +88,30 @@ create_exception!(
 /// `keep_freed_memory()`: its threads must start with the allocator settings that let step
 /// buffers be reused instead of mapped afresh each step (docs/ps.md, "Process memory").
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
-    static RT: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
-    RT.get_or_init(|| {
-        ibex_transport::conn::keep_freed_memory();
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("ibex-worker")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())
-    })
-    .as_ref()
-    .map_err(|e| PyRuntimeError::new_err(format!("starting the Ibex runtime: {e}")))
+    static RT: OnceLock<Result<(u32, tokio::runtime::Runtime), String>> = OnceLock::new();
+    let (pid, rt) = RT
+        .get_or_init(|| {
+            ibex_transport::conn::keep_freed_memory();
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("ibex-worker")
+                .enable_all()
+                .build()
+                .map(|rt| (std::process::id(), rt))
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| PyRuntimeError::new_err(format!("starting the Ibex runtime: {e}")))?;
+    // A forked child has the runtime but not its threads, which drive its timers and
+    // sockets: every call would hang.
+    if *pid != std::process::id() {
+        return Err(IbexError::new_err(
+            "this process was forked from one that had already used Ibex, and the runtime's \
+             threads do not survive a fork: start worker processes with multiprocessing's \
+             'spawn' or 'forkserver' method (multiprocessing.get_context(\"spawn\"))",
+        ));
+    }
+    Ok(rt)
 }
 
 /// How long a blocked call runs with the GIL released before it looks for a signal.
@@ -114,9 +126,8 @@ fn block<T: Send>(py: Python<'_>, fut: impl Future<Output = T> + Send) -> PyResu
     let rt = runtime()?;
     let mut fut = std::pin::pin!(fut);
     loop {
-        let slice = py.detach(|| {
-            rt.block_on(async { tokio::time::timeout(SIGNAL_SLICE, &mut fut).await })
-        });
+        let slice =
+            py.detach(|| rt.block_on(async { tokio::time::timeout(SIGNAL_SLICE, &mut fut).await }));
         match slice {
             Ok(v) => return Ok(v),
             Err(_) => py.check_signals()?,

@@ -183,3 +183,19 @@ def test_an_error_crosses_a_process_pool(silent):
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         with pytest.raises(ibex.DeadlineError, match="connect_timeout"):
             pool.submit(_raise_unavailable, toml).result(timeout=60)
+
+
+def _connect_in_child(spec_toml):
+    ibex.Worker.connect(ibex.ClusterSpec.from_toml(spec_toml), 0, connect_timeout=0.5)
+
+
+def test_a_child_forked_after_ibex_was_used_is_told_to_spawn(silent):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with pytest.raises(ibex.DeadlineError):
+        ibex.Worker.connect(silent.spec(), 0, connect_timeout=0.2)
+    toml = silent.spec().to_toml()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        with pytest.raises(ibex.IbexError, match="spawn"):
+            pool.submit(_connect_in_child, toml).result(timeout=60)
