@@ -49,6 +49,11 @@ pub struct LaunchArgs {
     /// 5 s pass without an answer (default 3; 0 turns pings off).
     #[arg(long)]
     pub keepalive_secs: Option<f64>,
+    /// PS: when a worker misses a sync step (no push within the sync timeout): `fail` the
+    /// step, naming the worker, or `continue` without it until it pushes again (see
+    /// docs/ps.md, "Failures").
+    #[arg(long, default_value = "fail")]
+    pub on_worker_loss: String,
     /// PS: serve Prometheus metrics on this address (e.g. 127.0.0.1:0).
     #[arg(long)]
     pub metrics: Option<String>,
@@ -175,6 +180,10 @@ async fn run_ps(spec: &ClusterSpec, index: usize, args: &LaunchArgs) -> Result<(
     config.checkpoint_every = args.checkpoint_every;
     config.restore = args.restore;
     config.sync_timeout = spec.timeouts.sync;
+    config.on_worker_loss = args
+        .on_worker_loss
+        .parse()
+        .map_err(|e| format!("--on-worker-loss: {e}"))?;
     config.metrics = args.metrics.clone();
     ibex_ps::run(config, shutdown_signal())
         .await

@@ -57,10 +57,12 @@ struct Job {
     kids: Kids,
     /// Worker 0's stdout lines.
     lines: mpsc::Receiver<String>,
+    steps: u64,
+    ps_flags: Vec<String>,
 }
 
 impl Job {
-    fn start(tag: &str, worker_flags: &[&str]) -> Job {
+    fn start(tag: &str, steps: u64, worker_flags: &[&str], ps_flags: &[&str]) -> Job {
         let dir = Dir::new(tag);
         let p = free_ports(6);
         let spec = dir.0.join("cluster.toml");
@@ -78,6 +80,8 @@ impl Job {
             metrics: vec![p[4], p[5]],
             kids: Kids(Vec::new()),
             lines: mpsc::channel().1,
+            steps,
+            ps_flags: ps_flags.iter().map(|f| f.to_string()).collect(),
         };
         for i in 0..2 {
             let c = job.ps(i);
@@ -120,6 +124,7 @@ impl Job {
             .arg(format!("127.0.0.1:{}", self.metrics[i]))
             .arg("--checkpoint-dir")
             .arg(self.dir.0.join(format!("ckpt-{i}")))
+            .args(&self.ps_flags)
             .stdout(Stdio::null())
             .spawn()
             .unwrap()
@@ -127,7 +132,9 @@ impl Job {
 
     fn worker(&self, i: usize, flags: &[&str]) -> Child {
         self.launch("worker", i)
-            .args(["--steps", "100000", "--log-every", "10"])
+            .args(["--steps", &self.steps.to_string(), "--log-every", "10"])
+            .arg("--report")
+            .arg(self.dir.0.join(format!("report-{i}.json")))
             .args(flags)
             .stdout(if i == 0 {
                 Stdio::piped()
@@ -208,7 +215,7 @@ fn line_within(log: &Path, want: &str, limit: Duration) -> Option<Instant> {
 /// a checkpoint (each keeps at least the step worker 0 had reached).
 #[test]
 fn a_killed_worker_is_named_to_the_survivor_and_no_ps_rolls_back() {
-    let mut job = Job::start("worker", &[]);
+    let mut job = Job::start("worker", 100_000, &[], &[]);
     let reached = job.reach(45);
     job.kids.0[3].kill().unwrap();
     let killed = Instant::now();
@@ -239,7 +246,7 @@ fn a_killed_worker_is_named_to_the_survivor_and_no_ps_rolls_back() {
 /// `--ps-restart-wait-secs 3` fail with an error that says to restart it.
 #[test]
 fn a_killed_ps_is_reported_within_seconds_and_fails_the_workers() {
-    let mut job = Job::start("ps", &["--ps-restart-wait-secs", "3"]);
+    let mut job = Job::start("ps", 100_000, &["--ps-restart-wait-secs", "3"], &[]);
     job.reach(30);
     job.kids.0[0].kill().unwrap();
     let killed = Instant::now();
@@ -272,4 +279,45 @@ fn a_killed_ps_is_reported_within_seconds_and_fails_the_workers() {
             "{log}"
         );
     }
+}
+
+/// With `--on-worker-loss continue` on the PS, the same kill costs the survivor one sync
+/// timeout: the missed step completes without worker 1, training goes on, and worker 1,
+/// restarted, rejoins; both finish every step and the model still reaches the bar.
+#[test]
+fn with_on_worker_loss_continue_the_survivor_goes_on_and_the_lost_worker_rejoins() {
+    let mut job = Job::start("elastic", 400, &[], &["--on-worker-loss", "continue"]);
+    let reached = job.reach(45);
+    job.kids.0[3].kill().unwrap();
+    let killed = Instant::now();
+    job.kids.0[3].wait().unwrap();
+    job.reach(reached + 20);
+    let progress = killed.elapsed();
+    eprintln!("survivor 20 steps past the kill {progress:?} after it");
+    assert!(progress < Duration::from_secs(30), "{progress:?}");
+    for i in 0..2 {
+        assert!(job.ps_step(i) >= reached + 20, "PS {i} was rolled back");
+    }
+    job.kids.0[3] = job.worker(1, &[]);
+    for w in 0..2 {
+        let (status, _) = exit_within(&mut job.kids.0[2 + w], Duration::from_secs(180))
+            .unwrap_or_else(|| panic!("worker {w} did not finish"));
+        let log = std::fs::read_to_string(job.log("worker", w)).unwrap();
+        assert!(status.success(), "worker {w}: {log}");
+        let r: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(job.dir.0.join(format!("report-{w}.json"))).unwrap(),
+        )
+        .unwrap();
+        eprintln!("worker {w}: {} recoveries", r["recoveries"]);
+        assert_eq!(r["steps"], 400, "worker {w}");
+        assert!(
+            r["test_accuracy"].as_f64().unwrap() >= 0.9,
+            "worker {w}: {r}"
+        );
+    }
+    let ps_log = std::fs::read_to_string(job.log("ps", 0)).unwrap();
+    assert!(
+        ps_log.contains("completed without workers [1]") && ps_log.contains("worker 1 is back"),
+        "{ps_log}"
+    );
 }

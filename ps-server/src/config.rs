@@ -1,7 +1,7 @@
 //! `ibex-ps` configuration: command-line flags over an optional TOML file (same keys, with
 //! underscores: `listen`, `shard`, `num_workers`, `mode`, `checkpoint_dir`,
-//! `checkpoint_every`, `restore`, `metrics`, `sync_timeout_secs`, `max_variables`,
-//! `max_elements`, `max_bytes`).
+//! `checkpoint_every`, `restore`, `metrics`, `sync_timeout_secs`, `on_worker_loss`,
+//! `max_variables`, `max_elements`, `max_bytes`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::PsError;
-use crate::shard::{Limits, Mode, ShardConfig};
+use crate::shard::{Limits, Mode, ShardConfig, WorkerLoss};
 
 /// Everything one PS shard needs.
 #[derive(Debug, Clone)]
@@ -32,6 +32,8 @@ pub struct PsConfig {
     pub metrics: Option<String>,
     /// How long a sync push or pull waits for the other workers.
     pub sync_timeout: Duration,
+    /// What a sync step does when a worker has not pushed by then.
+    pub on_worker_loss: WorkerLoss,
     /// What workers may make this shard hold.
     pub limits: Limits,
     /// Bounds on pull replies exposed for one-sided reads (library only; defaults from
@@ -52,6 +54,7 @@ impl PsConfig {
             restore: false,
             metrics: None,
             sync_timeout: Duration::from_secs(30),
+            on_worker_loss: WorkerLoss::Fail,
             limits: Limits::default(),
             expose: crate::ExposeLimits::default(),
         }
@@ -105,6 +108,10 @@ impl PsConfig {
             sync_timeout: Duration::from_secs(
                 a.sync_timeout_secs.or(file.sync_timeout_secs).unwrap_or(30),
             ),
+            on_worker_loss: match a.on_worker_loss {
+                Some(p) => p.parse().map_err(PsError::Config)?,
+                None => file.on_worker_loss.unwrap_or_default(),
+            },
             expose: crate::ExposeLimits::default(),
         })
     }
@@ -115,6 +122,7 @@ impl PsConfig {
             num_workers: self.num_workers,
             mode: self.mode,
             sync_timeout: self.sync_timeout,
+            on_worker_loss: self.on_worker_loss,
             checkpoint_dir: self.checkpoint_dir.clone(),
             checkpoint_every: self.checkpoint_every,
             limits: self.limits,
@@ -156,6 +164,11 @@ struct Args {
     /// Seconds a sync push or pull waits for missing workers before DEADLINE_EXCEEDED.
     #[arg(long)]
     sync_timeout_secs: Option<u64>,
+    /// fail (default): a sync step that a worker misses fails with DEADLINE_EXCEEDED
+    /// naming it; continue: the step completes with the workers that pushed, and the
+    /// missing ones rejoin with their next push.
+    #[arg(long)]
+    on_worker_loss: Option<String>,
     /// Most variables (or partitions) this shard holds.
     #[arg(long)]
     max_variables: Option<u64>,
@@ -179,6 +192,7 @@ struct FileConfig {
     restore: Option<bool>,
     metrics: Option<String>,
     sync_timeout_secs: Option<u64>,
+    on_worker_loss: Option<WorkerLoss>,
     max_variables: Option<u64>,
     max_elements: Option<u64>,
     max_bytes: Option<u64>,

@@ -28,7 +28,7 @@ pub use exposed::ExposeLimits;
 pub use metrics::Metrics;
 pub use optim::Optimizer;
 pub use service::PsService;
-pub use shard::{Grad, Limits, Mode, Shard, ShardConfig, Values};
+pub use shard::{Grad, Limits, Mode, Shard, ShardConfig, Values, WorkerLoss};
 
 /// Sends `tracing` output (the transport's warnings about refused or misbehaving peers,
 /// limits hit) to stderr, at `warn` unless `RUST_LOG` says otherwise. For the `ibex-ps`
