@@ -94,7 +94,16 @@ pub async fn run(
         }
     }
     let metrics = Arc::new(Metrics::default());
-    let server = ibex_transport::grpc::Server::builder();
+    let mut server = ibex_transport::grpc::Server::builder();
+    // The environment's keep-alive, when set, wins, as for every Ibex connection.
+    if std::env::var_os("IBEX_KEEPALIVE_MS").is_none()
+        && let Some(k) = config.keepalive
+    {
+        server = server.http2_keepalive_interval(Some(k));
+        if std::env::var_os("IBEX_KEEPALIVE_TIMEOUT_MS").is_none() {
+            server = server.http2_keepalive_timeout(Some(config.keepalive_timeout));
+        }
+    }
     if !config.listen.starts_with("http://") {
         metrics.set_transport(server.stats());
     }

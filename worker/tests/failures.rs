@@ -183,3 +183,55 @@ async fn a_vanished_ps_host_is_seen_by_the_keepalive_within_seconds() {
     assert!(matches!(e, WorkerError::Unavailable { .. }), "{e}");
     assert!(took < Duration::from_secs(10), "took {took:?}");
 }
+
+/// The PS's side of the same: a worker whose host vanishes is noticed by the PS's own
+/// keep-alive (on by default; 1 s + 1 s here), which closes its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ps_drops_a_vanished_worker_within_its_keepalive() {
+    let ps = format!("127.0.0.1:{}", common::free_port());
+    let metrics = common::free_port();
+    let mut cfg = ibex_ps::PsConfig::new(format!("tcp://{ps}"));
+    cfg.metrics = Some(format!("127.0.0.1:{metrics}"));
+    cfg.keepalive = Some(Duration::from_secs(1));
+    cfg.keepalive_timeout = Duration::from_secs(1);
+    let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(ibex_ps::run(cfg, async move {
+        let _ = rx.await;
+    }));
+    let relay = Relay::start(Some(ps)).await;
+    // No pings from the worker: the PS alone must notice.
+    let w = Worker::connect(&spec(relay.addr(), short(20_000, 60_000, None)), 0)
+        .await
+        .unwrap();
+    w.stats().await.unwrap();
+    assert_eq!(open_connections(metrics).await, 1);
+    relay.freeze();
+    let t0 = Instant::now();
+    while open_connections(metrics).await != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(6),
+            "the PS still holds the vanished worker's connection"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "the PS dropped the vanished worker after {:?}",
+        t0.elapsed()
+    );
+    drop(w);
+}
+
+/// `ibex_transport_connections` from the PS's metrics endpoint.
+async fn open_connections(port: u16) -> u64 {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut body)).await;
+    body.lines()
+        .find(|l| l.starts_with("ibex_transport_connections{"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no ibex_transport_connections in:\n{body}"))
+}
