@@ -398,10 +398,18 @@ pub async fn run_worker(
             Err(e) if recoverable(&e) && recoveries < MAX_RECOVERIES => {
                 recoveries += 1;
                 let wait = restart_wait(args)?;
-                eprintln!(
-                    "worker {index}: step {step}: {e}; waiting up to {wait:?} for the PS to come \
-                     back (--ps-restart-wait-secs), then resuming from its checkpoint"
-                );
+                if matches!(e, WorkerError::StaleStep { .. }) {
+                    // The PS moved on without this worker (restored, or a step completed
+                    // without it under --on-worker-loss continue): catch up with them.
+                    eprintln!(
+                        "worker {index}: step {step}: {e}; resuming at the PS's step (within {wait:?})"
+                    );
+                } else {
+                    eprintln!(
+                        "worker {index}: step {step}: {e}; waiting up to {wait:?} for the PS to \
+                         come back (--ps-restart-wait-secs), then resuming from its checkpoint"
+                    );
+                }
                 drop(worker);
                 let (w, s) = reconnect_and_resume(spec, index, &vars, wait, &e).await?;
                 params = w.pull(&names, s).await.map_err(|e| e.to_string())?;
