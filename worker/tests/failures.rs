@@ -31,18 +31,19 @@ impl Relay {
                 let f = f.clone();
                 let upstream = upstream.clone();
                 tokio::spawn(async move {
+                    let (dr, dw) = down.into_split();
                     let Some(up) = upstream else {
-                        // Nothing behind it: accept, read, never answer.
-                        pipe(down, None, f).await;
+                        // Nothing behind it: read, never answer, keep the connection open.
+                        let _open = dw;
+                        pipe(dr, None::<tokio::net::tcp::OwnedWriteHalf>, f).await;
                         return;
                     };
                     let Ok(up) = TcpStream::connect(&up).await else {
                         return;
                     };
-                    let (dr, dw) = down.into_split();
                     let (ur, uw) = up.into_split();
-                    tokio::spawn(pipe_halves(dr, Some(uw), f.clone()));
-                    pipe_halves(ur, Some(dw), f).await;
+                    tokio::spawn(pipe(dr, Some(uw), f.clone()));
+                    pipe(ur, Some(dw), f).await;
                 });
             }
         });
@@ -58,14 +59,8 @@ impl Relay {
     }
 }
 
-async fn pipe(s: TcpStream, _: Option<()>, f: Arc<AtomicBool>) {
-    let (r, w) = s.into_split();
-    // Hold the write half so the peer sees an open connection.
-    let _w = w;
-    pipe_halves::<tokio::net::tcp::OwnedWriteHalf>(r, None, f).await;
-}
-
-async fn pipe_halves<W: tokio::io::AsyncWrite + Unpin>(
+/// Copies `r` to `w` until either closes; once `frozen`, drops what it reads instead.
+async fn pipe<W: tokio::io::AsyncWrite + Unpin>(
     mut r: tokio::net::tcp::OwnedReadHalf,
     mut w: Option<W>,
     frozen: Arc<AtomicBool>,
