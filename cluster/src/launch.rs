@@ -3,8 +3,9 @@
 //! worker task runs the training loop.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
-use ibex_worker::{ClusterSpec, JobKind};
+use ibex_worker::{ClusterSpec, JobKind, Timeouts};
 
 use crate::train::{self, TrainArgs};
 
@@ -33,9 +34,26 @@ pub struct LaunchArgs {
     /// PS: resume from the newest checkpoint in --checkpoint-dir.
     #[arg(long)]
     pub restore: bool,
-    /// PS: a sync step waits this long for every worker's gradients before failing.
-    #[arg(long, default_value_t = 30)]
-    pub sync_timeout_secs: u64,
+    /// A sync step waits this long for every worker's gradients before failing (default:
+    /// the spec's `sync_timeout_secs`, else 30). Workers' connect and call deadlines follow
+    /// it unless set.
+    #[arg(long)]
+    pub sync_timeout_secs: Option<f64>,
+    /// Worker: how long connecting keeps trying each PS (default: the sync timeout).
+    #[arg(long)]
+    pub connect_timeout_secs: Option<f64>,
+    /// Worker: the deadline of every call to a PS (default: the sync timeout + 10 s).
+    #[arg(long)]
+    pub call_timeout_secs: Option<f64>,
+    /// Worker: ping a quiet PS connection after this many seconds, and drop it when
+    /// 5 s pass without an answer (default 3; 0 turns pings off).
+    #[arg(long)]
+    pub keepalive_secs: Option<f64>,
+    /// PS: when a worker misses a sync step (no push within the sync timeout): `fail` the
+    /// step, naming the worker, or `continue` without it until it pushes again (see
+    /// docs/ps.md, "Failures").
+    #[arg(long, default_value = "fail")]
+    pub on_worker_loss: String,
     /// PS: serve Prometheus metrics on this address (e.g. 127.0.0.1:0).
     #[arg(long)]
     pub metrics: Option<String>,
@@ -65,6 +83,7 @@ pub fn resolve(args: &LaunchArgs) -> Result<(ClusterSpec, JobKind, usize), Strin
         return Err("no task given: pass --spec FILE --job ps|worker --index N, or set TF_CONFIG, or run under srun".into());
     };
     let (job, index) = (args.job.unwrap_or(job), args.index.unwrap_or(index));
+    let spec = with_timeouts(spec, args)?;
     let n = if job == JobKind::Ps {
         spec.ps.len()
     } else {
@@ -76,6 +95,30 @@ pub fn resolve(args: &LaunchArgs) -> Result<(ClusterSpec, JobKind, usize), Strin
         ));
     }
     Ok((spec, job, index))
+}
+
+/// The spec with the timeout flags applied over its own settings.
+fn with_timeouts(spec: ClusterSpec, args: &LaunchArgs) -> Result<ClusterSpec, String> {
+    let secs = |flag: &str, v: f64| {
+        Duration::try_from_secs_f64(v)
+            .map_err(|_| format!("--{flag} {v} is not a number of seconds (examples: 10, 0.5)"))
+    };
+    let mut t = spec.timeouts;
+    if let Some(v) = args.sync_timeout_secs {
+        let keep = (t.keepalive, t.keepalive_timeout);
+        t = Timeouts::following(secs("sync-timeout-secs", v)?);
+        (t.keepalive, t.keepalive_timeout) = keep;
+    }
+    if let Some(v) = args.connect_timeout_secs {
+        t.connect = secs("connect-timeout-secs", v)?;
+    }
+    if let Some(v) = args.call_timeout_secs {
+        t.call = secs("call-timeout-secs", v)?;
+    }
+    if let Some(v) = args.keepalive_secs {
+        t.keepalive = Some(secs("keepalive-secs", v)?).filter(|k| !k.is_zero());
+    }
+    spec.with_timeouts(t).map_err(|e| e.to_string())
 }
 
 /// Runs the task to completion.
@@ -136,7 +179,11 @@ async fn run_ps(spec: &ClusterSpec, index: usize, args: &LaunchArgs) -> Result<(
     );
     config.checkpoint_every = args.checkpoint_every;
     config.restore = args.restore;
-    config.sync_timeout = std::time::Duration::from_secs(args.sync_timeout_secs);
+    config.sync_timeout = spec.timeouts.sync;
+    config.on_worker_loss = args
+        .on_worker_loss
+        .parse()
+        .map_err(|e| format!("--on-worker-loss: {e}"))?;
     config.metrics = args.metrics.clone();
     config.transport = ibex_worker::transport_config().map_err(|e| e.to_string())?;
     ibex_ps::run(config, shutdown_signal())

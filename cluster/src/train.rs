@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, VarSpec, Worker, WorkerError};
 use serde::{Deserialize, Serialize};
@@ -52,6 +52,11 @@ pub struct TrainArgs {
     /// Where workers compute: `cpu`, or `cuda` (a build with `--features cuda` and a GPU).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
+    /// When a PS is lost mid-training, wait this long for it to come back (restarted with
+    /// `--restore`) and resume from the PS's common checkpoint; past it, or at 0, fail with
+    /// an error naming the PS.
+    #[arg(long, default_value_t = 60.0)]
+    pub ps_restart_wait_secs: f64,
 }
 
 impl TrainArgs {
@@ -67,6 +72,7 @@ impl TrainArgs {
             format!("--test-size={}", self.test_size),
             format!("--log-every={}", self.log_every),
             format!("--device={}", self.device.as_str()),
+            format!("--ps-restart-wait-secs={}", self.ps_restart_wait_secs),
         ];
         if self.overlap {
             v.push("--overlap".into());
@@ -268,13 +274,15 @@ pub fn run_reference(args: &TrainArgs, initial: Option<Params>) -> Result<Report
     Ok(r)
 }
 
-/// Errors after which the job can continue once the PS are back: a lost connection, a sync
-/// step that timed out because a peer stalled, or a step the PS no longer expects because
-/// it was restored. Bad requests are not retried.
+/// Errors after which the job can continue once the PS are back: a lost connection, a PS
+/// that stopped answering, a sync step that timed out while a PS failed (see
+/// [`lost_worker`]), or a step the PS no longer expects because it was restored. Bad
+/// requests are not retried.
 fn recoverable(e: &WorkerError) -> bool {
     match e {
         WorkerError::Unavailable { .. }
         | WorkerError::Timeout { .. }
+        | WorkerError::Deadline { .. }
         | WorkerError::StaleStep { .. }
         | WorkerError::Transport(_) => true,
         WorkerError::Rpc { code, .. } => matches!(
@@ -291,6 +299,22 @@ fn recoverable(e: &WorkerError) -> bool {
 /// Gives up after this many recoveries in one run, so a PS that keeps failing ends the job
 /// with its error instead of looping.
 const MAX_RECOVERIES: u32 = 10;
+
+/// Whether a sync step that timed out (`e`, at step `step`) means a worker was lost while
+/// every PS stayed healthy: every PS answers, and each is at `step` or has just applied
+/// it (a worker that died between its pushes to two PS leaves one a step ahead). Then the
+/// PS have lost nothing, and restoring them from a checkpoint would only throw away the
+/// other workers' progress. A PS that does not answer, or one at another step (restarted
+/// from a checkpoint), is a PS failure, recovered from as such.
+async fn lost_worker(worker: &Worker, step: u64, e: &WorkerError) -> bool {
+    if !matches!(e, WorkerError::Timeout { .. }) {
+        return false;
+    }
+    match worker.stats().await {
+        Ok(stats) => stats.iter().all(|s| s.step == step || s.step == step + 1),
+        Err(_) => false,
+    }
+}
 
 /// A distributed worker: variables on the PS of `spec`, sync steps, recovery after a PS
 /// restart. Worker 0 restores every PS to the newest common checkpoint (`Worker::recover`);
@@ -318,7 +342,7 @@ pub async fn run_worker(
     let mut step = match worker.current_step().await {
         Ok(s) => s,
         // The PS disagree: a previous run died mid-recovery. Only worker 0 restores.
-        Err(_) => resume_step(&worker, index)
+        Err(_) => resume_step(&worker, index, Instant::now() + spec.timeouts.call)
             .await
             .map_err(|e| e.to_string())?,
     };
@@ -364,11 +388,30 @@ pub async fn run_worker(
                     println!("tick {step}");
                 }
             }
+            Err(e) if lost_worker(&worker, step, &e).await => {
+                return Err(format!(
+                    "worker {index}: step {step}: a worker was lost: {e}. Every PS is healthy \
+                     and keeps its state (nothing was rolled back); restart the workers with \
+                     the same flags to go on"
+                ));
+            }
             Err(e) if recoverable(&e) && recoveries < MAX_RECOVERIES => {
                 recoveries += 1;
-                eprintln!("worker {index}: step {step}: {e}; reconnecting to recover");
+                let wait = restart_wait(args)?;
+                if matches!(e, WorkerError::StaleStep { .. }) {
+                    // The PS moved on without this worker (restored, or a step completed
+                    // without it under --on-worker-loss continue): catch up with them.
+                    eprintln!(
+                        "worker {index}: step {step}: {e}; resuming at the PS's step (within {wait:?})"
+                    );
+                } else {
+                    eprintln!(
+                        "worker {index}: step {step}: {e}; waiting up to {wait:?} for the PS to \
+                         come back (--ps-restart-wait-secs), then resuming from its checkpoint"
+                    );
+                }
                 drop(worker);
-                let (w, s) = reconnect_and_resume(spec, index, &vars).await?;
+                let (w, s) = reconnect_and_resume(spec, index, &vars, wait, &e).await?;
                 params = w.pull(&names, s).await.map_err(|e| e.to_string())?;
                 if let Some(g) = &mut gpu {
                     g.load(&params)?;
@@ -426,45 +469,78 @@ async fn overlapped_step(
     (f.loss, sent.await)
 }
 
-/// The step to continue from on a fresh connection after a failure.
-async fn resume_step(w: &Worker, index: usize) -> Result<u64, WorkerError> {
+/// `--ps-restart-wait-secs`, checked.
+fn restart_wait(args: &TrainArgs) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(args.ps_restart_wait_secs).map_err(|_| {
+        format!(
+            "--ps-restart-wait-secs {} is not a number of seconds (examples: 60, 0)",
+            args.ps_restart_wait_secs
+        )
+    })
+}
+
+/// The step to continue from on a fresh connection after a failure; a worker other than 0
+/// waits for the PS to agree until `deadline`.
+async fn resume_step(w: &Worker, index: usize, deadline: Instant) -> Result<u64, WorkerError> {
     if index == 0 {
         return w.recover().await;
     }
     // Give worker 0 time to restore first: a step the PS agree on before that restore may
     // be rolled back by it (the sync timeout would then bring this worker round again).
-    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    tokio::time::sleep(
+        Duration::from_secs(1).min(deadline.saturating_duration_since(Instant::now())),
+    )
+    .await;
     loop {
         match w.current_step().await {
             Ok(s) => return Ok(s),
             Err(e) if Instant::now() >= deadline => return Err(e),
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
 }
 
+/// Connects afresh and finds the step to resume from, trying until `wait` has passed: the
+/// time a failed PS has to be restarted (with `--restore`).
 async fn reconnect_and_resume(
     spec: &ClusterSpec,
     index: usize,
     vars: &[VarSpec],
+    wait: Duration,
+    cause: &WorkerError,
 ) -> Result<(Arc<Worker>, u64), String> {
-    let mut last = String::new();
-    for _ in 0..5 {
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        let w = match connect(spec, index, vars).await {
+    let deadline = Instant::now() + wait;
+    let mut last = cause.to_string();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300).min(left)).await;
+        // Each attempt within what is left of the wait.
+        let mut within = spec.clone();
+        within.timeouts.connect = within
+            .timeouts
+            .connect
+            .min(deadline.saturating_duration_since(Instant::now()))
+            .max(Duration::from_millis(1));
+        let w = match connect(&within, index, vars).await {
             Ok(w) => w,
             Err(e) => {
                 last = e.to_string();
                 continue;
             }
         };
-        match resume_step(&w, index).await {
+        match resume_step(&w, index, deadline).await {
             Ok(s) => return Ok((w, s)),
             Err(e) => last = e.to_string(),
         }
     }
-    Err(format!("worker {index}: could not recover: {last}"))
+    Err(format!(
+        "worker {index}: the PS did not come back within {wait:?}: {last}; restart the lost \
+         PS with `--restore` (it resumes from its newest checkpoint) and the workers with it, \
+         or raise --ps-restart-wait-secs"
+    ))
 }
 
 /// How close a distributed run must come to the single-process reference: the PS averages
@@ -499,6 +575,7 @@ mod tests {
             log_every: 1000,
             overlap: false,
             device: Device::Cpu,
+            ps_restart_wait_secs: 60.0,
         }
     }
 

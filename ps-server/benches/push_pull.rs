@@ -15,6 +15,7 @@ async fn bench(transport: TransportKind, steps: u64) -> Result<(), Box<dyn std::
         ps: vec![format!("127.0.0.1:{}", free_port())],
         workers: vec!["127.0.0.1:0".into()],
         transport,
+        timeouts: Default::default(),
     };
     let mut cfg = PsConfig::new(spec.ps_uri(0));
     cfg.mode = Mode::Sync;

@@ -1,7 +1,7 @@
 //! `ibex-ps` configuration: command-line flags over an optional TOML file (same keys, with
 //! underscores: `listen`, `shard`, `num_workers`, `mode`, `checkpoint_dir`,
-//! `checkpoint_every`, `restore`, `metrics`, `sync_timeout_secs`, `max_variables`,
-//! `max_elements`, `max_bytes`).
+//! `checkpoint_every`, `restore`, `metrics`, `sync_timeout_secs`, `on_worker_loss`,
+//! `keepalive_secs`, `max_variables`, `max_elements`, `max_bytes`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,7 +9,13 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::PsError;
-use crate::shard::{Limits, Mode, ShardConfig};
+use crate::shard::{Limits, Mode, ShardConfig, WorkerLoss};
+
+/// Workers' connections are pinged after this long without a word from them: a worker
+/// whose host vanished is noticed within this plus [`DEFAULT_KEEPALIVE_TIMEOUT`].
+pub const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(3);
+/// How long a ping may go unanswered.
+pub const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Everything one PS shard needs.
 #[derive(Debug, Clone)]
@@ -32,6 +38,15 @@ pub struct PsConfig {
     pub metrics: Option<String>,
     /// How long a sync push or pull waits for the other workers.
     pub sync_timeout: Duration,
+    /// What a sync step does when a worker has not pushed by then.
+    pub on_worker_loss: WorkerLoss,
+    /// Ping a worker's connection after this long without hearing from it, and close it
+    /// when [`PsConfig::keepalive_timeout`] passes without an answer, so a worker whose
+    /// host vanished stops holding its calls; `None`: no pings. `IBEX_KEEPALIVE_MS` /
+    /// `IBEX_KEEPALIVE_TIMEOUT_MS`, when set, win.
+    pub keepalive: Option<Duration>,
+    /// See [`PsConfig::keepalive`].
+    pub keepalive_timeout: Duration,
     /// What workers may make this shard hold.
     pub limits: Limits,
     /// Bounds on pull replies exposed for one-sided reads (library only; defaults from
@@ -55,6 +70,9 @@ impl PsConfig {
             restore: false,
             metrics: None,
             sync_timeout: Duration::from_secs(30),
+            on_worker_loss: WorkerLoss::Fail,
+            keepalive: Some(DEFAULT_KEEPALIVE),
+            keepalive_timeout: DEFAULT_KEEPALIVE_TIMEOUT,
             limits: Limits::default(),
             expose: crate::ExposeLimits::default(),
             transport: ibex_transport::Config::default(),
@@ -109,6 +127,16 @@ impl PsConfig {
             sync_timeout: Duration::from_secs(
                 a.sync_timeout_secs.or(file.sync_timeout_secs).unwrap_or(30),
             ),
+            on_worker_loss: match a.on_worker_loss {
+                Some(p) => p.parse().map_err(PsError::Config)?,
+                None => file.on_worker_loss.unwrap_or_default(),
+            },
+            keepalive: match a.keepalive_secs.or(file.keepalive_secs) {
+                Some(0) => None,
+                Some(k) => Some(Duration::from_secs(k)),
+                None => Some(DEFAULT_KEEPALIVE),
+            },
+            keepalive_timeout: DEFAULT_KEEPALIVE_TIMEOUT,
             expose: crate::ExposeLimits::default(),
             transport: ibex_transport::Config::from_env()
                 .map_err(|e| PsError::Config(e.to_string()))?,
@@ -121,6 +149,7 @@ impl PsConfig {
             num_workers: self.num_workers,
             mode: self.mode,
             sync_timeout: self.sync_timeout,
+            on_worker_loss: self.on_worker_loss,
             checkpoint_dir: self.checkpoint_dir.clone(),
             checkpoint_every: self.checkpoint_every,
             limits: self.limits,
@@ -162,6 +191,15 @@ struct Args {
     /// Seconds a sync push or pull waits for missing workers before DEADLINE_EXCEEDED.
     #[arg(long)]
     sync_timeout_secs: Option<u64>,
+    /// fail (default): a sync step that a worker misses fails with DEADLINE_EXCEEDED
+    /// naming it; continue: the step completes with the workers that pushed, and the
+    /// missing ones rejoin with their next push.
+    #[arg(long)]
+    on_worker_loss: Option<String>,
+    /// Ping a quiet worker connection after this many seconds and close it when 5 s pass
+    /// without an answer (default 3; 0: off).
+    #[arg(long)]
+    keepalive_secs: Option<u64>,
     /// Most variables (or partitions) this shard holds.
     #[arg(long)]
     max_variables: Option<u64>,
@@ -185,6 +223,8 @@ struct FileConfig {
     restore: Option<bool>,
     metrics: Option<String>,
     sync_timeout_secs: Option<u64>,
+    on_worker_loss: Option<WorkerLoss>,
+    keepalive_secs: Option<u64>,
     max_variables: Option<u64>,
     max_elements: Option<u64>,
     max_bytes: Option<u64>,
@@ -215,6 +255,20 @@ mod tests {
         assert!(c.restore);
         assert_eq!(c.sync_timeout, Duration::from_secs(30));
         assert_eq!(c.limits, Limits::default());
+        assert_eq!(c.on_worker_loss, WorkerLoss::Fail);
+        assert_eq!(c.keepalive, Some(DEFAULT_KEEPALIVE));
+        let args = [
+            "ibex-ps",
+            "--listen",
+            "tcp://127.0.0.1:7000",
+            "--on-worker-loss",
+            "continue",
+            "--keepalive-secs",
+            "0",
+        ];
+        let c = PsConfig::from_args(args.iter().map(|s| s.to_string())).unwrap();
+        assert_eq!(c.on_worker_loss, WorkerLoss::Continue);
+        assert_eq!(c.keepalive, None);
     }
 
     #[test]

@@ -44,6 +44,7 @@ fn target() -> &'static Target {
                 checkpoint_dir: None,
                 checkpoint_every: 0,
                 limits,
+                on_worker_loss: Default::default(),
             });
             PsService::new(Arc::new(s), Arc::new(Metrics::default()))
         };

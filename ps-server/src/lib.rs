@@ -29,7 +29,7 @@ pub use exposed::ExposeLimits;
 pub use metrics::Metrics;
 pub use optim::Optimizer;
 pub use service::PsService;
-pub use shard::{Grad, Limits, Mode, Shard, ShardConfig, Values};
+pub use shard::{Grad, Limits, Mode, Shard, ShardConfig, Values, WorkerLoss};
 
 /// Sends `tracing` output (the transport's warnings about refused or misbehaving peers,
 /// limits hit) to stderr, at `warn` unless `RUST_LOG` says otherwise. For the `ibex-ps`
@@ -92,7 +92,16 @@ pub async fn run(
         }
     }
     let metrics = Arc::new(Metrics::default());
-    let server = ibex_transport::grpc::Server::builder().config(config.transport.clone());
+    let mut server = ibex_transport::grpc::Server::builder().config(config.transport.clone());
+    // A keep-alive in the transport settings (`IBEX_KEEPALIVE_MS`) wins, as for every Ibex
+    // connection.
+    if config.transport.keepalive.is_none()
+        && let Some(k) = config.keepalive
+    {
+        server = server
+            .http2_keepalive_interval(Some(k))
+            .http2_keepalive_timeout(Some(config.keepalive_timeout));
+    }
     if !config.listen.starts_with("http://") {
         metrics.set_transport(server.stats());
     }

@@ -64,6 +64,43 @@ impl Mode {
     }
 }
 
+/// What a sync step does when a worker has not pushed within the sync timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerLoss {
+    /// Fail the waiting calls with DEADLINE_EXCEEDED naming the missing workers (the
+    /// default: a sync step is the average over every worker, and going on without one
+    /// changes the result, which a job must ask for).
+    #[default]
+    Fail,
+    /// Complete the step with the gradients that came (averaged over the workers that
+    /// pushed), and leave the missing workers out of later steps until they push again.
+    Continue,
+}
+
+impl std::str::FromStr for WorkerLoss {
+    type Err = String;
+    fn from_str(s: &str) -> Result<WorkerLoss, String> {
+        match s {
+            "fail" => Ok(WorkerLoss::Fail),
+            "continue" => Ok(WorkerLoss::Continue),
+            o => Err(format!(
+                "unknown worker-loss policy {o:?}: use fail or continue"
+            )),
+        }
+    }
+}
+
+impl WorkerLoss {
+    /// "fail" or "continue".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerLoss::Fail => "fail",
+            WorkerLoss::Continue => "continue",
+        }
+    }
+}
+
 /// One variable (or partition) with its optimizer state.
 #[derive(Debug, Clone)]
 pub(crate) struct Var {
@@ -464,6 +501,9 @@ struct Steps {
     /// Bumped by `restore`: a push that began before it must not count into the new state.
     epoch: u64,
     held: Footprint,
+    /// Workers left out of sync steps after they missed one ([`WorkerLoss::Continue`]);
+    /// a worker's next push takes it back in.
+    lost: BTreeSet<u32>,
 }
 
 /// One variable's name, shape and values (little-endian f32 bytes), as read.
@@ -497,6 +537,8 @@ pub struct ShardConfig {
     pub checkpoint_every: u64,
     /// What workers may make this shard hold.
     pub limits: Limits,
+    /// What a sync step does when a worker does not push within the sync timeout.
+    pub on_worker_loss: WorkerLoss,
 }
 
 /// Idle gradient and value buffers kept for the next step: a few steps' worth of a large
@@ -540,6 +582,7 @@ impl Shard {
                 done: 0,
                 epoch: 0,
                 held: Footprint::default(),
+                lost: BTreeSet::new(),
             }),
             step_tx,
             bufs: BufPool::new(IDLE_BUFFER_BYTES),
@@ -653,16 +696,113 @@ impl Shard {
     }
 
     /// Waits (sync mode) until at least `step` steps are applied.
-    pub async fn wait_for(&self, step: u64) -> Result<(), Status> {
+    pub async fn wait_for(self: &Arc<Self>, step: u64) -> Result<(), Status> {
         if self.cfg.mode == Mode::Async {
             return Ok(());
         }
         let mut rx = self.step_tx.subscribe();
-        match tokio::time::timeout(self.cfg.sync_timeout, rx.wait_for(|s| *s >= step)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(_)) => Err(Status::unavailable("the PS is shutting down")),
-            Err(_) => Err(self.timeout_status(step)),
+        loop {
+            // The watch's guard is dropped here, before anything below awaits.
+            let waited = tokio::time::timeout(self.cfg.sync_timeout, rx.wait_for(|s| *s >= step))
+                .await
+                .map(|r| r.map(|_| ()));
+            match waited {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(_)) => return Err(Status::unavailable("the PS is shutting down")),
+                Err(_) if self.cfg.on_worker_loss == WorkerLoss::Continue => {
+                    let now = self.step();
+                    let me = self.clone();
+                    if !blocking(move || me.complete_without_missing(now)).await? {
+                        return Err(self.timeout_status(step));
+                    }
+                }
+                Err(_) => return Err(self.timeout_status(step)),
+            }
         }
+    }
+
+    /// [`WorkerLoss::Continue`]: completes sync step `now`, whose wait timed out, with the
+    /// gradients that came, each variable averaged over the workers that pushed it, and
+    /// leaves the workers that did not push out of later steps. Returns false when nobody
+    /// pushed anything for the step (there is nothing to complete it with), true when it
+    /// is complete (here or by another caller meanwhile).
+    fn complete_without_missing(&self, now: u64) -> Result<bool, Status> {
+        let epoch = {
+            let s = self.steps()?;
+            if s.step != now {
+                return Ok(true);
+            }
+            s.epoch
+        };
+        // Name order, as every push locks them.
+        let cells: Vec<Arc<Cell>> = self.table()?.values().cloned().collect();
+        let mut guards = cells
+            .iter()
+            .map(|c| c.lock())
+            .collect::<Result<Vec<_>, _>>()?;
+        let open = |st: &VarState| st.applied == now;
+        if !guards
+            .iter()
+            .any(|st| open(st) && !st.pending.workers.is_empty())
+        {
+            return Ok(false);
+        }
+        let mut missing = BTreeSet::new();
+        {
+            let s = self.steps()?;
+            if s.epoch != epoch || s.step != now {
+                return Ok(true);
+            }
+            for st in guards.iter().filter(|st| open(st)) {
+                for w in 0..self.cfg.num_workers {
+                    if !st.pending.workers.contains(&w) && !s.lost.contains(&w) {
+                        missing.insert(w);
+                    }
+                }
+            }
+        }
+        for st in guards.iter_mut() {
+            let st: &mut VarState = st;
+            if !open(st) {
+                continue;
+            }
+            let p = std::mem::take(&mut st.pending);
+            let scale = 1.0 / p.workers.len().max(1) as f32;
+            match (p.sum, p.workers.is_empty()) {
+                // Nobody still in the step pushed this one: it keeps its values.
+                (_, true) => st.applied += 1,
+                (Some(sum), false) => Ready::Dense(F32s::Buf(sum)).apply(st, scale, &self.bufs)?,
+                (None, false) => Ready::Rows(p.rows).apply(st, scale, &self.bufs)?,
+            }
+        }
+        let next = {
+            let mut s = self.steps()?;
+            if s.epoch != epoch {
+                return Err(Status::aborted(format!(
+                    "shard {} was restored from a checkpoint while step {now} was completed without workers {missing:?}",
+                    self.cfg.shard
+                )));
+            }
+            s.lost.extend(missing.iter().copied());
+            s.done = 0;
+            s.step = now + 1;
+            s.step
+        };
+        drop(guards);
+        eprintln!(
+            "ibex-ps shard {}: step {now} completed without workers {:?} (no push within {:?}); they rejoin with their next push",
+            self.cfg.shard,
+            missing.iter().collect::<Vec<_>>(),
+            self.cfg.sync_timeout
+        );
+        if self.cfg.checkpoint_every > 0
+            && next % self.cfg.checkpoint_every == 0
+            && self.cfg.checkpoint_dir.is_some()
+        {
+            self.save_blocking()?;
+        }
+        self.step_tx.send_replace(next);
+        Ok(true)
     }
 
     fn timeout_status(&self, wanted: u64) -> Status {
@@ -722,7 +862,15 @@ impl Shard {
             )));
         }
         let (epoch, now) = {
-            let s = self.steps()?;
+            let mut s = self.steps()?;
+            // A worker left out of the steps is back in with any push, even a stale one:
+            // the next step waits for it again.
+            if s.lost.remove(&worker) {
+                eprintln!(
+                    "ibex-ps shard {}: worker {worker} is back; sync steps wait for it again",
+                    self.cfg.shard
+                );
+            }
             (s.epoch, s.step)
         };
         let cells = {
@@ -770,8 +918,12 @@ impl Shard {
             }
         }
         let n = self.cfg.num_workers as usize;
-        // Each variable whose gradients are all in, with the gradient to apply.
-        let mut ready: Vec<(&mut VarState, Ready)> = Vec::new();
+        // Read with the variables locked, so that a step completed without a lost worker
+        // (which holds them all) is either wholly before this push or wholly after it.
+        let lost = self.steps()?.lost.clone();
+        // Each variable whose gradients are all in, with the gradient to apply and its
+        // scale (the mean over the workers that pushed it).
+        let mut ready: Vec<(&mut VarState, Ready, f32)> = Vec::new();
         for (g, st) in grads.into_iter().zip(guards.iter_mut()) {
             let st: &mut VarState = st;
             if !sync {
@@ -783,7 +935,7 @@ impl Shard {
                         Ready::Rows(rows)
                     }
                 };
-                ready.push((st, r));
+                ready.push((st, r, 1.0));
                 continue;
             }
             let p = &mut st.pending;
@@ -799,20 +951,21 @@ impl Shard {
                 },
                 Grad::Sparse { ids, values, .. } => add_rows(&mut p.rows, &ids, &values),
             }
-            if p.workers.len() == n {
+            let all_in = (0..n as u32).all(|w| p.workers.contains(&w) || lost.contains(&w));
+            if all_in {
                 let p = std::mem::take(&mut st.pending);
+                let scale = 1.0 / p.workers.len() as f32;
                 let r = match p.sum {
                     Some(sum) => Ready::Dense(F32s::Buf(sum)),
                     None => Ready::Rows(p.rows),
                 };
-                ready.push((st, r));
+                ready.push((st, r, scale));
             }
         }
-        let scale = if sync { 1.0 / n as f32 } else { 1.0 };
         let applied = ready.len();
         ready
             .into_par_iter()
-            .try_for_each(|(st, r)| r.apply(st, scale, &self.bufs))?;
+            .try_for_each(|(st, r, scale)| r.apply(st, scale, &self.bufs))?;
         let completed = {
             let mut s = self.steps()?;
             if s.epoch != epoch {
@@ -1052,6 +1205,7 @@ impl Shard {
             steps.step = s;
             steps.done = 0;
             steps.epoch += 1;
+            steps.lost.clear();
             steps.held = held;
         }
         self.step_tx.send_replace(s);
@@ -1212,14 +1366,20 @@ mod tests {
     }
 
     fn shard() -> Arc<Shard> {
+        shard_with(1, WorkerLoss::Fail, Duration::from_secs(5))
+    }
+
+    /// `w`: four f32 of 1.0, plain SGD with lr 0.5.
+    fn shard_with(num_workers: u32, loss: WorkerLoss, sync_timeout: Duration) -> Arc<Shard> {
         let s = Shard::new(ShardConfig {
             shard: 0,
-            num_workers: 1,
+            num_workers,
             mode: Mode::Sync,
-            sync_timeout: Duration::from_secs(5),
+            sync_timeout,
             checkpoint_dir: None,
             checkpoint_every: 0,
             limits: Limits::default(),
+            on_worker_loss: loss,
         });
         s.create(vec![pb::VariableDef {
             name: "w".into(),
@@ -1240,6 +1400,59 @@ mod tests {
     /// A read that waits for a variable's lock (held here as an optimizer update would
     /// hold it) must leave the runtime's only thread free for other tasks. Were the wait
     /// on that thread, the test would deadlock: a watchdog turns that into a failure.
+    fn grad(v: f32) -> Vec<Grad> {
+        vec![Grad::Dense {
+            name: "w".into(),
+            values: vec![v; 4].into(),
+        }]
+    }
+
+    async fn value(s: &Arc<Shard>) -> f32 {
+        let (_, vals) = s.read(vec!["w".into()]).await.unwrap();
+        f32::from_le_bytes(vals[0].2[..4].try_into().unwrap())
+    }
+
+    /// `continue`: a step a worker misses completes at the sync timeout with the others'
+    /// mean, later steps go on without it, and its next push (even a stale one) takes it
+    /// back in, after which steps average over both again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_worker_is_left_out_until_it_pushes_again() {
+        let s = shard_with(2, WorkerLoss::Continue, Duration::from_millis(200));
+        s.push(0, 0, grad(2.0)).await.unwrap();
+        let t0 = std::time::Instant::now();
+        s.wait_for(1).await.unwrap();
+        assert!(
+            t0.elapsed() >= Duration::from_millis(150),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert_eq!((s.step(), value(&s).await), (1, 0.0));
+        // Worker 1 is out: worker 0 alone completes step 1 at once.
+        s.push(1, 0, grad(2.0)).await.unwrap();
+        assert_eq!((s.step(), value(&s).await), (2, -1.0));
+        // Back with a stale push: refused, but step 2 waits for it.
+        let e = s.push(1, 1, grad(9.0)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        s.push(2, 0, grad(2.0)).await.unwrap();
+        assert_eq!(s.step(), 2, "step 2 must wait for the returned worker");
+        s.push(2, 1, grad(4.0)).await.unwrap();
+        assert_eq!((s.step(), value(&s).await), (3, -2.5));
+        // Nobody pushed: nothing to complete, the wait fails as in `fail` mode.
+        let e = s.wait_for(4).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    }
+
+    /// `fail` (the default): the missed step fails, naming the worker, and nothing applies.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_missed_step_fails_by_default_naming_the_worker() {
+        let s = shard_with(2, WorkerLoss::Fail, Duration::from_millis(200));
+        s.push(0, 0, grad(2.0)).await.unwrap();
+        let e = s.wait_for(1).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
+        assert!(e.message().contains("workers [1]"), "{}", e.message());
+        assert_eq!((s.step(), value(&s).await), (0, 1.0));
+    }
+
     #[tokio::test(flavor = "current_thread")]
     // Holding the variable's lock across awaits is the point: it stands for an update.
     #[allow(clippy::await_holding_lock)]

@@ -161,6 +161,7 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
         ps: vec![addr.clone()],
         workers: vec!["127.0.0.1:0".into()],
         transport: TransportKind::Tcp,
+        timeouts: Default::default(),
     };
     let w = common::connect_worker(&spec, 0)
         .await

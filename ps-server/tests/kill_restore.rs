@@ -110,6 +110,7 @@ async fn kill_restore(keep_worker: bool) {
             .collect(),
         workers: vec!["127.0.0.1:0".into()],
         transport: TransportKind::Tcp,
+        timeouts: Default::default(),
     };
     let mut ps: Vec<Server> = (0..2)
         .map(|i| spawn_ps(&spec, i, dir.path(), false))

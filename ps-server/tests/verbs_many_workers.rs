@@ -69,6 +69,7 @@ async fn one_ps_serves_many_verbs_workers_within_bounded_pinned_memory() {
         ps: vec![addr.clone()],
         workers: (0..n).map(|i| format!("w{i}:0")).collect(),
         transport: TransportKind::Verbs,
+        timeouts: Default::default(),
     };
 
     let config = ibex_worker::transport_config().expect("IBEX_* environment variables");
@@ -254,6 +255,7 @@ async fn sync_steps_hit_the_registration_cache() {
         ps: vec![addr],
         workers: (0..n).map(|i| format!("w{i}:0")).collect(),
         transport: TransportKind::Verbs,
+        timeouts: Default::default(),
     };
     let len = 256 << 10;
     let vars = [VarSpec {

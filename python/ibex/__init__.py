@@ -20,6 +20,7 @@ import numpy as np
 from . import _native
 from ._native import (
     BufferBusyError,
+    DeadlineError,
     IbexError,
     PsTimeoutError,
     RejectedError,
@@ -48,6 +49,7 @@ __all__ = [
     "ShapeMismatchError",
     "StaleStepError",
     "PsTimeoutError",
+    "DeadlineError",
     "UnavailableError",
     "RejectedError",
     "BufferBusyError",
@@ -180,12 +182,30 @@ class Worker:
         self.index = index
 
     @classmethod
-    def connect(cls, cluster=None, index: Optional[int] = None) -> "Worker":
+    def connect(
+        cls,
+        cluster=None,
+        index: Optional[int] = None,
+        *,
+        connect_timeout: Optional[float] = None,
+        call_timeout: Optional[float] = None,
+        sync_timeout: Optional[float] = None,
+        keepalive: Optional[float] = None,
+    ) -> "Worker":
         """Connects to every PS of `cluster`: a cluster TOML file or text, 'tf_config' or
         'slurm' (or None: whichever of those the environment has), a ClusterSpec or a
         LocalCluster. `index` is this worker's index (default: the one TF_CONFIG or Slurm
-        gives)."""
+        gives).
+
+        The bounds, in seconds, override the spec's (docs/ps.md, "Failures"):
+        `connect_timeout` for reaching each PS, `call_timeout` for every call after,
+        `sync_timeout` the PS's sync timeout that both follow unless given (connect: the
+        same, call: 10 s more), `keepalive` the ping interval (0: off)."""
         spec = _spec(cluster)
+        if any(v is not None for v in (connect_timeout, call_timeout, sync_timeout, keepalive)):
+            spec = spec.with_timeouts(
+                sync=sync_timeout, connect=connect_timeout, call=call_timeout, keepalive=keepalive
+            )
         if spec.job is not None and spec.job != "worker" and index is None:
             raise SpecError(
                 f"this task is a {spec.job} task, not a worker: run the PS with "

@@ -110,6 +110,7 @@ def launch_local(
         f"ps = {json.dumps(addrs[:num_ps])}\n"  # a JSON list of strings is TOML too
         f"workers = {json.dumps(addrs[num_ps:])}\n"
         f'transport = "{transport}"\n'
+        f"sync_timeout_secs = {float(sync_timeout_secs)}\n"
     )
     spec = _native.Spec.from_toml(toml)
     with open(os.path.join(directory, "cluster.toml"), "w") as f:

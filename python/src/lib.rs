@@ -10,7 +10,7 @@
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, VarSpec, WorkerError};
 use numpy::ndarray::{ArrayViewMut, IxDyn};
@@ -24,55 +24,61 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyWeakrefMethods, PyWeakrefReference};
 
 create_exception!(
-    _native,
+    ibex,
     IbexError,
     PyException,
     "Base class of every Ibex error."
 );
 create_exception!(
-    _native,
+    ibex,
     UnknownVariableError,
     IbexError,
     "The variable was not created (create_variables) or a PS does not know it."
 );
 create_exception!(
-    _native,
+    ibex,
     ShapeMismatchError,
     IbexError,
     "An array's shape or element count does not match its variable."
 );
 create_exception!(
-    _native,
+    ibex,
     StaleStepError,
     IbexError,
     "The PS already applied that step, or this worker pushed the variable twice for it."
 );
 create_exception!(
-    _native,
+    ibex,
     PsTimeoutError,
     IbexError,
     "A sync step did not complete within the PS's --sync-timeout-secs."
 );
 create_exception!(
-    _native,
+    ibex,
     UnavailableError,
     IbexError,
     "A PS cannot be reached: not started, dead, or shutting down."
 );
 create_exception!(
-    _native,
+    ibex,
+    DeadlineError,
+    IbexError,
+    "A PS did not answer a call, or could not be reached, within its deadline (connect_timeout, call_timeout)."
+);
+create_exception!(
+    ibex,
     RejectedError,
     IbexError,
     "The PS rejected the request as malformed (INVALID_ARGUMENT, OUT_OF_RANGE, ALREADY_EXISTS)."
 );
 create_exception!(
-    _native,
+    ibex,
     BufferBusyError,
     IbexError,
     "A staging buffer is still held by a push in flight or another lease."
 );
 create_exception!(
-    _native,
+    ibex,
     SpecError,
     IbexError,
     "The cluster spec (TOML, TF_CONFIG, Slurm) is missing or invalid."
@@ -82,25 +88,51 @@ create_exception!(
 /// `keep_freed_memory()`: its threads must start with the allocator settings that let step
 /// buffers be reused instead of mapped afresh each step (docs/ps.md, "Process memory").
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
-    static RT: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
-    RT.get_or_init(|| {
-        ibex_transport::conn::keep_freed_memory();
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("ibex-worker")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())
-    })
-    .as_ref()
-    .map_err(|e| PyRuntimeError::new_err(format!("starting the Ibex runtime: {e}")))
+    static RT: OnceLock<Result<(u32, tokio::runtime::Runtime), String>> = OnceLock::new();
+    let (pid, rt) = RT
+        .get_or_init(|| {
+            ibex_transport::conn::keep_freed_memory();
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("ibex-worker")
+                .enable_all()
+                .build()
+                .map(|rt| (std::process::id(), rt))
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| PyRuntimeError::new_err(format!("starting the Ibex runtime: {e}")))?;
+    // A forked child has the runtime but not its threads, which drive its timers and
+    // sockets: every call would hang.
+    if *pid != std::process::id() {
+        return Err(IbexError::new_err(
+            "this process was forked from one that had already used Ibex, and the runtime's \
+             threads do not survive a fork: start worker processes with multiprocessing's \
+             'spawn' or 'forkserver' method (multiprocessing.get_context(\"spawn\"))",
+        ));
+    }
+    Ok(rt)
 }
 
-/// Runs `fut` to completion with the GIL released. The future is never dropped early, so
-/// borrows of NumPy memory it holds stay valid for its whole life.
+/// How long a blocked call runs with the GIL released before it looks for a signal.
+const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+
+/// Runs `fut` to completion with the GIL released, in slices of [`SIGNAL_SLICE`]: between
+/// them Python's signal handlers run (`check_signals`), so Ctrl-C interrupts a blocked
+/// connect or step within about that. An interrupted call's future is dropped here, on
+/// the caller's thread, before the call returns, so borrows of NumPy memory it holds end
+/// with it; what it had sent stays sent (a push may still count on the PS).
 fn block<T: Send>(py: Python<'_>, fut: impl Future<Output = T> + Send) -> PyResult<T> {
     let rt = runtime()?;
-    Ok(py.detach(|| rt.block_on(fut)))
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        let slice =
+            py.detach(|| rt.block_on(async { tokio::time::timeout(SIGNAL_SLICE, &mut fut).await }));
+        match slice {
+            Ok(v) => return Ok(v),
+            Err(_) => py.check_signals()?,
+        }
+    }
 }
 
 /// A worker error as the Python exception of its kind, with the Rust message.
@@ -111,6 +143,7 @@ fn err(e: WorkerError) -> PyErr {
         WorkerError::ShapeMismatch { .. } => ShapeMismatchError::new_err(msg),
         WorkerError::StaleStep { .. } => StaleStepError::new_err(msg),
         WorkerError::Timeout { .. } => PsTimeoutError::new_err(msg),
+        WorkerError::Deadline { .. } => DeadlineError::new_err(msg),
         WorkerError::Unavailable { .. } => UnavailableError::new_err(msg),
         WorkerError::Rejected { .. } => RejectedError::new_err(msg),
         WorkerError::BufferBusy { .. } => BufferBusyError::new_err(msg),
@@ -218,6 +251,59 @@ impl Spec {
 
     fn to_toml(&self) -> String {
         self.spec.to_toml()
+    }
+
+    /// The same spec with other bounds, in seconds (docs/ps.md, "Failures"): `sync` is
+    /// the PS's sync timeout, which `connect` and `call` follow unless given; `keepalive`
+    /// 0 turns pings off. Each must be positive.
+    #[pyo3(signature = (*, sync=None, connect=None, call=None, keepalive=None))]
+    fn with_timeouts(
+        &self,
+        sync: Option<f64>,
+        connect: Option<f64>,
+        call: Option<f64>,
+        keepalive: Option<f64>,
+    ) -> PyResult<Spec> {
+        let secs = |name: &str, v: f64| {
+            std::time::Duration::try_from_secs_f64(v).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "{name}={v} is not a number of seconds (examples: 10, 0.5)"
+                ))
+            })
+        };
+        let mut t = self.spec.timeouts;
+        if let Some(v) = sync {
+            let keep = (t.keepalive, t.keepalive_timeout);
+            t = ibex_worker::Timeouts::following(secs("sync_timeout", v)?);
+            (t.keepalive, t.keepalive_timeout) = keep;
+        }
+        if let Some(v) = connect {
+            t.connect = secs("connect_timeout", v)?;
+        }
+        if let Some(v) = call {
+            t.call = secs("call_timeout", v)?;
+        }
+        if let Some(v) = keepalive {
+            t.keepalive = Some(secs("keepalive", v)?).filter(|k| !k.is_zero());
+        }
+        Ok(Spec {
+            spec: self.spec.clone().with_timeouts(t).map_err(spec_err)?,
+            job: self.job.clone(),
+            index: self.index,
+        })
+    }
+
+    /// The bounds in seconds: `{"sync", "connect", "call", "keepalive"}` (keepalive None
+    /// when off).
+    #[getter]
+    fn timeouts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = self.spec.timeouts;
+        let d = PyDict::new(py);
+        d.set_item("sync", t.sync.as_secs_f64())?;
+        d.set_item("connect", t.connect.as_secs_f64())?;
+        d.set_item("call", t.call.as_secs_f64())?;
+        d.set_item("keepalive", t.keepalive.map(|k| k.as_secs_f64()))?;
+        Ok(d)
     }
 
     fn __repr__(&self) -> String {
@@ -407,7 +493,8 @@ fn var_spec(t: VarTuple) -> PyResult<VarSpec> {
 
 #[pymethods]
 impl Worker {
-    /// Connects to every PS of `spec` (retrying each for up to 30 s while it starts).
+    /// Connects to every PS of `spec` (retrying each while it starts, for up to the spec's
+    /// connect timeout).
     #[staticmethod]
     fn connect(py: Python<'_>, spec: &Spec, index: usize) -> PyResult<Worker> {
         if index >= spec.spec.workers.len() {
@@ -1146,6 +1233,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PsTimeoutError", py.get_type::<PsTimeoutError>())?;
     m.add("UnavailableError", py.get_type::<UnavailableError>())?;
     m.add("RejectedError", py.get_type::<RejectedError>())?;
+    m.add("DeadlineError", py.get_type::<DeadlineError>())?;
     m.add("BufferBusyError", py.get_type::<BufferBusyError>())?;
     m.add("SpecError", py.get_type::<SpecError>())?;
     Ok(())

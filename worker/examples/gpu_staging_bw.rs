@@ -38,6 +38,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         ps: ports.iter().map(|p| format!("127.0.0.1:{p}")).collect(),
         workers: vec!["127.0.0.1:0".into()],
         transport: TransportKind::Shm,
+        timeouts: Default::default(),
     };
     let mut stops = Vec::new();
     for i in 0..2 {

@@ -9,18 +9,20 @@ use bytes::Bytes;
 use futures_util::future::try_join_all;
 use ibex_proto::ps::MAX_MESSAGE;
 use ibex_proto::ps::v1::parameter_server_ibex::ParameterServerClient;
-use ibex_transport::grpc::Channel;
+use ibex_transport::grpc::{Channel, Endpoint};
 use ibex_transport::{Config, RecvBuf, RemoteBuf};
 
 use crate::error::WorkerError;
 use crate::pb;
 use crate::placement::{Part, Placement, place};
 use crate::profile::{CommProfile, Path};
-use crate::spec::ClusterSpec;
+use crate::spec::{ClusterSpec, Timeouts};
 use crate::types::VarSpec;
 
-/// How long `connect` keeps retrying a PS that is not up yet.
-const CONNECT_RETRY: Duration = Duration::from_secs(30);
+/// What sets each deadline, as deadline errors name it.
+const CALL_SETTING: &str = "call_timeout_secs in the cluster spec (ClusterSpec::timeouts.call)";
+const CONNECT_SETTING: &str =
+    "connect_timeout_secs in the cluster spec (ClusterSpec::timeouts.connect)";
 
 /// Tensor bytes one request body carries at most (a larger tensor travels alone). A pull
 /// or push of a whole model goes as several concurrent requests per PS: each side's
@@ -64,6 +66,8 @@ impl<T> Batches<T> {
 pub(crate) struct Client {
     pub(crate) rpc: ParameterServerClient<Channel>,
     pub(crate) ch: Channel,
+    /// The PS's address, for errors.
+    pub(crate) uri: String,
 }
 
 impl Client {
@@ -77,6 +81,7 @@ impl Client {
 pub struct Worker {
     pub(crate) index: u32,
     pub(crate) clients: Vec<Client>,
+    timeouts: Timeouts,
     state: Mutex<State>,
     profile: Mutex<CommProfile>,
     /// Registered gradient buffers per variable (see `staging`).
@@ -103,8 +108,10 @@ impl std::fmt::Debug for Worker {
 
 impl Worker {
     /// Connects to every PS of `spec` over its transport with the settings of `config`
-    /// (binaries pass [`crate::transport_config`], the job environment's), retrying each PS
-    /// for up to 30 s while it starts.
+    /// (binaries pass [`crate::transport_config`], the job environment's), retrying each
+    /// while it starts for up to `spec.timeouts.connect`. Every later call to a PS has the
+    /// deadline `spec.timeouts.call`, and the connections ping the PS
+    /// (`spec.timeouts.keepalive`).
     pub async fn connect(
         spec: &ClusterSpec,
         worker_index: usize,
@@ -115,13 +122,16 @@ impl Worker {
         }
         let index = u32::try_from(worker_index)
             .map_err(|_| WorkerError::Usage("worker index too large".into()))?;
-        let clients =
-            try_join_all((0..spec.ps.len()).map(|i| connect_one(i, spec.ps_uri(i), config)))
-                .await?;
+        let timeouts = spec.timeouts;
+        let clients = try_join_all(
+            (0..spec.ps.len()).map(|i| connect_one(i, spec.ps_uri(i), config, timeouts)),
+        )
+        .await?;
         let load = vec![0; clients.len()];
         Ok(Worker {
             index,
             clients,
+            timeouts,
             state: Mutex::new(State {
                 vars: HashMap::new(),
                 load,
@@ -135,6 +145,55 @@ impl Worker {
     /// Number of PS shards.
     pub fn num_ps(&self) -> usize {
         self.clients.len()
+    }
+
+    /// The bounds this worker's calls run under (from its spec).
+    pub fn timeouts(&self) -> Timeouts {
+        self.timeouts
+    }
+
+    /// One call to PS `ps` under the call deadline: the PS is told it (`grpc-timeout`), and
+    /// the worker gives up at it whatever the PS does, so a PS that never answers costs at
+    /// most the deadline. `f` makes the call on a clone of the PS's client.
+    pub(crate) async fn call<Q, R, F, Fut>(
+        &self,
+        ps: usize,
+        method: &'static str,
+        msg: Q,
+        f: F,
+    ) -> Result<R, WorkerError>
+    where
+        F: FnOnce(ParameterServerClient<Channel>, tonic::Request<Q>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<R>, tonic::Status>>,
+    {
+        self.count(method);
+        let limit = self.timeouts.call;
+        let mut req = tonic::Request::new(msg);
+        req.set_timeout(limit);
+        let t0 = Instant::now();
+        match tokio::time::timeout(limit, f(self.clients[ps].rpc.clone(), req)).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            // The channel (or the PS) enforcing the same deadline; a PS's own sync timeout
+            // comes earlier and keeps its message, which names the missing workers.
+            Ok(Err(s))
+                if s.code() == tonic::Code::DeadlineExceeded
+                    && t0.elapsed() >= limit.mul_f64(0.95) =>
+            {
+                Err(self.deadline(ps, method, limit))
+            }
+            Ok(Err(s)) => Err(WorkerError::from_status(ps, s)),
+            Err(_) => Err(self.deadline(ps, method, limit)),
+        }
+    }
+
+    fn deadline(&self, ps: usize, call: &str, after: Duration) -> WorkerError {
+        WorkerError::Deadline {
+            ps,
+            server: self.clients[ps].uri.clone(),
+            call: call.to_string(),
+            after,
+            setting: CALL_SETTING,
+        }
     }
 
     /// Where `name` lives, once created.
@@ -193,14 +252,13 @@ impl Worker {
                 .into_iter()
                 .enumerate()
                 .filter(|(_, v)| !v.is_empty())
-                .map(|(ps, vars)| async move {
-                    self.count("CreateVariables");
-                    self.clients[ps]
-                        .rpc
-                        .clone()
-                        .create_variables(pb::CreateVariablesRequest { vars })
-                        .await
-                        .map_err(|s| WorkerError::from_status(ps, s))
+                .map(|(ps, vars)| {
+                    self.call(
+                        ps,
+                        "CreateVariables",
+                        pb::CreateVariablesRequest { vars },
+                        |mut c, r| async move { c.create_variables(r).await },
+                    )
                 }),
         )
         .await?;
@@ -243,19 +301,16 @@ impl Worker {
                 .enumerate()
                 .flat_map(|(ps, b)| b.done.into_iter().map(move |names| (ps, names)))
                 .map(|(ps, names)| async move {
-                    self.count("Pull");
-                    let r = self.clients[ps]
-                        .rpc
-                        .clone()
-                        .pull(pb::PullRequest {
-                            names,
-                            step,
-                            worker,
-                            release: self.take_released(ps),
-                        })
-                        .await
-                        .map_err(|s| WorkerError::from_status(ps, s))?;
-                    Ok::<_, WorkerError>(r.into_inner().values)
+                    let req = pb::PullRequest {
+                        names,
+                        step,
+                        worker,
+                        release: self.take_released(ps),
+                    };
+                    let r = self
+                        .call(ps, "Pull", req, |mut c, r| async move { c.pull(r).await })
+                        .await?;
+                    Ok::<_, WorkerError>(r.values)
                 }),
         )
         .await?;
@@ -281,24 +336,18 @@ impl Worker {
         pull: bool,
     ) -> Result<Vec<pb::Tensor>, WorkerError> {
         let values = if pull {
-            self.count("PushPull");
-            self.clients[ps]
-                .rpc
-                .clone()
-                .push_pull(req)
-                .await
-                .map(|r| r.into_inner().values)
+            self.call(ps, "PushPull", req, |mut c, r| async move {
+                c.push_pull(r).await
+            })
+            .await
+            .map(|r| r.values)
         } else {
-            self.count("Push");
-            self.clients[ps]
-                .rpc
-                .clone()
-                .push(req)
+            self.call(ps, "Push", req, |mut c, r| async move { c.push(r).await })
                 .await
                 .map(|_| Vec::new())
         };
         drop(keep);
-        values.map_err(|s| WorkerError::from_status(ps, s))
+        values
     }
 
     /// Pushes `grads` for `step`, waits until the step is applied, and returns the fresh
@@ -340,19 +389,16 @@ impl Worker {
                 .map(|(k, (_, local))| {
                     let part = &p.parts[k];
                     async move {
-                        self.count("LookupRows");
                         let req = pb::LookupRowsRequest {
                             table: part.name.clone(),
                             ids: local.clone(),
                         };
-                        let r = self.clients[part.ps]
-                            .rpc
-                            .clone()
-                            .lookup_rows(req)
-                            .await
-                            .map_err(|s| WorkerError::from_status(part.ps, s))?;
+                        let r = self
+                            .call(part.ps, "LookupRows", req, |mut c, r| async move {
+                                c.lookup_rows(r).await
+                            })
+                            .await?;
                         let t = r
-                            .into_inner()
                             .rows
                             .ok_or_else(|| malformed(part.ps, "LookupRows reply has no rows"))?;
                         Ok::<_, WorkerError>((k, self.decode(part.ps, &t)?))
@@ -411,7 +457,6 @@ impl Worker {
                         let t = self
                             .tensor(part.ps, &part.name, vec![local.len(), dim], &g)
                             .await?;
-                        self.count("PushSparse");
                         let req = pb::PushSparseRequest {
                             step,
                             worker,
@@ -419,12 +464,11 @@ impl Worker {
                             ids: local,
                             grads: Some(t.0),
                         };
-                        let r = self.clients[part.ps]
-                            .rpc
-                            .clone()
-                            .push_sparse(req)
-                            .await
-                            .map_err(|s| WorkerError::from_status(part.ps, s));
+                        let r = self
+                            .call(part.ps, "PushSparse", req, |mut c, r| async move {
+                                c.push_sparse(r).await
+                            })
+                            .await;
                         drop(t.1);
                         r
                     }
@@ -471,14 +515,13 @@ impl Worker {
                 have.join(", ")
             )));
         };
-        try_join_all((0..self.clients.len()).map(|ps| async move {
-            self.count("Restore");
-            self.clients[ps]
-                .rpc
-                .clone()
-                .restore(pb::RestoreRequest { step })
-                .await
-                .map_err(|s| WorkerError::from_status(ps, s))
+        try_join_all((0..self.clients.len()).map(|ps| {
+            self.call(
+                ps,
+                "Restore",
+                pb::RestoreRequest { step },
+                |mut c, r| async move { c.restore(r).await },
+            )
         }))
         .await?;
         Ok(step)
@@ -486,15 +529,10 @@ impl Worker {
 
     /// Every PS's `Stats`, in PS order.
     pub async fn stats(&self) -> Result<Vec<pb::StatsResponse>, WorkerError> {
-        try_join_all((0..self.clients.len()).map(|ps| async move {
-            self.count("Stats");
-            let r = self.clients[ps]
-                .rpc
-                .clone()
-                .stats(pb::StatsRequest {})
-                .await
-                .map_err(|s| WorkerError::from_status(ps, s))?;
-            Ok::<_, WorkerError>(r.into_inner())
+        try_join_all((0..self.clients.len()).map(|ps| {
+            self.call(ps, "Stats", pb::StatsRequest {}, |mut c, r| async move {
+                c.stats(r).await
+            })
         }))
         .await
     }
@@ -502,14 +540,12 @@ impl Worker {
     /// Asks every PS to write a checkpoint now; returns their steps.
     pub async fn save(&self) -> Result<Vec<u64>, WorkerError> {
         try_join_all((0..self.clients.len()).map(|ps| async move {
-            self.count("Save");
-            let r = self.clients[ps]
-                .rpc
-                .clone()
-                .save(pb::SaveRequest {})
-                .await
-                .map_err(|s| WorkerError::from_status(ps, s))?;
-            Ok::<_, WorkerError>(r.into_inner().step)
+            let r = self
+                .call(ps, "Save", pb::SaveRequest {}, |mut c, r| async move {
+                    c.save(r).await
+                })
+                .await?;
+            Ok::<_, WorkerError>(r.step)
         }))
         .await
     }
@@ -818,9 +854,18 @@ impl Worker {
             let ptr = v.as_mut_ptr().add(at).cast::<u8>();
             RecvBuf::from_raw(ptr, n * 4, v)
         };
-        let read = conn
-            .read_remote(r.descriptor.clone(), dst)
+        // The read is bounded like a call: a PS that stops serving it mid-way costs the
+        // deadline, not a hang.
+        let limit = self.timeouts.call;
+        let read = tokio::time::timeout(limit, conn.read_remote(r.descriptor.clone(), dst))
             .await
+            .map_err(|_| {
+                self.deadline(
+                    ps,
+                    &format!("the read of pulled tensor {:?}", t.name),
+                    limit,
+                )
+            })?
             .map_err(|e| WorkerError::Rpc {
                 ps,
                 code: tonic::Code::Unavailable,
@@ -896,30 +941,76 @@ pub(crate) fn f32_to_bytes(v: &[f32]) -> Bytes {
     ibex_proto::tensor::f32_to_le_bytes(v)
 }
 
-/// Connects to PS `ps` at `uri`: an Ibex address, or `http://` for a `grpc` cluster.
-async fn connect_one(ps: usize, uri: String, config: &Config) -> Result<Client, WorkerError> {
-    let deadline = Instant::now() + CONNECT_RETRY;
+/// Connects to PS `ps` at `uri`: an Ibex address, or `http://` for a `grpc` cluster. A PS
+/// that is not up yet is retried until `t.connect` has passed; each attempt is bounded by
+/// what is left of it, so one that hangs (a peer that accepts and never answers) ends too.
+async fn connect_one(
+    ps: usize,
+    uri: String,
+    config: &Config,
+    t: Timeouts,
+) -> Result<Client, WorkerError> {
+    let deadline = Instant::now() + t.connect;
+    let endpoint = endpoint(&uri, config.clone(), &t);
     loop {
-        let attempt = Channel::connect_any(&uri, config.clone())
-            .await
-            .map(|ch| Client {
-                rpc: ParameterServerClient::new(ch.clone())
-                    .max_decoding_message_size(MAX_MESSAGE)
-                    .max_encoding_message_size(MAX_MESSAGE),
-                ch,
-            });
+        let left = deadline.saturating_duration_since(Instant::now());
+        let attempt = tokio::time::timeout(left, endpoint.clone().connect()).await;
         match attempt {
-            Ok(c) => return Ok(c),
-            Err(e) if Instant::now() >= deadline => {
-                return Err(WorkerError::Unavailable {
-                    ps,
-                    source: format!("{uri}: {e} (retried for {CONNECT_RETRY:?})").into(),
+            Ok(Ok(ch)) => {
+                return Ok(Client {
+                    rpc: ParameterServerClient::new(ch.clone())
+                        .max_decoding_message_size(MAX_MESSAGE)
+                        .max_encoding_message_size(MAX_MESSAGE),
+                    ch,
+                    uri,
                 });
             }
-            Err(e) => {
+            Err(_) => {
+                return Err(WorkerError::Deadline {
+                    ps,
+                    server: uri,
+                    call: "connect".into(),
+                    after: t.connect,
+                    setting: CONNECT_SETTING,
+                });
+            }
+            Ok(Err(e)) if Instant::now() >= deadline => {
+                return Err(WorkerError::Unavailable {
+                    ps,
+                    source: format!(
+                        "{uri}: {e} (retried for {:?}; {CONNECT_SETTING} sets how long)",
+                        t.connect
+                    )
+                    .into(),
+                });
+            }
+            Ok(Err(e)) => {
                 tracing::debug!(ps, %uri, %e, "PS not up yet; retrying");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                let pause = Duration::from_millis(100).min(left);
+                tokio::time::sleep(pause).await;
             }
         }
     }
+}
+
+/// The channel settings of a training connection: the spec's keep-alive, unless the
+/// transport settings carry one (`IBEX_KEEPALIVE_MS` through `Config::from_env`, or the
+/// caller's), which wins as it does for every Ibex connection; and the call deadline as the
+/// cap on any call that sets none.
+fn endpoint(uri: &str, config: Config, t: &Timeouts) -> Endpoint {
+    let (interval, wait) = match config.keepalive {
+        Some(i) => (Some(i), config.keepalive_timeout),
+        None => (t.keepalive, t.keepalive_timeout),
+    };
+    // The channel's own connect timeout bounds its later reconnects; it is a little longer
+    // than the connect deadline so that on the first connect that deadline fires first and
+    // its error is the one the caller sees.
+    let mut ep = Endpoint::new(uri)
+        .config(config)
+        .connect_timeout(t.connect.saturating_add(Duration::from_secs(1)))
+        .timeout(t.call);
+    if let Some(i) = interval {
+        ep = ep.http2_keep_alive_interval(i).keep_alive_timeout(wait);
+    }
+    ep
 }

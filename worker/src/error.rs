@@ -47,6 +47,24 @@ pub enum WorkerError {
         /// The PS's message (names the step and the missing workers).
         message: String,
     },
+    /// PS `ps` did not answer a call, or could not be reached, within the deadline that
+    /// `setting` sets: it is stalled, overloaded, or gone without a word.
+    #[error(
+        "PS {ps} at {server}: {call} got no answer within {after:?}; check that the PS runs \
+         and is not stalled, or raise {setting}"
+    )]
+    Deadline {
+        /// Which PS.
+        ps: usize,
+        /// Its address.
+        server: String,
+        /// The RPC (`Stats`, `PushPull`, ...), or `connect`.
+        call: String,
+        /// The deadline that passed.
+        after: std::time::Duration,
+        /// What sets that deadline.
+        setting: &'static str,
+    },
     /// The PS rejected the request as malformed (INVALID_ARGUMENT, OUT_OF_RANGE, ALREADY_EXISTS).
     #[error("PS {ps} rejected the request ({code:?}): {message}")]
     Rejected {
@@ -142,7 +160,9 @@ impl WorkerError {
         match self {
             WorkerError::Unavailable { .. } => Some(tonic::Code::Unavailable),
             WorkerError::StaleStep { .. } => Some(tonic::Code::FailedPrecondition),
-            WorkerError::Timeout { .. } => Some(tonic::Code::DeadlineExceeded),
+            WorkerError::Timeout { .. } | WorkerError::Deadline { .. } => {
+                Some(tonic::Code::DeadlineExceeded)
+            }
             WorkerError::Rejected { code, .. } | WorkerError::Rpc { code, .. } => Some(*code),
             _ => None,
         }

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -118,6 +119,90 @@ pub enum SpecError {
     Invalid(String),
 }
 
+/// The PS's sync timeout when nothing says otherwise (`ibex-ps --sync-timeout-secs`).
+pub const DEFAULT_SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a call may outlive the PS's sync timeout: a sync push or pull legitimately
+/// waits that long for the other workers, and the PS's own error, which names the workers
+/// that are missing, must reach the caller before the call's deadline cuts it off.
+pub const CALL_MARGIN: Duration = Duration::from_secs(10);
+
+/// How long a worker waits for the PS, each bound settable. Nothing a worker does waits
+/// without one of these: a PS that never answers costs at most a deadline, and one that
+/// vanished is noticed by the keep-alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// The PS's sync timeout, which the defaults of the others follow: `ibex launch` gives
+    /// it to the PS tasks it starts from this spec. Spec key `sync_timeout_secs`.
+    pub sync: Duration,
+    /// How long [`crate::Worker::connect`] keeps trying to reach each PS (one that is
+    /// still starting is retried). Spec key `connect_timeout_secs`.
+    pub connect: Duration,
+    /// The deadline of every call to a PS, sent to it as `grpc-timeout` and enforced on
+    /// the worker too. Spec key `call_timeout_secs`.
+    pub call: Duration,
+    /// Ping a PS connection after this long without hearing from it; `None` turns pings
+    /// off. Spec key `keepalive_secs` (0: off).
+    pub keepalive: Option<Duration>,
+    /// Close the connection (its calls fail `Unavailable`) when a ping goes unanswered
+    /// this long. Spec key `keepalive_timeout_secs`.
+    pub keepalive_timeout: Duration,
+}
+
+impl Timeouts {
+    /// The bounds that go with a PS sync timeout of `sync`: connecting may take as long as
+    /// a step may wait, and a call that long plus [`CALL_MARGIN`]. A dead peer is seen
+    /// within 8 s (a ping after 3 s of silence, 5 s for its answer) whatever the sync
+    /// timeout: a PS busy with a long step still answers pings, since its connection's
+    /// reader, not the step, answers them.
+    pub fn following(sync: Duration) -> Timeouts {
+        Timeouts {
+            sync,
+            connect: sync,
+            call: sync.saturating_add(CALL_MARGIN),
+            keepalive: Some(Duration::from_secs(3)),
+            keepalive_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn check(&self) -> Result<(), SpecError> {
+        let bad = |key: &str| {
+            SpecError::Invalid(format!(
+                "{key} must be above zero: it bounds how long a worker waits for the PS"
+            ))
+        };
+        if self.sync.is_zero() {
+            return Err(bad("sync_timeout_secs"));
+        }
+        if self.connect.is_zero() {
+            return Err(bad("connect_timeout_secs"));
+        }
+        if self.call.is_zero() {
+            return Err(bad("call_timeout_secs"));
+        }
+        if self.keepalive_timeout.is_zero() {
+            return Err(bad("keepalive_timeout_secs"));
+        }
+        Ok(())
+    }
+}
+
+impl Default for Timeouts {
+    /// [`Timeouts::following`] the PS's default sync timeout.
+    fn default() -> Self {
+        Timeouts::following(DEFAULT_SYNC_TIMEOUT)
+    }
+}
+
+/// Seconds as written in a spec (fractions allowed), checked.
+fn secs(key: &str, v: f64) -> Result<Duration, SpecError> {
+    Duration::try_from_secs_f64(v).map_err(|_| {
+        SpecError::Invalid(format!(
+            "{key} = {v} is not a number of seconds (examples: 10, 0.5)"
+        ))
+    })
+}
+
 /// The tasks of a training job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterSpec {
@@ -127,6 +212,8 @@ pub struct ClusterSpec {
     pub workers: Vec<String>,
     /// How workers reach the PS.
     pub transport: TransportKind,
+    /// How long workers wait for the PS (default: [`Timeouts::default`]).
+    pub timeouts: Timeouts,
 }
 
 #[derive(Deserialize)]
@@ -141,6 +228,11 @@ struct TomlCluster {
     ps: Vec<String>,
     workers: Vec<String>,
     transport: Option<String>,
+    sync_timeout_secs: Option<f64>,
+    connect_timeout_secs: Option<f64>,
+    call_timeout_secs: Option<f64>,
+    keepalive_secs: Option<f64>,
+    keepalive_timeout_secs: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -189,18 +281,46 @@ impl ClusterSpec {
             ps,
             workers,
             transport,
+            timeouts: Timeouts::default(),
         })
     }
 
-    /// Parses `[cluster] ps = [..] workers = [..] transport = "shm"` (transport defaults to shm).
+    /// The same spec with other [`Timeouts`], checked (each must be above zero).
+    pub fn with_timeouts(mut self, timeouts: Timeouts) -> Result<ClusterSpec, SpecError> {
+        timeouts.check()?;
+        self.timeouts = timeouts;
+        Ok(self)
+    }
+
+    /// Parses `[cluster] ps = [..] workers = [..] transport = "shm"` (transport defaults to
+    /// shm), with optional `sync_timeout_secs` (the PS's, which the other bounds follow),
+    /// `connect_timeout_secs`, `call_timeout_secs`, `keepalive_secs` (0: off) and
+    /// `keepalive_timeout_secs`; see [`Timeouts`].
     pub fn from_toml_str(s: &str) -> Result<ClusterSpec, SpecError> {
         let f: TomlFile =
             toml::from_str(s).map_err(|e| SpecError::Toml(e.message().to_string()))?;
-        let transport = match f.cluster.transport {
+        let c = f.cluster;
+        let transport = match c.transport {
             Some(t) => t.parse()?,
             None => TransportKind::Shm,
         };
-        ClusterSpec::new(f.cluster.ps, f.cluster.workers, transport)
+        let mut t = match c.sync_timeout_secs {
+            Some(v) => Timeouts::following(secs("sync_timeout_secs", v)?),
+            None => Timeouts::default(),
+        };
+        if let Some(v) = c.connect_timeout_secs {
+            t.connect = secs("connect_timeout_secs", v)?;
+        }
+        if let Some(v) = c.call_timeout_secs {
+            t.call = secs("call_timeout_secs", v)?;
+        }
+        if let Some(v) = c.keepalive_secs {
+            t.keepalive = Some(secs("keepalive_secs", v)?).filter(|k| !k.is_zero());
+        }
+        if let Some(v) = c.keepalive_timeout_secs {
+            t.keepalive_timeout = secs("keepalive_timeout_secs", v)?;
+        }
+        ClusterSpec::new(c.ps, c.workers, transport)?.with_timeouts(t)
     }
 
     /// Reads and parses a TOML spec file.
@@ -220,11 +340,19 @@ impl ClusterSpec {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        let t = &self.timeouts;
         format!(
-            "[cluster]\nps = [{}]\nworkers = [{}]\ntransport = \"{}\"\n",
+            "[cluster]\nps = [{}]\nworkers = [{}]\ntransport = \"{}\"\n\
+             sync_timeout_secs = {:?}\nconnect_timeout_secs = {:?}\ncall_timeout_secs = {:?}\n\
+             keepalive_secs = {:?}\nkeepalive_timeout_secs = {:?}\n",
             list(&self.ps),
             list(&self.workers),
-            self.transport
+            self.transport,
+            t.sync.as_secs_f64(),
+            t.connect.as_secs_f64(),
+            t.call.as_secs_f64(),
+            t.keepalive.map_or(0.0, |k| k.as_secs_f64()),
+            t.keepalive_timeout.as_secs_f64(),
         )
     }
 
@@ -619,6 +747,31 @@ mod tests {
             ..s.clone()
         };
         assert_eq!(ClusterSpec::from_toml_str(&t.to_toml()).unwrap(), t);
+    }
+
+    #[test]
+    fn timeouts_follow_the_sync_timeout_unless_set() {
+        let base = "[cluster]\nps = [\"a:1000\"]\nworkers = [\"c:2000\"]\n";
+        let s = ClusterSpec::from_toml_str(base).unwrap();
+        assert_eq!(s.timeouts, Timeouts::default());
+        assert_eq!(s.timeouts.connect, DEFAULT_SYNC_TIMEOUT);
+        assert_eq!(s.timeouts.call, DEFAULT_SYNC_TIMEOUT + CALL_MARGIN);
+        let s = ClusterSpec::from_toml_str(&format!("{base}sync_timeout_secs = 4\n")).unwrap();
+        assert_eq!(s.timeouts.connect, Duration::from_secs(4));
+        assert_eq!(s.timeouts.call, Duration::from_secs(14));
+        let s = ClusterSpec::from_toml_str(&format!(
+            "{base}sync_timeout_secs = 4\ncall_timeout_secs = 0.5\nkeepalive_secs = 0\n"
+        ))
+        .unwrap();
+        assert_eq!(s.timeouts.call, Duration::from_millis(500));
+        assert_eq!(s.timeouts.connect, Duration::from_secs(4));
+        assert_eq!(s.timeouts.keepalive, None);
+        assert_eq!(ClusterSpec::from_toml_str(&s.to_toml()).unwrap(), s);
+        let e = ClusterSpec::from_toml_str(&format!("{base}call_timeout_secs = 0\n")).unwrap_err();
+        assert!(e.to_string().contains("call_timeout_secs"), "{e}");
+        let e =
+            ClusterSpec::from_toml_str(&format!("{base}connect_timeout_secs = -1\n")).unwrap_err();
+        assert!(e.to_string().contains("connect_timeout_secs"), "{e}");
     }
 
     #[test]

@@ -21,6 +21,7 @@ fn start(
         ps: vec![format!("127.0.0.1:{}", free_port())],
         workers: vec!["127.0.0.1:0".into()],
         transport,
+        timeouts: Default::default(),
     };
     let mut cfg = PsConfig::new(spec.ps_uri(0));
     cfg.num_workers = 1;
@@ -387,6 +388,7 @@ async fn a_hostile_pull_reply_is_a_clear_error_not_a_panic_or_an_over_read() {
             ps: vec![format!("127.0.0.1:{}", free_port())],
             workers: vec!["127.0.0.1:0".into()],
             transport: TransportKind::Shm,
+            timeouts: Default::default(),
         };
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let svc = pb::parameter_server_server::ParameterServerServer::new(Hostile(lie));

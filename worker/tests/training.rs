@@ -142,6 +142,7 @@ async fn a_spec_without_ps_is_refused() {
         ps: vec![],
         workers: vec![],
         transport: TransportKind::Tcp,
+        timeouts: Default::default(),
     };
     let e = common::connect_worker(&spec, 0).await.unwrap_err();
     assert!(e.to_string().contains("no PS"), "{e}");

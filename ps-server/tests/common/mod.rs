@@ -40,6 +40,7 @@ impl Cluster {
             ps,
             workers: (0..workers).map(|i| format!("w{i}:0")).collect(),
             transport,
+            timeouts: Default::default(),
         };
         let mut stops = Vec::new();
         let mut tasks = Vec::new();

@@ -31,6 +31,7 @@ pub fn start_sync_ps(
             .collect(),
         workers: vec!["127.0.0.1:0".into(); workers as usize],
         transport,
+        timeouts: Default::default(),
     };
     let mut stops = Vec::new();
     for i in 0..num_ps {
