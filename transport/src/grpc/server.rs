@@ -747,37 +747,42 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             return self.deliver(&p, data, data_len);
         };
         let id = p.call;
-        let admitted = self.st.lock().admit(id)?;
-        if let Admit::Refuse(status) = admitted {
-            self.refuse(id, status);
-            return Ok(());
-        }
         let call = CallShared::new();
         // A request that came whole in this packet (a unary one) needs no inbox.
         let whole = p.end && !p.reset;
-        let stream = (!whole).then(|| inbox(Some(self.held.clone())));
-        let (tx, rx) = match stream {
+        let (tx, rx) = match (!whole).then(|| inbox(Some(self.held.clone()))) {
             Some((tx, rx)) => (Some(tx), Some(rx)),
             None => (None, None),
         };
-        self.st.lock().insert(
-            id,
-            ServerCall {
-                body: tx,
-                shared: call.clone(),
-            },
-        );
-        // The frame counts against the call's window either way; a streamed request's
-        // goes to its inbox, a whole one's to its handler.
+        {
+            let mut calls = self.st.lock();
+            if let Admit::Refuse(status) = calls.admit(id)? {
+                drop(calls);
+                self.refuse(id, status);
+                return Ok(());
+            }
+            calls.insert(
+                id,
+                ServerCall {
+                    body: tx,
+                    shared: call.clone(),
+                },
+            );
+        }
+        // A streamed request's frame counts against the call's window and goes to its
+        // inbox. A whole request's frame goes to its handler: it ends the client's side of
+        // the call, so nothing after it is accounted (unless the packet also grants window
+        // or says GOAWAY, which the table applies).
         let data = match rx {
             Some(_) => {
                 self.deliver(&p, data, data_len)?;
                 None
             }
-            None => {
+            None if p.window.is_some() || p.goaway => {
                 self.deliver(&p, None, data_len)?;
                 data
             }
+            None => data,
         };
         let direct = if whole {
             self.services.direct(path.as_str()).and_then(|route| {
