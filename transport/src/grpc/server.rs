@@ -738,18 +738,47 @@ async fn serve_conn(
 
 impl<F: Future<Output = ()>> ConnCtx<F> {
     /// The one dispatch for every packet a client sends. A request head opens a call (admitted
-    /// against the limit, entered in the table) and starts its handler: the direct handler for
-    /// a request that came whole as one plain message, else the adapter. Any other packet goes
-    /// to the call it names.
+    /// against the call table's limit) and starts its handler, looked up by its path: the
+    /// direct handler for a request that came whole as one plain message, else the adapter.
+    /// Any other packet goes to the call it names.
     fn dispatch(&mut self, mut p: Packet, data: Option<Bytes>) -> Result<()> {
         let data_len = data.as_ref().map(Bytes::len);
         let Some(Head::Request { path, headers, .. }) = p.head.take() else {
             return self.deliver(&p, data, data_len);
         };
         let id = p.call;
-        let call = CallShared::new();
         // A request that came whole in this packet (a unary one) needs no inbox.
         let whole = p.end && !p.reset;
+        if whole && p.window.is_none() && !p.goaway {
+            let direct = self.services.direct(path.as_str()).and_then(|route| {
+                let (msg, timeout) = direct_message(&headers, data.as_ref()?, route.max_decoding)?;
+                Some((route, msg, timeout))
+            });
+            if let Some((route, msg, timeout)) = direct {
+                if let Admit::Refuse(status) = self.st.lock().admit(id)? {
+                    self.refuse(id, status);
+                    return Ok(());
+                }
+                RouteCounters::add(&self.stats.routes.direct);
+                let deadline = timeout.map(|t| Instant::now() + t);
+                let extensions = self.extensions();
+                let start = direct_now(&self.st.mux, id, route, msg, headers, extensions);
+                // A call answered in this poll needs no call state: nothing else of the
+                // connection runs until it is done. One that goes on enters the call table
+                // before the next packet is read, as every other call does.
+                if !matches!(start, Start::Done) {
+                    let call = CallShared::new();
+                    let entry = ServerCall {
+                        body: None,
+                        shared: call.clone(),
+                    };
+                    self.st.lock().insert(id, entry);
+                    self.go_on(id, call, start, deadline);
+                }
+                return Ok(());
+            }
+        }
+        let call = CallShared::new();
         let (tx, rx) = match (!whole).then(|| inbox(Some(self.held.clone()))) {
             Some((tx, rx)) => (Some(tx), Some(rx)),
             None => (None, None),
@@ -784,38 +813,23 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             }
             None => data,
         };
-        let direct = if whole {
-            self.services.direct(path.as_str()).and_then(|route| {
-                let (msg, timeout) = direct_message(&headers, data.as_ref()?, route.max_decoding)?;
-                Some((route, msg, timeout))
-            })
-        } else {
-            None
-        };
-        let (start, deadline) = match direct {
+        let (start, deadline) = if p.reset {
             // The client cancelled with its first packet: no handler runs.
-            _ if p.reset => (Start::Ended(false), None),
-            Some((route, msg, timeout)) => {
-                RouteCounters::add(&self.stats.routes.direct);
-                let extensions = self.extensions();
-                let start = direct_now(&self.st.mux, id, route, msg, headers, extensions);
-                (start, timeout.map(|t| Instant::now() + t))
-            }
-            None => {
-                RouteCounters::add(&self.stats.routes.adapter);
-                let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
-                let body = match rx {
-                    Some(rx) => IncomingBody::from(IbexBody::new(
-                        rx,
-                        self.st.mux.clone(),
-                        id,
-                        call.clone(),
-                        || request_cut("the client's connection is gone"),
-                    )),
-                    None => IncomingBody::complete(data, None, Some(self.held.clone())),
-                };
-                (self.adapter(id, &call, path, headers, body), deadline)
-            }
+            (Start::Ended(false), None)
+        } else {
+            RouteCounters::add(&self.stats.routes.adapter);
+            let deadline = parse_timeout(&headers).map(|t| Instant::now() + t);
+            let body = match rx {
+                Some(rx) => IncomingBody::from(IbexBody::new(
+                    rx,
+                    self.st.mux.clone(),
+                    id,
+                    call.clone(),
+                    || request_cut("the client's connection is gone"),
+                )),
+                None => IncomingBody::complete(data, None, Some(self.held.clone())),
+            };
+            (self.adapter(id, &call, path, headers, body), deadline)
         };
         match start {
             Start::Done => self.st.lock().end(id, &call),
