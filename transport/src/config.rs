@@ -112,8 +112,8 @@ pub struct Config {
     /// Ibex's own, each a runtime with one worker: the connection's set-up, its driver, the
     /// gRPC server's reader and the handlers it polls all stay on that thread, and no other
     /// worker steals them or is woken to look for work (`IBEX_SERVE_THREADS`; default 0:
-    /// the accepting runtime serves them). On 2 cores a 64 B Echo's p99 fell 3-6x with 2
-    /// (docs/benchmarks.md). A handler keeps tokio's rules there: what it spawns runs on
+    /// the accepting runtime serves them), which keeps the tail latency down. A handler keeps
+    /// tokio's rules there: what it spawns runs on
     /// the server's runtime and `block_in_place` works, but a handler that blocks without
     /// it holds up that thread's other connections (docs/grpc.md). tcp and verbs
     /// connections stay on the accepting runtime.
@@ -212,9 +212,8 @@ impl Config {
     /// [`busy_serve_threads`] threads of Ibex's own ([`Config::serve_threads`]), so the
     /// readers that spin do it on threads of their own, as eRPC's dispatch threads do, and
     /// no worker of the application's runtime steals their tasks or is woken by them.
-    /// That is what keeps a busy-polling server's tail below the default's (on 2 cores, 64 B
-    /// Echo p99 8-32 µs against 53-62 µs; the longer spin alone: 54-59 µs,
-    /// docs/benchmarks.md, "Busy-polling as one setting"). A
+    /// That is what keeps a busy-polling server's tail below the default's; the longer spin
+    /// alone does not. A
     /// handler that blocks without `block_in_place` then holds up its serve thread's other
     /// connections (docs/grpc.md, "Serve threads"). Fields set afterwards, and
     /// `IBEX_SPIN_US` / `IBEX_SERVE_THREADS` in [`Config::with_env`], still win.
@@ -440,10 +439,8 @@ impl Config {
 /// Smallest fragment size a configuration (or a peer's probe sample) may ask for.
 pub const MIN_FRAGMENT: usize = 4096;
 /// The default of [`Config::spin`]: long enough to catch a reply that a crowded machine
-/// delays past 50 µs, and to read inline ([`INLINE_READ_MIN_SPIN`]). Against the former
-/// 50 µs, in one `compare` run on 2 cores (docs/benchmarks.md, fourteenth session): gRPC
-/// 3 workers x 2 PS 47 -> 57 k RPC/s and 64 B p50 7.9 -> 6.3 µs at the same p99; the raw
-/// transport's 64 B p99 rose 27 -> 44 µs.
+/// delays past 50 µs, and to read inline ([`INLINE_READ_MIN_SPIN`]). It trades some of the
+/// raw transport's p99 for gRPC's PS throughput and median.
 pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 /// [`Config::spin`] with busy-polling on ([`Config::busy_poll`]): RR-Compound's default
 /// spin before it falls back to epoll.
@@ -451,29 +448,24 @@ pub const BUSY_SPIN: std::time::Duration = std::time::Duration::from_micros(500)
 
 /// The serve threads of [`Config::busy_poll`]: half the cores, at least one. An shm peer
 /// runs on the same host and needs cores too, and the application's runtime keeps the
-/// rest. On 2 cores, 3 PS workers and 2 PS servers, one serve thread per server did
-/// 101-114 k RPC/s with busy-polling and two did 60-81 k (docs/benchmarks.md).
+/// rest; more serve threads than that take cores the peers need.
 pub fn busy_serve_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
 }
 
 /// From this [`Config::spin`] up, a waiting receiver polls the link on its own task instead
-/// of having the connection's driver poll it and wake it (docs/transport.md, "Progress").
-/// Measured on 2 cores against the driver path, back to back: 64 B round trips 9-11%
-/// faster at the median (raw transport 30%), but with a 50 µs budget the p99 rose from 27
-/// to 30-56 µs and 3 workers x 2 PS lost 8-10% of their RPC/s; with a 500 µs budget, the
-/// same PS run gained 11%.
+/// of having the connection's driver poll it and wake it (docs/transport.md, "Progress"):
+/// faster round trips, which a shorter budget pays for in tail latency and PS throughput.
 pub const INLINE_READ_MIN_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 /// How long a receiver reading the link inline watches its [`crate::link::ReadyHint`]
 /// between two empty reads before it goes back to its runtime: this many `pause`s (about
 /// 25 ns each on this project's AMD machines, 40-140 cycles on others), so at most 1-3 µs
-/// that the runtime's other tasks on the thread wait. Measured on 2 cores against going
-/// back after every read (docs/benchmarks.md, twenty-fifth session).
+/// that the runtime's other tasks on the thread wait.
 pub const INLINE_WATCH_PAUSES: u32 = 40;
 /// A receiver watches ([`INLINE_WATCH_PAUSES`]) only while its answered spins have been
 /// waiting this long at most (smoothed): a ping-pong's replies, not a crowded machine's.
-/// Watching on every wait halved the RPC/s of 3 workers x 2 PS on 2 cores, whose replies
-/// take tens of microseconds and whose serve threads run several connections each.
+/// Watching on every wait would cost PS workloads, whose replies take tens of microseconds
+/// and whose serve threads run several connections each.
 pub const INLINE_WATCH_REPLIES: std::time::Duration = std::time::Duration::from_micros(4);
 /// Largest fragment size a configuration (or a peer's probe sample) may ask for.
 pub const MAX_FRAGMENT: usize = 64 << 20;

@@ -45,10 +45,9 @@ impl Source {
     /// Whether serve threads ([`Config::serve_threads`]) take this source's connections.
     /// shm's receiver finds messages by reading memory, which a serve thread's spin does
     /// itself. A tcp message comes through the kernel, and a one-worker serve thread that
-    /// spins looks at its I/O events only between steps: its 64 B calls took 1.2-1.5x as
-    /// long there (docs/benchmarks.md). Verbs completions are read from memory too, but
-    /// nobody has measured serve threads on a NIC, so verbs stays on the application's
-    /// runtime.
+    /// spins looks at its I/O events only between steps, which makes its calls slower.
+    /// Verbs completions are read from memory too, but serve threads are untried on a NIC,
+    /// so verbs stays on the application's runtime.
     fn homed(&self) -> bool {
         match self {
             Source::Shm(_) => true,

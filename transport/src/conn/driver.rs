@@ -1244,13 +1244,10 @@ pub(crate) struct Driver {
 /// than cores, the spinner held its core until the OS preempted it, while the thread that
 /// would produce the reply (the peer's, another process's) waited for a time slice.
 /// "Crowded" is a spin that used its whole budget in the last [`OsYield::CROWDED_FOR`]; a
-/// spin cut short (the budget shrinks after a miss) does not count. Measured with
-/// busy-polling on 2 cores (docs/benchmarks.md): 3 workers x 2 PS gained 2.0-3.4x in RPC/s
-/// and their p99 fell 6-9x (1.2-1.4 ms to 0.16-0.23 ms); a 64 B ping-pong kept its median
-/// and its p99 fell. Yielding on every crowded-or-not spin past 10 µs, or on spins cut
-/// short, cost the ping-pong a fifth of its calls (the yield lets the runtime's other worker
-/// thread take the spinning task). The driver's own spin (default settings) does not yield:
-/// there it made the PS p99 worse.
+/// spin cut short (the budget shrinks after a miss) does not count. Yielding on every spin
+/// past 10 µs, crowded or not, would cost a ping-pong calls (the yield lets the runtime's
+/// other worker thread take the spinning task). The driver's own spin (default settings)
+/// does not yield: there it would make the PS tail worse.
 #[derive(Debug, Default)]
 pub(crate) struct OsYield {
     steps: u32,
@@ -1285,9 +1282,8 @@ impl OsYield {
 /// Spins only while spinning pays. A spin that ends without an event (the reply took longer
 /// than the budget: a crowded machine, more connections than cores, a slow peer) makes the
 /// next spin requests sleep at once, twice as many after each miss, up to
-/// [`SpinAdapt::MAX_SKIP`]; one spin that catches its event resets that. Measured on 2
-/// cores with 3 worker and 2 server processes (6 connections), a fixed 10-50 µs spin on
-/// every wait cut gRPC throughput 10-30x, since every core was busy spinning.
+/// [`SpinAdapt::MAX_SKIP`]; one spin that catches its event resets that. With more
+/// connections than cores, a fixed spin on every wait keeps every core busy spinning.
 #[derive(Debug, Default)]
 pub(crate) struct SpinAdapt {
     /// Spin requests still to refuse.
@@ -1313,8 +1309,7 @@ impl SpinAdapt {
 
     /// A hit that only halves the back-off: a receiver's spin starts the moment it finds
     /// nothing, so it hits often even where it misses often too, and each miss burns the
-    /// whole budget. Measured (3 workers x 2 PS on 2 cores): resetting on every hit let
-    /// receivers spin through 28% misses and cut throughput by a third.
+    /// whole budget: resetting on every hit would let receivers spin through their misses.
     fn hit_decay(&mut self) {
         self.backoff /= 2;
     }
@@ -1334,20 +1329,17 @@ const WAKE_ROOM: Duration = Duration::from_micros(100);
 /// A reply to a peer that slept comes after its wake-up, and on a loaded 2-core VM a
 /// wake-up took about 60 µs, more than the 50 µs default budget. A spin can then catch
 /// only a reply from a peer that was spinning too, so once both sides sleep neither
-/// catches anything again: 60 KB calls took 130-490 µs (against 20-25 µs) for a whole
-/// connection in 1-7 of 20-40 runs (docs/benchmarks.md, "Calls that sleep for good").
+/// catches anything again, and a whole connection's calls take several times as long.
 /// Spinning for the wake-up too (`spin` again, at most [`WAKE_ROOM`]) when a send had to
 /// wake the peer ([`Link::take_woke_peer`]) ends that, but given on every such spin it
-/// raised the p99 of 3 workers x 2 PS on 2 cores 4-8x (more processes than cores: a
-/// longer spin holds a core another process needs until the OS preempts it; a
-/// `sched_yield` in the extra part did not help, nor did gating it on the thread's
-/// involuntary context switches, which a lone ping-pong has too). So the room comes in a
+/// raises the tail of PS workloads (with more processes than cores, a longer spin holds a
+/// core another process needs until the OS preempts it). So the room comes in a
 /// streak: it starts when a spin that woke its peer misses after five misses in a row
 /// ([`WakeRoom::AFTER_BACKOFF`]; both sides asleep for good look just like that), goes on
 /// while its spins catch their replies, for at most [`WakeRoom::STREAK`] spins (the peer's
 /// own back-off has run out by then, so it spins again), and one roomy spin that misses
-/// ends it. A streak that starts only at the longest back-off (256) came too late: the
-/// two sides fall asleep again now and then, and each time stayed so for 60 ms or more.
+/// ends it. A streak that starts only at the longest back-off (256) comes too late: the
+/// two sides would fall asleep again now and then, for tens of milliseconds each time.
 #[derive(Debug, Default)]
 pub(crate) struct WakeRoom {
     /// Roomy spins left in the streak.

@@ -3,9 +3,8 @@
 //! glibc serves every block above its mmap threshold (128 KiB at first, adapting up to
 //! 32 MiB) with a fresh mapping and unmaps it on free, and trims the heap's free top back to
 //! the kernel. A training step encodes and decodes the same tens of MB of message bodies
-//! every step, so each step then page-faults all of them in again: measured at a third of a
-//! ResNet-50 `ps-step` on shm (docs/benchmarks.md). Keeping freed blocks in the process turns
-//! those faults into reuse.
+//! every step, so each step then page-faults all of them in again, a large share of a step
+//! on shm. Keeping freed blocks in the process turns those faults into reuse.
 
 /// Serves blocks up to 32 MiB (glibc's ceiling for the setting) from the heap and keeps
 /// freed memory for reuse instead of returning it to the kernel. Call once at start-up,

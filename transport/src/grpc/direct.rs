@@ -198,8 +198,8 @@ fn split<R>(
     Ok((headers, msg, extensions))
 }
 
-/// A direct answer as the response a route answers with (for a call whose handler did not
-/// finish at once, and for [`serve_unary`]).
+/// A direct answer as the response a handler future answers with, for a direct call whose
+/// handler did not finish at once.
 pub(crate) fn into_http(answer: DirectAnswer) -> http::Response<tonic::body::Body> {
     let (headers, data, extensions) = match answer {
         Ok(a) => a,
