@@ -169,7 +169,8 @@ fn message_type(ty: &str) -> TokenStream {
     let path = if ty.starts_with("::") || ty.starts_with("crate::") {
         ty.to_string()
     } else {
-        format!("super::{}", ty.replace('.', "::").trim_start_matches("::"))
+        let parts: Vec<&str> = ty.split('.').filter(|p| !p.is_empty()).collect();
+        format!("super::{}", parts.join("::"))
     };
     match syn::parse_str::<syn::Path>(&path) {
         Ok(p) => quote!(#p),
@@ -493,7 +494,9 @@ mod tests {
         // tonic's modules are there as tonic writes them, the Ibex module after them.
         assert!(code.contains("pub mod svc_server"), "{code}");
         assert!(code.contains("pub mod svc_client"), "{code}");
-        let ibex = &code[code.find("pub mod svc_ibex").expect("the Ibex module")..];
+        let (_, ibex) = code
+            .split_once("pub mod svc_ibex")
+            .expect("the Ibex module");
         assert_eq!(ibex.matches(".add_unary(").count(), 2, "{ibex}");
         assert!(ibex.contains("\"/pkg.v1.Svc/One\""), "{ibex}");
         assert!(ibex.contains("\"/pkg.v1.Svc/Two\""), "{ibex}");
