@@ -767,3 +767,52 @@ async fn a_scripted_servers_repeats_reach_their_calls_over_tcp() {
 async fn a_scripted_servers_repeats_reach_their_calls_over_shm() {
     repeats_from_a_scripted_server(&shm_uri()).await;
 }
+
+/// A server whose answer's gRPC prefix announces 4 GiB, sends a little of it and then
+/// nothing more: the direct client refuses the message as soon as the prefix is in, as
+/// tonic does, instead of buffering and waiting for the rest.
+async fn huge_prefix_from_a_scripted_server(listen_uri: &str) {
+    let listener = ibex_transport::listen(listen_uri, ibex_config())
+        .await
+        .expect("listen");
+    let uri = listener.local_uri();
+    let server = tokio::spawn(async move {
+        let conn = listener.accept().await.expect("accept");
+        let req = conn.recv().await.expect("a request");
+        let call = u32::from_be_bytes([req[0], req[1], req[2], req[3]]);
+        let head = answer_head(&[("content-type", b"application/grpc")]);
+        let mut frame = vec![0u8, 0xff, 0xff, 0xff, 0xff];
+        frame.extend_from_slice(&[7; 1024]);
+        conn.send(packet(call, Some(head), Some(&frame), None, 0))
+            .await
+            .unwrap();
+        // The rest never comes; the connection stays open.
+        conn
+    });
+    let ch = ibex_transport::grpc::Channel::connect_with_config(&uri, ibex_config())
+        .await
+        .expect("connect");
+    let mut c = BenchClient::new(ch);
+    let e = tokio::time::timeout(
+        WITHIN,
+        c.echo(Payload {
+            buffers: vec![pattern(8, 1)],
+        }),
+    )
+    .await
+    .expect("the client waited for a message over its limit")
+    .expect_err("a 4 GiB message was accepted");
+    assert_eq!(e.code(), tonic::Code::OutOfRange, "{e:?}");
+    assert!(e.message().contains("found 4294967295 bytes"), "{e:?}");
+    drop(server.await.expect("the scripted server"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_prefix_is_refused_at_once_over_shm() {
+    huge_prefix_from_a_scripted_server(&shm_uri()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_prefix_is_refused_at_once_over_tcp() {
+    huge_prefix_from_a_scripted_server("tcp://127.0.0.1:0").await;
+}

@@ -669,12 +669,26 @@ async fn collect(
     // One frame is kept as it came; only a message in several is copied together.
     let mut parts: Vec<Bytes> = Vec::new();
     let mut have = 0usize;
+    let mut prefix = [0u8; PREFIX];
     let mut trailers = None;
     while let Some(frame) =
         std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
     {
         match frame?.into_data() {
             Ok(d) => {
+                // A message whose prefix announces more than the limit is refused as soon
+                // as the prefix is in, as tonic's decoder refuses it, before anything more
+                // is buffered or waited for.
+                if have < PREFIX {
+                    let n = (PREFIX - have).min(d.len());
+                    prefix[have..have + n].copy_from_slice(&d[..n]);
+                    let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]);
+                    if have + n == PREFIX && len as usize > limit {
+                        return Err(Status::out_of_range(format!(
+                            "Error, decoded message length too large: found {len} bytes, the limit is: {limit} bytes"
+                        )));
+                    }
+                }
                 have += d.len();
                 if have > PREFIX.saturating_add(limit) {
                     return Err(Status::out_of_range(format!(
