@@ -204,7 +204,7 @@ fn ibex_module(s: &Service, client: bool, server: bool, emit_package: bool) -> O
     Some(quote! {
         #[doc = #doc]
         pub mod #module {
-            #![allow(unused_imports, clippy::wildcard_imports, clippy::let_unit_value)]
+            #![allow(unused_imports, missing_docs, clippy::wildcard_imports, clippy::let_unit_value)]
             #server_items
             #client_items
         }
