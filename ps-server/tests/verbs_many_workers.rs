@@ -266,6 +266,7 @@ async fn sync_steps_hit_the_registration_cache() {
         optimizer: Optimizer::Sgd { lr: 0.1 },
         sparse: false,
     }];
+    let config = ibex_worker::transport_config().expect("IBEX_* environment variables");
     let mut workers = Vec::new();
     for i in 0..n {
         let w = Worker::connect(&spec, i, &config)
