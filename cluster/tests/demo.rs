@@ -3,44 +3,18 @@
 //! checkpoint, and the launcher's errors for bad task descriptions.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use ibex_test_support::{Launch, Server, free_port};
 
+mod common;
+
+use common::{Dir, Kids};
+
 const IBEX: &str = env!("CARGO_BIN_EXE_ibex");
-
-/// A scratch directory removed at the end of the test.
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let d = std::env::temp_dir().join(format!("ibex-test-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Kills its processes on drop so a failed assertion leaves nothing running.
-struct Kids(Vec<Child>);
-
-impl Drop for Kids {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 fn ibex(args: &[&str], dir: &Path) -> Output {
     Command::new(IBEX)

@@ -8,46 +8,11 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{Dir, Kids};
+
 const IBEX: &str = env!("CARGO_BIN_EXE_ibex");
-
-/// A scratch directory removed at the end of the test.
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let d = std::env::temp_dir().join(format!("ibex-fail-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Dir(d)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Kills its processes on drop so a failed assertion leaves nothing running.
-struct Kids(Vec<Child>);
-
-impl Drop for Kids {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<_> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    held.iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
-}
 
 /// Two PS (each with a metrics port) and two workers on shm, sync timeout 10 s.
 struct Job {
@@ -64,7 +29,7 @@ struct Job {
 impl Job {
     fn start(tag: &str, steps: u64, worker_flags: &[&str], ps_flags: &[&str]) -> Job {
         let dir = Dir::new(tag);
-        let p = free_ports(6);
+        let p: Vec<u16> = (0..6).map(|_| ibex_test_support::free_port()).collect();
         let spec = dir.0.join("cluster.toml");
         std::fs::write(
             &spec,

@@ -8,6 +8,7 @@ use ibex_worker::{ClusterSpec, TransportKind};
 use tokio::sync::oneshot;
 
 pub use ibex_test_support::free_port;
+
 /// Connects worker `index` of `spec` with the environment's transport settings, as the
 /// binaries do.
 pub async fn connect_worker(

@@ -6,6 +6,7 @@ use ibex_ps::{Mode, PsConfig};
 use ibex_worker::{ClusterSpec, TransportKind};
 
 pub use ibex_test_support::free_port;
+
 #[allow(dead_code)] // not every test binary that shares this module connects workers
 /// Connects worker `index` of `spec` with the environment's transport settings, as the
 /// binaries do.
