@@ -32,4 +32,7 @@ pub use conn::{
 pub use link::RecvBuf;
 pub use pool::{Pool, PoolBufMut};
 #[cfg(feature = "grpc")]
+#[doc(hidden)]
+pub mod fuzzing;
+#[cfg(feature = "grpc")]
 pub mod grpc;

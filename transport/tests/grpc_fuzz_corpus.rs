@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ibex_transport::grpc::fuzzing::{SECOND_PART, feed, feed_counting, split_messages};
+use ibex_transport::fuzzing::{SECOND_PART, feed, feed_counting, split_messages};
 
 fn seed_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/grpc_packet")

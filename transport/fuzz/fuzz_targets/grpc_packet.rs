@@ -4,7 +4,7 @@
 //! stably.
 #![no_main]
 
-use ibex_transport::grpc::fuzzing::{feed, split_messages};
+use ibex_transport::fuzzing::{feed, split_messages};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -187,6 +187,16 @@ const MIN_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
 const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Inner {
+    fn new(conn: Option<Connection>, target: Option<Target>, limits: Limits) -> Inner {
+        Inner {
+            current: Mutex::new(conn.map(|c| Shared::new(c, limits))),
+            target,
+            limits,
+            reconnect: Default::default(),
+            settings: Settings::default(),
+        }
+    }
+
     fn current(&self) -> Option<Arc<Shared>> {
         self.current
             .lock()
@@ -600,17 +610,15 @@ impl Channel {
     /// back-off, as tonic's channel does.
     pub async fn connect_with_config(uri: &str, config: Config) -> Result<Channel> {
         let conn = crate::conn::connect(uri, config.clone()).await?;
-        let limits = Limits::default();
-        Ok(Channel::from_inner(Inner {
-            current: Mutex::new(Some(Shared::new(conn, limits))),
-            target: Some(Target {
-                uri: uri.into(),
-                config,
-            }),
-            limits,
-            reconnect: Default::default(),
-            settings: Settings::default(),
-        }))
+        let target = Target {
+            uri: uri.into(),
+            config,
+        };
+        Ok(Channel::from_inner(Inner::new(
+            Some(conn),
+            Some(target),
+            Limits::default(),
+        )))
     }
 
     /// A channel that connects on its first call (and again after the connection is gone),
@@ -619,16 +627,15 @@ impl Channel {
     pub fn connect_lazy(uri: &str, config: Config) -> Result<Channel> {
         config.validate()?;
         crate::conn::Addr::parse(uri)?;
-        Ok(Channel::from_inner(Inner {
-            current: Mutex::new(None),
-            target: Some(Target {
-                uri: uri.into(),
-                config,
-            }),
-            limits: Limits::default(),
-            reconnect: Default::default(),
-            settings: Settings::default(),
-        }))
+        let target = Target {
+            uri: uri.into(),
+            config,
+        };
+        Ok(Channel::from_inner(Inner::new(
+            None,
+            Some(target),
+            Limits::default(),
+        )))
     }
 
     fn from_inner(inner: Inner) -> Channel {
@@ -696,13 +703,7 @@ impl Channel {
     }
 
     fn with_limits(conn: Connection, limits: Limits) -> Channel {
-        Channel::from_inner(Inner {
-            current: Mutex::new(Some(Shared::new(conn, limits))),
-            target: None,
-            limits,
-            reconnect: Default::default(),
-            settings: Settings::default(),
-        })
+        Channel::from_inner(Inner::new(Some(conn), None, limits))
     }
 
     /// Exposes `buf` for one-sided reads by the server until the returned [`RemoteBuf`] is
@@ -1214,15 +1215,13 @@ impl Endpoint {
         settings.limit = self
             .concurrency
             .map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
+        let target = Target {
+            uri: self.uri.clone(),
+            config,
+        };
         Ok(Inner {
-            current: Mutex::new(None),
-            target: Some(Target {
-                uri: self.uri.clone(),
-                config,
-            }),
-            limits,
-            reconnect: Default::default(),
             settings,
+            ..Inner::new(None, Some(target), limits)
         })
     }
 
