@@ -114,6 +114,18 @@ impl PsConfig {
                 .unwrap_or(d.max_elements),
             max_bytes: a.max_bytes.or(file.max_bytes).unwrap_or(d.max_bytes),
         };
+        let mut transport =
+            ibex_transport::Config::from_env().map_err(|e| PsError::Config(e.to_string()))?;
+        if let Some(m) = a.max_memory.or(file.max_memory) {
+            transport.max_memory = ibex_transport::config::parse_size(&m).ok_or_else(|| {
+                PsError::Config(format!(
+                    "--max-memory {m:?} is not a size (examples: 512M, 2G)"
+                ))
+            })?;
+            transport
+                .validate()
+                .map_err(|e| PsError::Config(e.to_string()))?;
+        }
         Ok(PsConfig {
             limits,
             listen,
@@ -138,8 +150,7 @@ impl PsConfig {
             },
             keepalive_timeout: DEFAULT_KEEPALIVE_TIMEOUT,
             expose: crate::ExposeLimits::default(),
-            transport: ibex_transport::Config::from_env()
-                .map_err(|e| PsError::Config(e.to_string()))?,
+            transport,
         })
     }
 
@@ -209,6 +220,11 @@ struct Args {
     /// Most bytes of values and optimizer slots over all variables of this shard.
     #[arg(long)]
     max_bytes: Option<u64>,
+    /// The budget for what clients make this server hold (calls in flight, unread request
+    /// bytes, unsent answers), e.g. 2G; past it the heaviest clients are paused and their
+    /// new calls refused (default: a quarter of the machine's memory; IBEX_MAX_MEMORY).
+    #[arg(long)]
+    max_memory: Option<String>,
 }
 
 #[derive(Debug, Default, serde::Deserialize)]
@@ -228,6 +244,7 @@ struct FileConfig {
     max_variables: Option<u64>,
     max_elements: Option<u64>,
     max_bytes: Option<u64>,
+    max_memory: Option<String>,
 }
 
 #[cfg(test)]
@@ -269,6 +286,28 @@ mod tests {
         let c = PsConfig::from_args(args.iter().map(|s| s.to_string())).unwrap();
         assert_eq!(c.on_worker_loss, WorkerLoss::Continue);
         assert_eq!(c.keepalive, None);
+    }
+
+    #[test]
+    fn the_memory_budget_comes_from_a_flag_and_bad_sizes_are_named() {
+        let args = |m: &str| {
+            [
+                "ibex-ps",
+                "--listen",
+                "tcp://127.0.0.1:7000",
+                "--max-memory",
+                m,
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect::<Vec<_>>()
+        };
+        let c = PsConfig::from_args(args("2G")).unwrap();
+        assert_eq!(c.transport.max_memory, 2 << 30);
+        let e = PsConfig::from_args(args("lots")).unwrap_err().to_string();
+        assert!(e.contains("--max-memory") && e.contains("lots"), "{e}");
+        let e = PsConfig::from_args(args("1M")).unwrap_err().to_string();
+        assert!(e.contains("max_memory"), "{e}");
     }
 
     #[test]

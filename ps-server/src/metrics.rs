@@ -217,6 +217,11 @@ fn render_transport(o: &mut String, s: u32, t: &ServerStats) {
             "ibex_grpc_calls_total{{shard=\"{s}\",route=\"{route}\"}} {n}"
         );
     }
+    let (held, budget) = t.memory();
+    let _ = writeln!(
+        o,
+        "# HELP ibex_grpc_memory_bytes What clients make the server hold (held) against its budget (--max-memory).\n# TYPE ibex_grpc_memory_bytes gauge\nibex_grpc_memory_bytes{{shard=\"{s}\",kind=\"held\"}} {held}\nibex_grpc_memory_bytes{{shard=\"{s}\",kind=\"budget\"}} {budget}"
+    );
     if !tot.provider.is_empty() {
         let _ = writeln!(
             o,

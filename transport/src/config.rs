@@ -108,6 +108,12 @@ pub struct Config {
     /// at once, so a flood of silent connections costs only its own peers, never the
     /// accept loop (`IBEX_MAX_HANDSHAKES`; default 128).
     pub max_handshakes: usize,
+    /// A gRPC server's budget for what its clients make it hold, over all connections:
+    /// request bytes handlers have not taken, calls in flight, answers waiting for send room
+    /// (`IBEX_MAX_MEMORY`; default [`default_max_memory`]). Past it, connections holding
+    /// more than a small floor stop reading and their new calls get `RESOURCE_EXHAUSTED`;
+    /// lighter connections are still served.
+    pub max_memory: usize,
     /// A listener serves each accepted shm connection on one of this many threads of
     /// Ibex's own, each a runtime with one worker: the connection's set-up, its driver, the
     /// gRPC server's reader and the handlers it polls all stay on that thread, and no other
@@ -149,6 +155,27 @@ pub struct EnvOverrides {
     pub fragment_size: bool,
 }
 
+/// The default of [`Config::max_memory`]: a quarter of the machine's memory, so that a
+/// server that reaches it still leaves room for its own state (a PS's variables) and the
+/// rest of the machine; at least [`MIN_MAX_MEMORY`].
+pub fn default_max_memory() -> usize {
+    // SAFETY: sysconf reads a system value and has no memory effects.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let total = usize::try_from(pages)
+        .ok()
+        .zip(usize::try_from(page).ok())
+        .map_or(4 << 30, |(n, p)| n.saturating_mul(p));
+    (total / 4).max(MIN_MAX_MEMORY)
+}
+
+/// The least [`Config::max_memory`]: room for a few large messages in flight.
+pub const MIN_MAX_MEMORY: usize = 64 << 20;
+
 /// Most threads [`Config::serve_threads`] may ask for.
 pub const MAX_SERVE_THREADS: usize = 1024;
 
@@ -184,6 +211,7 @@ impl Default for Config {
             spin: DEFAULT_SPIN,
             handshake_timeout: std::time::Duration::from_secs(5),
             max_handshakes: 128,
+            max_memory: default_max_memory(),
             serve_threads: 0,
             tcp_keepalive: None,
             keepalive: None,
@@ -196,7 +224,7 @@ impl Default for Config {
 impl Config {
     /// The default configuration with environment overrides applied
     /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_SPIN_US`,
-    /// `IBEX_AUTH_TOKEN`, `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`,
+    /// `IBEX_AUTH_TOKEN`, `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`, `IBEX_MAX_MEMORY`,
     /// `IBEX_RNDV_RECV_BUDGET`, `IBEX_KEEPALIVE_MS`, `IBEX_KEEPALIVE_TIMEOUT_MS`,
     /// `IBEX_POOL_SIZE`, `IBEX_SERVE_THREADS`, `IBEX_BUSY_POLL`, `IBEX_SHM_SPIN_US`,
     /// `IBEX_SHM_FORCE_BOUNCE`, `IBEX_SHM_DIR` / `XDG_RUNTIME_DIR`, `IBEX_TRANSPORT`,
@@ -236,6 +264,9 @@ impl Config {
         if let Some(v) = env_usize("IBEX_FRAGMENT_SIZE")? {
             self.fragment_size = Some(v);
             self.env_overrides.fragment_size = true;
+        }
+        if let Some(v) = env_usize("IBEX_MAX_MEMORY")? {
+            self.max_memory = v;
         }
         if let Some(v) = env_usize("IBEX_RNDV_RECV_BUDGET")? {
             self.rndv_recv_budget = v;
@@ -349,6 +380,14 @@ impl Config {
                     "{name} {f} must be within 4 KiB..=64 MiB (IBEX_FRAGMENT_SIZE sets fragment_size)"
                 )));
             }
+        }
+        if self.max_memory < MIN_MAX_MEMORY {
+            return Err(Error::Config(format!(
+                "max_memory {} is below the least a server can work in, {} MiB \
+                 (IBEX_MAX_MEMORY or ibex-ps --max-memory sets it, e.g. 1G)",
+                self.max_memory,
+                MIN_MAX_MEMORY >> 20
+            )));
         }
         if self.rndv_recv_budget == 0 {
             return Err(Error::Config(

@@ -247,6 +247,11 @@ impl Honest {
     }
 
     async fn served(&self, while_: &str) {
+        self.served_within(while_, WITHIN).await
+    }
+
+    /// Two more of the honest client's calls are answered within `within`.
+    async fn served_within(&self, while_: &str, within: Duration) {
         let from = self.done.load(Ordering::Relaxed);
         let t = Instant::now();
         while self.done.load(Ordering::Relaxed) < from + 2 {
@@ -255,8 +260,8 @@ impl Honest {
                 "the honest client stopped while {while_}"
             );
             assert!(
-                t.elapsed() < WITHIN,
-                "the honest client was not served while {while_}"
+                t.elapsed() < within,
+                "the honest client was not served within {within:?} while {while_}"
             );
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
@@ -815,4 +820,202 @@ async fn a_huge_prefix_is_refused_at_once_over_shm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_huge_prefix_is_refused_at_once_over_tcp() {
     huge_prefix_from_a_scripted_server("tcp://127.0.0.1:0").await;
+}
+
+/// What the server holds for one call in flight besides its body bytes (its budget's
+/// estimate; see `grpc/server.rs`).
+const CALL_COST: usize = 16 << 10;
+
+/// A client that piles up whole calls and never reads an answer: the answers wait in their
+/// calls up to the connection's limit, each call past it is refused, and a refusal that finds
+/// no send room stops the server reading that connection. So what the server holds stays
+/// bounded, no task is spawned per refusal, and the honest client is answered within a
+/// second throughout.
+async fn a_client_that_never_reads(listen_uri: &str) {
+    hostile_util::count_panics();
+    let builder = ibex_transport::grpc::Server::builder()
+        .max_concurrent_calls(MAX_CALLS)
+        .add_service(BenchImpl::new().0.server(Some(64 << 20), None));
+    let stats = builder.stats();
+    let (uri, stop_tx, server) = serve(listen_uri, ibex_config(), builder).await;
+    let honest = Honest::start(&uri).await;
+    honest.served("warming up").await;
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let tasks_before = metrics.num_alive_tasks();
+
+    let c = ibex_transport::connect(&uri, ibex_config()).await.unwrap();
+    let sent = Arc::new(AtomicU64::new(0));
+    let flood = {
+        let (c, sent) = (c.clone(), sent.clone());
+        let msg = grpc_message(16);
+        tokio::spawn(async move {
+            for id in 0u32.. {
+                let p = packet(
+                    1 + 2 * id,
+                    Some(head_block("Echo", 2, GRPC)),
+                    Some(&msg),
+                    None,
+                    END,
+                );
+                if c.send(p).await.is_err() {
+                    return;
+                }
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    // The flood's calls with their small answers, and the honest client's call in flight.
+    let bound = MAX_CALLS * (CALL_COST + 1024) + CALL_COST + (64 << 10);
+    let mut most = (0, 0);
+    for _ in 0..12 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        honest
+            .served_within(
+                "a client piled up calls it never reads",
+                Duration::from_secs(1),
+            )
+            .await;
+        let held = stats.memory().0;
+        let tasks = metrics.num_alive_tasks().saturating_sub(tasks_before);
+        most = (most.0.max(held), most.1.max(tasks));
+        assert!(held <= bound, "the server holds {held} bytes, over {bound}");
+        assert!(
+            tasks <= 8,
+            "{tasks} more tasks than before: a task per refusal?"
+        );
+    }
+    let sent = sent.load(Ordering::Relaxed);
+    eprintln!(
+        "{listen_uri}: a client sent {sent} calls and read nothing; the server held at most {} KiB, with {} more tasks",
+        most.0 >> 10,
+        most.1
+    );
+    assert!(
+        sent > 4 * MAX_CALLS as u64,
+        "only {sent} calls went out: the case never reached refusals"
+    );
+    flood.abort();
+    drop(c);
+    honest.served("the client that never read left").await;
+    honest.finish().await;
+    // The flooding client's transport cannot close gracefully (its queued calls never go
+    // out to a server that stopped reading it), so a graceful shutdown would wait on it:
+    // stop the server outright, which must give back all its calls held.
+    drop(stop_tx);
+    server.abort();
+    let t = Instant::now();
+    while stats.memory().0 > 0 {
+        assert!(
+            t.elapsed() < WITHIN,
+            "the stopped server still accounts {} bytes",
+            stats.memory().0
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(hostile_util::panics(), 0, "something panicked (see above)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_costs_bounded_memory_over_tcp() {
+    a_client_that_never_reads("tcp://127.0.0.1:0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_costs_bounded_memory_over_shm() {
+    a_client_that_never_reads(&shm_uri()).await;
+}
+
+/// 40 connections open calls with a head and data but no end, to a handler that never
+/// reads: the server's memory budget bounds what all of them make it hold together (each
+/// connection's own limits would allow far more), the heavy connections stop being read,
+/// and the honest client, holding little, is still answered within a second. Everything
+/// is given back when they leave.
+async fn unended_calls_on_many_connections(listen_uri: &str) {
+    hostile_util::count_panics();
+    const BUDGET: usize = 64 << 20;
+    const CONNS: usize = 40;
+    const CALLS: u32 = 500;
+    let builder = ibex_transport::grpc::Server::builder()
+        .max_memory(BUDGET)
+        .add_service(BenchImpl::new().0.server(Some(64 << 20), None));
+    let stats = builder.stats();
+    let (uri, stop_tx, server) = serve(listen_uri, ibex_config(), builder).await;
+    let honest = Honest::start(&uri).await;
+    honest.served("warming up").await;
+
+    let hold: &[(&str, &[u8])] = &[("content-type", b"application/grpc"), ("x-mode", b"hold")];
+    let msg = grpc_message(8 << 10);
+    let mut floods = Vec::new();
+    let mut conns = Vec::new();
+    for _ in 0..CONNS {
+        let c = ibex_transport::connect(&uri, ibex_config()).await.unwrap();
+        conns.push(c.clone());
+        let msg = msg.clone();
+        floods.push(tokio::spawn(async move {
+            for id in 0..CALLS {
+                let head = Some(head_block("Upload", 2, hold));
+                if c.send(packet(1 + 2 * id, head, Some(&msg), None, 0))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }));
+    }
+    let offered = CONNS * CALLS as usize * (CALL_COST + msg.len());
+    // Each connection may read one message past the floor before it is paused.
+    let bound = BUDGET + CONNS * ((1 << 20) + CALL_COST + msg.len());
+    let mut most = 0;
+    for _ in 0..12 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        honest
+            .served_within("40 connections held unended calls", Duration::from_secs(1))
+            .await;
+        let held = stats.memory().0;
+        most = most.max(held);
+        assert!(held <= bound, "the server holds {held} bytes, over {bound}");
+    }
+    eprintln!(
+        "{listen_uri}: {CONNS} connections offered {} MiB of unended calls; the server held at most {} MiB (budget {} MiB)",
+        offered >> 20,
+        most >> 20,
+        BUDGET >> 20
+    );
+    assert!(
+        most >= BUDGET,
+        "the server held only {most} bytes: the case never reached the budget"
+    );
+    for f in floods {
+        f.abort();
+    }
+    drop(conns);
+    let t = Instant::now();
+    while stats.memory().0 > CALL_COST {
+        assert!(
+            t.elapsed() < WITHIN,
+            "the server still holds {} bytes after its clients left",
+            stats.memory().0
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    honest.served("the holding clients left").await;
+    honest.finish().await;
+    drop(stop_tx);
+    tokio::time::timeout(WITHIN, server)
+        .await
+        .expect("the server stops")
+        .unwrap()
+        .unwrap();
+    assert_eq!(hostile_util::panics(), 0, "something panicked (see above)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unended_calls_on_many_connections_stay_within_the_budget_over_tcp() {
+    unended_calls_on_many_connections("tcp://127.0.0.1:0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unended_calls_on_many_connections_stay_within_the_budget_over_shm() {
+    unended_calls_on_many_connections(&shm_uri()).await;
 }

@@ -38,44 +38,134 @@ pub(crate) struct Inbox {
     held: Option<Arc<Held>>,
 }
 
-/// Body bytes a server connection holds for handlers that have not taken them. This bounds
-/// the sum over its calls (HTTP/2's connection window), so calls whose handlers do not read
-/// cannot make the server buffer `calls x window`: past it the connection stops reading.
+/// What all of a server's connections hold for their peers, against one budget
+/// ([`Config::max_memory`](crate::Config::max_memory)): request bytes handlers have not
+/// taken, calls in flight, answers waiting for send room.
+#[derive(Debug)]
+pub(crate) struct Budget {
+    used: AtomicUsize,
+    limit: usize,
+    /// What a connection may hold whatever the others do: while the server is over its
+    /// budget, connections holding more are paused and take no new calls, and those holding
+    /// less (honest clients with a call or two in flight) are still served.
+    floor: usize,
+}
+
+impl Budget {
+    pub(crate) fn new(limit: usize) -> Arc<Budget> {
+        Arc::new(Budget {
+            used: AtomicUsize::new(0),
+            limit,
+            floor: (limit / 1024).clamp(64 << 10, 1 << 20),
+        })
+    }
+
+    /// Bytes held now, over all connections.
+    pub(crate) fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.limit
+    }
+
+    fn over(&self) -> bool {
+        self.used.load(Ordering::Acquire) > self.limit
+    }
+}
+
+/// What one server connection holds for its peer: body bytes its handlers have not taken,
+/// and its calls in flight ([`Held::charge`]). Bounded per connection (HTTP/2's connection
+/// window: calls whose handlers do not read cannot make the server buffer
+/// `calls x window`), and, while the server is over its [`Budget`], by the budget's floor.
+/// Past either the connection stops reading.
 pub(crate) struct Held {
     bytes: AtomicUsize,
     limit: usize,
+    budget: Arc<Budget>,
+    /// The most this connection held at once.
+    peak: AtomicUsize,
     /// Signalled (with a stored permit) when `bytes` falls back to the limit.
     below: tokio::sync::Notify,
 }
 
 impl Held {
-    pub(crate) fn new(limit: usize) -> Arc<Held> {
+    pub(crate) fn new(limit: usize, budget: Arc<Budget>) -> Arc<Held> {
         Arc::new(Held {
             bytes: AtomicUsize::new(0),
             limit,
+            budget,
+            peak: AtomicUsize::new(0),
             below: tokio::sync::Notify::new(),
         })
     }
 
     /// True while the connection must not read more.
     pub(crate) fn over(&self) -> bool {
-        self.bytes.load(Ordering::Acquire) > self.limit
+        let bytes = self.bytes.load(Ordering::Acquire);
+        bytes > self.limit || (bytes > self.budget.floor && self.budget.over())
     }
 
-    /// Resolves once the held bytes are back at the limit or below (at once if a release
-    /// crossed it since the last wait: `notify_one` keeps a permit).
+    /// Why a new call on this connection is refused, if it is: the server is over its
+    /// budget and this connection holds more than the floor.
+    pub(crate) fn refusal(&self) -> Option<Status> {
+        let bytes = self.bytes.load(Ordering::Acquire);
+        (bytes > self.budget.floor && self.budget.over()).then(|| {
+            Status::resource_exhausted(format!(
+                "the server holds {} MiB for its clients, over its budget of {} MiB \
+                 (Config::max_memory, IBEX_MAX_MEMORY, ibex-ps --max-memory), and this \
+                 connection holds {} KiB of it; retry once your calls in flight finish",
+                self.budget.used() >> 20,
+                self.budget.limit >> 20,
+                bytes >> 10
+            ))
+        })
+    }
+
+    /// Resolves once the connection may read again: at once if a release crossed its own
+    /// limit since the last wait (`notify_one` keeps a permit); the server's budget is
+    /// looked at again every few milliseconds, since any connection's release may free it.
     pub(crate) async fn below(&self) {
-        self.below.notified().await
+        let _ =
+            tokio::time::timeout(std::time::Duration::from_millis(5), self.below.notified()).await;
+    }
+
+    /// The most this connection held at once.
+    pub(crate) fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
     }
 
     fn take(&self, n: usize) {
-        self.bytes.fetch_add(n, Ordering::AcqRel);
+        let now = self.bytes.fetch_add(n, Ordering::AcqRel) + n;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+        self.budget.used.fetch_add(n, Ordering::AcqRel);
     }
 
     fn release(&self, n: usize) {
+        self.budget.used.fetch_sub(n, Ordering::AcqRel);
         let before = self.bytes.fetch_sub(n, Ordering::AcqRel);
         if before > self.limit && before - n <= self.limit {
             self.below.notify_one();
+        }
+    }
+
+    /// Accounts `n` bytes on this connection until the returned charge is dropped.
+    pub(crate) fn charge(self: &Arc<Self>, n: usize) -> Charge {
+        if n == 0 {
+            return Charge(None);
+        }
+        self.take(n);
+        Charge(Some((self.clone(), n)))
+    }
+}
+
+/// Bytes a connection holds until this is dropped ([`Held::charge`]).
+pub(crate) struct Charge(Option<(Arc<Held>, usize)>);
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        if let Some((held, n)) = self.0.take() {
+            held.release(n);
         }
     }
 }
@@ -475,13 +565,15 @@ mod tests {
 
     #[tokio::test]
     async fn a_whole_body_stays_on_the_connections_account_until_taken() {
-        let held = Held::new(1 << 20);
+        let budget = Budget::new(1 << 30);
+        let held = Held::new(1 << 20, budget.clone());
         let data = Bytes::from_static(&[7u8; 100]);
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
 
         let body = IncomingBody::complete(Some(data.clone()), Some(trailers), Some(held.clone()));
         assert_eq!(held.bytes.load(Ordering::Acquire), 100);
+        assert_eq!(budget.used(), 100);
         let got = body.collect().await.ok().map(|c| {
             let t = c.trailers().cloned();
             (c.to_bytes(), t)
@@ -499,5 +591,36 @@ mod tests {
         assert_eq!(held.bytes.load(Ordering::Acquire), 100);
         drop(body);
         assert_eq!(held.bytes.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn past_the_budget_only_connections_above_the_floor_pause_and_refuse() {
+        let budget = Budget::new(64 << 20);
+        let floor = budget.floor;
+        let heavy = Held::new(usize::MAX, budget.clone());
+        let light = Held::new(usize::MAX, budget.clone());
+        let small = light.charge(floor / 2);
+        let calls: Vec<Charge> = (0..80).map(|_| heavy.charge(1 << 20)).collect();
+        assert!(budget.used() > budget.limit());
+        assert!(heavy.over(), "the heaviest connection must stop reading");
+        let why = heavy
+            .refusal()
+            .expect("its new calls are refused")
+            .message()
+            .to_string();
+        assert!(
+            why.contains("max_memory") && why.contains("budget"),
+            "{why}"
+        );
+        assert!(
+            !light.over() && light.refusal().is_none(),
+            "a light connection is served"
+        );
+        // Dropping the charges gives everything back, and the heavy connection goes on.
+        drop(calls);
+        assert!(!heavy.over() && heavy.refusal().is_none());
+        assert_eq!(heavy.peak(), 80 << 20);
+        drop(small);
+        assert_eq!(budget.used(), 0);
     }
 }

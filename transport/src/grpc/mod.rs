@@ -89,6 +89,10 @@ pub(crate) struct Encoded {
 }
 
 impl Encoded {
+    fn len(&self) -> usize {
+        self.head.len() + self.body.as_ref().map_or(0, Bytes::len)
+    }
+
     async fn send(self, mux: &Mux) -> Result<()> {
         mux.send_encoded(self.call, self.head, self.body).await
     }

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tonic::Status;
 use tonic::service::Routes;
 
-use super::body::{Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
+use super::body::{Budget, Charge, Held, IbexBody, Inbound, InboxTx, IncomingBody, inbox};
 use super::calls::{Admit, CallTable, Entry, Slot, Verdict};
 use super::demux::Demux;
 use super::direct::{DirectRoute, ReadyAnswer, Started, direct_message, into_http};
@@ -62,6 +62,8 @@ struct ServeLimits {
     keepalive: Option<(std::time::Duration, std::time::Duration)>,
     /// Body bytes one connection may hold for handlers that have not taken them.
     max_held: usize,
+    /// The server's budget over all connections ([`Config::max_memory`]), when set here.
+    max_memory: Option<usize>,
 }
 
 /// The default of [`Builder::max_concurrent_calls`].
@@ -74,6 +76,7 @@ impl Default for ServeLimits {
             max_concurrent_calls: DEFAULT_MAX_CONCURRENT_CALLS,
             keepalive: None,
             max_held: crate::config::DEFAULT_RNDV_RECV_BUDGET,
+            max_memory: None,
         }
     }
 }
@@ -93,6 +96,8 @@ struct StatsInner {
     /// Counters of connections that have ended, so totals never go backwards.
     closed: ConnStats,
     closed_count: u64,
+    /// The server's memory budget, once it serves.
+    budget: Option<Arc<Budget>>,
 }
 
 /// How many calls a server has handled, by route: a direct handler or the adapter over Ibex;
@@ -159,6 +164,15 @@ impl ServerStats {
             adapter: get(&self.routes.adapter),
             http2: get(&self.routes.http2),
         }
+    }
+
+    /// What the server's clients make it hold now, in bytes, and its budget
+    /// ([`Config::max_memory`]); `(0, 0)` before it serves.
+    pub fn memory(&self) -> (usize, usize) {
+        self.lock()
+            .budget
+            .as_ref()
+            .map_or((0, 0), |b| (b.used(), b.limit()))
     }
 
     /// Counters summed over every connection the server has had, open or ended, and how
@@ -278,6 +292,13 @@ impl Builder {
         self
     }
 
+    /// The server's budget for what its clients make it hold, over all connections
+    /// ([`Config::max_memory`], which this overrides).
+    pub fn max_memory(mut self, bytes: usize) -> Self {
+        self.limits.max_memory = Some(bytes);
+        self
+    }
+
     /// Adds every service of `routes`.
     pub fn add_routes(mut self, routes: Routes) -> Self {
         self.services.add_routes(routes);
@@ -361,6 +382,13 @@ impl Builder {
     ) -> Result<()> {
         let mut limits = self.limits;
         limits.keepalive = self.keepalive();
+        let max_memory = match (limits.max_memory, &self.config) {
+            (Some(m), _) => m,
+            (None, Some(c)) => c.max_memory,
+            (None, None) => crate::config::default_max_memory(),
+        };
+        let budget = Budget::new(max_memory);
+        self.stats.lock().budget = Some(budget.clone());
         let mut services = self.services;
         services.prepare();
         let shutdown = Arc::new(Flag::default());
@@ -377,9 +405,10 @@ impl Builder {
                         let stats = self.stats.clone();
                         let id = stats.add(&conn);
                         let (services, shutdown) = (services.clone(), shutdown.clone());
+                        let budget = budget.clone();
                         let home = conn.home().cloned();
                         let served = async move {
-                            serve_conn(conn, services, shutdown, limits, stats.clone()).await;
+                            serve_conn(conn, services, shutdown, limits, budget, stats.clone()).await;
                             stats.remove(id);
                         };
                         match home {
@@ -586,7 +615,14 @@ struct ServerCall {
     /// `None` when the request came whole in its first packet.
     body: Option<InboxTx>,
     shared: Arc<CallShared>,
+    /// The call's place in its connection's account, while it is in the table.
+    _charge: Charge,
 }
+
+/// What a call in flight is taken to hold against the server's budget besides its body
+/// bytes: its handler's future, its table entry and inbox, and a small answer. Calls are
+/// counted this way, not measured, so that accounting costs two atomic adds per call.
+const CALL_COST: usize = 16 << 10;
 
 impl Slot for ServerCall {
     fn call(&self) -> &CallShared {
@@ -602,7 +638,7 @@ impl ConnState {
 
 /// Starts a call's future ([`run_call`]); a pointer to it names the future's type, so the
 /// running calls are stored unboxed.
-type StartCall<F> = fn(Arc<ConnState>, u32, Arc<CallShared>, Start, Option<Instant>) -> F;
+type StartCall<F> = fn(Arc<ConnState>, u32, Arc<CallShared>, Start, Option<Instant>, Charge) -> F;
 
 /// What one connection's task needs besides the connection.
 struct ConnCtx<F> {
@@ -614,6 +650,9 @@ struct ConnCtx<F> {
     /// Body bytes held for this connection's handlers (see [`Held`]).
     held: Arc<Held>,
     draining: bool,
+    /// A refusal the send queue had no room for: the connection reads nothing more until it
+    /// is sent, so refusing costs the same memory however many calls a client piles up.
+    refused: Option<Encoded>,
     /// The calls in flight, run on this task, which reads the connection: a handler ready at
     /// once answers in the poll that brought its request, with no task hop.
     running: FuturesUnordered<F>,
@@ -644,6 +683,7 @@ async fn serve_conn(
     services: Services,
     shutdown: Arc<Flag>,
     limits: ServeLimits,
+    budget: Arc<Budget>,
     stats: ServerStats,
 ) {
     if let Some((interval, timeout)) = limits.keepalive
@@ -659,8 +699,9 @@ async fn serve_conn(
         extensions: request_extensions(&conn),
         services,
         stats,
-        held: Held::new(limits.max_held),
+        held: Held::new(limits.max_held, budget),
         draining: false,
+        refused: None,
         running: FuturesUnordered::new(),
         start: run_call,
     };
@@ -677,7 +718,12 @@ async fn serve_conn(
     tokio::pin!(stop);
     // `true` when the server was stopping already: `stop` is done and must not be polled.
     let stopped = std::future::poll_fn(|c| Poll::Ready(stop.as_mut().poll(c).is_ready())).await;
+    let mut refusing = None;
     loop {
+        if let Some(r) = cx.refused.take() {
+            let mux = cx.st.mux.clone();
+            refusing = Some(Box::pin(async move { r.send(&mux).await }));
+        }
         tokio::select! {
             biased;
             () = std::future::poll_fn(|c| {
@@ -701,14 +747,23 @@ async fn serve_conn(
                     break;
                 }
             }
+            // A refusal waits for send room before anything more is read.
+            sent = async { refusing.as_mut().expect("guarded").await }, if refusing.is_some() => {
+                refusing = None;
+                if let Err(e) = sent {
+                    tracing::debug!(%e, "gRPC server: connection ended while refusing a call");
+                    break;
+                }
+            }
             // Handlers have not taken what they hold: read nothing more until they do.
-            () = held.below(), if held.over() => {}
-            // A client that leaves while we hold its bodies ends its calls all the same.
-            () = conn.closed(), if held.over() => {
+            () = held.below(), if held.over() && refusing.is_none() => {}
+            // A client that leaves while we hold its bodies, or while a refusal waits for it,
+            // ends its calls all the same.
+            () = conn.closed(), if held.over() || refusing.is_some() => {
                 tracing::debug!("gRPC server: connection ended while paused");
                 break;
             }
-            msg = std::future::poll_fn(|c| conn.poll_recv_parts(c)), if !held.over() => {
+            msg = std::future::poll_fn(|c| conn.poll_recv_parts(c)), if !held.over() && refusing.is_none() => {
                 let msg = match msg {
                     Ok(m) => m,
                     Err(e) => {
@@ -733,7 +788,25 @@ async fn serve_conn(
         }
     }
     while cx.running.next().await.is_some() {}
+    drop(cx);
     conn.close_with(&broken).await;
+    if held.peak() >= TRIM_AFTER {
+        give_back_freed_memory();
+    }
+}
+
+/// A connection that held this much at once has its freed memory returned to the system
+/// when it ends, so the server's resident size falls back after a client that made it hold
+/// much (the allocator otherwise keeps freed memory for reuse).
+const TRIM_AFTER: usize = 64 << 20;
+
+fn give_back_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free memory of glibc's heap to the system; it takes
+    // the allocator's own locks and touches no memory in use.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 impl<F: Future<Output = ()>> ConnCtx<F> {
@@ -755,7 +828,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                 Some((route, msg, timeout))
             });
             if let Some((route, msg, timeout)) = direct {
-                if let Admit::Refuse(status) = self.st.lock().admit(id)? {
+                if let Some(status) = self.refusal(id)? {
                     self.refuse(id, status);
                     return Ok(());
                 }
@@ -771,6 +844,7 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
                     let entry = ServerCall {
                         body: None,
                         shared: call.clone(),
+                        _charge: self.held.charge(CALL_COST),
                     };
                     self.st.lock().insert(id, entry);
                     self.go_on(id, call, start, deadline);
@@ -783,21 +857,16 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
             Some((tx, rx)) => (Some(tx), Some(rx)),
             None => (None, None),
         };
-        {
-            let mut calls = self.st.lock();
-            if let Admit::Refuse(status) = calls.admit(id)? {
-                drop(calls);
-                self.refuse(id, status);
-                return Ok(());
-            }
-            calls.insert(
-                id,
-                ServerCall {
-                    body: tx,
-                    shared: call.clone(),
-                },
-            );
+        if let Some(status) = self.refusal(id)? {
+            self.refuse(id, status);
+            return Ok(());
         }
+        let entry = ServerCall {
+            body: tx,
+            shared: call.clone(),
+            _charge: self.held.charge(CALL_COST),
+        };
+        self.st.lock().insert(id, entry);
         // A streamed request's frame counts against the call's window and goes to its
         // inbox. A whole request's frame goes to its handler: it ends the client's side of
         // the call, so nothing after it is accounted (unless the packet also grants window
@@ -863,17 +932,42 @@ impl<F: Future<Output = ()>> ConnCtx<F> {
         }
     }
 
-    /// A trailers-only answer to a call that never reaches a handler.
-    fn refuse(&self, id: u32, status: Status) {
-        self.st.mux.send_detached(trailers_only(id, status));
+    /// Why call `id`, whose request head just came, is not taken, if it is not: the
+    /// connection's limit on calls, a draining server, or the server's memory budget.
+    fn refusal(&self, id: u32) -> Result<Option<Status>> {
+        if let Admit::Refuse(status) = self.st.lock().admit(id)? {
+            return Ok(Some(status));
+        }
+        Ok(self.held.refusal())
+    }
+
+    /// A trailers-only answer to a call that never reaches a handler: sent now, or kept
+    /// (one at most) while the connection reads nothing more.
+    fn refuse(&mut self, id: u32, status: Status) {
+        match self.st.mux.send_now(trailers_only(id, status), None) {
+            Ok(None) => {}
+            Ok(Some(unsent)) => self.refused = Some(unsent),
+            Err(e) => tracing::debug!(%e, call = id, "gRPC refusal not sent"),
+        }
     }
 
     /// A call that goes on after the packet that started it: its future (made on this
     /// frame before it moves to the heap) joins the connection's running calls.
     #[inline(never)]
     fn go_on(&mut self, id: u32, call: Arc<CallShared>, start: Start, deadline: Option<Instant>) {
-        self.running
-            .push((self.start)(self.st.clone(), id, call, start, deadline));
+        // An answer that waits for send room is held for the client too.
+        let waiting = match &start {
+            Start::Unsent(unsent) => self.held.charge(unsent.len()),
+            _ => self.held.charge(0),
+        };
+        self.running.push((self.start)(
+            self.st.clone(),
+            id,
+            call,
+            start,
+            deadline,
+            waiting,
+        ));
     }
 
     /// What a handler finds in its request's extensions: a clone of the connection's map,
@@ -1059,6 +1153,7 @@ async fn run_call(
     call: Arc<CallShared>,
     start: Start,
     deadline: Option<Instant>,
+    waiting: Charge,
 ) {
     let panicked = match start {
         Start::Handler(handler) => {
@@ -1087,6 +1182,7 @@ async fn run_call(
             if let Err(e) = unsent.send(&st.mux).await {
                 tracing::debug!(%e, call = id, "gRPC response not sent");
             }
+            drop(waiting);
             false
         }
         Start::Ended(panicked) => panicked,
