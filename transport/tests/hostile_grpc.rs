@@ -1019,3 +1019,104 @@ async fn unended_calls_on_many_connections_stay_within_the_budget_over_tcp() {
 async fn unended_calls_on_many_connections_stay_within_the_budget_over_shm() {
     unended_calls_on_many_connections(&shm_uri()).await;
 }
+
+/// A scripted server feeds 8 concurrent direct unary calls a 6 MiB answer each, piece by
+/// piece, all at once: the channel's window (16 MiB here) bounds what the client holds over
+/// all its calls, so calls past it fail `RESOURCE_EXHAUSTED` naming the setting instead of
+/// the client holding 8 x 6 MiB, and the calls that complete get their whole message.
+async fn many_large_answers_at_once(listen_uri: &str) {
+    hostile_util::count_panics();
+    const CALLS: usize = 8;
+    const PIECE: usize = 1 << 20;
+    let listener = ibex_transport::listen(listen_uri, ibex_config())
+        .await
+        .expect("listen");
+    let uri = listener.local_uri();
+    let msg = grpc_message(6 << 20);
+    let server = {
+        let msg = msg.clone();
+        tokio::spawn(async move {
+            let conn = listener.accept().await.expect("accept");
+            let mut calls = Vec::new();
+            while calls.len() < CALLS {
+                let req = conn.recv().await.expect("a request");
+                calls.push(u32::from_be_bytes([req[0], req[1], req[2], req[3]]));
+            }
+            let head = answer_head(&[("content-type", b"application/grpc")]);
+            // Every call's first piece, then every call's second, ...: all calls fill at once.
+            for (k, piece) in msg.chunks(PIECE).enumerate() {
+                for &call in &calls {
+                    let head = (k == 0).then(|| head.clone());
+                    if conn
+                        .send(packet(call, head, Some(piece), None, 0))
+                        .await
+                        .is_err()
+                    {
+                        return conn;
+                    }
+                }
+            }
+            for &call in &calls {
+                let mut t = BytesMut::new();
+                headers(&mut t, 1, &[("grpc-status", b"0")]);
+                let mut p = BytesMut::from(&packet(call, None, None, None, END)[..]);
+                p.put_u32(t.len() as u32);
+                p.put_slice(&t);
+                p[4] |= TRAILERS;
+                if conn.send(p.freeze()).await.is_err() {
+                    break;
+                }
+            }
+            conn
+        })
+    };
+    let cfg = ibex_transport::Config {
+        rndv_recv_budget: 16 << 20,
+        ..ibex_config()
+    };
+    let ch = ibex_transport::grpc::Channel::connect_with_config(&uri, cfg)
+        .await
+        .expect("connect");
+    let c = BenchClient::new(ch).max_decoding_message_size(64 << 20);
+    let calls = (0..CALLS).map(|_| {
+        let mut c = c.clone();
+        async move {
+            c.echo(Payload {
+                buffers: vec![pattern(8, 1)],
+            })
+            .await
+        }
+    });
+    let results = tokio::time::timeout(WITHIN, futures_util::future::join_all(calls))
+        .await
+        .expect("the calls hung");
+    let mut refused = 0;
+    for r in results {
+        match r {
+            Ok(r) => assert_eq!(
+                r.into_inner().buffers,
+                vec![pattern(6 << 20, 3)],
+                "a call that completes gets its whole message"
+            ),
+            Err(s) => {
+                assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+                assert!(s.message().contains("rndv_recv_budget"), "{s:?}");
+                refused += 1;
+            }
+        }
+    }
+    eprintln!("{listen_uri}: {refused} of {CALLS} calls of 6 MiB each went past a 16 MiB window");
+    assert!(refused >= CALLS - 3, "only {refused} calls were refused");
+    drop(server);
+    assert_eq!(hostile_util::panics(), 0, "something panicked (see above)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_channel_window_bounds_many_large_answers_over_tcp() {
+    many_large_answers_at_once("tcp://127.0.0.1:0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_channel_window_bounds_many_large_answers_over_shm() {
+    many_large_answers_at_once(&shm_uri()).await;
+}

@@ -156,6 +156,62 @@ pub(crate) struct Inner {
     /// One reconnect at a time; the back-off between failed attempts.
     reconnect: tokio::sync::Mutex<Backoff>,
     settings: Settings,
+    pub(crate) window: Arc<Window>,
+}
+
+/// Response bytes a channel's calls hold before their callers have them whole, over all the
+/// channel's calls: the client's connection window (HTTP/2 has one per connection), so a bad
+/// server cannot make a client hold calls x the message limit. Its size is the transport's
+/// receive budget ([`Config::rndv_recv_budget`]), the same bound one level down.
+pub(crate) struct Window {
+    used: std::sync::atomic::AtomicUsize,
+    limit: usize,
+}
+
+impl Window {
+    /// An account of nothing yet, on this window.
+    pub(crate) fn account(self: &Arc<Self>) -> Held {
+        Held {
+            window: self.clone(),
+            n: 0,
+        }
+    }
+}
+
+/// What one call holds on its channel's [`Window`], given back when dropped.
+pub(crate) struct Held {
+    window: Arc<Window>,
+    n: usize,
+}
+
+impl Held {
+    /// Adds `n` bytes, or fails the call if that takes the channel past its window. A
+    /// message the channel holds alone always goes (up to the call's own message limit), as
+    /// the transport lets one message through whatever its budget.
+    pub(crate) fn add(&mut self, n: usize) -> std::result::Result<(), Status> {
+        use std::sync::atomic::Ordering;
+        let before = self.window.used.fetch_add(n, Ordering::AcqRel);
+        self.n += n;
+        if before > self.n - n && before + n > self.window.limit {
+            return Err(Status::resource_exhausted(format!(
+                "the channel would hold {} MiB of responses not yet taken, over its window of \
+                 {} MiB (Config::rndv_recv_budget, IBEX_RNDV_RECV_BUDGET, \
+                 Endpoint::initial_connection_window_size); make fewer large calls at once or \
+                 raise the window",
+                (before + n) >> 20,
+                self.window.limit >> 20
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.window
+            .used
+            .fetch_sub(self.n, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// What an [`Endpoint`] adds to a channel.
@@ -188,7 +244,16 @@ const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Inner {
     fn new(conn: Option<Connection>, target: Option<Target>, limits: Limits) -> Inner {
+        let window = Arc::new(Window {
+            used: Default::default(),
+            limit: target
+                .as_ref()
+                .map_or(crate::config::DEFAULT_RNDV_RECV_BUDGET, |t| {
+                    t.config.rndv_recv_budget
+                }),
+        });
         Inner {
+            window,
             current: Mutex::new(conn.map(|c| Shared::new(c, limits))),
             target,
             limits,

@@ -20,7 +20,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Code, Status};
 
 use super::body::IncomingBody;
-use super::client::{Channel, Inner, Outgoing, Reply};
+use super::client::{Channel, Held, Inner, Outgoing, Reply};
 use super::timeout_value;
 use super::wire::{
     FrameBuf, FrameWriter, GRPC_ACCEPT_ENCODING, GRPC_CONTENT_TYPE, GRPC_ENCODING, GRPC_MESSAGE,
@@ -307,6 +307,9 @@ impl DirectClient {
         };
         let answer =
             Channel::exchange(inner.clone(), headers, path, Outgoing::Whole(&data)).await?;
+        // What the answer holds until it is decoded, on the channel's window; small whole
+        // answers, decoded at once, are not worth the account.
+        let mut held = inner.window.account();
         let mut headers = answer.headers;
         // The decoder merged a lone `grpc-status: 0` into the head (the usual answer).
         let ok_in_head = matches!(answer.rest, Reply::Whole(_, Some(Trailers::OkInHead)));
@@ -315,6 +318,10 @@ impl DirectClient {
                 Reply::Whole(Some(data), _) => data.clone(),
                 _ => Bytes::new(),
             };
+            if data.len() > WINDOW_MIN {
+                held.add(data.len())
+                    .map_err(|s| with_metadata(s, &headers))?;
+            }
             return match decode_one(&data, self.max_decoding) {
                 Ok(msg) => Ok(tonic::Response::from_parts(
                     MetadataMap::from_headers(headers),
@@ -342,9 +349,17 @@ impl DirectClient {
         // As tonic: a call that fails after its head carries the head's metadata too.
         let with_head = |s: Status| with_metadata(s, &headers);
         let (data, trailers) = match answer.rest {
-            Reply::Whole(data, trailers) => (data.unwrap_or_default(), trailers),
+            Reply::Whole(data, trailers) => {
+                let data = data.unwrap_or_default();
+                if data.len() > WINDOW_MIN {
+                    held.add(data.len()).map_err(with_head)?;
+                }
+                (data, trailers)
+            }
             Reply::Stream(body) => {
-                let (data, trailers) = collect(body, self.max_decoding).await.map_err(with_head)?;
+                let (data, trailers) = collect(body, self.max_decoding, &mut held)
+                    .await
+                    .map_err(with_head)?;
                 (data, trailers.map(Trailers::map))
             }
         };
@@ -370,6 +385,10 @@ impl DirectClient {
         ))
     }
 }
+
+/// Whole answers up to this size are decoded in the poll that brings them, so they are not
+/// accounted on the channel's window.
+const WINDOW_MIN: usize = 64 << 10;
 
 /// The one message of a unary answer's body frame, as tonic's decoder takes it.
 fn decode_one<R: prost::Message + Default>(data: &Bytes, limit: usize) -> Result<R, Status> {
@@ -665,6 +684,7 @@ fn status_of(http_status: StatusCode, trailers: &HeaderMap) -> Status {
 async fn collect(
     mut body: IncomingBody,
     limit: usize,
+    held: &mut Held,
 ) -> Result<(Bytes, Option<HeaderMap>), Status> {
     // One frame is kept as it came; only a message in several is copied together.
     let mut parts: Vec<Bytes> = Vec::new();
@@ -695,6 +715,7 @@ async fn collect(
                         "Error, decoded message length too large: found more than {limit} bytes, the limit is: {limit} bytes"
                     )));
                 }
+                held.add(d.len())?;
                 parts.push(d);
             }
             Err(f) => {
