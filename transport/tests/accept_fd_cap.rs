@@ -17,7 +17,7 @@ use bytes::Bytes;
 use ibex_transport::{Config, Connection, Listener, connect, listen};
 
 mod conn_util;
-use conn_util::fixed_threshold;
+use conn_util::{fixed_threshold, init_tracing};
 
 /// Set in the child's environment: it serves instead of testing.
 const CHILD: &str = "IBEX_TEST_FD_CAP_SERVER";
@@ -34,6 +34,7 @@ const GUARD: Duration = Duration::from_secs(60);
 /// The server side: listens, says its address on stdout, and echoes every message until
 /// its stdin closes (the test ends, or dies).
 async fn serve() {
+    init_tracing();
     let l: Arc<Listener> = Arc::new(
         listen("tcp://127.0.0.1:0", fixed_threshold(4096))
             .await
@@ -70,19 +71,16 @@ impl Drop for Server {
     }
 }
 
-/// Starts the server child under [`NOFILE`] and returns it with its address.
-fn spawn_server() -> (Server, String) {
+/// Starts the server child under [`NOFILE`], as the test `test` with `env` added to its
+/// environment, and returns it with its address.
+fn spawn_server(test: &str, env: &[(&str, &str)]) -> (Server, String) {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--exact",
-        "idle_connections_at_the_descriptor_limit_leave_room_for_an_honest_peer",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD, "1")
-    .stdin(Stdio::piped())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
+    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .envs(env.iter().copied());
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
     // SAFETY: between fork and exec the closure only calls setrlimit, which is
     // async-signal-safe, on a limit value on its own stack.
     unsafe {
@@ -105,8 +103,12 @@ fn spawn_server() -> (Server, String) {
         for line in BufReader::new(out).lines() {
             let Ok(line) = line else { return };
             // The harness may have begun the line with the test's name.
-            if let Some((_, at)) = line.split_once("LISTENING ") {
-                let _ = tx.send(at.trim().to_string());
+            match line.split_once("LISTENING ") {
+                Some((_, at)) => {
+                    let _ = tx.send(at.trim().to_string());
+                }
+                // Its log, with RUST_LOG set.
+                None => eprintln!("server: {line}"),
             }
         }
     });
@@ -128,7 +130,10 @@ async fn idle_connections_at_the_descriptor_limit_leave_room_for_an_honest_peer(
     if std::env::var_os(CHILD).is_some() {
         return serve().await;
     }
-    let (server, at) = spawn_server();
+    let (server, at) = spawn_server(
+        "idle_connections_at_the_descriptor_limit_leave_room_for_an_honest_peer",
+        &[],
+    );
     let pid = server.0.id();
     let cfg = Config {
         handshake_timeout: Duration::from_secs(5),
@@ -202,5 +207,86 @@ async fn idle_connections_at_the_descriptor_limit_leave_room_for_an_honest_peer(
     assert!(!closed.is_empty());
     let why = closed[0].recv().await.unwrap_err().to_string();
     assert!(why.contains("max_connections"), "{why}");
+    drop(server);
+}
+
+/// With the cap set past what the descriptor limit allows, the server runs out of
+/// descriptors. Its accept loop still takes each newcomer off the backlog and closes it
+/// (with the spare descriptor it keeps for that), rather than leaving it hanging, and it
+/// serves again once descriptors come free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_descriptors_newcomers_are_closed_and_the_accept_loop_goes_on() {
+    if std::env::var_os(CHILD).is_some() {
+        return serve().await;
+    }
+    let (server, at) = spawn_server(
+        "out_of_descriptors_newcomers_are_closed_and_the_accept_loop_goes_on",
+        &[("IBEX_MAX_CONNECTIONS", "100000")],
+    );
+    let pid = server.0.id();
+    let cfg = Config {
+        handshake_timeout: Duration::from_secs(5),
+        ..fixed_threshold(4096)
+    };
+    // Connect until the server has no descriptor left for another.
+    let (mut idle, mut failed_in_a_row) = (Vec::new(), 0);
+    while failed_in_a_row < 10 {
+        assert!(
+            idle.len() <= IDLE,
+            "the server took more connections than it has descriptors"
+        );
+        match tokio::time::timeout(GUARD, connect(&at, cfg.clone()))
+            .await
+            .expect("hang guard")
+        {
+            Ok(c) => {
+                idle.push(c);
+                failed_in_a_row = 0;
+            }
+            Err(_) => failed_in_a_row += 1,
+        }
+    }
+    println!(
+        "the server ran out of descriptors at {} connections ({} open of {NOFILE})",
+        idle.len(),
+        open_fds(pid)
+    );
+    // A newcomer now is closed at once, not left in the backlog.
+    let addr = at.trim_start_matches("tcp://");
+    let t = Instant::now();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    use tokio::io::AsyncReadExt;
+    let got = tokio::time::timeout(Duration::from_secs(2), s.read(&mut [0u8; 64]))
+        .await
+        .expect("a newcomer to a server out of descriptors was left hanging");
+    assert!(
+        matches!(got, Ok(0) | Err(_)),
+        "the newcomer got bytes from a server out of descriptors: {got:?}"
+    );
+    println!("newcomer closed after {:?}", t.elapsed());
+    // Descriptors free again: the server serves.
+    drop(idle);
+    let t = Instant::now();
+    loop {
+        let r = tokio::time::timeout(ANSWERED_WITHIN, async {
+            let c = connect(&at, cfg.clone()).await?;
+            c.send(Bytes::from_static(b"back")).await?;
+            c.recv().await
+        })
+        .await;
+        if let Ok(Ok(got)) = r {
+            assert_eq!(&got[..], b"back");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the server did not serve again after its descriptors came free: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "served again {:?} after the idle connections closed",
+        t.elapsed()
+    );
     drop(server);
 }

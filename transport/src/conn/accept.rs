@@ -771,11 +771,17 @@ pub(super) async fn run(source: Source, shared: Arc<Shared>) {
                 Err(e) if out_of_descriptors(&e) && spare.is_some() => {
                     drop(spare.take());
                     let refused = tokio::time::timeout(Duration::from_millis(10), source.accept()).await;
+                    let peer = match refused {
+                        Ok(Ok(raw)) => Some(raw.peer()),
+                        _ => None,
+                    };
+                    // The refused peer's socket is closed by now, which frees the spare's
+                    // descriptor again.
                     spare = spare_descriptor();
-                    if let Ok(Ok(raw)) = refused
+                    if let Some(peer) = peer
                         && let Some(held_back) = a.shared.warnings.allow()
                     {
-                        tracing::warn!(peer = %raw.peer(), %e, held_back, provider, "refused a connection: the process is out of file descriptors; lower Config::max_connections (IBEX_MAX_CONNECTIONS, ibex-ps --max-connections) or raise ulimit -n")
+                        tracing::warn!(%peer, %e, held_back, provider, "refused a connection: the process is out of file descriptors; lower Config::max_connections (IBEX_MAX_CONNECTIONS, ibex-ps --max-connections) or raise ulimit -n")
                     }
                 }
                 // Out of descriptors and the like: the socket itself is fine, so pause (the
