@@ -1,7 +1,7 @@
 //! `ibex-ps` configuration: command-line flags over an optional TOML file (same keys, with
 //! underscores: `listen`, `shard`, `num_workers`, `mode`, `checkpoint_dir`,
 //! `checkpoint_every`, `restore`, `metrics`, `sync_timeout_secs`, `on_worker_loss`,
-//! `keepalive_secs`, `max_variables`, `max_elements`, `max_bytes`).
+//! `keepalive_secs`, `max_variables`, `max_elements`, `max_bytes`, `max_connections`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -116,6 +116,16 @@ impl PsConfig {
         };
         let mut transport =
             ibex_transport::Config::from_env().map_err(|e| PsError::Config(e.to_string()))?;
+        match a.max_connections.or(file.max_connections) {
+            Some(0) => {
+                return Err(PsError::Config(
+                    "--max-connections must be at least 1 (leave it out to follow ulimit -n)"
+                        .into(),
+                ));
+            }
+            Some(n) => transport.max_connections = Some(n),
+            None => {}
+        }
         if let Some(m) = a.max_memory.or(file.max_memory) {
             transport.max_memory = ibex_transport::config::parse_size(&m).ok_or_else(|| {
                 PsError::Config(format!(
@@ -225,6 +235,10 @@ struct Args {
     /// new calls refused (default: a quarter of the machine's memory; IBEX_MAX_MEMORY).
     #[arg(long)]
     max_memory: Option<String>,
+    /// Most worker connections open at once; past it a newcomer replaces the connection
+    /// idle longest, or is refused (default: from ulimit -n, less a reserve).
+    #[arg(long)]
+    max_connections: Option<usize>,
 }
 
 #[derive(Debug, Default, serde::Deserialize)]
@@ -245,6 +259,7 @@ struct FileConfig {
     max_elements: Option<u64>,
     max_bytes: Option<u64>,
     max_memory: Option<String>,
+    max_connections: Option<usize>,
 }
 
 #[cfg(test)]
@@ -335,6 +350,32 @@ mod tests {
                 max_bytes: 4096
             }
         );
+    }
+
+    #[test]
+    fn the_connection_cap_comes_from_the_flag_or_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("ps.toml");
+        std::fs::write(
+            &f,
+            "listen = \"tcp://127.0.0.1:7000\"\nmax_connections = 40\n",
+        )
+        .unwrap();
+        let from_file = ["ibex-ps", "--config", f.to_str().unwrap()];
+        let c = PsConfig::from_args(from_file.iter().map(|s| s.to_string())).unwrap();
+        assert_eq!(c.transport.max_connections, Some(40));
+        let flag = [
+            "ibex-ps",
+            "--config",
+            f.to_str().unwrap(),
+            "--max-connections",
+            "9",
+        ];
+        let c = PsConfig::from_args(flag.iter().map(|s| s.to_string())).unwrap();
+        assert_eq!(c.transport.max_connections, Some(9));
+        let zero = ["ibex-ps", "--listen", "x", "--max-connections", "0"];
+        let e = PsConfig::from_args(zero.iter().map(|s| s.to_string())).unwrap_err();
+        assert!(e.to_string().contains("--max-connections"), "{e}");
     }
 
     #[test]

@@ -104,9 +104,10 @@ pub struct Config {
     /// and a connecting side's wait for the peer's handshake (`IBEX_HANDSHAKE_TIMEOUT_MS`;
     /// default 5 s). Short, because a listener holds a set-up slot for a peer until then.
     pub handshake_timeout: std::time::Duration,
-    /// Set-ups a listener runs at once. A peer that arrives while all are taken is closed
-    /// at once, so a flood of silent connections costs only its own peers, never the
-    /// accept loop (`IBEX_MAX_HANDSHAKES`; default 128).
+    /// Set-ups a listener runs at once. A peer that arrives while all are taken gets the
+    /// slot of one that is still short of its preface, or waits briefly for one, or is
+    /// closed, so a flood of silent or dripping connections costs only its own peers,
+    /// never the accept loop or an honest peer (`IBEX_MAX_HANDSHAKES`; default 128).
     pub max_handshakes: usize,
     /// A gRPC server's budget for what its clients make it hold, over all connections:
     /// request bytes handlers have not taken, calls in flight, answers waiting for send room
@@ -114,6 +115,13 @@ pub struct Config {
     /// more than a small floor stop reading and their new calls get `RESOURCE_EXHAUSTED`;
     /// lighter connections are still served.
     pub max_memory: usize,
+    /// Connections a listener keeps open at once, set up and handed to `accept`. Past it, a
+    /// newcomer takes the place of the connection that has carried no message for longest
+    /// (at least a second), or is closed at once when there is none. `None` (the default)
+    /// derives it from the process's descriptor limit (`RLIMIT_NOFILE`, `ulimit -n`) less a
+    /// reserve for set-ups and the process's own files, so the listener never runs out of
+    /// descriptors (`IBEX_MAX_CONNECTIONS`; `ibex-ps --max-connections`).
+    pub max_connections: Option<usize>,
     /// A listener serves each accepted shm connection on one of this many threads of
     /// Ibex's own, each a runtime with one worker: the connection's set-up, its driver, the
     /// gRPC server's reader and the handlers it polls all stay on that thread, and no other
@@ -212,6 +220,7 @@ impl Default for Config {
             handshake_timeout: std::time::Duration::from_secs(5),
             max_handshakes: 128,
             max_memory: default_max_memory(),
+            max_connections: None,
             serve_threads: 0,
             tcp_keepalive: None,
             keepalive: None,
@@ -225,6 +234,7 @@ impl Config {
     /// The default configuration with environment overrides applied
     /// (`IBEX_EAGER_THRESHOLD`, `IBEX_FRAGMENT_SIZE`, `IBEX_PROBE_TIMEOUT_MS`, `IBEX_SPIN_US`,
     /// `IBEX_AUTH_TOKEN`, `IBEX_HANDSHAKE_TIMEOUT_MS`, `IBEX_MAX_HANDSHAKES`, `IBEX_MAX_MEMORY`,
+    /// `IBEX_MAX_CONNECTIONS`,
     /// `IBEX_RNDV_RECV_BUDGET`, `IBEX_KEEPALIVE_MS`, `IBEX_KEEPALIVE_TIMEOUT_MS`,
     /// `IBEX_POOL_SIZE`, `IBEX_SERVE_THREADS`, `IBEX_BUSY_POLL`, `IBEX_SHM_SPIN_US`,
     /// `IBEX_SHM_FORCE_BOUNCE`, `IBEX_SHM_DIR` / `XDG_RUNTIME_DIR`, `IBEX_TRANSPORT`,
@@ -294,6 +304,9 @@ impl Config {
         }
         if let Some(n) = env_positive("IBEX_MAX_HANDSHAKES", "number", 128)? {
             self.max_handshakes = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        if let Some(n) = env_positive("IBEX_MAX_CONNECTIONS", "number", 1000)? {
+            self.max_connections = Some(usize::try_from(n).unwrap_or(usize::MAX));
         }
         if let Ok(v) = std::env::var("IBEX_SERVE_THREADS") {
             self.serve_threads = v.trim().parse::<usize>().map_err(|_| {
@@ -415,6 +428,11 @@ impl Config {
         if self.max_handshakes == 0 {
             return Err(Error::Config(
                 "max_handshakes must be at least 1 (IBEX_MAX_HANDSHAKES sets it)".into(),
+            ));
+        }
+        if self.max_connections == Some(0) {
+            return Err(Error::Config(
+                "max_connections must be at least 1, or unset to follow the descriptor limit (IBEX_MAX_CONNECTIONS sets it)".into(),
             ));
         }
         if self.serve_threads > MAX_SERVE_THREADS {
@@ -731,6 +749,13 @@ mod tests {
             ..Config::default()
         };
         assert!(matches!(c.validate(), Err(Error::Config(m)) if m.contains("IBEX_MAX_HANDSHAKES")));
+        let c = Config {
+            max_connections: Some(0),
+            ..Config::default()
+        };
+        assert!(
+            matches!(c.validate(), Err(Error::Config(m)) if m.contains("IBEX_MAX_CONNECTIONS"))
+        );
         let c = Config {
             serve_threads: MAX_SERVE_THREADS + 1,
             ..Config::default()

@@ -871,7 +871,7 @@ impl Drop for RemoteBuf {
 /// Each accepted peer is set up (provider preface, protocol handshake) in a task of its
 /// own, under [`Config::handshake_timeout`] and with at most [`Config::max_handshakes`]
 /// set-ups at once; a peer that fails or stalls is logged and dropped without delaying any
-/// other. Dropping the listener stops accepting, abandons set-ups in progress and removes
+/// other. At most [`Config::max_connections`] connections stay open at once. Dropping the listener stops accepting, abandons set-ups in progress and removes
 /// its shm socket file.
 pub struct Listener {
     ready: tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Connection>>,
@@ -907,6 +907,7 @@ impl Listener {
             config,
             ready: tx,
             warnings: Default::default(),
+            conns: Default::default(),
         });
         let mut socket_files = Vec::new();
         let mut acceptors = Vec::new();

@@ -43,20 +43,46 @@ pub struct TcpListener {
     config: Config,
 }
 
+/// Connections the kernel may hold complete for the listener before it takes them. A
+/// flood of peers that reconnect at once must not fill it: the kernel drops the handshake
+/// of a peer past it, and an honest peer among them would wait a second for its retry.
+/// The kernel caps it at `net.core.somaxconn`.
+const BACKLOG: u32 = 4096;
+
+/// Binds and listens on the first of `addrs` that works, with [`BACKLOG`].
+fn bind(addrs: &[SocketAddr]) -> std::io::Result<tokio::net::TcpListener> {
+    let mut last = None;
+    for a in addrs {
+        let socket = if a.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        };
+        let bound = socket.and_then(|s| {
+            s.set_reuseaddr(true)?;
+            s.bind(*a)?;
+            s.listen(BACKLOG)
+        });
+        match bound {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("no address to bind")))
+}
+
 /// Binds `addr` (`host:port`, port 0 for any) and listens for Ibex tcp peers.
 pub async fn listen(addr: &str, config: &Config) -> Result<TcpListener> {
     config.validate()?;
     let addrs = resolve(addr).await?;
-    let inner = tokio::net::TcpListener::bind(&addrs[..])
-        .await
-        .map_err(|e| {
-            let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
-                ": the address is in use (is another server running there?)"
-            } else {
-                ""
-            };
-            Error::io(format!("cannot listen at {addr}{hint}"), e)
-        })?;
+    let inner = bind(&addrs).map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+            ": the address is in use (is another server running there?)"
+        } else {
+            ""
+        };
+        Error::io(format!("cannot listen at {addr}{hint}"), e)
+    })?;
     Ok(TcpListener {
         inner,
         config: config.clone(),
