@@ -415,3 +415,113 @@ async fn a_training_job_survives_hostile_peers_on_the_same_ps() {
         peak >> 10
     );
 }
+
+/// 40 connections open calls with a head and 64 KiB of data but no end (1.25 GiB offered),
+/// against a PS with a 128 MiB budget: its RSS stays within the budget plus a fixed
+/// overhead (the transport's receive queues of the paused connections, at most
+/// `credits x slot_size` = 4 MiB each, and the process's own 64 MiB), a new client's
+/// `Stats` call every 250 ms is answered within a second, and once the flood leaves the
+/// RSS falls back within the budget (freed memory is given back to the system).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ps_stays_within_its_memory_budget() {
+    const BUDGET_MIB: u64 = 128;
+    const CONNS: usize = 40;
+    const CALLS: u32 = 400;
+    let port = common::free_port();
+    let uri = format!("tcp://127.0.0.1:{port}");
+    let mut ps = Launch::new(env!("CARGO_BIN_EXE_ibex-ps"))
+        .listen(&uri)
+        .args(["--shard", "0", "--num-workers", "1", "--mode", "async"])
+        .args(["--max-memory", &format!("{BUDGET_MIB}M")])
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .expect("ibex-ps");
+    let pid = ps.id();
+    let config = ibex_transport::Config::default();
+    let honest = |uri: String| async move {
+        let ch = ibex_transport::grpc::Channel::connect(&uri).await?;
+        let t = Instant::now();
+        ParameterServerClient::new(ch)
+            .stats(pb::StatsRequest {})
+            .await
+            .map_err(|s| ibex_transport::Error::PeerGone(s.to_string()))?;
+        Ok::<Duration, ibex_transport::Error>(t.elapsed())
+    };
+    honest(uri.clone()).await.expect("the PS answers");
+    let rss0 = rss_kib(pid);
+
+    let mut body = BytesMut::new();
+    body.put_u8(0);
+    body.put_u32(64 << 10);
+    body.put_slice(&[7u8; 64 << 10]);
+    let body = body.freeze();
+    let mut floods = Vec::new();
+    for _ in 0..CONNS {
+        let c = ibex_transport::connect(&uri, config.clone())
+            .await
+            .expect("connect");
+        let body = body.clone();
+        floods.push(tokio::spawn(async move {
+            for id in 0..CALLS {
+                // HEAD and DATA, never END: the handler waits for the rest of its request.
+                let mut p = BytesMut::from(&call_packet(1 + 2 * id, "Push", 0)[..]);
+                p[4] = 1 | 2;
+                p.put_u32(body.len() as u32);
+                p.put_slice(&body);
+                if c.send(p.freeze()).await.is_err() {
+                    return;
+                }
+            }
+            std::future::pending::<()>().await;
+        }));
+    }
+    let mut peak = rss0;
+    let mut slowest = Duration::ZERO;
+    for _ in 0..16 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let took = tokio::time::timeout(Duration::from_secs(1), honest(uri.clone()))
+            .await
+            .expect("a new client waited more than 1 s for Stats")
+            .expect("a new client's Stats call");
+        slowest = slowest.max(took);
+        peak = peak.max(rss_kib(pid));
+    }
+    let overhead_mib = 64 + 4 * CONNS as u64;
+    eprintln!(
+        "ibex-ps: {CONNS} connections offered {} MiB of unended calls; PS RSS {} MiB at \
+         start, peak {} MiB (budget {BUDGET_MIB} MiB + {overhead_mib} MiB overhead); \
+         slowest Stats {slowest:?}",
+        (CONNS as u64 * u64::from(CALLS) * body.len() as u64) >> 20,
+        rss0 >> 10,
+        peak >> 10
+    );
+    assert!(
+        peak.saturating_sub(rss0) <= (BUDGET_MIB + overhead_mib) << 10,
+        "the PS grew from {} MiB to {} MiB",
+        rss0 >> 10,
+        peak >> 10
+    );
+    for f in floods {
+        f.abort();
+    }
+    // The flood's connections close with their tasks; what they held is given back.
+    let t = Instant::now();
+    loop {
+        let rss = rss_kib(pid);
+        if rss.saturating_sub(rss0) <= BUDGET_MIB << 10 {
+            break;
+        }
+        assert!(
+            t.elapsed() < WITHIN,
+            "the PS still holds {} MiB over its start after the flood left",
+            rss.saturating_sub(rss0) >> 10
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    honest(uri.clone())
+        .await
+        .expect("the PS answers after the flood");
+    assert!(ps.try_wait().unwrap().is_none(), "the PS exited");
+    let log = ps.output();
+    assert!(!log.contains("panicked"), "the PS panicked:\n{log}");
+}

@@ -15,8 +15,8 @@ use ibex_transport::config::EnvOverrides;
 use ibex_transport::error::Error;
 use ibex_transport::proto::frame::{Body, Frame};
 use ibex_transport::proto::{
-    Action, Connection, Delivery, EAGER_OVERHEAD, MsgId, PROBE_MSG_BIT, Protocol, RecvMode,
-    Transmit,
+    Action, CLOSE_DRAIN_TIMEOUT, Connection, Delivery, EAGER_OVERHEAD, MsgId, PROBE_MSG_BIT,
+    Protocol, RecvMode, Transmit,
 };
 use proptest::prelude::*;
 
@@ -962,6 +962,38 @@ fn a_slow_reader_stalls_the_sender_without_losing_anything() {
         "finished in {:?}",
         sim.elapsed()
     );
+}
+
+#[test]
+fn a_graceful_close_gives_up_on_a_peer_that_stopped_reading() {
+    let a = config();
+    let b = Config {
+        credits: 4,
+        slot_size: 4096,
+        ..config()
+    };
+    // The peer takes one message an hour: after its window, nothing more goes out.
+    let mut sim = Sim::pair(
+        &a,
+        &b,
+        SimCfg {
+            consume_every: Some(Duration::from_secs(3600)),
+            ..SimCfg::default()
+        },
+    );
+    for n in 0..20 {
+        sim.send(0, payload(n, 3000));
+    }
+    sim.run_for(Duration::from_millis(10));
+    let now = sim.now;
+    sim.sides[0].conn.close(now, "done");
+    sim.run_for(CLOSE_DRAIN_TIMEOUT / 2);
+    assert!(sim.sides[0].closed.is_none(), "gave up before the deadline");
+    sim.run_for(CLOSE_DRAIN_TIMEOUT);
+    match &sim.sides[0].closed {
+        Some(Error::Timeout(why)) => assert!(why.contains("stopped reading"), "{why}"),
+        other => panic!("the close still waits on a peer that stopped reading: {other:?}"),
+    }
 }
 
 #[test]

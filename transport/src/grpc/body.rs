@@ -49,6 +49,9 @@ pub(crate) struct Budget {
     /// budget, connections holding more are paused and take no new calls, and those holding
     /// less (honest clients with a call or two in flight) are still served.
     floor: usize,
+    /// Bytes the connections that ended since freed memory was last given back to the
+    /// system had received.
+    churn: AtomicUsize,
 }
 
 impl Budget {
@@ -57,6 +60,7 @@ impl Budget {
             used: AtomicUsize::new(0),
             limit,
             floor: (limit / 1024).clamp(64 << 10, 1 << 20),
+            churn: AtomicUsize::new(0),
         })
     }
 
@@ -72,6 +76,18 @@ impl Budget {
     fn over(&self) -> bool {
         self.used.load(Ordering::Acquire) > self.limit
     }
+
+    /// Adds what a connection that ended had received; true, once each time, when the
+    /// connections ended since then received at least `least` bytes together: the moment to
+    /// give freed memory back to the system.
+    pub(crate) fn ended(&self, received: usize, least: usize) -> bool {
+        let churn = self.churn.fetch_add(received, Ordering::AcqRel) + received;
+        churn >= least
+            && self
+                .churn
+                .compare_exchange(churn, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+    }
 }
 
 /// What one server connection holds for its peer: body bytes its handlers have not taken,
@@ -83,8 +99,6 @@ pub(crate) struct Held {
     bytes: AtomicUsize,
     limit: usize,
     budget: Arc<Budget>,
-    /// The most this connection held at once.
-    peak: AtomicUsize,
     /// Signalled (with a stored permit) when `bytes` falls back to the limit.
     below: tokio::sync::Notify,
 }
@@ -95,7 +109,6 @@ impl Held {
             bytes: AtomicUsize::new(0),
             limit,
             budget,
-            peak: AtomicUsize::new(0),
             below: tokio::sync::Notify::new(),
         })
     }
@@ -130,14 +143,13 @@ impl Held {
             tokio::time::timeout(std::time::Duration::from_millis(5), self.below.notified()).await;
     }
 
-    /// The most this connection held at once.
-    pub(crate) fn peak(&self) -> usize {
-        self.peak.load(Ordering::Relaxed)
+    /// The server's budget this connection's account is part of.
+    pub(crate) fn budget(&self) -> &Budget {
+        &self.budget
     }
 
     fn take(&self, n: usize) {
-        let now = self.bytes.fetch_add(n, Ordering::AcqRel) + n;
-        self.peak.fetch_max(now, Ordering::Relaxed);
+        self.bytes.fetch_add(n, Ordering::AcqRel);
         self.budget.used.fetch_add(n, Ordering::AcqRel);
     }
 
@@ -619,7 +631,9 @@ mod tests {
         // Dropping the charges gives everything back, and the heavy connection goes on.
         drop(calls);
         assert!(!heavy.over() && heavy.refusal().is_none());
-        assert_eq!(heavy.peak(), 80 << 20);
+        assert!(!budget.ended(40 << 20, 64 << 20));
+        assert!(budget.ended(40 << 20, 64 << 20), "time to give memory back");
+        assert!(!budget.ended(0, 64 << 20), "once");
         drop(small);
         assert_eq!(budget.used(), 0);
     }

@@ -790,15 +790,21 @@ async fn serve_conn(
     while cx.running.next().await.is_some() {}
     drop(cx);
     conn.close_with(&broken).await;
-    if held.peak() >= TRIM_AFTER {
+    let received = conn.stats().proto;
+    let received = received.eager_bytes_recv + received.rndv_bytes_recv;
+    if held
+        .budget()
+        .ended(usize::try_from(received).unwrap_or(usize::MAX), TRIM_AFTER)
+    {
         give_back_freed_memory();
     }
 }
 
-/// A connection that held this much at once has its freed memory returned to the system
-/// when it ends, so the server's resident size falls back after a client that made it hold
-/// much (the allocator otherwise keeps freed memory for reuse).
-const TRIM_AFTER: usize = 64 << 20;
+/// Once the connections that ended have received this much since the last time, the freed
+/// memory goes back to the system, so the resident size falls after clients that made the
+/// server allocate much (the allocator keeps freed memory for reuse, and `ibex-ps` asks it
+/// to keep all of it: [`crate::conn::keep_freed_memory`]).
+const TRIM_AFTER: usize = 16 << 20;
 
 fn give_back_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]

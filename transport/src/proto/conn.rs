@@ -32,6 +32,12 @@ const CLOSE_PROTOCOL: u32 = 1;
 const CLOSE_LOCAL_ERROR: u32 = 2;
 /// Close reasons are cut to this so a `Close` fits the smallest legal slot (1 KiB).
 const MAX_REASON: usize = 512;
+
+/// How long a graceful close waits for the peer to take one more of the messages still
+/// queued (or to finish reading one: a 1 GiB message takes under 9 s at 1 Gbit/s). A peer
+/// that stopped granting credit (it stopped reading, or is paused by its own limits) would
+/// otherwise keep the connection, and its socket, open for as long as it lives.
+pub const CLOSE_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// The smallest slot a peer may announce; matches `Config::validate`.
 const MIN_PEER_SLOT: usize = 1024;
 
@@ -233,6 +239,9 @@ pub struct Connection {
     // Closing.
     /// Graceful close requested with this reason.
     closing: Option<String>,
+    /// When a graceful close gives up on what is still queued ([`CLOSE_DRAIN_TIMEOUT`]),
+    /// unless fewer than this many messages are queued by then.
+    closing_by: Option<(Instant, usize)>,
     /// Set once `Action::Closed` was queued.
     close_error: Option<Error>,
     /// The last frame to hand out after closing (`Close`), once.
@@ -295,6 +304,7 @@ impl Connection {
             ping_unsent: false,
             pings: 0,
             closing: None,
+            closing_by: None,
             close_error: None,
             final_frame: None,
         };
@@ -495,6 +505,19 @@ impl Connection {
         if self.is_closed() {
             return;
         }
+        if let Some((by, queued)) = self.closing_by
+            && now >= by
+        {
+            let left = self.queued();
+            if left >= queued {
+                let why = format!(
+                    "closing: the peer took none of the {left} messages still queued within {} s (it stopped reading); they are dropped",
+                    CLOSE_DRAIN_TIMEOUT.as_secs()
+                );
+                return self.shut(Error::Timeout(why.clone()), Some((CLOSE_LOCAL_ERROR, why)));
+            }
+            self.closing_by = Some((now + CLOSE_DRAIN_TIMEOUT, left));
+        }
         if let Some(due) = self.ping
             && now >= due + self.cfg.keepalive_timeout
         {
@@ -548,10 +571,13 @@ impl Connection {
             (None, Some(idle)) if self.peer.is_some() => Some(self.last_heard + idle),
             _ => None,
         };
-        match (probe, keepalive) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let closing = self.closing_by.map(|(by, _)| by);
+        [probe, keepalive, closing].into_iter().flatten().min()
+    }
+
+    /// Messages not yet taken by the peer: queued to send, or exposed for its reads.
+    fn queued(&self) -> usize {
+        self.data.len() + self.unreleased.len()
     }
 
     /// Which protocol a message of `len` bytes would use now; `Err(TooLarge)` if either
@@ -776,7 +802,6 @@ impl Connection {
     ///
     /// Before the handshake nothing could have been sent, so it closes at once.
     pub fn close(&mut self, now: Instant, reason: &str) {
-        let _ = now;
         if self.is_closed() || self.closing.is_some() {
             return;
         }
@@ -787,6 +812,7 @@ impl Connection {
             );
         }
         self.closing = Some(reason.to_owned());
+        self.closing_by = Some((now + CLOSE_DRAIN_TIMEOUT, self.queued()));
         if self.pending_probe.take().is_some() {
             self.probe_done();
         }

@@ -31,7 +31,7 @@ pub mod frame;
 mod probe;
 
 pub use caps::{COPY_MAX, LinkCaps, Staging};
-pub use conn::{Connection, Transmit};
+pub use conn::{CLOSE_DRAIN_TIMEOUT, Connection, Transmit};
 pub use probe::{
     FRAGMENT_CANDIDATES, FRAGMENT_PROBE_LEN, FragmentCost, PROBE_TIMEOUT, ProbePlan, SizeCost,
     choose_fragment, choose_threshold,
