@@ -107,7 +107,8 @@ for h in "${hosts[@]}"; do
     ns "$h" ip link set lo up
     # Both directions of the host's link: into the namespace on the bridge side, out of it
     # inside.
-    tc qdisc add dev "$pre-$h" root tbf rate "$RATE" burst "$burst" latency 50ms
+    tc qdisc add dev "$pre-$h" root tbf rate "$RATE" burst "$burst" latency 50ms \
+        || skip "tc cannot add a tbf qdisc here (sch_tbf missing?)"
     ns "$h" tc qdisc add dev eth0 root tbf rate "$RATE" burst "$burst" latency 50ms
 done
 echo "== hosts ${hosts[*]} on bridge $br, every link shaped to $RATE each way (tbf, burst $burst B)"

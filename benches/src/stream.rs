@@ -65,7 +65,13 @@ pub fn measure(
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let r = rt.block_on(send(&addr, size, warmup, duration));
+    // A receiver that stops reading must not hang the sender: the whole run is bounded.
+    let limit = warmup + duration + Duration::from_secs(30);
+    let r = rt.block_on(async {
+        tokio::time::timeout(limit, send(&addr, size, warmup, duration))
+            .await
+            .unwrap_or_else(|_| Err(format!("the stream to {addr} stalled past {limit:?}").into()))
+    });
     if let Some(mut c) = child {
         let _ = c.kill();
         let _ = c.wait();
