@@ -57,6 +57,14 @@ step "ibex-bench smoke: every benchmark over every transport once, tiny sizes, n
 # The debug ibex-bench and ibex-ps binaries are the ones the workspace tests built.
 "${CARGO_TARGET_DIR:-target}/debug/ibex-bench" compare --smoke --out "${CARGO_TARGET_DIR:-target}/ibex-bench-smoke"
 
+step "emulated cluster: PS and workers in network namespaces over shaped veth links (root only)"
+# The debug binaries the workspace tests built (about 20 s). They move about 0.5 GB/s of
+# ResNet-50 steps on 2 cores, so the links are shaped well below that: the check is that
+# Ibex tcp fills a link it is not CPU-bound on, that the demo trains across hosts over tcp,
+# and that connect_auto does not take another host's shm socket.
+scripts/cluster-netns.sh --bin "${CARGO_TARGET_DIR:-target}/debug" --rate "${IBEX_NETNS_RATE:-1gbit}" \
+    --model resnet50 --steps 3 --demo-steps 150
+
 step "python: the ibex wheel (maturin, dev profile) into a venv, then pytest python/tests"
 # A debug build: on a fresh 2-core machine it compiles in about half the time of a release
 # one, and the tests are bound by process start-up, not by the extension's speed.

@@ -8,6 +8,7 @@
 
 #![warn(missing_docs)]
 
+mod auto;
 mod floor;
 mod models;
 mod payload;
@@ -15,6 +16,7 @@ mod ps_step;
 mod report;
 mod run;
 mod server;
+mod stream;
 mod transport;
 
 use std::io::{BufRead, BufReader, Write};
@@ -79,6 +81,40 @@ enum Cmd {
     PsWorker(ps_step::PsWorkerArgs),
     /// Run benchmarks over every available transport in one go; ratio table against tonic.
     Compare(CompareArgs),
+    /// Which provider `connect_auto` picks to a `listen_auto` endpoint (one echo over it).
+    Auto {
+        /// Be the endpoint: `listen_auto` here (`0.0.0.0:7200`) until killed.
+        #[arg(long, conflicts_with = "connect")]
+        listen: Option<String>,
+        /// `connect_auto` to this `host:port`.
+        #[arg(long, required_unless_present = "listen")]
+        connect: Option<String>,
+        /// Fail unless the connection's provider is this (shm, tcp, verbs).
+        #[arg(long)]
+        expect: Option<String>,
+    },
+    /// The tcp floor: one plain TCP stream (tokio, `--size` writes) to a receiver that
+    /// drops the bytes. `compare` runs it beside ibex-tcp's ps-step.
+    TcpStream {
+        /// Bytes per write (and per read on the receiving side).
+        #[arg(long, value_parser = parse_size, default_value = "1M")]
+        size: usize,
+        /// A receiver started by hand (`tcp-stream --listen`); default: spawn a local one.
+        #[arg(long)]
+        connect: Option<String>,
+        /// Be the receiver: listen here (`0.0.0.0:7100`) until killed, print the address.
+        #[arg(long, conflicts_with = "connect")]
+        listen: Option<String>,
+        /// Unmeasured seconds first.
+        #[arg(long, default_value_t = 0.5)]
+        warmup: f64,
+        /// Measured seconds.
+        #[arg(long, default_value_t = 2.0)]
+        duration: f64,
+        /// JSON lines on stdout instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// The physical floor of a round trip: two processes ping-pong over one shared cache
     /// line, spinning and sleeping on a futex (no transport). `compare` runs it beside the
     /// latency runs.
@@ -227,6 +263,26 @@ fn main() {
             json,
             wait,
         } => floor(warmup, duration, json, wait),
+        Cmd::Auto {
+            listen,
+            connect,
+            expect,
+        } => match (listen, connect) {
+            (Some(l), _) => auto::serve(&l),
+            (None, Some(c)) => auto::check(&c, expect.as_deref()),
+            (None, None) => Err("auto needs --listen or --connect".into()),
+        },
+        Cmd::TcpStream {
+            size,
+            connect,
+            listen,
+            warmup,
+            duration,
+            json,
+        } => match listen {
+            Some(addr) => stream::listen(&addr, size),
+            None => tcp_stream(connect.as_deref(), size, warmup, duration, json),
+        },
         Cmd::Latency(a) => bench("latency", a),
         Cmd::Bw(a) => bench("bw", a),
         Cmd::Bibw(a) => bench("bibw", a),
@@ -266,6 +322,42 @@ fn floor(warmup: f64, duration: f64, json: bool, only: Option<floor::Wait>) -> R
         }
     }
     Ok(())
+}
+
+/// `ibex-bench tcp-stream` as the sender: one record.
+fn tcp_stream(
+    connect: Option<&str>,
+    size: usize,
+    warmup: f64,
+    duration: f64,
+    json: bool,
+) -> Res<()> {
+    let r = stream::measure(
+        connect,
+        size,
+        Duration::from_secs_f64(warmup),
+        Duration::from_secs_f64(duration),
+    )?;
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("{}\n{}", report::header(), report::row(&r));
+    }
+    Ok(())
+}
+
+/// The tcp floor beside ibex-tcp's large transfers: one plain stream of 1 MiB writes.
+fn run_tcp_stream(duration: f64, warmup: f64) -> Res<Vec<Record>> {
+    let args = [
+        "tcp-stream",
+        "--json",
+        "--duration",
+        &duration.to_string(),
+        "--warmup",
+        &warmup.to_string(),
+    ]
+    .map(String::from);
+    run_client(&args, Duration::from_secs(60))
 }
 
 /// A local server process; killed on drop.
@@ -821,6 +913,18 @@ fn compare(a: CompareArgs) -> Res<()> {
         for (bench, extra) in &plan {
             if !applies(bench, t) {
                 continue;
+            }
+            if *bench == "ps-step" && t == Transport::IbexTcp {
+                // The floor ibex-tcp's step is judged against, measured right before it.
+                match run_tcp_stream(duration, warmup) {
+                    Ok(recs) => {
+                        for r in recs {
+                            println!("{}", report::row(&r));
+                            all.push(r);
+                        }
+                    }
+                    Err(e) => failures.push(format!("tcp-stream: {e}")),
+                }
             }
             match run_point(t, &servers, bench, extra, duration, warmup) {
                 Ok(recs) => {

@@ -59,6 +59,10 @@ pub struct PsStepArgs {
     /// One `push_pull` per PS per step instead of TensorFlow's pull, then push.
     #[arg(long)]
     pub fused: bool,
+    /// Run worker i under `ip netns exec NS_i` (one network namespace per worker, as
+    /// `scripts/cluster-netns.sh` sets up); as many names as workers.
+    #[arg(long, value_delimiter = ',')]
+    pub worker_netns: Vec<String>,
     /// JSON lines on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -397,9 +401,24 @@ pub fn measure(a: &PsStepArgs) -> Res<Record> {
         a.connect.clone()
     };
     let exe = std::env::current_exe()?;
+    if !a.worker_netns.is_empty() && a.worker_netns.len() != a.workers {
+        return Err(format!(
+            "--worker-netns names {} namespaces for {} workers",
+            a.worker_netns.len(),
+            a.workers
+        )
+        .into());
+    }
     let mut workers = Vec::new();
     for i in 0..a.workers {
-        let mut c = Command::new(&exe);
+        let mut c = match a.worker_netns.get(i) {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
         c.args([
             "ps-worker",
             "--model",
@@ -599,6 +618,7 @@ mod tests {
             warmup_steps: None,
             quick: false,
             fused: false,
+            worker_netns: vec![],
             json: true,
         };
         let w = |i| WorkerResult {

@@ -273,10 +273,23 @@ impl View<'_> {
             .map(|r| r.mb_s)
     }
     fn step(&self, t: &str) -> Option<f64> {
+        self.step_record(t).map(|r| r.rpc_s)
+    }
+    /// Effective MB/s of the ResNet-50 2x2 step.
+    fn step_mb(&self, t: &str) -> Option<f64> {
+        self.step_record(t).map(|r| r.mb_s)
+    }
+    fn step_record(&self, t: &str) -> Option<&Record> {
         self.find("ps-step", t, |r| {
             r.payload == "resnet50" && r.topology == "2x2"
         })
-        .map(|r| r.rpc_s)
+    }
+    /// The plain TCP stream measured beside ibex-tcp's step.
+    fn tcp_stream(&self) -> Option<f64> {
+        self.0
+            .iter()
+            .find(|r| r.bench == "tcp-stream")
+            .map(|r| r.mb_s)
     }
 }
 
@@ -445,6 +458,18 @@ pub fn bars(records: &[Record]) -> String {
         "ps-step resnet50 2x2, ibex-shm / tonic steps/s",
         &|v| ratio(v.step("ibex-shm"), v.step("tonic")),
         3.0,
+        "x",
+    );
+    bar(
+        "ps-step resnet50 2x2, ibex-tcp / tonic steps/s",
+        &|v| ratio(v.step("ibex-tcp"), v.step("tonic")),
+        1.8,
+        "x",
+    );
+    bar(
+        "ps-step resnet50 2x2, ibex-tcp effective MB/s / one plain TCP stream",
+        &|v| ratio(v.step_mb("ibex-tcp"), v.tcp_stream()),
+        0.7,
         "x",
     );
     bar(
@@ -669,6 +694,32 @@ mod tests {
             server_rss_kib: 0,
             round: None,
         }
+    }
+
+    #[test]
+    fn the_tcp_step_is_judged_against_tonic_and_the_plain_stream() {
+        let step = |t: &str, steps: f64, mb: f64| Record {
+            payload: "resnet50".into(),
+            topology: "2x2".into(),
+            rpc_s: steps,
+            ..rec("ps-step", t, 102 << 20, 1.0, mb)
+        };
+        let rs = vec![
+            step("tonic", 2.0, 800.0),
+            step("ibex-tcp", 4.0, 1600.0),
+            rec("tcp-stream", "local", 1 << 20, 1.0, 2000.0),
+        ];
+        let b = bars(&rs);
+        assert!(
+            b.contains("[met ] ps-step resnet50 2x2, ibex-tcp / tonic steps/s: 2.00x"),
+            "{b}"
+        );
+        assert!(
+            b.contains(
+                "[met ] ps-step resnet50 2x2, ibex-tcp effective MB/s / one plain TCP stream: 0.80x"
+            ),
+            "{b}"
+        );
     }
 
     #[test]

@@ -47,6 +47,13 @@ pub struct LinkInfo {
     pub rendezvous_path: String,
     /// Reads are served without the peer's CPU (true for CMA and RDMA READ).
     pub one_sided: bool,
+    /// A read of an exposed buffer moves its bytes from that buffer into the reader's
+    /// destination with no copy of the link's own on either side: CMA, RDMA READ, and tcp,
+    /// whose owner's link writes the buffer to the socket as it is and whose reader's link
+    /// reads the socket straight into the destination. False where reads pass through a
+    /// staging buffer (shm without CMA). Where it holds, large buffers are worth sending
+    /// by descriptor rather than inside a message body (`LinkCaps::remote_min`).
+    pub direct_reads: bool,
     /// Human-readable peer identity for logs (`pid 1234`, `10.0.0.2:7000`).
     pub peer: String,
     /// Reads cross a network in pipelined work requests, so the fragment size is worth
@@ -82,6 +89,7 @@ impl LinkInfo {
     pub fn caps(&self) -> crate::proto::LinkCaps {
         crate::proto::LinkCaps {
             registers: self.registrar.is_some(),
+            direct_reads: self.direct_reads,
             max_push: self.max_push,
             max_read: self.max_read,
             pipelined_reads: self.pipelined_reads,

@@ -521,7 +521,8 @@ async fn shm_pool_sharing_dialer() {
 }
 
 /// The size from which a buffer goes by descriptor comes from the connection: half a
-/// fragment and at least twice the eager threshold where reads are one-sided, none on tcp.
+/// fragment and at least twice the eager threshold where reads are direct (CMA, and tcp's
+/// stream into the destination).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_min_derives_from_the_connection() {
     let (a, b) = pair_with("shm", "remotemin", fixed_threshold(4096)).await;
@@ -539,8 +540,10 @@ async fn remote_min_derives_from_the_connection() {
         Some(512 << 10),
         "never below twice the eager threshold"
     );
-    let (t, _u) = pair_with("tcp", "remotemin", fixed_threshold(4096)).await;
-    assert_eq!(t.remote_min(), None, "tcp reads are served by the owner");
+    let (t, u) = pair_with("tcp", "remotemin", fixed_threshold(4096)).await;
+    let (threshold, fragment) = t.message_sizes();
+    assert_eq!(t.remote_min(), Some((fragment / 2).max(2 * threshold)));
+    assert_eq!(u.remote_min(), t.remote_min());
 }
 
 /// tcp pushes message bodies behind their RTS. With a receive budget far below what is in

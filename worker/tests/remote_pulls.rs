@@ -1,7 +1,8 @@
-//! Pull replies as descriptors: over shm the PS exposes its snapshot of each large variable
-//! and the worker reads it one-sided into its own vector; small variables, tcp channels and
-//! a connection past its lease cap get the bytes in the body. Values are bit-for-bit those
-//! of inline pulls.
+//! Pull replies as descriptors: over shm and tcp the PS exposes its snapshot of each large
+//! variable and the worker reads it into its own vector (one-sided over shm; over tcp the
+//! PS's link streams it and the worker's link reads the socket straight into the vector);
+//! small variables, stock gRPC channels and a connection past its lease cap get the bytes in
+//! the body. Values are bit-for-bit those of inline pulls.
 
 use std::time::{Duration, Instant};
 
@@ -118,24 +119,29 @@ fn assert_bits_equal(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_pulls_are_read_one_sided_and_equal_inline_pulls() {
-    // tcp does not read one-sided: every reply travels in the body.
-    let (tcp, stop_tcp) = start(TransportKind::Tcp, ExposeLimits::default());
-    let (inline, tcp_read) = train(&tcp).await;
-    assert_eq!(tcp_read, 0, "a tcp channel gets pull replies inline");
-    drop(stop_tcp);
-
-    let (shm, stop_shm) = start(TransportKind::Shm, ExposeLimits::default());
-    let (remote, shm_read) = train(&shm).await;
-    assert_bits_equal(&inline, &remote);
-    // Every pull (the first, one per step, the last) read each large part one-sided, and
-    // nothing of "small": it stays inline.
+async fn large_pulls_are_read_by_descriptor_and_equal_inline_pulls() {
+    // Stock gRPC has no descriptors: every reply travels in the body.
+    let (grpc, stop_grpc) = start(TransportKind::Grpc, ExposeLimits::default());
+    let (inline, grpc_read) = train(&grpc).await;
     assert_eq!(
-        shm_read,
-        LARGE_BYTES * (STEPS + 2),
-        "one-sided read bytes on the worker"
+        grpc_read, 0,
+        "a stock gRPC channel gets pull replies inline"
     );
-    drop(stop_shm);
+    drop(stop_grpc);
+
+    for kind in [TransportKind::Shm, TransportKind::Tcp] {
+        let (spec, stop) = start(kind, ExposeLimits::default());
+        let (remote, read) = train(&spec).await;
+        assert_bits_equal(&inline, &remote);
+        // Every pull (the first, one per step, the last) read each large part by
+        // descriptor, and nothing of "small": it stays inline.
+        assert_eq!(
+            read,
+            LARGE_BYTES * (STEPS + 2),
+            "{kind:?}: read bytes on the worker"
+        );
+        drop(stop);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -146,9 +152,9 @@ async fn past_the_lease_cap_replies_go_inline_and_released_leases_free_room() {
         max_leases: 1,
         ..ExposeLimits::default()
     };
-    let (tcp, stop_tcp) = start(TransportKind::Tcp, ExposeLimits::default());
-    let (inline, _) = train(&tcp).await;
-    drop(stop_tcp);
+    let (grpc, stop_grpc) = start(TransportKind::Grpc, ExposeLimits::default());
+    let (inline, _) = train(&grpc).await;
+    drop(stop_grpc);
     let (shm, stop_shm) = start(TransportKind::Shm, one);
     let (capped, read) = train(&shm).await;
     assert_bits_equal(&inline, &capped);

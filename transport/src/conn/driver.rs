@@ -1748,6 +1748,7 @@ mod tests {
                 max_frame: 4096,
                 rendezvous_path: String::new(),
                 one_sided: false,
+                direct_reads: false,
                 peer: String::new(),
                 pipelined_reads: false,
                 dma_reads: false,

@@ -620,19 +620,17 @@ impl Connection {
         self.shared().lock().info.one_sided
     }
 
-    /// The smallest buffer worth moving by descriptor (the peer reads it one-sided with
-    /// [`Connection::read_remote`]) rather than inside a message; `None` where reads are not
-    /// one-sided (tcp: the owner's CPU serves them, so a message body is as fast).
-    ///
-    /// A descriptor costs an exposure, a lease and a read's round trip, and pays back when
-    /// the read saves the receiver's copy of a large message: from half a rendezvous
-    /// fragment up, and never for what travels eagerly (at least twice the eager threshold).
-    /// Both come from this connection (probed or configured): shm's defaults give 256 KiB.
+    /// The smallest buffer worth moving by descriptor (the peer reads it with
+    /// [`Connection::read_remote`]) rather than inside a message; `None` where reads pass
+    /// through a staging buffer (shm without CMA). The core decides
+    /// ([`crate::proto::LinkCaps::remote_min`]) from the link's capabilities and this
+    /// connection's fragment size and eager threshold (probed or configured): the defaults
+    /// give 256 KiB.
     pub fn remote_min(&self) -> Option<usize> {
         let st = self.shared().lock();
-        st.info
-            .one_sided
-            .then(|| (st.core.fragment_size() / 2).max(st.core.eager_threshold().saturating_mul(2)))
+        st.core
+            .link()
+            .remote_min(st.core.fragment_size(), st.core.eager_threshold())
     }
 
     /// True when exposing memory the provider did not allocate costs a registration (verbs):

@@ -12,6 +12,9 @@ pub struct LinkCaps {
     /// Exposing memory that is not registered already registers it (verbs): the link has a
     /// `Registrar`, and registered memory to copy into.
     pub registers: bool,
+    /// A read moves an exposed buffer into the reader's destination with no copy of the
+    /// link's own (`LinkInfo::direct_reads`).
+    pub direct_reads: bool,
     /// The longest message body the link can push behind the RTS that announces it, so
     /// that the peer's reads are filled without a request (tcp, towards a peer that takes
     /// pushes: `LinkInfo::max_push`); 0 where it cannot push.
@@ -29,6 +32,7 @@ impl Default for LinkCaps {
     fn default() -> Self {
         LinkCaps {
             registers: false,
+            direct_reads: false,
             max_push: 0,
             max_read: usize::MAX,
             pipelined_reads: false,
@@ -98,6 +102,24 @@ impl LinkCaps {
         }
     }
 
+    /// The smallest buffer worth sending by descriptor, for the peer to read into its own
+    /// destination, rather than inside a message body; `None` where reads are not direct.
+    ///
+    /// A message body costs copies above the link that a read does not: the sender encodes
+    /// the buffer into the body, and the receiver copies the body's pieces together and
+    /// then out into the buffer it wanted. A descriptor costs an exposure, a lease and a
+    /// read's round trip instead. The copies outweigh the trip from half a rendezvous
+    /// fragment up, and never for what travels eagerly (at least twice the eager
+    /// threshold); `fragment_size` and `eager_threshold` are the connection's own.
+    ///
+    /// That holds on tcp as on shared memory: its reads are served from the owner's
+    /// buffer and land in the reader's destination, one kernel copy each way, the same as a
+    /// message body's, so only the copies above the link differ.
+    pub fn remote_min(&self, fragment_size: usize, eager_threshold: usize) -> Option<usize> {
+        self.direct_reads
+            .then(|| (fragment_size / 2).max(eager_threshold.saturating_mul(2)))
+    }
+
     /// Whether a rendezvous body of `len` bytes is pushed behind its RTS. The peer reads
     /// the body whole right after the RTS, so pushing it saves the read request's trip;
     /// anything the link can push goes (an empty body has nothing to read).
@@ -153,6 +175,21 @@ mod tests {
             (rdma.probe_fragments, rdma.probe_threshold),
             (c.probe_fragments, c.probe_threshold)
         );
+    }
+
+    #[test]
+    fn buffers_go_by_descriptor_only_where_reads_are_direct() {
+        let direct = LinkCaps {
+            direct_reads: true,
+            ..LinkCaps::default()
+        };
+        assert_eq!(direct.remote_min(512 << 10, 16 << 10), Some(256 << 10));
+        assert_eq!(
+            direct.remote_min(128 << 10, 256 << 10),
+            Some(512 << 10),
+            "never below twice the eager threshold"
+        );
+        assert_eq!(LinkCaps::default().remote_min(512 << 10, 16 << 10), None);
     }
 
     #[test]

@@ -362,6 +362,7 @@ impl ShmLink {
             max_frame: p.peer_slot_size,
             rendezvous_path: if p.cma { "cma" } else { "bounce" }.into(),
             one_sided: p.cma,
+            direct_reads: p.cma,
             peer: format!("pid {} uid {}", p.peer_pid, p.peer_uid),
             pipelined_reads: false,
             dma_reads: false,

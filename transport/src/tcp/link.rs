@@ -996,6 +996,7 @@ impl Link for TcpLink {
             max_frame: self.peer_slot,
             rendezvous_path: "tcp-stream".into(),
             one_sided: false,
+            direct_reads: true,
             peer: self.peer.clone(),
             pipelined_reads: false,
             dma_reads: false,

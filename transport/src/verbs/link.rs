@@ -726,6 +726,7 @@ impl Link for VerbsLink {
             max_frame: self.max_frame,
             rendezvous_path: "rdma-read".into(),
             one_sided: true,
+            direct_reads: true,
             peer: self.peer.clone(),
             pipelined_reads: true,
             dma_reads: true,
