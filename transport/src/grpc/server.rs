@@ -748,7 +748,12 @@ async fn serve_conn(
                 }
             }
             // A refusal waits for send room before anything more is read.
-            sent = async { refusing.as_mut().expect("guarded").await }, if refusing.is_some() => {
+            sent = async {
+                match refusing.as_mut() {
+                    Some(r) => r.await,
+                    None => std::future::pending().await,
+                }
+            }, if refusing.is_some() => {
                 refusing = None;
                 if let Err(e) = sent {
                     tracing::debug!(%e, "gRPC server: connection ended while refusing a call");
