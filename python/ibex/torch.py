@@ -7,12 +7,14 @@
 
 The wrapped optimizer's kind and hyper-parameters (SGD with or without momentum, Adagrad,
 Adam) become the PS's optimizer: the PS applies the update, so the local optimizer never
-steps. Each parameter is pushed from a gradient hook as soon as backward has accumulated
-its gradient, so pushes of later layers overlap the backward pass of earlier ones;
-`step()` pushes what is left, waits, and pulls the fresh weights straight into the
-parameters' memory before the next forward pass. Sync or async is the PS's `--mode`
-(`launch_local(mode=...)`): in sync mode the PS averages the workers' gradients once per
-step; in async mode every push is applied on arrival and pulls never wait.
+steps. Each gradient is copied once, into the worker's registered buffer for its
+variable, and pushed either from a gradient hook as soon as backward has produced it (the
+push overlaps the rest of backward) or with the others in `step()`; by default the
+optimizer times both and keeps the faster. `step()` waits for the step and reads the fresh
+weights straight into the parameters' memory before the next forward pass. Sync or async
+is the PS's `--mode` (`launch_local(mode=...)`): in sync mode the PS averages the workers'
+gradients once per step; in async mode every push is applied on arrival and pulls never
+wait.
 
 Import it only where torch is installed: `import ibex` never imports torch.
 """
