@@ -244,7 +244,7 @@ class DistributedOptimizer:
         self._steps_seen += 1
         if self._chosen is not None or last is None:
             return
-        if self._steps_seen - 1 > _WARMUP_STEPS:
+        if self._steps_seen > _WARMUP_STEPS:
             self._probe[overlapped].append(now - last)
         on, off = self._probe[True], self._probe[False]
         if len(on) >= _PROBE_STEPS and len(off) >= _PROBE_STEPS:
