@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every test of the project, on a fresh machine: unit, integration, property and
 # fuzz-corpus tests, the shm ring's loom model checks, a build of the benchmarks, the
-# Python package's pytest suite (wheel built into a venv; maturin, numpy and pytest from
+# Python package's pytest suite (wheel built into a venv; maturin, numpy, pytest and mypy from
 # PyPI), a bounded cargo-fuzz run of every decoder a peer can reach, and the verbs suites
 # on Soft-RoCE inside a qemu VM (installs qemu, rdma-core and a kernel via apt on first
 # use; needs root).
@@ -76,8 +76,8 @@ if [ ! -x "$target/pyvenv/bin/python" ]; then
     python3 -m venv "$target/pyvenv" 2>/dev/null || { apt_need python3-venv && python3 -m venv "$target/pyvenv"; } \
         || die "python3 -m venv failed: install the venv module (Debian: apt-get install python3-venv) and re-run."
 fi
-"$target/pyvenv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "numpy>=1.22" "pytest>=7" \
-    || die "pip could not install maturin, numpy and pytest from PyPI into $target/pyvenv."
+"$target/pyvenv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "numpy>=1.22" "pytest>=7" "mypy>=1.5" \
+    || die "pip could not install maturin, numpy, pytest and mypy from PyPI into $target/pyvenv."
 rm -rf "$target/wheels-test"
 "$target/pyvenv/bin/maturin" build --locked -m python/Cargo.toml -o "$target/wheels-test"
 "$target/pyvenv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$target"/wheels-test/ibex-*.whl

@@ -11,6 +11,7 @@ See docs/python.md for the whole API.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -60,42 +61,52 @@ __all__ = [
 # Optimizers, applied on the PS (docs/ps.md, "Optimizers").
 @dataclass(frozen=True)
 class SGD:
+    """Plain SGD on the PS: `value -= lr * mean gradient`."""
+
     lr: float
 
-    def _native(self):
+    def _native(self) -> "OptTuple":
         return ("sgd", self.lr, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class Momentum:
+    """SGD with momentum on the PS (no nesterov, no dampening)."""
+
     lr: float
     momentum: float = 0.9
 
-    def _native(self):
+    def _native(self) -> "OptTuple":
         return ("momentum", self.lr, self.momentum, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class Adagrad:
+    """Adagrad on the PS, accumulator starting at zero."""
+
     lr: float
     eps: float = 1e-7
 
-    def _native(self):
+    def _native(self) -> "OptTuple":
         return ("adagrad", self.lr, self.eps, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class Adam:
+    """Adam on the PS (no weight decay, no amsgrad)."""
+
     lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
 
-    def _native(self):
+    def _native(self) -> "OptTuple":
         return ("adam", self.lr, self.beta1, self.beta2, self.eps)
 
 
+OptTuple = Tuple[str, float, float, float, float]
 Init = Union[str, Tuple[str, float]]
+Optimizer = Union[SGD, Momentum, Adagrad, Adam]
 
 
 @dataclass
@@ -108,7 +119,7 @@ class Variable:
     name: str
     shape: Sequence[int]
     init: Init = "zeros"
-    optimizer: object = field(default_factory=lambda: SGD(0.01))
+    optimizer: Optimizer = field(default_factory=lambda: SGD(0.01))
     seed: int = 0
     dtype: str = "float32"
     sparse: bool = False
@@ -137,7 +148,52 @@ def _pairs(grads: Grads) -> List[Tuple[str, np.ndarray]]:
     return list(grads)
 
 
-def _spec(cluster) -> "ClusterSpec":
+def _torchrun_spec() -> Optional["ClusterSpec"]:
+    """The cluster of a torchrun (or torch.distributed.launch) job: RANK and WORLD_SIZE
+    from the launcher, the PS from IBEX_PS (`host:port,host:port,...`) or a spec file
+    named by IBEX_CLUSTER. None outside such a job."""
+    if os.environ.get("RANK") is None or os.environ.get("WORLD_SIZE") is None:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise SpecError(
+            f"RANK={os.environ['RANK']!r} and WORLD_SIZE={os.environ['WORLD_SIZE']!r} must be "
+            "integers (torchrun sets them)"
+        ) from None
+    if not 0 <= rank < world:
+        raise SpecError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    path = os.environ.get("IBEX_CLUSTER")
+    ps = os.environ.get("IBEX_PS")
+    if path:
+        spec = ClusterSpec.from_file(path)
+        if len(spec.workers) != world:
+            raise SpecError(
+                f"{path} lists {len(spec.workers)} workers but torchrun started WORLD_SIZE={world}: "
+                "list one worker per rank"
+            )
+        return spec.with_task("worker", rank)
+    if not ps:
+        raise SpecError(
+            "this is a torchrun job (RANK, WORLD_SIZE) but Ibex does not know its PS: set "
+            "IBEX_PS=host:port,host:port (one per PS shard) or IBEX_CLUSTER=cluster.toml"
+        )
+    addrs = [a.strip() for a in ps.split(",") if a.strip()]
+    transport = os.environ.get("IBEX_TRANSPORT", "tcp")
+    # Workers only connect out: their addresses name them, no one connects to them.
+    master = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
+    toml = (
+        "[cluster]\n"
+        f"ps = {json.dumps(addrs)}\n"
+        f"workers = {json.dumps([master] * world)}\n"
+        f"transport = {json.dumps(transport)}\n"
+    )
+    if os.environ.get("IBEX_SYNC_TIMEOUT_SECS"):
+        toml += f"sync_timeout_secs = {float(os.environ['IBEX_SYNC_TIMEOUT_SECS'])}\n"
+    return ClusterSpec.from_toml(toml).with_task("worker", rank)
+
+
+def _spec(cluster: "ClusterArg") -> "ClusterSpec":
     """A ClusterSpec from what `Worker.connect` accepts."""
     if isinstance(cluster, ClusterSpec):
         return cluster
@@ -148,9 +204,13 @@ def _spec(cluster) -> "ClusterSpec":
             return ClusterSpec.from_tf_config(os.environ["TF_CONFIG"])
         if os.environ.get("SLURM_PROCID") is not None:
             return ClusterSpec.from_slurm()
+        spec = _torchrun_spec()
+        if spec is not None:
+            return spec
         raise SpecError(
-            "no cluster given and neither TF_CONFIG nor a Slurm step (SLURM_PROCID) in the "
-            "environment: pass cluster= a TOML file, TOML text, 'tf_config' or 'slurm'"
+            "no cluster given and none in the environment (TF_CONFIG, a Slurm step, or "
+            "torchrun's RANK/WORLD_SIZE with IBEX_PS or IBEX_CLUSTER): pass cluster= a TOML "
+            "file, TOML text, 'tf_config', 'slurm' or 'torchrun'"
         )
     if cluster == "tf_config":
         if not os.environ.get("TF_CONFIG"):
@@ -158,15 +218,23 @@ def _spec(cluster) -> "ClusterSpec":
         return ClusterSpec.from_tf_config(os.environ["TF_CONFIG"])
     if cluster == "slurm":
         return ClusterSpec.from_slurm()
+    if cluster == "torchrun":
+        spec = _torchrun_spec()
+        if spec is None:
+            raise SpecError("cluster='torchrun' but RANK and WORLD_SIZE are not set: run under torchrun")
+        return spec
     if isinstance(cluster, (str, os.PathLike)):
         text = os.fspath(cluster)
         if "[cluster]" in text:
             return ClusterSpec.from_toml(text)
         return ClusterSpec.from_file(text)
     raise TypeError(
-        f"cluster must be a path, TOML text, 'tf_config', 'slurm', a ClusterSpec or a "
-        f"LocalCluster, not {type(cluster).__name__}"
+        f"cluster must be a path, TOML text, 'tf_config', 'slurm', 'torchrun', a ClusterSpec or "
+        f"a LocalCluster, not {type(cluster).__name__}"
     )
+
+
+ClusterArg = Union[None, str, "os.PathLike[str]", ClusterSpec, LocalCluster]
 
 
 class Worker:
@@ -180,11 +248,14 @@ class Worker:
         self._w = native
         self.spec = spec
         self.index = index
+        #: LOCAL_RANK under torchrun (this process's slot on its host, for picking a
+        #: device), else None.
+        self.local_rank: Optional[int] = _local_rank()
 
     @classmethod
     def connect(
         cls,
-        cluster=None,
+        cluster: ClusterArg = None,
         index: Optional[int] = None,
         *,
         connect_timeout: Optional[float] = None,
@@ -192,10 +263,14 @@ class Worker:
         sync_timeout: Optional[float] = None,
         keepalive: Optional[float] = None,
     ) -> "Worker":
-        """Connects to every PS of `cluster`: a cluster TOML file or text, 'tf_config' or
-        'slurm' (or None: whichever of those the environment has), a ClusterSpec or a
-        LocalCluster. `index` is this worker's index (default: the one TF_CONFIG or Slurm
-        gives).
+        """Connects to every PS of `cluster`: a cluster TOML file or text, 'tf_config',
+        'slurm' or 'torchrun' (or None: whichever of those the environment has), a
+        ClusterSpec or a LocalCluster. `index` is this worker's index (default: the one
+        TF_CONFIG, Slurm or torchrun's RANK gives).
+
+        Under torchrun, `Worker.connect()` reads RANK and WORLD_SIZE, the PS addresses from
+        IBEX_PS (`host:port,host:port`, transport IBEX_TRANSPORT, default tcp) or a cluster
+        TOML named by IBEX_CLUSTER, and keeps LOCAL_RANK as `local_rank`.
 
         The bounds, in seconds, override the spec's (docs/ps.md, "Failures"):
         `connect_timeout` for reaching each PS, `call_timeout` for every call after,
@@ -219,6 +294,7 @@ class Worker:
 
     @property
     def num_ps(self) -> int:
+        """Number of PS shards."""
         return self._w.num_ps
 
     def create_variables(self, variables: Sequence[Variable]) -> None:
@@ -227,6 +303,7 @@ class Worker:
         self._w.create_variables([v._native() for v in variables])
 
     def shape(self, name: str) -> Tuple[int, ...]:
+        """The full shape of a created variable."""
         s = self._w.shape(name)
         if s is None:
             raise UnknownVariableError(f"unknown variable {name!r}: create it with create_variables first")
@@ -265,10 +342,16 @@ class Worker:
         """As `stage`, raising BufferBusyError instead of waiting."""
         return self._w.try_stage(list(names))
 
-    def push_staged(self, step: int, staged) -> None:
+    def push_staged(self, step: int, staged: "_native.Staged") -> None:
+        """Pushes a staging lease for `step` (no copy on the worker); its views turn
+        read-only, since the PS may still read the buffers."""
         self._w.push_staged(int(step), staged)
 
-    def push_pull_staged(self, step: int, staged, out: Optional[Sequence[np.ndarray]] = None):
+    def push_pull_staged(
+        self, step: int, staged: "_native.Staged", out: Optional[Sequence[np.ndarray]] = None
+    ) -> Optional[List[np.ndarray]]:
+        """`push_staged`, then the fresh values of the staged variables in staging order:
+        new arrays, or read straight into `out` (returns None)."""
         return self._w.push_pull_staged(int(step), staged, None if out is None else list(out))
 
     # asyncio: the blocking calls release the GIL, so running them on the loop's default
@@ -308,6 +391,7 @@ class Worker:
         return self._w.restore()
 
     def current_step(self) -> int:
+        """The number of steps every PS has applied (the step to push next)."""
         return self._w.current_step()
 
     def stats(self) -> List[dict]:
@@ -334,22 +418,42 @@ class Worker:
 class StepPush:
     """One step's per-layer pushes (`Worker.begin_step`)."""
 
-    def __init__(self, native):
+    def __init__(self, native: "_native.StepPush"):
         self._s = native
 
     @property
     def step(self) -> int:
+        """The step these pushes contribute to."""
         return self._s.step
 
     def push(self, grads: Grads) -> None:
         """Sends `grads` in the background (copied once, so the arrays may be reused)."""
         self._s.push(_pairs(grads))
 
+    def push_staged(self, staged: "_native.Staged") -> None:
+        """Sends a staging lease (`Worker.stage`) in the background and returns at once:
+        the gradients were written into the registered buffers, so nothing is copied. The
+        lease's views become read-only."""
+        self._s.push_staged(staged)
+
     def finish(self) -> None:
+        """Waits until every push of the step was accepted by its PS."""
         self._s.finish()
 
-    def finish_pull(self, names: Sequence[str], out: Optional[Sequence[np.ndarray]] = None):
+    def finish_pull(
+        self, names: Sequence[str], out: Optional[Sequence[np.ndarray]] = None
+    ) -> Optional[List[np.ndarray]]:
+        """Waits for the pushes, then returns the values of `names` after this step (new
+        arrays), or reads them straight into `out` (returns None)."""
         return self._s.finish_pull(list(names), None if out is None else list(out))
+
+
+def _local_rank() -> Optional[int]:
+    v = os.environ.get("LOCAL_RANK")
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
 
 
 async def _in_thread(fn, *args):

@@ -12,11 +12,11 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, VarSpec, WorkerError};
+use ibex_worker::{ClusterSpec, Dtype, Init, Optimizer, OutBuf, VarSpec, WorkerError};
 use numpy::ndarray::{ArrayViewMut, IxDyn};
 use numpy::{
-    PyArray, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray,
-    PyUntypedArrayMethods,
+    PyArray, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
@@ -211,16 +211,19 @@ impl Spec {
         })
     }
 
+    /// The PS addresses (`host:port`), in shard order.
     #[getter]
     fn ps(&self) -> Vec<String> {
         self.spec.ps.clone()
     }
 
+    /// The worker addresses, in index order.
     #[getter]
     fn workers(&self) -> Vec<String> {
         self.spec.workers.clone()
     }
 
+    /// `"shm"`, `"tcp"`, `"verbs"` or `"grpc"`.
     #[getter]
     fn transport(&self) -> &'static str {
         self.spec.transport.as_str()
@@ -238,6 +241,30 @@ impl Spec {
         self.index
     }
 
+    /// The same spec naming this task's role (`"ps"` or `"worker"`) and index, as
+    /// TF_CONFIG and Slurm specs do; the index must be in range.
+    fn with_task(&self, job: &str, index: usize) -> PyResult<Spec> {
+        let n = match job {
+            "worker" => self.spec.workers.len(),
+            "ps" => self.spec.ps.len(),
+            j => {
+                return Err(PyValueError::new_err(format!(
+                    "job must be \"worker\" or \"ps\", not {j:?}"
+                )));
+            }
+        };
+        if index >= n {
+            return Err(SpecError::new_err(format!(
+                "{job} index {index} is out of range: the spec lists {n} {job} tasks"
+            )));
+        }
+        Ok(Spec {
+            spec: self.spec.clone(),
+            job: Some(job.to_string()),
+            index: Some(index),
+        })
+    }
+
     /// The URI PS `i` listens on (what `python -m ibex.ps --listen` takes).
     fn ps_listen_uri(&self, i: usize) -> PyResult<String> {
         if i >= self.spec.ps.len() {
@@ -249,6 +276,7 @@ impl Spec {
         Ok(self.spec.ps_listen_uri(i))
     }
 
+    /// The spec as cluster TOML text (what `from_toml` reads).
     fn to_toml(&self) -> String {
         self.spec.to_toml()
     }
@@ -390,14 +418,20 @@ fn owned_array<'py>(py: Python<'py>, v: Vec<f32>, shape: &[usize]) -> PyResult<B
     Ok(a.reshape(shape.to_vec())?.into_any())
 }
 
-/// Fills the caller's arrays (`out[i]` for `names[i]`) with `vals`.
-fn fill_out(
+/// The caller's arrays (`out[i]` for `names[i]`) as memory a pull writes into in place:
+/// each checked (float32, C order, the variable's shape, writable) and borrowed for writing
+/// while the returned guards live. Each buffer holds a reference to its array, so the
+/// memory outlives a read still in flight after an interrupted call.
+#[allow(clippy::type_complexity)]
+fn out_bufs<'py>(
     w: &ibex_worker::Worker,
     names: &[String],
-    vals: Vec<Vec<f32>>,
-    out: &Bound<'_, PyList>,
-) -> PyResult<()> {
-    for ((name, v), o) in names.iter().zip(vals).zip(out.iter()) {
+    out: &Bound<'py, PyList>,
+) -> PyResult<(Vec<PyReadwriteArrayDyn<'py, f32>>, Vec<OutBuf>)> {
+    check_out_len(names.len(), out)?;
+    let mut guards = Vec::with_capacity(names.len());
+    let mut bufs = Vec::with_capacity(names.len());
+    for (name, o) in names.iter().zip(out.iter()) {
         let arr = array_f32(name, &o)?;
         let shape = w
             .placement(name)
@@ -406,14 +440,23 @@ fn fill_out(
             .shape;
         check_shape(name, arr.shape(), &shape)?;
         let mut rw = arr.try_readwrite().map_err(|e| {
-            PyValueError::new_err(format!("output array for {name:?} cannot be written: {e}"))
+            PyValueError::new_err(format!(
+                "output array for {name:?} cannot be written ({e}); pass a writable array that \
+                 no other output shares"
+            ))
         })?;
         let dst = rw
             .as_slice_mut()
             .map_err(|e| PyValueError::new_err(format!("output array for {name:?}: {e}")))?;
-        dst.copy_from_slice(&v);
+        let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::new(o.clone().unbind());
+        // SAFETY: `dst` is the array's own C-contiguous float32 memory, `len` values long;
+        // NumPy keeps it in place while the array lives, and `owner` holds the array. The
+        // write borrow (`rw`, kept by the caller for the call) keeps other Ibex calls from
+        // writing it meanwhile.
+        bufs.push(unsafe { OutBuf::from_raw(dst.as_mut_ptr(), dst.len(), owner) });
+        guards.push(rw);
     }
-    Ok(())
+    Ok((guards, bufs))
 }
 
 fn check_out_len(names: usize, out: &Bound<'_, PyList>) -> PyResult<()> {
@@ -509,6 +552,7 @@ impl Worker {
         Ok(Worker { inner: Arc::new(w) })
     }
 
+    /// Number of PS shards.
     #[getter]
     fn num_ps(&self) -> usize {
         self.inner.num_ps()
@@ -559,15 +603,17 @@ impl Worker {
         grads: Vec<(String, Bound<'py, PyAny>)>,
         out: Option<Bound<'py, PyList>>,
     ) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
-        if let Some(o) = &out {
-            check_out_len(grads.len(), o)?;
-        }
         let arrays = self.grads(&grads)?;
         let pairs = pairs(&grads, &arrays)?;
+        let names: Vec<String> = grads.iter().map(|(n, _)| n.clone()).collect();
+        if let Some(o) = &out {
+            let (_guards, bufs) = out_bufs(&self.inner, &names, o)?;
+            block(py, self.inner.push_pull_into_bufs(step, &pairs, &bufs))?.map_err(err)?;
+            return Ok(None);
+        }
         let vals = block(py, self.inner.push_pull(step, &pairs))?.map_err(err)?;
         drop(arrays);
-        let names: Vec<String> = grads.into_iter().map(|(n, _)| n).collect();
-        self.deliver(py, &names, vals, out)
+        self.deliver(py, &names, vals)
     }
 
     /// Values of `names` after `step` steps (sync mode waits for them).
@@ -579,12 +625,14 @@ impl Worker {
         step: u64,
         out: Option<Bound<'py, PyList>>,
     ) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
-        if let Some(o) = &out {
-            check_out_len(names.len(), o)?;
-        }
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        if let Some(o) = &out {
+            let (_guards, bufs) = out_bufs(&self.inner, &names, o)?;
+            block(py, self.inner.pull_into_bufs(&refs, step, &bufs))?.map_err(err)?;
+            return Ok(None);
+        }
         let vals = block(py, self.inner.pull(&refs, step))?.map_err(err)?;
-        self.deliver(py, &names, vals, out)
+        self.deliver(py, &names, vals)
     }
 
     /// A write lease on the registered gradient buffers of `names`. Waits while a push of
@@ -636,13 +684,20 @@ impl Worker {
         staged: &Staged,
         out: Option<Bound<'py, PyList>>,
     ) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
-        let lease = staged.take(py)?;
-        let names: Vec<String> = lease.names().map(str::to_string).collect();
+        let names = staged.names()?;
         if let Some(o) = &out {
-            check_out_len(names.len(), o)?;
+            let (_guards, bufs) = out_bufs(&self.inner, &names, o)?;
+            let lease = staged.take(py)?;
+            block(
+                py,
+                self.inner.push_pull_staged_into_bufs(step, lease, &bufs),
+            )?
+            .map_err(err)?;
+            return Ok(None);
         }
+        let lease = staged.take(py)?;
         let vals = block(py, self.inner.push_pull_staged(step, lease))?.map_err(err)?;
-        self.deliver(py, &names, vals, out)
+        self.deliver(py, &names, vals)
     }
 
     /// Starts step `step` for pushing layer by layer (`StepPush`).
@@ -779,18 +834,13 @@ impl Worker {
             .collect()
     }
 
-    /// The values as new arrays, or written into `out` (then None).
+    /// The values as new arrays that own the pulled vectors.
     fn deliver<'py>(
         &self,
         py: Python<'py>,
         names: &[String],
         vals: Vec<Vec<f32>>,
-        out: Option<Bound<'py, PyList>>,
     ) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
-        if let Some(o) = out {
-            fill_out(&self.inner, names, vals, &o)?;
-            return Ok(None);
-        }
         names
             .iter()
             .zip(vals)
@@ -1025,27 +1075,43 @@ struct StepPush {
 
 #[pymethods]
 impl StepPush {
+    /// The step these pushes contribute to.
     #[getter]
     fn step(&self) -> u64 {
         self.step
     }
 
-    /// Sends `grads` (`[(name, float32 array)]`) now, in the background; returns at once.
-    /// Each array is copied once (the background push owns its copy), so the caller may
-    /// reuse it right away.
-    fn push(&self, grads: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<()> {
-        let mut owned = Vec::with_capacity(grads.len());
-        for (name, a) in &grads {
-            let ro = grad(&self.worker, name, a)?;
-            let s = ro
-                .as_slice()
-                .map_err(|e| PyValueError::new_err(format!("array for {name:?}: {e}")))?;
-            owned.push((name.clone(), s.to_vec()));
+    /// Sends `grads` (`[(name, float32 array)]`) in the background and returns once each
+    /// array is copied into its variable's registered buffer (the one copy; the caller may
+    /// reuse the arrays at once). Waits, like `stage`, while an earlier push of one of the
+    /// variables is still in flight.
+    fn push(&self, py: Python<'_>, grads: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<()> {
+        if self.lock()?.is_none() {
+            return Err(step_done());
         }
+        let arrays = grads
+            .iter()
+            .map(|(name, a)| grad(&self.worker, name, a))
+            .collect::<PyResult<Vec<_>>>()?;
+        let pairs = pairs(&grads, &arrays)?;
+        let staged = block(py, self.worker.stage_copied(&pairs))?.map_err(err)?;
         // The background task is spawned on the shared runtime.
         let _enter = runtime()?.enter();
         let mut g = self.lock()?;
-        g.as_mut().ok_or_else(step_done)?.push(owned).map_err(err)
+        g.as_mut().ok_or_else(step_done)?.push_staged(staged);
+        Ok(())
+    }
+
+    /// Pushes a staging lease (`Worker.stage`) in the background and returns at once: the
+    /// gradients were written into the registered buffers, so nothing is copied. The
+    /// lease's views become read-only.
+    fn push_staged(&self, py: Python<'_>, staged: &Staged) -> PyResult<()> {
+        let mut g = self.lock()?;
+        let sp = g.as_mut().ok_or_else(step_done)?;
+        let lease = staged.take(py)?;
+        let _enter = runtime()?.enter();
+        sp.push_staged(lease);
+        Ok(())
     }
 
     /// Waits until every push of the step was accepted.
@@ -1063,16 +1129,19 @@ impl StepPush {
         names: Vec<String>,
         out: Option<Bound<'py, PyList>>,
     ) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         if let Some(o) = &out {
-            check_out_len(names.len(), o)?;
+            let (_guards, bufs) = out_bufs(&self.worker, &names, o)?;
+            let sp = self.lock()?.take().ok_or_else(step_done)?;
+            block(py, sp.finish_pull_into_bufs(&refs, &bufs))?.map_err(err)?;
+            return Ok(None);
         }
         let sp = self.lock()?.take().ok_or_else(step_done)?;
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let vals = block(py, sp.finish_pull(&refs))?.map_err(err)?;
         let w = Worker {
             inner: self.worker.clone(),
         };
-        w.deliver(py, &names, vals, out)
+        w.deliver(py, &names, vals)
     }
 }
 

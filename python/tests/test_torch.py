@@ -68,3 +68,26 @@ def test_torch_example_reaches_the_demo_accuracy_bar():
     for extra in ([], ["--mode", "async", "--lr", "0.025"]):
         r = torch_digits.run_job(torch_digits.parse(extra))
         assert r["test_accuracy"] >= 0.9, (extra, r["test_accuracy"])
+
+
+def test_auto_overlap_settles_and_trains_bit_for_bit_like_either_choice(tmp_path):
+    finals = {}
+    for overlap in ("auto", False, True):
+        with ibex.launch_local(2, 1, directory=str(tmp_path / str(overlap)), sync_timeout_secs=10) as c:
+            w = ibex.Worker.connect(cluster=c, index=0)
+            m = net()
+            opt = ibex.torch.DistributedOptimizer(
+                torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m.named_parameters(), w,
+                overlap=overlap)
+            g = torch.Generator().manual_seed(3)
+            for step in range(10):
+                x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+                if overlap == "auto" and step < 7:
+                    assert opt.overlap_chosen is None, step
+            assert opt.overlap_chosen in (True, False) if overlap == "auto" else opt.overlap_chosen is overlap
+            assert w.current_step() == 10
+            finals[overlap] = [p.detach().numpy().tobytes() for p in m.parameters()]
+    assert finals["auto"] == finals[False] == finals[True]

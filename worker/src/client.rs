@@ -181,6 +181,17 @@ impl Worker {
             {
                 Err(self.deadline(ps, method, limit))
             }
+            // Every call follows a connect that succeeded: a PS that cannot be reached now
+            // was there and went away (killed, crashed, or its host is gone).
+            Ok(Err(s)) if s.code() == tonic::Code::Unavailable => Err(WorkerError::Unavailable {
+                ps,
+                source: format!(
+                    "the PS at {} went away ({method} failed: {})",
+                    self.clients[ps].uri,
+                    s.message()
+                )
+                .into(),
+            }),
             Ok(Err(s)) => Err(WorkerError::from_status(ps, s)),
             Err(_) => Err(self.deadline(ps, method, limit)),
         }
@@ -284,6 +295,24 @@ impl Worker {
         out: &mut [Vec<f32>],
     ) -> Result<(), WorkerError> {
         check_out(names.len(), out)?;
+        self.pull_out(names, step, Out::Vecs(out)).await
+    }
+
+    /// As [`Worker::pull_into`], straight into caller memory (`out[i]` for `names[i]`, each
+    /// exactly the variable's element count): the one-sided read of a remote part lands in
+    /// it, with no copy on the worker after. A parameter tensor the framework computes
+    /// with can be pulled in place this way.
+    pub async fn pull_into_bufs(
+        &self,
+        names: &[&str],
+        step: u64,
+        out: &[OutBuf],
+    ) -> Result<(), WorkerError> {
+        check_bufs(self, names.iter().copied(), out)?;
+        self.pull_out(names, step, Out::Bufs(out)).await
+    }
+
+    async fn pull_out(&self, names: &[&str], step: u64, out: Out<'_>) -> Result<(), WorkerError> {
         let places = self.lookup(names.iter().copied())?;
         let mut per_ps: Vec<Batches<String>> = (0..self.clients.len())
             .map(|_| Batches::default())
@@ -314,7 +343,7 @@ impl Worker {
                 }),
         )
         .await?;
-        self.assemble_into(&places, replies.into_iter().flatten(), out)
+        self.assemble_out(&places, replies.into_iter().flatten(), out)
             .await
     }
 
@@ -335,6 +364,8 @@ impl Worker {
         (ps, req, keep): PushReq,
         pull: bool,
     ) -> Result<Vec<pb::Tensor>, WorkerError> {
+        let (step, worker) = (req.step, req.worker);
+        let names: Vec<String> = req.grads.iter().map(|g| g.name.clone()).collect();
         let values = if pull {
             self.call(ps, "PushPull", req, |mut c, r| async move {
                 c.push_pull(r).await
@@ -347,7 +378,7 @@ impl Worker {
                 .map(|_| Vec::new())
         };
         drop(keep);
-        values
+        values.map_err(|e| e.pushed_twice(worker, step, &names))
     }
 
     /// Pushes `grads` for `step`, waits until the step is applied, and returns the fresh
@@ -374,6 +405,19 @@ impl Worker {
         check_out(grads.len(), out)?;
         let staged = self.stage_slices(grads).await?;
         self.push_staged_into(step, staged, Some(out)).await
+    }
+
+    /// As [`Worker::push_pull`], with the fresh values read straight into caller memory
+    /// (`out[i]` for `grads[i]`), as [`Worker::pull_into_bufs`] does.
+    pub async fn push_pull_into_bufs(
+        &self,
+        step: u64,
+        grads: &[(&str, &[f32])],
+        out: &[OutBuf],
+    ) -> Result<(), WorkerError> {
+        check_bufs(self, grads.iter().map(|(n, _)| *n), out)?;
+        let staged = self.stage_slices(grads).await?;
+        self.push_pull_staged_into_bufs(step, staged, out).await
     }
 
     /// Rows `ids` of sparse table `table`, concatenated (`ids.len() * dim` values).
@@ -692,15 +736,16 @@ impl Worker {
     }
 
     /// Writes whole variables (in `places` order) into `out` from the parts in `values`:
-    /// each vector is resized to its variable and overwritten, one copy per value (the
-    /// decode of an inline part, or the one-sided read of a remote one, straight into the
-    /// vector). Every lease in `values` is queued for release once this returns, read or
-    /// not, but never earlier: the PS must keep a snapshot until its read has finished.
-    pub(crate) async fn assemble_into(
+    /// each vector is resized to its variable and overwritten (an [`OutBuf`] must already
+    /// have its size), one copy per value (the decode of an inline part, or the one-sided
+    /// read of a remote one, straight into the destination). Every lease in `values` is
+    /// queued for release once this returns, read or not, but never earlier: the PS must
+    /// keep a snapshot until its read has finished.
+    pub(crate) async fn assemble_out(
         &self,
         places: &[Placement],
         values: impl Iterator<Item = pb::Tensor>,
-        out: &mut [Vec<f32>],
+        out: Out<'_>,
     ) -> Result<(), WorkerError> {
         let mut by_name: HashMap<String, pb::Tensor> = HashMap::new();
         let mut leases: Vec<(usize, u64)> = Vec::new();
@@ -737,11 +782,15 @@ impl Worker {
         &self,
         places: &[Placement],
         mut by_name: HashMap<String, pb::Tensor>,
-        out: &mut [Vec<f32>],
+        out: Out<'_>,
     ) -> Result<(), WorkerError> {
+        let dests: Vec<Dest<'_>> = match out {
+            Out::Vecs(v) => v.iter_mut().map(Dest::Vec).collect(),
+            Out::Bufs(b) => b.iter().map(Dest::Buf).collect(),
+        };
         // Every part is matched and its size checked before anything is read.
         let mut jobs = Vec::with_capacity(places.len());
-        for (p, o) in places.iter().zip(out.iter_mut()) {
+        for (p, o) in places.iter().zip(dests) {
             let row = p.row_len();
             let numel = p.spec.numel();
             let mut parts = Vec::with_capacity(p.parts.len());
@@ -760,6 +809,14 @@ impl Worker {
                 parts.push((part.ps, at, n, t));
                 at += n;
             }
+            if let Dest::Buf(b) = &o
+                && b.len != numel
+            {
+                return Err(WorkerError::Usage(format!(
+                    "the output buffer for {:?} holds {} values, the variable {numel}",
+                    p.spec.name, b.len
+                )));
+            }
             jobs.push((o, numel, parts));
         }
         try_join_all(
@@ -770,18 +827,72 @@ impl Worker {
         Ok(())
     }
 
-    /// Fills one variable's vector from its parts; remote parts are read one after another
-    /// (each read owns the vector while it runs), variables run concurrently.
+    /// Fills one variable's memory from its parts; remote parts are read one after another
+    /// (each read owns the destination while it runs), variables run concurrently.
     async fn fill(
         &self,
-        o: &mut Vec<f32>,
+        o: Dest<'_>,
         numel: usize,
         parts: Vec<(usize, usize, usize, pb::Tensor)>,
     ) -> Result<(), WorkerError> {
-        o.resize(numel, 0.0);
+        let o = match o {
+            Dest::Vec(v) => {
+                v.resize(numel, 0.0);
+                DestMem::Vec(v)
+            }
+            Dest::Buf(b) => DestMem::Buf(b),
+        };
+        let mut o = o;
         for (ps, at, n, t) in parts {
             match &t.data {
-                Some(pb::tensor::Data::Remote(r)) => self.read_part(ps, o, at, n, &t, r).await?,
+                Some(pb::tensor::Data::Remote(r)) => {
+                    self.check_remote(ps, at, n, numel, &t, r)?;
+                    if n == 0 {
+                        continue;
+                    }
+                    match &mut o {
+                        DestMem::Vec(v) => {
+                            let mut b = Box::new(std::mem::take(&mut **v));
+                            // SAFETY: `at + n <= b.len()` (check_remote), so `ptr..ptr + n * 4`
+                            // lies in the vector's initialised heap memory. The box handed to
+                            // the RecvBuf owns the vector and keeps that memory alive and in
+                            // place (moving a Box or a Vec does not move the heap buffer) and
+                            // unaliased until the RecvBuf gives it back, even if this future
+                            // is dropped mid-read. Any bit pattern is a valid f32.
+                            let dst = unsafe {
+                                let ptr = b.as_mut_ptr().add(at).cast::<u8>();
+                                RecvBuf::from_raw(ptr, n * 4, b)
+                            };
+                            let read = self.read_part(ps, &t, r, dst).await?;
+                            let back = read.into_owner().downcast::<Vec<f32>>().map_err(|_| {
+                                malformed(ps, "the transport returned a different receive buffer")
+                            })?;
+                            **v = *back;
+                        }
+                        DestMem::Buf(b) => {
+                            // SAFETY: `at + n <= numel == b.len` (checked above and in
+                            // assemble_parts); the OutBuf's contract keeps `ptr..ptr + len`
+                            // valid for writes while its owner lives, and the RecvBuf holds a
+                            // clone of that owner, so the memory outlives the read even if
+                            // this future is dropped mid-read.
+                            let dst = unsafe {
+                                RecvBuf::from_raw(
+                                    b.ptr.add(at).cast::<u8>(),
+                                    n * 4,
+                                    Box::new(b.owner.clone()),
+                                )
+                            };
+                            drop(self.read_part(ps, &t, r, dst).await?);
+                        }
+                    }
+                    #[cfg(target_endian = "big")]
+                    for x in o.slice_mut(at, n) {
+                        *x = f32::from_bits(u32::from_le(x.to_bits()));
+                    }
+                    if let Ok(mut p) = self.profile.lock() {
+                        p.record_received(r.len);
+                    }
+                }
                 _ => {
                     let b = self.f32_bytes(ps, &t)?;
                     if b.len() != n * 4 {
@@ -790,22 +901,21 @@ impl Worker {
                             &format!("{:?} has {} values, expected {n}", t.name, b.len() / 4),
                         ));
                     }
-                    ibex_proto::tensor::f32_from_le_into(&mut o[at..at + n], b);
+                    ibex_proto::tensor::f32_from_le_into(o.slice_mut(at, n), b);
                 }
             }
         }
         Ok(())
     }
 
-    /// Reads the PS's exposed snapshot of one part straight into `o[at..at + n]`: the one
-    /// copy of these bytes on the worker. The length is checked against the variable first,
-    /// so a hostile PS cannot make it read past the part.
-    async fn read_part(
+    /// A remote part's dtype and length must match its place in the variable, so a hostile
+    /// PS cannot make the worker read past the part.
+    fn check_remote(
         &self,
         ps: usize,
-        o: &mut Vec<f32>,
         at: usize,
         n: usize,
+        numel: usize,
         t: &pb::Tensor,
         r: &pb::RemoteRef,
     ) -> Result<(), WorkerError> {
@@ -826,15 +936,24 @@ impl Worker {
                 ),
             ));
         }
-        if at + n > o.len() {
+        if at + n > numel {
             return Err(malformed(
                 ps,
                 &format!("{:?} has more values than its variable", t.name),
             ));
         }
-        if n == 0 {
-            return Ok(());
-        }
+        Ok(())
+    }
+
+    /// Reads the PS's exposed snapshot of one part into `dst`: the one copy of these bytes
+    /// on the worker. Returns the buffer once the read is complete.
+    async fn read_part(
+        &self,
+        ps: usize,
+        t: &pb::Tensor,
+        r: &pb::RemoteRef,
+        dst: RecvBuf,
+    ) -> Result<RecvBuf, WorkerError> {
         let conn = self.clients[ps].ch.connection().ok_or_else(|| {
             malformed(
                 ps,
@@ -844,20 +963,10 @@ impl Worker {
                 ),
             )
         })?;
-        let mut v = Box::new(std::mem::take(o));
-        // SAFETY: `at + n <= v.len()` (checked above), so `ptr..ptr + n * 4` lies in the
-        // vector's initialised heap memory. The box handed to the RecvBuf owns the vector and
-        // keeps that memory alive and in place (moving a Box or a Vec does not move the
-        // heap buffer) and unaliased until the RecvBuf gives it back, even if this future
-        // is dropped mid-read. Any bit pattern is a valid f32.
-        let dst = unsafe {
-            let ptr = v.as_mut_ptr().add(at).cast::<u8>();
-            RecvBuf::from_raw(ptr, n * 4, v)
-        };
         // The read is bounded like a call: a PS that stops serving it mid-way costs the
         // deadline, not a hang.
         let limit = self.timeouts.call;
-        let read = tokio::time::timeout(limit, conn.read_remote(r.descriptor.clone(), dst))
+        tokio::time::timeout(limit, conn.read_remote(r.descriptor.clone(), dst))
             .await
             .map_err(|_| {
                 self.deadline(
@@ -866,25 +975,122 @@ impl Worker {
                     limit,
                 )
             })?
-            .map_err(|e| WorkerError::Rpc {
+            .map_err(|e| WorkerError::Unavailable {
                 ps,
-                code: tonic::Code::Unavailable,
-                message: format!("reading pulled tensor {:?} from the PS: {e}", t.name),
-            })?;
-        let v = read
-            .into_owner()
-            .downcast::<Vec<f32>>()
-            .map_err(|_| malformed(ps, "the transport returned a different receive buffer"))?;
-        *o = *v;
-        #[cfg(target_endian = "big")]
-        for x in o[at..at + n].iter_mut() {
-            *x = f32::from_bits(u32::from_le(x.to_bits()));
-        }
-        if let Ok(mut p) = self.profile.lock() {
-            p.record_received(r.len);
-        }
-        Ok(())
+                source: format!(
+                    "the PS at {} went away while its pulled tensor {:?} was read: {e}",
+                    self.clients[ps].uri, t.name
+                )
+                .into(),
+            })
     }
+}
+
+/// Where pulled values go: the caller's vectors, or caller memory.
+pub(crate) enum Out<'a> {
+    Vecs(&'a mut [Vec<f32>]),
+    Bufs(&'a [OutBuf]),
+}
+
+enum Dest<'a> {
+    Vec(&'a mut Vec<f32>),
+    Buf(&'a OutBuf),
+}
+
+enum DestMem<'a> {
+    Vec(&'a mut Vec<f32>),
+    Buf(&'a OutBuf),
+}
+
+impl DestMem<'_> {
+    /// Values `at..at + n`, which the caller has checked lie in the destination.
+    fn slice_mut(&mut self, at: usize, n: usize) -> &mut [f32] {
+        match self {
+            DestMem::Vec(v) => &mut v[at..at + n],
+            DestMem::Buf(b) => {
+                assert!(at + n <= b.len, "a part past the end of its output buffer");
+                // SAFETY: in bounds (asserted); OutBuf's contract makes the memory valid for
+                // writes while its owner (held by `b`) lives, and gives this pull the only
+                // writer's access while it runs.
+                unsafe { std::slice::from_raw_parts_mut(b.ptr.add(at), n) }
+            }
+        }
+    }
+}
+
+/// Caller memory that pulled values are written into in place: a framework's tensor, a
+/// NumPy array. `owner` keeps it alive: a one-sided read in flight holds a clone of it, so
+/// even a pull dropped mid-read never writes freed memory.
+pub struct OutBuf {
+    ptr: *mut f32,
+    len: usize,
+    owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+}
+
+// SAFETY: the memory is kept alive by `owner` (Send + Sync); it is written only by pulls,
+// under the contract of `OutBuf::from_raw`.
+unsafe impl Send for OutBuf {}
+// SAFETY: shared access reads only `ptr`/`len`.
+unsafe impl Sync for OutBuf {}
+
+impl std::fmt::Debug for OutBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutBuf").field("len", &self.len).finish()
+    }
+}
+
+impl OutBuf {
+    /// `len` f32 at `ptr`, kept alive by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be valid for writes and stay valid and in place while `owner`
+    /// lives, and no one may write it while a pull into it runs. Readers during a pull
+    /// (or after one that was dropped mid-way) see unspecified values.
+    pub unsafe fn from_raw(
+        ptr: *mut f32,
+        len: usize,
+        owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    ) -> OutBuf {
+        OutBuf { ptr, len, owner }
+    }
+
+    /// Number of f32 values.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// `out` must hold one buffer per name, each of its variable's element count.
+pub(crate) fn check_bufs<'a>(
+    w: &Worker,
+    names: impl ExactSizeIterator<Item = &'a str>,
+    out: &[OutBuf],
+) -> Result<(), WorkerError> {
+    if names.len() != out.len() {
+        return Err(WorkerError::Usage(format!(
+            "{} variables but {} output buffers: pass one per variable",
+            names.len(),
+            out.len()
+        )));
+    }
+    for (name, b) in names.zip(out) {
+        let p = w
+            .placement(name)
+            .ok_or_else(|| WorkerError::UnknownVariable { name: name.into() })?;
+        if b.len != p.spec.numel() {
+            return Err(WorkerError::ShapeMismatch {
+                name: name.into(),
+                expected: p.spec.numel(),
+                got: b.len,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `out` must hold one vector per name.

@@ -603,7 +603,7 @@ impl Worker {
         let events = &events;
         let stream = &gpu.stream;
         let mut fresh = vec![Vec::new(); if pull { names.len() } else { 0 }];
-        let out = pull.then_some(&mut fresh[..]);
+        let out = pull.then_some(crate::client::Out::Vecs(&mut fresh[..]));
         self.push_staged_when(step, staged, out, |ps| async move {
             let Some((ev, bounced)) = events.get(&ps) else {
                 return Ok(());

@@ -155,6 +155,35 @@ impl WorkerError {
         }
     }
 
+    /// A sync PS refuses a second gradient for a variable whose part of step `step` it has
+    /// already applied, saying the step "was already applied". When the shard itself is
+    /// still at or before `step` (the step is open, waiting for other variables), the
+    /// caller pushed that variable twice in one step: say so, and what to do.
+    pub(crate) fn pushed_twice(self, worker: u32, step: u64, names: &[String]) -> WorkerError {
+        let WorkerError::StaleStep { ps, message } = &self else {
+            return self;
+        };
+        let Some(now) = shard_step_of_stale(message) else {
+            return self;
+        };
+        if now > step {
+            return self;
+        }
+        WorkerError::StaleStep {
+            ps: *ps,
+            message: format!(
+                "worker {worker} pushed {} twice in step {step}, which is still open (the PS \
+                 waits for the step's other gradients); this push was refused. Push each \
+                 variable once per step, then pull step {} for the fresh values",
+                match names {
+                    [one] => format!("{one:?}"),
+                    _ => format!("one of {names:?}"),
+                },
+                step + 1
+            ),
+        }
+    }
+
     /// The gRPC code behind this error, if it came from a PS.
     pub fn code(&self) -> Option<tonic::Code> {
         match self {
@@ -166,5 +195,50 @@ impl WorkerError {
             WorkerError::Rejected { code, .. } | WorkerError::Rpc { code, .. } => Some(*code),
             _ => None,
         }
+    }
+}
+
+/// The shard's step in the PS's "step S was already applied on shard H (now at step N)"
+/// message: N.
+fn shard_step_of_stale(message: &str) -> Option<u64> {
+    if !message.contains("was already applied") {
+        return None;
+    }
+    let rest = message.split("(now at step ").nth(1)?;
+    rest.split(')').next()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stale(message: &str) -> WorkerError {
+        WorkerError::StaleStep {
+            ps: 0,
+            message: message.into(),
+        }
+    }
+
+    #[test]
+    fn a_second_push_in_an_open_step_is_named_as_such() {
+        let e = stale(
+            "stale step: step 1 was already applied on shard 0 (now at step 1); pull fresh values and push step 2",
+        )
+        .pushed_twice(0, 1, &["w".into()]);
+        let m = e.to_string();
+        assert!(m.contains("pushed \"w\" twice in step 1"), "{m}");
+        assert!(
+            m.contains("still open") && !m.contains("was already applied"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn a_push_behind_the_shard_keeps_the_ps_message() {
+        let msg = "stale step: step 1 was already applied on shard 0 (now at step 3); pull fresh values and push step 3";
+        let m = stale(msg).pushed_twice(0, 1, &["w".into()]).to_string();
+        assert!(m.contains(msg), "{m}");
+        let other = WorkerError::Usage("x".into()).pushed_twice(0, 1, &[]);
+        assert_eq!(other.to_string(), "x");
     }
 }

@@ -21,7 +21,7 @@ mod spec;
 mod staging;
 mod types;
 
-pub use client::Worker;
+pub use client::{OutBuf, Worker};
 #[cfg(feature = "cuda")]
 pub use cuda::{Gpu, GpuPaths, device_count, probe_driver};
 /// The cudarc the `cuda` feature was built with: allocate device tensors with it.

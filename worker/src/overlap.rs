@@ -25,8 +25,9 @@ use std::sync::Arc;
 
 use tokio::task::JoinSet;
 
-use crate::client::Worker;
+use crate::client::{OutBuf, Worker, check_bufs};
 use crate::error::WorkerError;
+use crate::staging::Staged;
 
 /// Gradients of one layer: `(variable name, values)`, owned because they travel in a
 /// background task while the caller goes on computing.
@@ -93,6 +94,49 @@ impl StepPush {
             worker.push(step, &pairs).await
         });
         Ok(())
+    }
+
+    /// Pushes the registered buffers of `staged` now, in the background, and returns at
+    /// once: the layer's gradients were written into the lease (see [`Worker::stage`]), so
+    /// nothing is copied on the worker. Errors are reported by [`StepPush::finish`].
+    pub fn push_staged(&mut self, staged: Staged) {
+        let (worker, step) = (self.worker.clone(), self.step);
+        self.pushes
+            .spawn(async move { worker.push_staged(step, staged).await });
+    }
+
+    /// As [`StepPush::finish_pull`], with the values read straight into caller memory
+    /// (`out[i]` for `names[i]`), as [`Worker::pull_into_bufs`] does.
+    pub async fn finish_pull_into_bufs(
+        self,
+        names: &[&str],
+        out: &[OutBuf],
+    ) -> Result<(), WorkerError> {
+        let worker = self.worker.clone();
+        if let Err(e) = check_bufs(&worker, names.iter().copied(), out) {
+            self.finish().await?;
+            return Err(e);
+        }
+        let Some(next) = self.step.checked_add(1) else {
+            let step = self.step;
+            self.finish().await?;
+            return Err(WorkerError::Usage(format!(
+                "step {step} has no next step to pull; number steps below u64::MAX"
+            )));
+        };
+        let pushed = self.finish();
+        let pull = worker.pull_into_bufs(names, next, out);
+        tokio::pin!(pushed, pull);
+        tokio::select! {
+            r = &mut pushed => {
+                r?;
+                pull.await
+            }
+            v = &mut pull => {
+                v?;
+                pushed.await
+            }
+        }
     }
 
     /// Waits until every push of this step was accepted by its PS (sync mode: before the

@@ -33,7 +33,7 @@ use tokio::sync::Notify;
 
 use futures_util::future::try_join_all;
 
-use crate::client::{Batches, Worker};
+use crate::client::{Batches, Out, OutBuf, Worker, check_bufs};
 use crate::error::WorkerError;
 use crate::pb;
 use crate::placement::Placement;
@@ -472,6 +472,21 @@ impl Worker {
         self.push_staged_into(step, staged, Some(out)).await
     }
 
+    /// [`Worker::push_pull_staged`] with the fresh values read straight into caller memory
+    /// (one buffer per staged variable, in staging order), as [`Worker::pull_into_bufs`]
+    /// does.
+    pub async fn push_pull_staged_into_bufs(
+        &self,
+        step: u64,
+        staged: Staged,
+        out: &[OutBuf],
+    ) -> Result<(), WorkerError> {
+        let names: Vec<String> = staged.names().map(str::to_string).collect();
+        check_bufs(self, names.iter().map(String::as_str), out)?;
+        self.push_staged_when(step, staged, Some(Out::Bufs(out)), |_| async { Ok(()) })
+            .await
+    }
+
     /// A staged push; with `out`, a push-pull whose fresh values land there.
     pub(crate) async fn push_staged_into(
         &self,
@@ -479,12 +494,17 @@ impl Worker {
         staged: Staged,
         out: Option<&mut [Vec<f32>]>,
     ) -> Result<(), WorkerError> {
-        self.push_staged_when(step, staged, out, |_| async { Ok(()) })
+        self.push_staged_when(step, staged, out.map(Out::Vecs), |_| async { Ok(()) })
             .await
     }
 
     /// A lease on the buffers of `grads`' variables with each gradient copied in: the one
-    /// copy a caller holding slices pays.
+    /// copy a caller holding slices pays. Waits as [`Worker::stage`] does.
+    pub async fn stage_copied(&self, grads: &[(&str, &[f32])]) -> Result<Staged, WorkerError> {
+        self.stage_slices(grads).await
+    }
+
+    /// See [`Worker::stage_copied`].
     pub(crate) async fn stage_slices(
         &self,
         grads: &[(&str, &[f32])],
@@ -542,7 +562,7 @@ impl Worker {
         &self,
         step: u64,
         staged: Staged,
-        out: Option<&mut [Vec<f32>]>,
+        out: Option<Out<'_>>,
         ready: F,
     ) -> Result<(), WorkerError>
     where
@@ -594,7 +614,7 @@ impl Worker {
         .await?;
         match out {
             Some(out) => {
-                self.assemble_into(&places, replies.into_iter().flatten(), out)
+                self.assemble_out(&places, replies.into_iter().flatten(), out)
                     .await
             }
             None => Ok(()),

@@ -427,3 +427,108 @@ async fn a_hostile_pull_reply_is_a_clear_error_not_a_panic_or_an_over_read() {
         drop(tx);
     }
 }
+
+/// Memory a test owns outside any Vec, as a framework's tensor would be: freed when the
+/// last owner handle goes.
+struct Mem {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the test writes the memory only through pulls and reads it after they returned.
+unsafe impl Send for Mem {}
+// SAFETY: as above.
+unsafe impl Sync for Mem {}
+
+impl Mem {
+    fn new(len: usize) -> std::sync::Arc<Mem> {
+        let b = vec![f32::NAN; len].into_boxed_slice();
+        std::sync::Arc::new(Mem {
+            ptr: Box::into_raw(b).cast::<f32>(),
+            len,
+        })
+    }
+
+    fn out(self: &std::sync::Arc<Mem>) -> ibex_worker::OutBuf {
+        // SAFETY: `ptr..ptr + len` is this Mem's allocation, alive while the Arc is.
+        unsafe { ibex_worker::OutBuf::from_raw(self.ptr, self.len, self.clone()) }
+    }
+
+    fn values(&self) -> Vec<f32> {
+        // SAFETY: no pull into this memory runs while the test reads it.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
+    }
+}
+
+impl Drop for Mem {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` came from `Box::into_raw` of a boxed slice of `len` values.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+    }
+}
+
+/// [`train`] with every value read into caller memory ([`ibex_worker::OutBuf`]).
+async fn train_into_bufs(spec: &ClusterSpec) -> (Vec<Vec<Vec<f32>>>, u64) {
+    let w = common::connect_worker(spec, 0).await.unwrap();
+    w.create_variables(&vars()).await.unwrap();
+    let names: Vec<&str> = SHAPES.iter().map(|(n, _)| *n).collect();
+    let mems: Vec<_> = SHAPES
+        .iter()
+        .map(|(_, s)| Mem::new(s.iter().product()))
+        .collect();
+    let bufs: Vec<_> = mems.iter().map(Mem::out).collect();
+    let values = || mems.iter().map(|m| m.values()).collect::<Vec<_>>();
+    let mut seen = Vec::new();
+    w.pull_into_bufs(&names, 0, &bufs).await.unwrap();
+    seen.push(values());
+    for step in 0..STEPS {
+        let grads: Vec<Vec<f32>> = values()
+            .iter()
+            .map(|v| {
+                v.iter()
+                    .enumerate()
+                    .map(|(i, x)| x * 0.5 + (i % 13) as f32 * 0.01 - step as f32)
+                    .collect()
+            })
+            .collect();
+        let g: Vec<(&str, &[f32])> = names
+            .iter()
+            .zip(&grads)
+            .map(|(n, g)| (*n, g.as_slice()))
+            .collect();
+        w.push_pull_into_bufs(step, &g, &bufs).await.unwrap();
+        seen.push(values());
+    }
+    w.pull_into_bufs(&names, STEPS, &bufs).await.unwrap();
+    seen.push(values());
+    // A buffer of the wrong size is refused before anything is sent.
+    let short = Mem::new(3);
+    let e = w
+        .pull_into_bufs(&["mid"], STEPS, &[short.out()])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, ibex_worker::WorkerError::ShapeMismatch { .. }),
+        "{e}"
+    );
+    let read = w
+        .comm_profile()
+        .transport
+        .iter()
+        .map(|(_, s)| s.remote_read_bytes)
+        .sum();
+    (seen, read)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulls_into_caller_memory_are_read_one_sided_and_equal_pulls_into_vectors() {
+    let (shm, stop) = start(TransportKind::Shm, ExposeLimits::default());
+    let (vecs, vec_read) = train(&shm).await;
+    drop(stop);
+    let (shm, stop) = start(TransportKind::Shm, ExposeLimits::default());
+    let (bufs, buf_read) = train_into_bufs(&shm).await;
+    assert_bits_equal(&vecs, &bufs);
+    assert_eq!(buf_read, vec_read, "the same parts read one-sided");
+    assert_eq!(buf_read, LARGE_BYTES * (STEPS + 2));
+    drop(stop);
+}
