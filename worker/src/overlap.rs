@@ -117,26 +117,8 @@ impl StepPush {
             self.finish().await?;
             return Err(e);
         }
-        let Some(next) = self.step.checked_add(1) else {
-            let step = self.step;
-            self.finish().await?;
-            return Err(WorkerError::Usage(format!(
-                "step {step} has no next step to pull; number steps below u64::MAX"
-            )));
-        };
-        let pushed = self.finish();
-        let pull = worker.pull_into_bufs(names, next, out);
-        tokio::pin!(pushed, pull);
-        tokio::select! {
-            r = &mut pushed => {
-                r?;
-                pull.await
-            }
-            v = &mut pull => {
-                v?;
-                pushed.await
-            }
-        }
+        self.finish_and(|next| async move { worker.pull_into_bufs(names, next, out).await })
+            .await
     }
 
     /// Waits until every push of this step was accepted by its PS (sync mode: before the
@@ -160,6 +142,17 @@ impl StepPush {
     /// and waits at the PS, so it costs no extra round trip after the last push lands.
     pub async fn finish_pull(self, names: &[&str]) -> Result<Vec<Vec<f32>>, WorkerError> {
         let worker = self.worker.clone();
+        self.finish_and(|next| async move { worker.pull(names, next).await })
+            .await
+    }
+
+    /// Waits for every push, and meanwhile runs `pull` for the next step, as the pulls
+    /// above do: sent at once, it waits at the PS, so it costs no extra round trip after
+    /// the last push lands.
+    async fn finish_and<T, F>(self, pull: impl FnOnce(u64) -> F) -> Result<T, WorkerError>
+    where
+        F: std::future::Future<Output = Result<T, WorkerError>>,
+    {
         // The PS refuses a step of u64::MAX too; saying so here names the caller's mistake.
         let Some(next) = self.step.checked_add(1) else {
             let step = self.step;
@@ -170,7 +163,7 @@ impl StepPush {
             )));
         };
         let pushed = self.finish();
-        let pull = worker.pull(names, next);
+        let pull = pull(next);
         tokio::pin!(pushed, pull);
         tokio::select! {
             // A failed push means the step can never be applied: give up on the pull
