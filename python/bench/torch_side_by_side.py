@@ -116,20 +116,25 @@ def ibex_worker(rank: int, spec_path: str, model: str, overlap, q) -> None:
         q.put({"times": t[warm:], "overlap": opt.overlap_chosen})
 
 
+def spawn_and_collect(target, procs: int, args: tuple, join_secs: float) -> Dict:
+    """Starts `procs` processes of `target(rank, *args, queue)` and returns what rank 0 puts
+    on the queue."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=target, args=(r, *args, q)) for r in range(procs)]
+    for p in ps:
+        p.start()
+    r = q.get(timeout=900)
+    for p in ps:
+        p.join(join_secs)
+    return r
+
+
 def run_ibex(model: str, num_ps: int, overlap) -> Dict:
     import ibex
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     with ibex.launch_local(num_ps, 2, transport="shm") as cluster:
-        procs = [ctx.Process(target=ibex_worker, args=(r, cluster.spec_path, model, overlap, q))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        r = q.get(timeout=900)
-        for p in procs:
-            p.join(60)
-    return r
+        return spawn_and_collect(ibex_worker, 2, (cluster.spec_path, model, overlap), 60)
 
 
 # --- DDP over gloo ------------------------------------------------------------------------
@@ -158,16 +163,7 @@ def ddp_worker(rank: int, port: int, model: str, q) -> None:
 
 
 def run_ddp(model: str) -> Dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=ddp_worker, args=(r, port, model, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    r = q.get(timeout=900)
-    for p in procs:
-        p.join(60)
-    return r
+    return spawn_and_collect(ddp_worker, 2, (free_port(), model), 60)
 
 
 # --- torch.distributed.rpc parameter server (PyTorch's batch-updating PS tutorial) --------
@@ -267,16 +263,7 @@ def rpc_proc(rank: int, port: int, model: str, q) -> None:
 
 
 def run_rpc(model: str) -> Dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rpc_proc, args=(r, port, model, q)) for r in range(3)]
-    for p in procs:
-        p.start()
-    r = q.get(timeout=900)
-    for p in procs:
-        p.join(120)
-    return r
+    return spawn_and_collect(rpc_proc, 3, (free_port(), model), 120)
 
 
 # --- the comparison -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use ibex_transport::{Config, Connection, Listener, connect, listen};
 
 mod conn_util;
-use conn_util::{fixed_threshold, init_tracing};
+use conn_util::{ANSWERED_WITHIN, fixed_threshold, honest_rounds, init_tracing};
 
 /// Set in the child's environment: it serves instead of testing.
 const CHILD: &str = "IBEX_TEST_FD_CAP_SERVER";
@@ -25,9 +25,6 @@ const CHILD: &str = "IBEX_TEST_FD_CAP_SERVER";
 const NOFILE: u64 = 512;
 /// Idle connections this process opens: as many as the child may have descriptors.
 const IDLE: usize = NOFILE as usize;
-const ANSWERED_WITHIN: Duration = Duration::from_secs(1);
-const HONEST_EVERY: Duration = Duration::from_millis(250);
-const HONEST_ROUNDS: u32 = 12;
 /// A hang guard, not a performance assertion.
 const GUARD: Duration = Duration::from_secs(60);
 
@@ -174,25 +171,7 @@ async fn idle_connections_at_the_descriptor_limit_leave_room_for_an_honest_peer(
     // Every connection still open is idle past the server's bar by now.
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
-    let mut times = Vec::new();
-    for round in 0..HONEST_ROUNDS {
-        let t = Instant::now();
-        let r = tokio::time::timeout(ANSWERED_WITHIN, async {
-            let c = connect(&at, cfg.clone()).await?;
-            c.send(Bytes::from(round.to_le_bytes().to_vec())).await?;
-            let got = c.recv().await?;
-            assert_eq!(&got[..], &round.to_le_bytes());
-            Ok::<(), ibex_transport::Error>(())
-        })
-        .await;
-        let took = t.elapsed();
-        match r {
-            Ok(Ok(())) => times.push(took),
-            Ok(Err(e)) => panic!("honest round {round} failed after {took:?}: {e}"),
-            Err(_) => panic!("honest round {round} had no answer within {ANSWERED_WITHIN:?}"),
-        }
-        tokio::time::sleep(HONEST_EVERY.saturating_sub(took)).await;
-    }
+    let times = honest_rounds(&at, &cfg).await;
     let fds = open_fds(pid);
     println!(
         "honest connect + round trip at the server's descriptor limit: max {:?}; server holds {fds} descriptors of {NOFILE}",

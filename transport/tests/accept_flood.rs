@@ -12,20 +12,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use ibex_transport::preface::{Preface, Provider};
-use ibex_transport::{Config, Listener, connect, listen};
+use ibex_transport::{Config, Listener, listen};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
 mod conn_util;
-use conn_util::{fixed_threshold, init_tracing, uri};
+use conn_util::{HONEST_ROUNDS, fixed_threshold, honest_rounds, init_tracing, uri};
 
-/// The answer each honest round trip must get within.
-const ANSWERED_WITHIN: Duration = Duration::from_secs(1);
-/// How often the honest peer comes back, and how many times.
-const HONEST_EVERY: Duration = Duration::from_millis(250);
-const HONEST_ROUNDS: u32 = 12;
 /// How the slowloris drips its preface.
 const DRIP: Duration = Duration::from_millis(200);
 
@@ -92,8 +86,8 @@ async fn slowloris(
 
 /// Runs the slowloris with `peers` peers (at `rate` connects per second, or as fast as
 /// the server closes them) against a listener, while the honest peer comes back every
-/// [`HONEST_EVERY`]. Returns the honest round trips' times and the connects per second the
-/// slowloris made meanwhile.
+/// `conn_util::HONEST_EVERY`. Returns the honest round trips' times and the connects per
+/// second the slowloris made meanwhile.
 async fn under_slowloris(peers: usize, rate: Option<u32>) -> (Vec<Duration>, f64) {
     init_tracing();
     let cfg = fixed_threshold(4096);
@@ -149,25 +143,7 @@ async fn under_slowloris(peers: usize, rate: Option<u32>) -> (Vec<Duration>, f64
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let (start, before) = (Instant::now(), connects.load(Ordering::Relaxed));
-    let mut times = Vec::new();
-    for round in 0..HONEST_ROUNDS {
-        let t = Instant::now();
-        let r = tokio::time::timeout(ANSWERED_WITHIN, async {
-            let c = connect(&at, cfg.clone()).await?;
-            c.send(Bytes::from(round.to_le_bytes().to_vec())).await?;
-            let got = c.recv().await?;
-            assert_eq!(&got[..], &round.to_le_bytes());
-            Ok::<(), ibex_transport::Error>(())
-        })
-        .await;
-        let took = t.elapsed();
-        match r {
-            Ok(Ok(())) => times.push(took),
-            Ok(Err(e)) => panic!("honest round {round} failed after {took:?}: {e}"),
-            Err(_) => panic!("honest round {round} had no answer within {ANSWERED_WITHIN:?}"),
-        }
-        tokio::time::sleep(HONEST_EVERY.saturating_sub(took)).await;
-    }
+    let times = honest_rounds(&at, &cfg).await;
     let rate = (connects.load(Ordering::Relaxed) - before) as f64 / start.elapsed().as_secs_f64();
 
     stop.store(true, Ordering::Relaxed);

@@ -48,3 +48,40 @@ pub fn uri(provider: &str, tag: &str) -> String {
         _ => "tcp://127.0.0.1:0".to_string(),
     }
 }
+
+/// The answer each honest round trip must get within.
+#[allow(dead_code)] // for the listener flood tests
+pub const ANSWERED_WITHIN: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often the honest peer comes back, and how many times.
+#[allow(dead_code)]
+pub const HONEST_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+#[allow(dead_code)]
+pub const HONEST_ROUNDS: u32 = 12;
+
+/// An honest peer under attack: every [`HONEST_EVERY`], [`HONEST_ROUNDS`] times, a fresh
+/// connection to `at` and one echoed round trip, each answered within [`ANSWERED_WITHIN`]
+/// or the test fails. Returns each round's time.
+#[allow(dead_code)]
+pub async fn honest_rounds(at: &str, cfg: &Config) -> Vec<std::time::Duration> {
+    let mut times = Vec::new();
+    for round in 0..HONEST_ROUNDS {
+        let t = std::time::Instant::now();
+        let r = tokio::time::timeout(ANSWERED_WITHIN, async {
+            let c = ibex_transport::connect(at, cfg.clone()).await?;
+            c.send(bytes::Bytes::from(round.to_le_bytes().to_vec()))
+                .await?;
+            let got = c.recv().await?;
+            assert_eq!(&got[..], &round.to_le_bytes());
+            Ok::<(), ibex_transport::Error>(())
+        })
+        .await;
+        let took = t.elapsed();
+        match r {
+            Ok(Ok(())) => times.push(took),
+            Ok(Err(e)) => panic!("honest round {round} failed after {took:?}: {e}"),
+            Err(_) => panic!("honest round {round} had no answer within {ANSWERED_WITHIN:?}"),
+        }
+        tokio::time::sleep(HONEST_EVERY.saturating_sub(took)).await;
+    }
+    times
+}
