@@ -23,6 +23,7 @@ pub(crate) mod calls;
 mod client;
 pub(crate) mod demux;
 mod direct;
+mod endpoint;
 pub(crate) mod pump;
 mod router;
 mod server;
@@ -38,8 +39,9 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 
 pub use body::IncomingBody;
-pub use client::{Channel, Endpoint};
+pub use client::Channel;
 pub use direct::{DirectClient, DirectRoute, UnaryFuture};
+pub use endpoint::Endpoint;
 pub use router::{AddService, Generated, Services, Tower};
 pub use server::{Builder, ConnectInfo, PeerHandle, RouteCounts, Server, ServerStats};
 
