@@ -1511,6 +1511,7 @@ mod ibex_only {
             // Two seconds, not less: the held call's handler must start, and the second
             // call make its whole round trip, inside it on a loaded debug build.
             let ch = Endpoint::new(srv.addr.clone())
+                .unwrap()
                 .config(ibex_config())
                 .timeout(Duration::from_secs(2))
                 .concurrency_limit(1)
@@ -1555,6 +1556,7 @@ mod ibex_only {
             // several ping intervals on the same connection.
             let (srv, _ev) = start_at("tcp://127.0.0.1:0".into()).await;
             let ch = Endpoint::new(srv.addr.clone())
+                .unwrap()
                 .config(ibex_config())
                 .tcp_keepalive(Some(Duration::from_secs(30)))
                 .http2_keep_alive_interval(Duration::from_millis(100))
@@ -1584,6 +1586,7 @@ mod ibex_only {
             let addr = format!("tcp://{}", silent.local_addr().unwrap());
             let t0 = std::time::Instant::now();
             let e = Endpoint::new(addr)
+                .unwrap()
                 .config(ibex_config())
                 .connect_timeout(Duration::from_millis(200))
                 .connect()

@@ -117,6 +117,7 @@ async fn a_grpc_server_with_keepalive_closes_hung_clients_and_keeps_live_ones() 
 
     // A client that pings too, idle for several intervals: still up, same connection.
     let ch = Endpoint::new(live_at)
+        .unwrap()
         .config(ibex_config())
         .http2_keep_alive_interval(Duration::from_millis(100))
         .keep_alive_timeout(LIVE_TIMEOUT)

@@ -1157,7 +1157,7 @@ async fn connect_one(
     t: Timeouts,
 ) -> Result<Client, WorkerError> {
     let deadline = Instant::now() + t.connect;
-    let endpoint = endpoint(&uri, config.clone(), &t);
+    let endpoint = endpoint(&uri, config.clone(), &t)?;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let attempt = tokio::time::timeout(left, endpoint.clone().connect()).await;
@@ -1203,7 +1203,7 @@ async fn connect_one(
 /// transport settings carry one (`IBEX_KEEPALIVE_MS` through `Config::from_env`, or the
 /// caller's), which wins as it does for every Ibex connection; and the call deadline as the
 /// cap on any call that sets none.
-fn endpoint(uri: &str, config: Config, t: &Timeouts) -> Endpoint {
+fn endpoint(uri: &str, config: Config, t: &Timeouts) -> Result<Endpoint, ibex_transport::Error> {
     let (interval, wait) = match config.keepalive {
         Some(i) => (Some(i), config.keepalive_timeout),
         None => (t.keepalive, t.keepalive_timeout),
@@ -1211,12 +1211,12 @@ fn endpoint(uri: &str, config: Config, t: &Timeouts) -> Endpoint {
     // The channel's own connect timeout bounds its later reconnects; it is a little longer
     // than the connect deadline so that on the first connect that deadline fires first and
     // its error is the one the caller sees.
-    let mut ep = Endpoint::new(uri)
+    let mut ep = Endpoint::new(uri)?
         .config(config)
         .connect_timeout(t.connect.saturating_add(Duration::from_secs(1)))
         .timeout(t.call);
     if let Some(i) = interval {
         ep = ep.http2_keep_alive_interval(i).keep_alive_timeout(wait);
     }
-    ep
+    Ok(ep)
 }

@@ -85,8 +85,8 @@ impl Builder {
 
     /// Any other tonic-prost-build setting (attributes, codec, comments), applied to the
     /// builder that generates tonic's modules. The sides and the package setting are this
-    /// builder's, set after `f` runs; tonic's `connect` helpers are never built (they are
-    /// tied to tonic's own transport).
+    /// builder's, set after `f` runs; tonic's own `connect` helpers (tied to tonic's
+    /// transport) are replaced by ones that connect over Ibex.
     pub fn with_tonic(
         mut self,
         f: impl FnOnce(tonic_prost_build::Builder) -> tonic_prost_build::Builder + 'static,
@@ -389,7 +389,32 @@ fn client_items(s: &Service, snake: &str, service_name: &str) -> TokenStream {
             direct: ::ibex_transport::grpc::DirectClient,
         }
 
+        /// tonic's client over an Ibex channel connects as tonic's generated `connect` does.
+        impl super::#tonic_mod::#client<::ibex_transport::grpc::Channel> {
+            /// Connects to `dst` (an Ibex address such as `tcp://host:port`, an `http://`
+            /// one, or an `Endpoint`).
+            pub async fn connect<D>(dst: D) -> std::result::Result<Self, ::ibex_transport::Error>
+            where
+                D: TryInto<::ibex_transport::grpc::Endpoint>,
+                D::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+            {
+                let channel = ::ibex_transport::grpc::Endpoint::new(dst)?.connect().await?;
+                Ok(Self::new(channel))
+            }
+        }
+
         impl #client<::ibex_transport::grpc::Channel> {
+            /// Connects to `dst` (an Ibex address such as `tcp://host:port`, an `http://`
+            /// one, or an `Endpoint`), as tonic's generated `connect`.
+            pub async fn connect<D>(dst: D) -> std::result::Result<Self, ::ibex_transport::Error>
+            where
+                D: TryInto<::ibex_transport::grpc::Endpoint>,
+                D::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+            {
+                let channel = ::ibex_transport::grpc::Endpoint::new(dst)?.connect().await?;
+                Ok(Self::new(channel))
+            }
+
             pub fn new(channel: ::ibex_transport::grpc::Channel) -> Self {
                 Self {
                     direct: ::ibex_transport::grpc::DirectClient::new(&channel),

@@ -132,6 +132,8 @@ pub(super) enum Kind {
     Ibex(Arc<Inner>),
     /// Stock gRPC (HTTP/2 over TCP), for `http://` addresses ([`Channel::connect_any`]).
     Http(tonic::transport::Channel),
+    /// Several endpoints, each call to one of them ([`Channel::balance_list`]).
+    Balanced(Arc<super::balance::Balancer>),
 }
 
 impl std::fmt::Debug for Channel {
@@ -142,6 +144,7 @@ impl std::fmt::Debug for Channel {
                 .field("conn", &inner.current().map(|s| s.mux.conn.clone()))
                 .finish(),
             Kind::Http(_) => f.write_str("Channel(HTTP/2)"),
+            Kind::Balanced(_) => f.write_str("Channel(balanced)"),
         }
     }
 }
@@ -153,8 +156,10 @@ pub(crate) struct Inner {
     /// `None` for [`Channel::new`] (a connection made elsewhere cannot be made again).
     target: Option<Target>,
     limits: Limits,
-    /// One reconnect at a time; the back-off between failed attempts.
-    reconnect: tokio::sync::Mutex<Backoff>,
+    /// One connection attempt at a time; calls that wait for it share its outcome.
+    reconnect: tokio::sync::Mutex<Attempts>,
+    /// [`Attempts::done`], readable without waiting for the attempt in progress.
+    attempts: std::sync::atomic::AtomicU64,
     settings: Settings,
     pub(crate) window: Arc<Window>,
 }
@@ -222,6 +227,59 @@ pub(super) struct Settings {
     pub(super) connect_timeout: Option<std::time::Duration>,
     /// Calls in flight at once; more wait for a slot.
     pub(super) limit: Option<Arc<tokio::sync::Semaphore>>,
+    /// Calls started per period; more wait for the next.
+    pub(super) rate: Option<Arc<RateLimit>>,
+    /// Put before the channel's own user-agent.
+    pub(super) user_agent: Option<http::HeaderValue>,
+}
+
+/// At most `limit` calls start per `per`, as tower's `RateLimit` that tonic's endpoint uses.
+pub(super) struct RateLimit {
+    limit: u64,
+    per: std::time::Duration,
+    /// The current period's end, and the calls it has left.
+    state: Mutex<(tokio::time::Instant, u64)>,
+}
+
+impl RateLimit {
+    pub(super) fn new(limit: u64, per: std::time::Duration) -> RateLimit {
+        RateLimit {
+            limit,
+            per,
+            state: Mutex::new((tokio::time::Instant::now() + per, limit)),
+        }
+    }
+
+    /// Waits until the call may start.
+    async fn acquire(&self) {
+        loop {
+            let wait = {
+                let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                let now = tokio::time::Instant::now();
+                if now >= st.0 {
+                    *st = (now + self.per, self.limit);
+                }
+                if st.1 > 0 {
+                    st.1 -= 1;
+                    return;
+                }
+                st.0
+            };
+            tokio::time::sleep_until(wait).await;
+        }
+    }
+}
+
+/// An error with its sources, `: `-joined (tonic's transport errors say little at the top).
+pub(super) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(c) = source {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        source = c.source();
+    }
+    s
 }
 
 pub(super) struct Target {
@@ -229,18 +287,14 @@ pub(super) struct Target {
     pub(super) config: Config,
 }
 
+/// The connection attempts of a channel, one at a time.
 #[derive(Default)]
-struct Backoff {
-    failures: u32,
-    /// No attempt before this; calls until then fail at once with the last error.
-    next_try: Option<tokio::time::Instant>,
-    last_error: String,
+struct Attempts {
+    /// Attempts finished so far.
+    done: u64,
+    /// How the last one failed, and when; `None` once one succeeded.
+    failed: Option<(Status, tokio::time::Instant)>,
 }
-
-/// The first retry after a failed reconnect waits this long, doubling up to
-/// [`MAX_BACKOFF`] (tonic's channel backs off similarly).
-const MIN_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
-const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Inner {
     pub(super) fn new(conn: Option<Connection>, target: Option<Target>, limits: Limits) -> Inner {
@@ -254,10 +308,11 @@ impl Inner {
         });
         Inner {
             window,
-            current: Mutex::new(conn.map(|c| Shared::new(c, limits))),
+            current: Mutex::new(conn.map(|c| Shared::new(c, limits, None))),
             target,
             limits,
             reconnect: Default::default(),
+            attempts: Default::default(),
             settings: Settings::default(),
         }
     }
@@ -265,6 +320,11 @@ impl Inner {
     /// The same, calling with `settings` (an [`Endpoint`](super::Endpoint)'s).
     pub(super) fn with_settings(self, settings: Settings) -> Inner {
         Inner { settings, ..self }
+    }
+
+    /// Connects now, if there is no live connection, or says why not as a call would.
+    pub(super) async fn connect_status(&self) -> std::result::Result<(), Status> {
+        self.connection().await.map(drop)
     }
 
     /// Connects now, if there is no live connection: what `Endpoint::connect` waits for.
@@ -282,8 +342,11 @@ impl Inner {
             .clone()
     }
 
-    /// The connection for a new call: the current one while it lives, else (lazily, with
-    /// back-off) a new one to the same address.
+    /// The connection for a new call: the current one while it lives, else a new one to
+    /// the same address, made now (as tonic's channel reconnects on the call that finds the
+    /// connection gone). Calls that come while an attempt is under way wait for it and
+    /// share its outcome, so a dead server costs one attempt at a time, and the first call
+    /// after the server is back succeeds.
     async fn connection(&self) -> std::result::Result<Arc<Shared>, Status> {
         let cur = self.current();
         if let Some(s) = &cur
@@ -294,6 +357,22 @@ impl Inner {
         // Boxed: the connecting future is tens of KiB, and a caller's frame would reserve
         // room for it on every call, the many that find the connection alive among them.
         Box::pin(self.reconnect(cur)).await
+    }
+
+    /// Whether the last connection attempt failed within `within`: a balanced channel
+    /// passes over such an endpoint while others are fine.
+    pub(super) fn failed_within(&self, within: std::time::Duration) -> bool {
+        if self.current().is_some_and(|s| !s.is_gone()) {
+            return false;
+        }
+        match self.reconnect.try_lock() {
+            Ok(a) => a
+                .failed
+                .as_ref()
+                .is_some_and(|(_, at)| at.elapsed() < within),
+            // An attempt is under way: not known to fail.
+            Err(_) => false,
+        }
     }
 
     /// [`Inner::connection`] when the current connection is gone (or there is none yet):
@@ -313,22 +392,19 @@ impl Inner {
                     )
                 }));
         };
-        let mut b = self.reconnect.lock().await;
+        let seen = self.attempts.load(std::sync::atomic::Ordering::Acquire);
+        let mut a = self.reconnect.lock().await;
         // Another call may have reconnected while this one waited.
         if let Some(s) = self.current()
             && !s.is_gone()
         {
             return Ok(s);
         }
-        if let Some(at) = b.next_try
-            && tokio::time::Instant::now() < at
+        // An attempt ended while this call waited for it: its outcome is this call's too.
+        if a.done != seen
+            && let Some((e, _)) = &a.failed
         {
-            return Err(Status::unavailable(format!(
-                "no connection to the gRPC server at {}: {} (next attempt in {:?})",
-                target.uri,
-                b.last_error,
-                at - tokio::time::Instant::now()
-            )));
+            return Err(e.clone());
         }
         let connecting = crate::conn::connect(&target.uri, target.config.clone());
         let connected = match self.settings.connect_timeout {
@@ -341,10 +417,13 @@ impl Inner {
                 }),
             None => connecting.await,
         };
+        a.done += 1;
+        self.attempts
+            .store(a.done, std::sync::atomic::Ordering::Release);
         match connected {
             Ok(conn) => {
-                *b = Backoff::default();
-                let s = Shared::new(conn, self.limits);
+                a.failed = None;
+                let s = Shared::new(conn, self.limits, self.settings.user_agent.as_ref());
                 *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(s.clone());
                 if cur.is_some() {
                     tracing::info!(uri = %target.uri, "gRPC channel reconnected");
@@ -352,16 +431,12 @@ impl Inner {
                 Ok(s)
             }
             Err(e) => {
-                b.failures = b.failures.saturating_add(1);
-                let wait = MIN_BACKOFF
-                    .saturating_mul(1 << b.failures.min(10).saturating_sub(1))
-                    .min(MAX_BACKOFF);
-                b.next_try = Some(tokio::time::Instant::now() + wait);
-                b.last_error = e.to_string();
-                Err(Status::unavailable(format!(
+                let status = Status::unavailable(format!(
                     "cannot connect to the gRPC server at {}: {e}",
                     target.uri
-                )))
+                ));
+                a.failed = Some((status.clone(), tokio::time::Instant::now()));
+                Err(status)
             }
         }
     }
@@ -544,9 +619,9 @@ impl Shared {
 }
 
 impl Shared {
-    fn new(conn: Connection, limits: Limits) -> Arc<Shared> {
+    fn new(conn: Connection, limits: Limits, prefix: Option<&http::HeaderValue>) -> Arc<Shared> {
         Arc::new(Shared {
-            user_agent: user_agent(conn.provider()),
+            user_agent: user_agent(prefix, conn.provider()),
             mux: Arc::new(Mux::new(conn, Side::Client)),
             calls: Mutex::new(CallTable::new(Side::Client, usize::MAX)),
             demux: Mutex::new(Demux::new(false, limits)),
@@ -684,8 +759,8 @@ impl Channel {
     }
 
     /// Connects with an explicit transport configuration. When the connection is gone, calls
-    /// in flight fail `Unavailable` naming the cause and the next call reconnects, with
-    /// back-off, as tonic's channel does.
+    /// in flight fail `Unavailable` naming the cause, and the next call connects again, as
+    /// tonic's channel does.
     pub async fn connect_with_config(uri: &str, config: Config) -> Result<Channel> {
         let conn = crate::conn::connect(uri, config.clone()).await?;
         let target = Target {
@@ -755,10 +830,12 @@ impl Channel {
         self.ibex().is_some()
     }
 
+    /// The one Ibex connection's state; `None` over HTTP/2 and for a balanced channel (a
+    /// call there picks its endpoint first).
     pub(crate) fn ibex(&self) -> Option<&Arc<Inner>> {
         match &self.kind {
             Kind::Ibex(inner) => Some(inner),
-            Kind::Http(_) => None,
+            Kind::Http(_) | Kind::Balanced(_) => None,
         }
     }
 
@@ -888,7 +965,22 @@ impl Channel {
                 );
             }
         }
-        let shared = inner.connection().await?;
+        if let Some(rate) = &inner.settings.rate {
+            rate.acquire().await;
+        }
+        let deadline = parse_timeout(&headers).map(|t| tokio::time::Instant::now() + t);
+        let shared = match deadline {
+            // A call that finds no connection waits for the attempt it starts, within its
+            // deadline.
+            Some(d) => tokio::time::timeout_at(d, inner.connection())
+                .await
+                .map_err(|_| {
+                    Status::deadline_exceeded(
+                        "the call's deadline passed while its channel was connecting",
+                    )
+                })??,
+            None => inner.connection().await?,
+        };
         // As tonic's channel does, plus what carries the call. A whole message's standard
         // headers, the user agent among them, are written straight onto the wire.
         let (body, standard) = match out {
@@ -900,7 +992,6 @@ impl Channel {
             }
             Outgoing::Whole(data) => (Err(data), Some(shared.user_agent.clone())),
         };
-        let deadline = parse_timeout(&headers).map(|t| tokio::time::Instant::now() + t);
         let call = CallShared::new();
         let head_rx = HeadRx(call.clone());
         let call_entry = Call {
@@ -1065,9 +1156,13 @@ pub(crate) enum Reply {
 
 /// `tonic/<version> ibex/<version> (<provider>)`: what tonic's channel sends, plus what
 /// carries the call.
-fn user_agent(provider: &'static str) -> http::HeaderValue {
+fn user_agent(prefix: Option<&http::HeaderValue>, provider: &'static str) -> http::HeaderValue {
+    let prefix = prefix
+        .and_then(|p| p.to_str().ok())
+        .map(|p| format!("{p} "))
+        .unwrap_or_default();
     http::HeaderValue::from_str(&format!(
-        "tonic/0.14 ibex/{} ({provider})",
+        "{prefix}tonic/0.14 ibex/{} ({provider})",
         env!("CARGO_PKG_VERSION")
     ))
     .unwrap_or_else(|_| http::HeaderValue::from_static("tonic/0.14 ibex"))
@@ -1091,24 +1186,47 @@ where
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         match &self.kind {
             Kind::Ibex(inner) => Box::pin(Channel::call(inner.clone(), req)),
-            Kind::Http(ch) => {
-                let mut ch = ch.clone();
-                let req = req.map(tonic::body::Body::new);
+            Kind::Http(ch) => Box::pin(http_call(ch.clone(), req)),
+            Kind::Balanced(b) => {
+                let b = b.clone();
                 Box::pin(async move {
-                    // tonic's channel is a buffer: it must say it is ready before each call.
-                    std::future::poll_fn(|cx| {
-                        tower::Service::<http::Request<tonic::body::Body>>::poll_ready(&mut ch, cx)
-                    })
-                    .await
-                    .map_err(|e| Status::from_error(Box::new(e)))?;
-                    let resp = tower::Service::call(&mut ch, req)
-                        .await
-                        .map_err(|e| Status::from_error(Box::new(e)))?;
-                    Ok(resp.map(IncomingBody::http))
+                    let deadline =
+                        parse_timeout(req.headers()).map(|t| tokio::time::Instant::now() + t);
+                    let (member, _load) = b.pick(deadline).await?;
+                    match member.kind {
+                        Kind::Ibex(inner) => Channel::call(inner, req).await,
+                        Kind::Http(ch) => http_call(ch, req).await,
+                        // Endpoints are plain channels.
+                        Kind::Balanced(_) => Err(Status::internal(
+                            "a balanced channel's endpoint is itself balanced",
+                        )),
+                    }
                 })
             }
         }
     }
+}
+
+/// One call over stock HTTP/2, through tonic's channel.
+async fn http_call<B>(
+    mut ch: tonic::transport::Channel,
+    req: http::Request<B>,
+) -> std::result::Result<http::Response<IncomingBody>, Status>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let req = req.map(tonic::body::Body::new);
+    // tonic's channel is a buffer: it must say it is ready before each call.
+    std::future::poll_fn(|cx| {
+        tower::Service::<http::Request<tonic::body::Body>>::poll_ready(&mut ch, cx)
+    })
+    .await
+    .map_err(|e| Status::from_error(Box::new(e)))?;
+    let resp = tower::Service::call(&mut ch, req)
+        .await
+        .map_err(|e| Status::from_error(Box::new(e)))?;
+    Ok(resp.map(IncomingBody::http))
 }
 
 #[cfg(test)]

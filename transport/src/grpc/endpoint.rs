@@ -3,15 +3,20 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use super::client::{Channel, Inner, Kind, Settings, Target};
 use super::wire::Limits;
 use crate::config::Config;
 use crate::error::{Error, Result};
 
-/// Channel settings that tonic users reach for, in the shape of tonic's `Endpoint`:
-/// `Endpoint::new(uri).connect_timeout(..).timeout(..).concurrency_limit(..).connect()`.
-/// The address may be an Ibex one or `http://` (stock HTTP/2, where tonic's own endpoint
-/// applies the same settings).
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Where a channel connects, and its settings, as tonic's `Endpoint`:
+/// `Endpoint::from_static("tcp://10.0.0.2:50051").connect_timeout(..).timeout(..).connect()`.
+/// The address is an Ibex one (`shm:///path.sock`, `tcp://host:port`, `verbs://host:port`)
+/// or `http://` / `https://` (stock HTTP/2 through tonic's own endpoint, with the same
+/// settings), and is checked when the endpoint is made.
 #[derive(Clone)]
 pub struct Endpoint {
     uri: String,
@@ -26,13 +31,174 @@ pub struct Endpoint {
     /// Settings that only stock HTTP/2 has, passed on for `http://` addresses.
     stream_window: Option<u32>,
     buffer_size: Option<usize>,
+    origin: Option<http::Uri>,
+    http2_reset: Http2Reset,
+    /// At most this many calls per period.
+    rate: Option<(u64, std::time::Duration)>,
+}
+
+/// HTTP/2 reset-stream settings, passed on for `http://` addresses only.
+#[derive(Clone, Copy, Default)]
+struct Http2Reset {
+    max_concurrent: Option<usize>,
+    duration: Option<std::time::Duration>,
+    max_local_error: Option<Option<usize>>,
+}
+
+/// `http://` and `https://` addresses go to stock HTTP/2.
+pub(super) fn is_http(uri: &str) -> bool {
+    uri.starts_with("http://") || uri.starts_with("https://")
+}
+
+impl TryFrom<&str> for Endpoint {
+    type Error = Error;
+
+    fn try_from(s: &str) -> Result<Endpoint> {
+        Endpoint::parse(s.to_string())
+    }
+}
+
+impl TryFrom<String> for Endpoint {
+    type Error = Error;
+
+    fn try_from(s: String) -> Result<Endpoint> {
+        Endpoint::parse(s)
+    }
+}
+
+impl TryFrom<&String> for Endpoint {
+    type Error = Error;
+
+    fn try_from(s: &String) -> Result<Endpoint> {
+        Endpoint::parse(s.clone())
+    }
+}
+
+impl TryFrom<Bytes> for Endpoint {
+    type Error = Error;
+
+    fn try_from(b: Bytes) -> Result<Endpoint> {
+        Endpoint::from_shared(b)
+    }
+}
+
+impl TryFrom<http::Uri> for Endpoint {
+    type Error = Error;
+
+    fn try_from(uri: http::Uri) -> Result<Endpoint> {
+        // `http::Uri` shows an empty path as `/`, which an Ibex `host:port` must not end in.
+        let s = match (uri.scheme_str(), uri.authority()) {
+            (Some(scheme), Some(a))
+                if !is_http(&uri.to_string()) && uri.path() == "/" && uri.query().is_none() =>
+            {
+                format!("{scheme}://{a}")
+            }
+            _ => uri.to_string(),
+        };
+        Endpoint::parse(s)
+    }
+}
+
+impl std::str::FromStr for Endpoint {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Endpoint> {
+        Endpoint::parse(s.to_string())
+    }
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("uri", &self.uri)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Channel {
+    /// An [`Endpoint`] for a fixed address, as tonic's `Channel::from_static`.
+    ///
+    /// # Panics
+    /// If `s` is not an address; see [`Endpoint::from_static`].
+    pub fn from_static(s: &'static str) -> Endpoint {
+        Endpoint::from_static(s)
+    }
+
+    /// An [`Endpoint`] for an address given at run time, as tonic's `Channel::from_shared`.
+    pub fn from_shared(s: impl Into<Bytes>) -> Result<Endpoint> {
+        Endpoint::from_shared(s)
+    }
+
+    /// An [`Endpoint`] for `uri` (`tcp://host:port`, `http://host:port`, ...), as tonic's
+    /// `Channel::builder`.
+    ///
+    /// # Panics
+    /// If `uri` is not an address Ibex or stock HTTP/2 connects to (an shm path cannot be
+    /// an `http::Uri`; use [`Endpoint::from_shared`] for it).
+    pub fn builder(uri: http::Uri) -> Endpoint {
+        match Endpoint::try_from(uri) {
+            Ok(e) => e,
+            Err(e) => panic!("Channel::builder: {e}"),
+        }
+    }
 }
 
 impl Endpoint {
-    /// An endpoint for `uri` with no settings yet.
-    pub fn new(uri: impl Into<String>) -> Endpoint {
-        Endpoint {
-            uri: uri.into(),
+    /// An endpoint for `dst`: a string or an [`http::Uri`] holding an address (or an
+    /// `Endpoint`), as tonic's `Endpoint::new`. A bad address is an error naming it.
+    pub fn new<D>(dst: D) -> Result<Endpoint>
+    where
+        D: TryInto<Endpoint>,
+        D::Error: Into<BoxError>,
+    {
+        dst.try_into().map_err(|e| {
+            let e: BoxError = e.into();
+            match e.downcast::<Error>() {
+                Ok(e) => *e,
+                Err(e) => Error::Address {
+                    addr: String::new(),
+                    why: e.to_string(),
+                },
+            }
+        })
+    }
+
+    /// An endpoint for a fixed address, as tonic's `Endpoint::from_static`.
+    ///
+    /// # Panics
+    /// If `s` is not an address (as tonic's does for a URI it cannot parse): the message
+    /// says what is wrong and which forms there are. Use [`Endpoint::from_shared`] for
+    /// addresses that come from outside the program.
+    pub fn from_static(s: &'static str) -> Endpoint {
+        match Endpoint::parse(s.to_string()) {
+            Ok(e) => e,
+            Err(e) => panic!("Endpoint::from_static: {e}"),
+        }
+    }
+
+    /// An endpoint for an address given at run time (bytes or a string), as tonic's
+    /// `Endpoint::from_shared`.
+    pub fn from_shared(s: impl Into<Bytes>) -> Result<Endpoint> {
+        let bytes: Bytes = s.into();
+        let uri = String::from_utf8(bytes.to_vec()).map_err(|e| Error::Address {
+            addr: String::from_utf8_lossy(&bytes).into_owned(),
+            why: format!("not UTF-8: {e}"),
+        })?;
+        Endpoint::parse(uri)
+    }
+
+    /// Checks `uri` and makes an endpoint for it with no settings yet.
+    fn parse(uri: String) -> Result<Endpoint> {
+        if is_http(&uri) {
+            http::Uri::try_from(uri.as_str()).map_err(|e| Error::Address {
+                addr: uri.clone(),
+                why: format!("not a URI: {e}"),
+            })?;
+        } else {
+            crate::conn::Addr::parse(&uri)?;
+        }
+        Ok(Endpoint {
+            uri,
             config: None,
             settings: Settings::default(),
             concurrency: None,
@@ -43,7 +209,15 @@ impl Endpoint {
             connection_window: None,
             stream_window: None,
             buffer_size: None,
-        }
+            rate: None,
+            origin: None,
+            http2_reset: Http2Reset::default(),
+        })
+    }
+
+    /// The address, as given.
+    pub fn uri(&self) -> &str {
+        &self.uri
     }
 
     /// The transport configuration (default `Config::default()`; pass [`Config::from_env`]
@@ -170,13 +344,74 @@ impl Endpoint {
         self
     }
 
+    /// A user-agent put before tonic's and Ibex's own (`Greeter tonic/0.14 ibex/..`), as
+    /// tonic's `Endpoint::user_agent`; an error if it is not a valid header value.
+    pub fn user_agent<T>(mut self, user_agent: T) -> Result<Self>
+    where
+        T: TryInto<http::HeaderValue>,
+    {
+        let value = user_agent.try_into().map_err(|_| Error::Address {
+            addr: self.uri.clone(),
+            why: "the user agent is not a valid header value (visible ASCII only)".into(),
+        })?;
+        self.settings.user_agent = Some(value);
+        Ok(self)
+    }
+
+    /// The `:authority` and scheme requests carry over `http://`, as tonic's
+    /// `Endpoint::origin`. An Ibex call carries its path only, so it has no effect there.
+    pub fn origin(mut self, origin: http::Uri) -> Self {
+        self.origin = Some(origin);
+        self
+    }
+
+    /// At most `limit` calls start per `duration` on the channel (all clones); more wait,
+    /// as tonic's `Endpoint::rate_limit`.
+    pub fn rate_limit(mut self, limit: u64, duration: std::time::Duration) -> Self {
+        self.rate = Some((limit.max(1), duration));
+        self
+    }
+
+    /// Passed on over `http://`; an Ibex call has no HTTP/2 stream to reset.
+    pub fn http2_max_concurrent_reset_streams(mut self, max: usize) -> Self {
+        self.http2_reset.max_concurrent = Some(max);
+        self
+    }
+
+    /// Passed on over `http://`; see [`Endpoint::http2_max_concurrent_reset_streams`].
+    pub fn http2_reset_stream_duration(mut self, duration: std::time::Duration) -> Self {
+        self.http2_reset.duration = Some(duration);
+        self
+    }
+
+    /// Passed on over `http://`; see [`Endpoint::http2_max_concurrent_reset_streams`].
+    pub fn http2_max_local_error_reset_streams(mut self, max: impl Into<Option<usize>>) -> Self {
+        self.http2_reset.max_local_error = Some(max.into());
+        self
+    }
+
+    /// The connect timeout, if one is set.
+    pub fn get_connect_timeout(&self) -> Option<std::time::Duration> {
+        self.settings.connect_timeout
+    }
+
+    /// The TCP keep-alive idle time, if one is set.
+    pub fn get_tcp_keepalive(&self) -> Option<std::time::Duration> {
+        self.tcp_keepalive.flatten()
+    }
+
+    /// Always true: Ibex's tcp connections set `TCP_NODELAY`, as tonic's default.
+    pub fn get_tcp_nodelay(&self) -> bool {
+        true
+    }
+
     /// Response header lists accepted, in bytes (see [`Channel::with_max_header_list_size`]).
     pub fn max_header_list_size(mut self, bytes: usize) -> Self {
         self.max_header_list_size = bytes;
         self
     }
 
-    fn transport_config(&self) -> Result<Config> {
+    fn transport_config(&self) -> Config {
         let mut c = match &self.config {
             Some(c) => c.clone(),
             None => Config::default(),
@@ -193,7 +428,7 @@ impl Endpoint {
         if let Some(w) = self.connection_window {
             c.rndv_recv_budget = w as usize;
         }
-        Ok(c)
+        c
     }
 
     fn tonic_endpoint(&self) -> Result<tonic::transport::Endpoint> {
@@ -221,16 +456,36 @@ impl Endpoint {
         if let Some(t) = self.keepalive_timeout {
             ep = ep.keep_alive_timeout(t);
         }
+        if let Some(ua) = &self.settings.user_agent {
+            ep = ep.user_agent(ua.clone()).map_err(|e| Error::Address {
+                addr: self.uri.clone(),
+                why: format!("the user agent: {e}"),
+            })?;
+        }
+        if let Some(o) = &self.origin {
+            ep = ep.origin(o.clone());
+        }
+        if let Some((n, per)) = self.rate {
+            ep = ep.rate_limit(n, per);
+        }
+        if let Some(m) = self.http2_reset.max_concurrent {
+            ep = ep.http2_max_concurrent_reset_streams(m);
+        }
+        if let Some(d) = self.http2_reset.duration {
+            ep = ep.http2_reset_stream_duration(d);
+        }
+        if let Some(m) = self.http2_reset.max_local_error {
+            ep = ep.http2_max_local_error_reset_streams(m);
+        }
         Ok(ep
             .initial_connection_window_size(self.connection_window)
             .initial_stream_window_size(self.stream_window)
             .buffer_size(self.buffer_size))
     }
 
-    fn inner(&self) -> Result<Inner> {
-        let config = self.transport_config()?;
-        config.validate()?;
-        crate::conn::Addr::parse(&self.uri)?;
+    fn inner(&self) -> Inner {
+        // Checked when the channel connects: a lazy channel's calls fail naming the problem.
+        let config = self.transport_config();
         let limits = Limits {
             max_header_list_size: self.max_header_list_size,
         };
@@ -238,39 +493,55 @@ impl Endpoint {
         settings.limit = self
             .concurrency
             .map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
+        settings.rate = self
+            .rate
+            .map(|(n, per)| Arc::new(super::client::RateLimit::new(n, per)));
         let target = Target {
             uri: self.uri.clone(),
             config,
         };
-        Ok(Inner::new(None, Some(target), limits).with_settings(settings))
+        Inner::new(None, Some(target), limits).with_settings(settings)
     }
 
-    /// Connects now.
-    pub async fn connect(self) -> Result<Channel> {
-        if self.uri.starts_with("http://") {
+    /// Connects now, as tonic's `Endpoint::connect`: the error says why not.
+    pub async fn connect(&self) -> Result<Channel> {
+        if is_http(&self.uri) {
             let ep = self.tonic_endpoint()?;
             let ch = ep.connect().await.map_err(|e| Error::Io {
                 context: format!("connecting to the gRPC server at {} over HTTP/2", self.uri),
-                source: std::io::Error::new(std::io::ErrorKind::ConnectionRefused, e.to_string())
-                    .into(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    super::client::error_chain(&e),
+                )
+                .into(),
             })?;
             return Ok(Channel {
                 kind: Kind::Http(ch),
             });
         }
-        let inner = self.inner()?;
+        let config = self.transport_config();
+        config.validate()?;
+        let inner = self.inner();
         // The first connection goes through the same path as a reconnect (connect timeout).
         inner.connect_now().await?;
         Ok(Channel::from_inner(inner))
     }
 
-    /// Connects on the first call, as tonic's `Endpoint::connect_lazy`.
-    pub fn connect_lazy(self) -> Result<Channel> {
-        if self.uri.starts_with("http://") {
-            return Ok(Channel {
-                kind: Kind::Http(self.tonic_endpoint()?.connect_lazy()),
-            });
+    /// A channel that connects on its first call (and again after the connection is
+    /// gone), as tonic's `Endpoint::connect_lazy`: nothing is checked until then, so a
+    /// client can be made before its server is up. A setting the transport refuses fails
+    /// each call, naming it.
+    pub fn connect_lazy(&self) -> Channel {
+        if is_http(&self.uri) {
+            return match self.tonic_endpoint() {
+                Ok(ep) => Channel {
+                    kind: Kind::Http(ep.connect_lazy()),
+                },
+                // Not reached: the address was checked when the endpoint was made, and the
+                // settings are tonic's own. Calls then fail naming the address.
+                Err(_) => Channel::from_inner(self.inner()),
+            };
         }
-        Ok(Channel::from_inner(self.inner()?))
+        Channel::from_inner(self.inner())
     }
 }

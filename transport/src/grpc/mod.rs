@@ -18,6 +18,7 @@
 //! cancellation, trailers-only responses and graceful shutdown. A handler can pull a buffer
 //! the client exposed ([`Channel::expose`]) with the [`PeerHandle`] in the request's extensions.
 
+mod balance;
 mod body;
 pub(crate) mod calls;
 mod client;
@@ -26,7 +27,7 @@ mod direct;
 mod endpoint;
 pub(crate) mod pump;
 mod router;
-mod server;
+pub mod server;
 pub(crate) mod wire;
 
 use std::future::Future;
@@ -43,7 +44,13 @@ pub use client::Channel;
 pub use direct::{DirectClient, DirectRoute, UnaryFuture};
 pub use endpoint::Endpoint;
 pub use router::{AddService, Generated, Services, Tower};
-pub use server::{Builder, ConnectInfo, PeerHandle, RouteCounts, Server, ServerStats};
+pub use server::{Builder, ConnectInfo, ListenAddr, PeerHandle, RouteCounts, Server, ServerStats};
+
+/// The channel's types under tonic's paths (`tonic::transport::channel::Change`).
+pub mod channel {
+    pub use super::{Channel, Endpoint};
+    pub use tower::discover::Change;
+}
 
 pub use crate::conn::RemoteBuf;
 

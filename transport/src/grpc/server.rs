@@ -27,6 +27,9 @@ use crate::error::{Error, Result};
 use crate::link::RecvBuf;
 use crate::pool::Pool;
 
+/// tonic's connect info, under tonic's path (`tonic::transport::server::TcpConnectInfo`).
+pub use tonic::transport::server::TcpConnectInfo;
+
 /// The gRPC server over Ibex. Start with [`Server::builder`].
 #[derive(Debug)]
 pub struct Server;
@@ -305,18 +308,22 @@ impl Builder {
         self
     }
 
-    /// Listens on `uri` (`shm:///path.sock`, `tcp://host:port`) and serves until an error.
-    pub async fn serve(self, uri: &str) -> Result<()> {
-        self.serve_with_shutdown(uri, std::future::pending()).await
+    /// Listens on `addr` and serves until an error: an Ibex address (`shm:///path.sock`,
+    /// `tcp://host:port`, `verbs://host:port`), or a `SocketAddr` as tonic's `serve` takes
+    /// (served over Ibex tcp).
+    pub async fn serve(self, addr: impl ListenAddr) -> Result<()> {
+        self.serve_with_shutdown(addr, std::future::pending()).await
     }
 
     /// Like [`Builder::serve`], until `signal` completes; then stops accepting, tells
     /// clients to make no new calls, lets the calls in flight finish, and returns.
     pub async fn serve_with_shutdown<F: Future<Output = ()>>(
         self,
-        uri: &str,
+        addr: impl ListenAddr,
         signal: F,
     ) -> Result<()> {
+        let uri = addr.into_uri();
+        let uri = uri.as_str();
         let mut config = match &self.config {
             Some(c) => c.clone(),
             None => Config::default(),
@@ -439,6 +446,38 @@ impl Builder {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// Where a server listens: an Ibex address as a string (`tcp://0.0.0.0:50051`,
+/// `shm:///run/ibex.sock`), or a socket address, as tonic's `Server::serve` takes, served
+/// over Ibex tcp.
+pub trait ListenAddr {
+    /// The address as an Ibex URI.
+    fn into_uri(self) -> String;
+}
+
+impl ListenAddr for &str {
+    fn into_uri(self) -> String {
+        self.to_string()
+    }
+}
+
+impl ListenAddr for String {
+    fn into_uri(self) -> String {
+        self
+    }
+}
+
+impl ListenAddr for &String {
+    fn into_uri(self) -> String {
+        self.clone()
+    }
+}
+
+impl ListenAddr for std::net::SocketAddr {
+    fn into_uri(self) -> String {
+        format!("tcp://{self}")
     }
 }
 
