@@ -41,7 +41,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ => {
             ibex_transport::grpc::Server::builder()
                 .add_service(svc)
-                .serve(&addr)
+                .serve_uri(&addr)
                 .await?
         }
     }

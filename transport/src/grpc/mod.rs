@@ -6,7 +6,7 @@
 //! use ibex_transport::grpc::{Channel, Server};
 //! # let svc = tonic::service::Routes::default();
 //! // Server: any tonic service (or `Routes`).
-//! tokio::spawn(Server::builder().add_routes(svc).serve("shm:///run/ibex.sock"));
+//! tokio::spawn(Server::builder().add_routes(svc).serve_uri("shm:///run/ibex.sock"));
 //! // Client: `GreeterClient::new(channel)`, `BenchClient::new(channel)`, ...
 //! let channel = Channel::connect("shm:///run/ibex.sock").await?;
 //! # Ok(()) }
@@ -44,7 +44,7 @@ pub use client::Channel;
 pub use direct::{DirectClient, DirectRoute, UnaryFuture};
 pub use endpoint::Endpoint;
 pub use router::{AddService, Generated, Services, Tower};
-pub use server::{Builder, ConnectInfo, ListenAddr, PeerHandle, RouteCounts, Server, ServerStats};
+pub use server::{Builder, ConnectInfo, PeerHandle, RouteCounts, Server, ServerStats};
 
 /// The channel's types under tonic's paths (`tonic::transport::channel::Change`).
 pub mod channel {

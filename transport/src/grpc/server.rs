@@ -41,7 +41,7 @@ impl Server {
     }
 }
 
-/// Collects services, then serves them: `Server::builder().add_service(svc).serve(uri)`.
+/// Collects services, then serves them: `Server::builder().add_service(svc).serve(addr)`.
 #[derive(Debug, Default)]
 pub struct Builder {
     /// The handlers of every service added, by method path and service name.
@@ -308,22 +308,38 @@ impl Builder {
         self
     }
 
-    /// Listens on `addr` and serves until an error: an Ibex address (`shm:///path.sock`,
-    /// `tcp://host:port`, `verbs://host:port`), or a `SocketAddr` as tonic's `serve` takes
-    /// (served over Ibex tcp).
-    pub async fn serve(self, addr: impl ListenAddr) -> Result<()> {
-        self.serve_with_shutdown(addr, std::future::pending()).await
+    /// Listens on `addr` over Ibex tcp and serves until an error, as tonic's `serve`
+    /// (`let addr = "[::1]:50051".parse()?;` works unchanged). For the other providers,
+    /// or a host name, see [`Builder::serve_uri`].
+    pub async fn serve(self, addr: std::net::SocketAddr) -> Result<()> {
+        self.serve_uri(&format!("tcp://{addr}")).await
     }
 
     /// Like [`Builder::serve`], until `signal` completes; then stops accepting, tells
     /// clients to make no new calls, lets the calls in flight finish, and returns.
     pub async fn serve_with_shutdown<F: Future<Output = ()>>(
         self,
-        addr: impl ListenAddr,
+        addr: std::net::SocketAddr,
         signal: F,
     ) -> Result<()> {
-        let uri = addr.into_uri();
-        let uri = uri.as_str();
+        self.serve_uri_with_shutdown(&format!("tcp://{addr}"), signal)
+            .await
+    }
+
+    /// Listens on an Ibex address (`shm:///path.sock`, `tcp://host:port`,
+    /// `verbs://host:port`) and serves until an error.
+    pub async fn serve_uri(self, uri: &str) -> Result<()> {
+        self.serve_uri_with_shutdown(uri, std::future::pending())
+            .await
+    }
+
+    /// Like [`Builder::serve_uri`], until `signal` completes, as
+    /// [`Builder::serve_with_shutdown`].
+    pub async fn serve_uri_with_shutdown<F: Future<Output = ()>>(
+        self,
+        uri: &str,
+        signal: F,
+    ) -> Result<()> {
         let mut config = match &self.config {
             Some(c) => c.clone(),
             None => Config::default(),
@@ -339,12 +355,12 @@ impl Builder {
     }
 
     /// Serves on any address: an Ibex one (`shm://`, `tcp://`, `verbs://`) like
-    /// [`Builder::serve_with_shutdown`], or `http://host:port` with stock tonic's HTTP/2
+    /// [`Builder::serve_uri_with_shutdown`], or `http://host:port` with stock tonic's HTTP/2
     /// server and the same services, so one program serves both kinds of deployment.
     /// Over HTTP/2 requests carry no [`PeerHandle`] and [`Builder::stats`] stays empty.
     pub async fn serve_any<F: Future<Output = ()>>(self, uri: &str, signal: F) -> Result<()> {
         let Some(host_port) = uri.strip_prefix("http://") else {
-            return self.serve_with_shutdown(uri, signal).await;
+            return self.serve_uri_with_shutdown(uri, signal).await;
         };
         let bad = |why: String| Error::Address {
             addr: uri.into(),
@@ -446,38 +462,6 @@ impl Builder {
             Some(e) => Err(e),
             None => Ok(()),
         }
-    }
-}
-
-/// Where a server listens: an Ibex address as a string (`tcp://0.0.0.0:50051`,
-/// `shm:///run/ibex.sock`), or a socket address, as tonic's `Server::serve` takes, served
-/// over Ibex tcp.
-pub trait ListenAddr {
-    /// The address as an Ibex URI.
-    fn into_uri(self) -> String;
-}
-
-impl ListenAddr for &str {
-    fn into_uri(self) -> String {
-        self.to_string()
-    }
-}
-
-impl ListenAddr for String {
-    fn into_uri(self) -> String {
-        self
-    }
-}
-
-impl ListenAddr for &String {
-    fn into_uri(self) -> String {
-        self.clone()
-    }
-}
-
-impl ListenAddr for std::net::SocketAddr {
-    fn into_uri(self) -> String {
-        format!("tcp://{self}")
     }
 }
 
