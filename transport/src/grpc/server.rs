@@ -660,15 +660,20 @@ struct ConnCtx<F> {
 }
 
 /// The extensions every request on `conn` carries: the peer, as `PeerHandle` and
-/// [`ConnectInfo`], and as tonic's `TcpConnectInfo` where it has a socket address.
+/// [`ConnectInfo`], as tonic's `TcpConnectInfo` where it has a socket address, and as
+/// tonic's `TlsConnectInfo` over TLS.
 fn request_extensions(conn: &Connection) -> http::Extensions {
     let info = ConnectInfo::of(conn);
     let mut extensions = http::Extensions::new();
     if let Some(a) = info.remote_addr {
         extensions.insert(tonic::transport::server::TcpConnectInfo {
-            local_addr: None,
+            local_addr: conn.local_addr(),
             remote_addr: Some(a),
         });
+    }
+    // Over TLS, as tonic's TLS server does: `Request::peer_certs()` reads it.
+    if let Some(info) = conn.tls_peer().and_then(|t| t.connect_info.clone()) {
+        extensions.insert(info);
     }
     extensions.insert(info);
     extensions.insert(PeerHandle {
