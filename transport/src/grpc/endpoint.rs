@@ -26,6 +26,7 @@ pub struct Endpoint {
     /// Settings that only stock HTTP/2 has, passed on for `http://` addresses.
     stream_window: Option<u32>,
     buffer_size: Option<usize>,
+    tls: Option<super::ClientTlsConfig>,
 }
 
 impl Endpoint {
@@ -43,6 +44,7 @@ impl Endpoint {
             connection_window: None,
             stream_window: None,
             buffer_size: None,
+            tls: None,
         }
     }
 
@@ -176,6 +178,15 @@ impl Endpoint {
         self
     }
 
+    /// Connects over TLS, as tonic's `Endpoint::tls_config`: on `tcp://` the handshake runs
+    /// before the Ibex preface; on `http://`/`https://` stock tonic's TLS. shm ignores it;
+    /// verbs refuses it. The settings are checked here.
+    pub fn tls_config(mut self, tls: super::ClientTlsConfig) -> Result<Endpoint> {
+        tls.transport()?;
+        self.tls = Some(tls);
+        Ok(self)
+    }
+
     fn transport_config(&self) -> Result<Config> {
         let mut c = match &self.config {
             Some(c) => c.clone(),
@@ -192,6 +203,12 @@ impl Endpoint {
         }
         if let Some(w) = self.connection_window {
             c.rndv_recv_budget = w as usize;
+        }
+        if let Some(t) = &self.tls {
+            c.tls = Some(t.transport()?);
+            if let Some(d) = t.handshake_timeout() {
+                c.handshake_timeout = d;
+            }
         }
         Ok(c)
     }
@@ -221,6 +238,11 @@ impl Endpoint {
         if let Some(t) = self.keepalive_timeout {
             ep = ep.keep_alive_timeout(t);
         }
+        if let Some(t) = &self.tls {
+            ep = ep
+                .tls_config(t.tonic()?)
+                .map_err(|e| Error::Config(format!("TLS settings for HTTP/2: {e}")))?;
+        }
         Ok(ep
             .initial_connection_window_size(self.connection_window)
             .initial_stream_window_size(self.stream_window)
@@ -247,7 +269,7 @@ impl Endpoint {
 
     /// Connects now.
     pub async fn connect(self) -> Result<Channel> {
-        if self.uri.starts_with("http://") {
+        if is_http(&self.uri) {
             let ep = self.tonic_endpoint()?;
             let ch = ep.connect().await.map_err(|e| Error::Io {
                 context: format!("connecting to the gRPC server at {} over HTTP/2", self.uri),
@@ -266,11 +288,16 @@ impl Endpoint {
 
     /// Connects on the first call, as tonic's `Endpoint::connect_lazy`.
     pub fn connect_lazy(self) -> Result<Channel> {
-        if self.uri.starts_with("http://") {
+        if is_http(&self.uri) {
             return Ok(Channel {
                 kind: Kind::Http(self.tonic_endpoint()?.connect_lazy()),
             });
         }
         Ok(Channel::from_inner(self.inner()?))
     }
+}
+
+/// Stock HTTP/2 addresses, which tonic's own channel serves.
+fn is_http(uri: &str) -> bool {
+    uri.starts_with("http://") || uri.starts_with("https://")
 }

@@ -27,6 +27,7 @@ mod endpoint;
 pub(crate) mod pump;
 mod router;
 mod server;
+mod tls;
 pub(crate) mod wire;
 
 use std::future::Future;
@@ -44,6 +45,7 @@ pub use direct::{DirectClient, DirectRoute, UnaryFuture};
 pub use endpoint::Endpoint;
 pub use router::{AddService, Generated, Services, Tower};
 pub use server::{Builder, ConnectInfo, PeerHandle, RouteCounts, Server, ServerStats};
+pub use tls::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 pub use crate::conn::RemoteBuf;
 
