@@ -408,7 +408,9 @@ impl Builder {
             })
     }
 
-    /// Serves on a listener made beforehand (e.g. to learn its `local_uri` first).
+    /// Serves on a listener made beforehand (e.g. to learn its `local_uri` first). The
+    /// listener's own [`Config::tls`] applies ([`ServerTlsConfig::transport`](super::ServerTlsConfig::transport)
+    /// makes one); [`Builder::tls_config`] only applies where this builder listens itself.
     pub async fn serve_with_listener<F: Future<Output = ()>>(
         self,
         listener: Listener,

@@ -145,6 +145,13 @@ impl ServerTlsConfig {
         }
     }
 
+    /// The tcp provider's setting ([`Config::tls`](crate::Config::tls)), for a listener
+    /// made beforehand ([`crate::listen`], then
+    /// [`Builder::serve_with_listener`](super::Builder::serve_with_listener)).
+    pub fn transport(&self) -> Result<Tls> {
+        Ok(Tls::server(self.rustls()?))
+    }
+
     /// The rustls configuration for the tcp provider.
     pub(crate) fn rustls(&self) -> Result<Arc<rustls::ServerConfig>> {
         let Some(identity) = &self.identity else {
@@ -321,8 +328,9 @@ impl ClientTlsConfig {
         )))
     }
 
-    /// The tcp provider's setting.
-    pub(crate) fn transport(&self) -> Result<Tls> {
+    /// The tcp provider's setting ([`Config::tls`](crate::Config::tls)), for
+    /// [`crate::connect`] or [`Channel::connect_with_config`](super::Channel::connect_with_config).
+    pub fn transport(&self) -> Result<Tls> {
         self.check_roots()?;
         if self.certs.is_empty() && self.trust_anchors.is_empty() {
             return Err(Error::Config(
