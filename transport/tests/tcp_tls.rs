@@ -371,3 +371,49 @@ async fn no_payload_or_token_byte_crosses_the_wire_in_clear() {
     .await
     .expect("hang guard");
 }
+
+/// Bad peers at a TLS listener (junk that looks like a ClientHello, a plain preface, a
+/// silent socket) cost only their own connections: an honest TLS client is served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_peers_at_a_tls_listener_do_not_hold_up_an_honest_one() {
+    use tokio::io::AsyncWriteExt;
+    tokio::time::timeout(GUARD, async {
+        init_tracing();
+        let mut server = config(Some(server_tls(None)));
+        server.handshake_timeout = Duration::from_millis(500);
+        let l = listen("tcp://127.0.0.1:0", server).await.unwrap();
+        let at = l.local_uri();
+        let addr = at.trim_start_matches("tcp://").to_string();
+        let mut junk = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let mut hello = vec![0x16, 0x03, 0x01, 0x40, 0x00];
+        hello.extend(std::iter::repeat_n(0xab, 16 << 10));
+        junk.write_all(&hello).await.unwrap();
+        let mut plain = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        plain
+            .write_all(b"IBEXTCP\0 and then nothing sensible")
+            .await
+            .unwrap();
+        let _silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let (s, c) = tokio::join!(
+            l.accept(),
+            connect(&at, config(Some(client_tls("ca", None))))
+        );
+        let (s, c) = (s.unwrap(), c.unwrap());
+        let msg = pattern(300_000, 3);
+        c.send(msg.clone()).await.unwrap();
+        assert_eq!(s.recv().await.unwrap(), msg);
+        // The bad peers are closed (junk at once, silence at the deadline).
+        for mut bad in [junk, plain] {
+            use tokio::io::AsyncReadExt;
+            let mut b = vec![0u8; 4096];
+            loop {
+                match bad.read(&mut b).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+        }
+    })
+    .await
+    .expect("hang guard");
+}
