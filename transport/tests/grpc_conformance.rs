@@ -966,6 +966,33 @@ mod mutual_tls {
         within(peer_certs_reach_the_handler("tcp")).await
     }
 
+    /// TLS settings on the builder and a listener made without them: an error, never a
+    /// server in clear.
+    #[tokio::test]
+    async fn a_plain_listener_is_not_served_when_tls_is_asked_for() {
+        let l = ibex_transport::listen("tcp://127.0.0.1:0", ibex_transport::Config::default())
+            .await
+            .unwrap();
+        let e = ibex_transport::grpc::Server::builder()
+            .tls_config(grpc_common::transports::server_tls(false))
+            .unwrap()
+            .serve_with_listener(l, std::future::pending())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("made without TLS"), "{e}");
+        // And settings that cannot work are refused when given.
+        let e = ibex_transport::grpc::Server::builder()
+            .tls_config(ibex_transport::grpc::ServerTlsConfig::new())
+            .unwrap_err();
+        assert!(e.to_string().contains("has no identity"), "{e}");
+        let Err(e) = ibex_transport::grpc::Endpoint::new("tcp://127.0.0.1:1")
+            .tls_config(ibex_transport::grpc::ClientTlsConfig::new().with_webpki_roots())
+        else {
+            panic!("webpki roots are not built in");
+        };
+        assert!(e.to_string().contains("ca_certificate"), "{e}");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn tonic_https() {
         within(peer_certs_reach_the_handler("https")).await

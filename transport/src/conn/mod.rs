@@ -904,6 +904,7 @@ pub struct Listener {
     socket_files: Vec<crate::shm::SocketFile>,
     local_uri: String,
     shm_uri: Option<String>,
+    tls: bool,
 }
 
 impl Drop for Listener {
@@ -927,6 +928,7 @@ impl Listener {
         shm_uri: Option<String>,
     ) -> Listener {
         let (tx, rx) = tokio::sync::mpsc::channel(config.max_handshakes);
+        let tls = config.tls.is_some();
         let shared = Arc::new(accept::Shared {
             slots: Arc::new(tokio::sync::Semaphore::new(config.max_handshakes)),
             config,
@@ -946,6 +948,7 @@ impl Listener {
             ready: tokio::sync::Mutex::new(rx),
             acceptors,
             socket_files,
+            tls,
             local_uri,
             shm_uri,
         }
@@ -984,6 +987,11 @@ impl Listener {
     /// [`connect_auto`] find the shm socket from it).
     pub fn local_uri(&self) -> String {
         self.local_uri.clone()
+    }
+
+    /// Whether its tcp peers must speak TLS (it was made with [`Config::tls`]).
+    pub fn is_tls(&self) -> bool {
+        self.tls
     }
 
     /// For auto listeners, the shm address local peers use.

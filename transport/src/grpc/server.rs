@@ -410,12 +410,20 @@ impl Builder {
 
     /// Serves on a listener made beforehand (e.g. to learn its `local_uri` first). The
     /// listener's own [`Config::tls`] applies ([`ServerTlsConfig::transport`](super::ServerTlsConfig::transport)
-    /// makes one); [`Builder::tls_config`] only applies where this builder listens itself.
+    /// makes one); with [`Builder::tls_config`] set, a listener made without TLS is an
+    /// error rather than served in clear.
     pub async fn serve_with_listener<F: Future<Output = ()>>(
         self,
         listener: Listener,
         signal: F,
     ) -> Result<()> {
+        if self.tls.is_some() && !listener.is_tls() && listener.local_uri().starts_with("tcp://") {
+            // Serving in clear what the caller asked to be encrypted is never the intent.
+            return Err(Error::Config(format!(
+                "Builder::tls_config is set, but the listener at {} was made without TLS: make it with Config {{ tls: Some(server_tls.transport()?), .. }}, or let the builder listen (serve, serve_any)",
+                listener.local_uri()
+            )));
+        }
         let mut limits = self.limits;
         limits.keepalive = self.keepalive();
         let max_memory = match (limits.max_memory, &self.config) {
