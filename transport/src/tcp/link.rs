@@ -418,7 +418,9 @@ impl TcpLink {
 
     /// [`Self::poll_write_out`] through the TLS session: its records go out first, then
     /// the queue's plaintext goes in, as much as the session takes ([`TLS_SEND_LIMIT`]),
-    /// so that neither it nor the queue holds more than its bound.
+    /// so that neither it nor the queue holds more than its bound. Out of line, so that
+    /// plain tcp's path stays as small as it was.
+    #[inline(never)]
     fn poll_write_out_tls(&mut self, mut cx: Option<&mut Context<'_>>) -> Poll<Result<()>> {
         loop {
             let Some(tls) = self.tls.as_deref_mut() else {
@@ -520,6 +522,33 @@ impl TcpLink {
 
     /// Makes `rbuf` hold at least `n` bytes.
     fn poll_fill(&mut self, cx: &mut Context<'_>, n: usize) -> Poll<Result<()>> {
+        if self.tls.is_some() {
+            return self.poll_fill_tls(cx, n);
+        }
+        while self.rbuf.len() < n {
+            let want = (n - self.rbuf.len()).max(READ_CHUNK);
+            self.rbuf.reserve(want);
+            if let Err(e) = ready!(self.stream.poll_read_ready(cx)) {
+                return Poll::Ready(Err(self.gone(e)));
+            }
+            match self.stream.try_read_buf(&mut (&mut self.rbuf).limit(want)) {
+                Ok(0) => return Poll::Ready(Err(self.eof())),
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return Poll::Ready(Err(self.gone(e))),
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// [`Self::poll_fill`] from the TLS session's plaintext. Out of line, so that plain
+    /// tcp's path stays as small as it was.
+    #[inline(never)]
+    fn poll_fill_tls(&mut self, cx: &mut Context<'_>, n: usize) -> Poll<Result<()>> {
         if let Some(tls) = self.tls.as_deref_mut() {
             while self.rbuf.len() < n {
                 let want = (n - self.rbuf.len()).max(READ_CHUNK);
@@ -538,24 +567,6 @@ impl TcpLink {
                     Err(e) => return Poll::Ready(Err(self.tls_failed(e))),
                 };
                 io::BufRead::consume(&mut r, k);
-            }
-            return Poll::Ready(Ok(()));
-        }
-        while self.rbuf.len() < n {
-            let want = (n - self.rbuf.len()).max(READ_CHUNK);
-            self.rbuf.reserve(want);
-            if let Err(e) = ready!(self.stream.poll_read_ready(cx)) {
-                return Poll::Ready(Err(self.gone(e)));
-            }
-            match self.stream.try_read_buf(&mut (&mut self.rbuf).limit(want)) {
-                Ok(0) => return Poll::Ready(Err(self.eof())),
-                Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                    ) => {}
-                Err(e) => return Poll::Ready(Err(self.gone(e))),
             }
         }
         Poll::Ready(Ok(()))
@@ -1097,30 +1108,8 @@ unsafe fn fill(
         *done += n;
     }
     if let Some(tls) = tls {
-        while *done < len {
-            match ready!(tls.poll_plain(stream, cx)) {
-                Ok(true) => {}
-                Ok(false) => return Poll::Ready(Err(None)),
-                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                    return Poll::Ready(Err(None));
-                }
-                Err(e) => return Poll::Ready(Err(Some(e))),
-            }
-            let mut r = tls.conn.reader();
-            let k = match io::BufRead::fill_buf(&mut r) {
-                Ok(b) => {
-                    let k = b.len().min(len - *done);
-                    // SAFETY: `*done + k <= len` lies inside the destination (the caller's
-                    // contract), and `b` is the session's own buffer, so they cannot overlap.
-                    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), ptr.add(*done), k) };
-                    k
-                }
-                Err(e) => return Poll::Ready(Err(Some(e))),
-            };
-            io::BufRead::consume(&mut r, k);
-            *done += k;
-        }
-        return Poll::Ready(Ok(()));
+        // SAFETY: the caller's contract, passed on.
+        return unsafe { fill_tls(tls, stream, cx, ptr, len, done) };
     }
     while *done < len {
         // SAFETY: as above; the slice covers exactly the part not yet filled, and
@@ -1221,6 +1210,47 @@ impl io::Write for SockWriter<'_> {
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
+}
+
+/// [`fill`] from the TLS session's plaintext: one copy out of the session's buffer, where
+/// plain tcp reads the socket straight into the destination. Out of line, so that plain
+/// tcp's path stays as small as it was.
+///
+/// # Safety
+/// As [`fill`].
+#[inline(never)]
+unsafe fn fill_tls(
+    tls: &mut TlsIo,
+    stream: &TcpStream,
+    cx: &mut Context<'_>,
+    ptr: *mut u8,
+    len: usize,
+    done: &mut usize,
+) -> Poll<std::result::Result<(), Option<io::Error>>> {
+    while *done < len {
+        match ready!(tls.poll_plain(stream, cx)) {
+            Ok(true) => {}
+            Ok(false) => return Poll::Ready(Err(None)),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                return Poll::Ready(Err(None));
+            }
+            Err(e) => return Poll::Ready(Err(Some(e))),
+        }
+        let mut r = tls.conn.reader();
+        let k = match io::BufRead::fill_buf(&mut r) {
+            Ok(b) => {
+                let k = b.len().min(len - *done);
+                // SAFETY: `*done + k <= len` lies inside the destination (the caller's
+                // contract), and `b` is the session's own buffer, so they cannot overlap.
+                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), ptr.add(*done), k) };
+                k
+            }
+            Err(e) => return Poll::Ready(Err(Some(e))),
+        };
+        io::BufRead::consume(&mut r, k);
+        *done += k;
+    }
+    Poll::Ready(Ok(()))
 }
 
 /// What a held push of `len` bytes counts against [`wire::MAX_HELD`].
