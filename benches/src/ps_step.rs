@@ -102,7 +102,7 @@ struct WorkerResult {
 }
 
 /// The PS transport a bench transport maps to; the PS serves gRPC only, so the raw
-/// transports and the 1 MiB-frame tonic variant have none.
+/// transports, the 1 MiB-frame tonic variant and the TLS ones have none.
 pub fn kind(t: Transport) -> Option<TransportKind> {
     match t {
         Transport::Tonic => Some(TransportKind::Grpc),
@@ -110,6 +110,8 @@ pub fn kind(t: Transport) -> Option<TransportKind> {
         Transport::IbexTcp => Some(TransportKind::Tcp),
         Transport::IbexVerbs => Some(TransportKind::Verbs),
         Transport::Tonic1m
+        | Transport::IbexTcpTls
+        | Transport::TonicTls
         | Transport::IbexShmBusy
         | Transport::RawShm
         | Transport::RawTcp

@@ -109,7 +109,7 @@ async fn tensor(peer: Option<PeerHandle>, p: &Payload) -> Result<Ack, Status> {
 /// The default listen address of a transport on this host.
 pub fn default_listen(t: Transport) -> String {
     match t {
-        Transport::Tonic | Transport::Tonic1m => "127.0.0.1:0".into(),
+        Transport::Tonic | Transport::Tonic1m | Transport::TonicTls => "127.0.0.1:0".into(),
         Transport::IbexShm
         | Transport::IbexShmBusy
         | Transport::RawShm
@@ -121,7 +121,9 @@ pub fn default_listen(t: Transport) -> String {
                     .display()
             )
         }
-        Transport::IbexTcp | Transport::RawTcp => "tcp://127.0.0.1:0".into(),
+        Transport::IbexTcp | Transport::IbexTcpTls | Transport::RawTcp => {
+            "tcp://127.0.0.1:0".into()
+        }
         Transport::IbexVerbs => "verbs://127.0.0.1:0".into(),
     }
 }
@@ -185,6 +187,37 @@ pub fn serve(t: Transport, listen: Option<String>, threads: usize) -> Res<()> {
                     .add_service(svc)
                     .serve_with_listener(l, std::future::pending())
                     .await?;
+            }
+            Transport::IbexTcpTls => {
+                let mut config = t.config()?;
+                config.tls = Some(crate::transport::bench_tls::server().transport()?);
+                let l = ibex_transport::listen(&listen, config).await?;
+                announce(&l.local_uri())?;
+                ibex_transport::grpc::Server::builder()
+                    .add_service(svc)
+                    .serve_with_listener(l, std::future::pending())
+                    .await?;
+            }
+            // Through `serve_any`, which hands the same settings to stock tonic.
+            Transport::TonicTls => {
+                let port = tokio::net::TcpListener::bind(listen.trim_start_matches("https://"))
+                    .await?
+                    .local_addr()?;
+                let server = ibex_transport::grpc::Server::builder()
+                    .tls_config(crate::transport::bench_tls::server())?
+                    .add_service(svc);
+                let serving = tokio::spawn(async move {
+                    server
+                        .serve_any(&format!("https://{port}"), std::future::pending())
+                        .await
+                });
+                // Announced once it accepts, so that the client's one connect finds it.
+                while tokio::net::TcpStream::connect(port).await.is_err() && !serving.is_finished()
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                announce(&format!("https://{port}"))?;
+                serving.await??;
             }
             Transport::RawShm | Transport::RawTcp => {
                 let l = ibex_transport::listen(&listen, t.config()?).await?;

@@ -34,6 +34,10 @@ pub enum Transport {
     /// The same gRPC service over Ibex tcp.
     #[value(alias = "tcp")]
     IbexTcp,
+    /// Ibex tcp with TLS (rustls, the test certificates of `transport/tests/data/tls`).
+    IbexTcpTls,
+    /// Stock tonic with TLS (`https://`, tonic's `tls-ring`, the same certificates).
+    TonicTls,
     /// The same gRPC service over Ibex verbs (build with `--features verbs`, needs a device).
     #[value(alias = "verbs")]
     IbexVerbs,
@@ -73,6 +77,8 @@ impl Transport {
             Transport::IbexShm => "ibex-shm",
             Transport::IbexShmBusy => "ibex-shm-busy",
             Transport::IbexTcp => "ibex-tcp",
+            Transport::IbexTcpTls => "ibex-tcp-tls",
+            Transport::TonicTls => "tonic-tls",
             Transport::IbexVerbs => "ibex-verbs",
             Transport::RawShm => "raw-shm",
             Transport::RawTcp => "raw-tcp",
@@ -197,6 +203,25 @@ impl Client {
             | Transport::IbexVerbs => {
                 let ch =
                     ibex_transport::grpc::Channel::connect_with_config(addr, t.config()?).await?;
+                let c = IbexClient::new(ch.clone())
+                    .max_decoding_message_size(MAX_MSG)
+                    .max_encoding_message_size(MAX_MSG);
+                Client::Ibex(c, ch)
+            }
+            Transport::IbexTcpTls => {
+                let mut config = t.config()?;
+                config.tls = Some(bench_tls::client().transport()?);
+                let ch = ibex_transport::grpc::Channel::connect_with_config(addr, config).await?;
+                let c = IbexClient::new(ch.clone())
+                    .max_decoding_message_size(MAX_MSG)
+                    .max_encoding_message_size(MAX_MSG);
+                Client::Ibex(c, ch)
+            }
+            Transport::TonicTls => {
+                let ch = ibex_transport::grpc::Endpoint::new(addr)?
+                    .tls_config(bench_tls::client())?
+                    .connect()
+                    .await?;
                 let c = IbexClient::new(ch.clone())
                     .max_decoding_message_size(MAX_MSG)
                     .max_encoding_message_size(MAX_MSG);
@@ -330,4 +355,21 @@ fn retag(raw: &Bytes, tag: u8) -> Bytes {
     let mut v = raw.to_vec();
     v[0] = tag;
     Bytes::from(v)
+}
+
+/// The TLS settings of the `-tls` transports: the test certificates, never for production.
+pub mod bench_tls {
+    use ibex_transport::grpc::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+
+    const CA: &[u8] = include_bytes!("../../transport/tests/data/tls/ca.pem");
+    const CERT: &[u8] = include_bytes!("../../transport/tests/data/tls/server.pem");
+    const KEY: &[u8] = include_bytes!("../../transport/tests/data/tls/server.key");
+
+    pub fn server() -> ServerTlsConfig {
+        ServerTlsConfig::new().identity(Identity::from_pem(CERT, KEY))
+    }
+
+    pub fn client() -> ClientTlsConfig {
+        ClientTlsConfig::new().ca_certificate(Certificate::from_pem(CA))
+    }
 }

@@ -266,6 +266,34 @@ def run_rpc(model: str) -> Dict:
     return spawn_and_collect(rpc_proc, 3, (free_port(), model), 120)
 
 
+# --- no communication: the ceiling ---------------------------------------------------------
+
+
+def local_worker(rank: int, model: str, q) -> None:
+    """Trains alone on its share, exchanging nothing: two of these side by side are what
+    the machine's cores allow any 2-worker system."""
+    import torch
+
+    torch.set_num_threads(1)
+    _, _, warm, timed = MODELS[model]
+    net = build(model)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(x, y):
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+
+    t = train(net, step, batches(model, rank, warm + timed))
+    if rank == 0:
+        q.put({"times": t[warm:]})
+
+
+def run_local(model: str) -> Dict:
+    return spawn_and_collect(local_worker, 2, (model,), 60)
+
+
 # --- the comparison -----------------------------------------------------------------------
 
 
@@ -276,7 +304,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ps", type=int, default=2, help="Ibex PS processes")
     ap.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
                     help="DistributedOptimizer(overlap=...) for Ibex")
-    ap.add_argument("--systems", default="ibex,ddp,rpc")
+    ap.add_argument("--systems", default="ibex,ddp,rpc",
+                    help="any of ibex, ddp, rpc, and local (2 workers that exchange nothing: "
+                         "the ceiling this machine's cores set for any 2-worker system)")
     args = ap.parse_args(argv)
     try:
         import torch  # noqa: F401
@@ -293,6 +323,7 @@ def main(argv=None) -> int:
         "ibex": lambda m: run_ibex(m, args.ps, overlap),
         "ddp": run_ddp,
         "rpc": run_rpc,
+        "local": run_local,
     }
     print(f"load average at start: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} "
           f"{os.getloadavg()[2]:.2f}; {os.cpu_count()} CPUs; torch {torch.__version__}")
@@ -321,6 +352,11 @@ def main(argv=None) -> int:
                     per_round = [a / b for a, b in zip(res["ibex"], res[s])]
                     print(f"  ibex / {s}: {med['ibex'] / med[s]:.2f}x  (per round: "
                           + ", ".join(f"{x:.2f}" for x in per_round) + ")")
+        if "local" in med:
+            for s in systems:
+                if s != "local":
+                    print(f"  ceiling: local / {s}: {med['local'] / med[s]:.2f}x  (the most a "
+                          f"2-worker system can be over {s} on these cores)")
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -149,6 +149,13 @@ pub struct Config {
     /// How long a keep-alive ping may go unanswered before the connection is closed
     /// (`IBEX_KEEPALIVE_TIMEOUT_MS`; default 20 s, tonic's).
     pub keepalive_timeout: std::time::Duration,
+    /// TLS for the tcp provider ([`crate::tls`]): a listener's certificate (and the CAs of
+    /// the clients it accepts), or a client's roots (and its own certificate for mutual
+    /// TLS). The handshake runs before the Ibex preface, so the auth token travels
+    /// encrypted. Ignored on shm (a local peer, checked by the kernel's credentials of its
+    /// socket); refused on verbs, whose RDMA traffic it cannot cover. `None` (the
+    /// default): plain tcp.
+    pub tls: Option<crate::tls::Tls>,
     /// Which settings [`Config::with_env`] took from the environment, so that statistics
     /// can say `"env"` rather than `"config"`.
     pub env_overrides: EnvOverrides,
@@ -225,6 +232,7 @@ impl Default for Config {
             tcp_keepalive: None,
             keepalive: None,
             keepalive_timeout: std::time::Duration::from_secs(20),
+            tls: None,
             env_overrides: EnvOverrides::default(),
         }
     }

@@ -17,6 +17,7 @@ pub mod preface;
 pub mod proto;
 pub mod shm;
 pub mod tcp;
+pub mod tls;
 #[cfg(feature = "verbs")]
 pub mod verbs;
 pub mod verbs_wire;

@@ -82,6 +82,10 @@ pub struct LinkInfo {
     /// ahead of time, off the runtime and outside its lock, through this (verbs). `None`
     /// where any memory will do.
     pub registrar: Option<Arc<dyn Registrar>>,
+    /// This side's socket address (tcp; verbs: its bootstrap connection).
+    pub local_addr: Option<std::net::SocketAddr>,
+    /// What TLS learned of the peer (tcp with [`crate::Config::tls`]); `None` without TLS.
+    pub tls: Option<Arc<crate::tls::TlsPeer>>,
 }
 
 impl LinkInfo {

@@ -166,6 +166,12 @@ impl Preface {
 /// "peer at 10.0.0.2:7000").
 pub fn decode_header(provider: Provider, b: &[u8; FIXED_LEN], peer: &str) -> Result<Header> {
     let magic: &[u8] = &b[..8];
+    if crate::tls::looks_like_tls(magic) {
+        return Err(Error::Handshake(format!(
+            "{peer} speaks TLS (it opened with a TLS ClientHello), but this side speaks plain Ibex {}: configure this listener with tls (Config::tls = Tls::server, or Server::builder().tls_config) or the client without",
+            provider.name()
+        )));
+    }
     if magic != provider.magic() {
         let why = match Provider::ALL.iter().find(|p| p.magic() == magic) {
             Some(other) => format!(
@@ -312,6 +318,12 @@ where
     while got < FIXED_LEN {
         match s.read(&mut fixed[got..]).await {
             Ok(0) if got == 0 => return Ok(None),
+            Ok(0) if crate::tls::looks_like_alert(&fixed[..got]) => {
+                return Err(Error::Handshake(format!(
+                    "{peer} answered with a TLS alert: it requires TLS, and this side speaks plain Ibex {}; configure this side with tls (Config::tls = Tls::client, or Endpoint::tls_config)",
+                    provider.name()
+                )));
+            }
             Ok(0) => return Err(closed_during_setup(peer)),
             Ok(n) => got += n,
             Err(e) if got == 0 && e.kind() == io::ErrorKind::ConnectionReset => return Ok(None),

@@ -146,11 +146,11 @@ fn metadata(md: &tonic::metadata::MetadataMap) -> Vec<(String, Vec<u8>)> {
         .clone()
         .into_headers()
         .iter()
-        // (And the caller's address, which differs between connections.)
+        // (And the two ends' addresses, which differ between connections and servers.)
         .filter(|(k, _)| {
             !matches!(
                 k.as_str(),
-                "date" | "content-type" | "grpc-status" | "x-remote-addr"
+                "date" | "content-type" | "grpc-status" | "x-remote-addr" | "x-local-addr"
             )
         })
         .map(|(k, v)| (k.as_str().to_string(), v.as_bytes().to_vec()))

@@ -210,7 +210,9 @@ impl Raw {
             Raw::Shm(s) => crate::shm::accept_setup(s, config)
                 .await?
                 .map(|l| Box::new(l) as Box<dyn Link>),
-            Raw::Tcp(s, peer) => Some(Box::new(crate::tcp::setup(s, config, peer).await?)),
+            Raw::Tcp(s, peer) => Some(Box::new(
+                crate::tcp::setup(s, config, peer, crate::tcp::Role::Server).await?,
+            )),
             #[cfg(feature = "verbs")]
             Raw::Verbs(s, peer, opts) => Some(Box::new(
                 crate::verbs::accept_setup(s, config, &opts, peer).await?,

@@ -1756,6 +1756,8 @@ mod tests {
                 max_read: usize::MAX,
                 max_push: 0,
                 registrar: None,
+                local_addr: None,
+                tls: None,
             }
         }
         fn poll_send(

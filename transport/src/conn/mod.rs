@@ -713,6 +713,33 @@ impl Connection {
         self.shared().lock().info.peer.clone()
     }
 
+    /// The certificate chain the peer presented in the TLS handshake, its own first
+    /// (tcp with [`Config::tls`]); `None` without TLS, or when the peer presented none.
+    pub fn peer_certs(&self) -> Option<Arc<Vec<rustls::pki_types::CertificateDer<'static>>>> {
+        self.shared()
+            .lock()
+            .info
+            .tls
+            .as_ref()
+            .and_then(|t| t.peer_certs.clone())
+    }
+
+    /// Whether the connection runs over TLS.
+    pub fn is_tls(&self) -> bool {
+        self.shared().lock().info.tls.is_some()
+    }
+
+    /// This side's socket address (tcp); `None` where the provider has none.
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.shared().lock().info.local_addr
+    }
+
+    /// What TLS learned of the peer, for the gRPC server's requests.
+    #[cfg(feature = "grpc")]
+    pub(crate) fn tls_peer(&self) -> Option<Arc<crate::tls::TlsPeer>> {
+        self.shared().lock().info.tls.clone()
+    }
+
     /// The eager threshold and the rendezvous fragment size in force (probed, configured or
     /// default), read together.
     pub fn message_sizes(&self) -> (usize, usize) {
@@ -877,6 +904,7 @@ pub struct Listener {
     socket_files: Vec<crate::shm::SocketFile>,
     local_uri: String,
     shm_uri: Option<String>,
+    tls: bool,
 }
 
 impl Drop for Listener {
@@ -900,6 +928,7 @@ impl Listener {
         shm_uri: Option<String>,
     ) -> Listener {
         let (tx, rx) = tokio::sync::mpsc::channel(config.max_handshakes);
+        let tls = config.tls.is_some();
         let shared = Arc::new(accept::Shared {
             slots: Arc::new(tokio::sync::Semaphore::new(config.max_handshakes)),
             config,
@@ -919,6 +948,7 @@ impl Listener {
             ready: tokio::sync::Mutex::new(rx),
             acceptors,
             socket_files,
+            tls,
             local_uri,
             shm_uri,
         }
@@ -959,6 +989,11 @@ impl Listener {
         self.local_uri.clone()
     }
 
+    /// Whether its tcp peers must speak TLS (it was made with [`Config::tls`]).
+    pub fn is_tls(&self) -> bool {
+        self.tls
+    }
+
     /// For auto listeners, the shm address local peers use.
     pub fn shm_uri(&self) -> Option<String> {
         self.shm_uri.clone()
@@ -982,6 +1017,9 @@ pub async fn listen(uri: &str, config: Config) -> Result<Listener> {
             let l = crate::tcp::listen(&a, &config).await?;
             let local = tcp_uri(&l)?;
             (accept::Source::Tcp(l), local, None)
+        }
+        Addr::Verbs(_) if config.tls.is_some() => {
+            return Err(crate::tls::refuse_on_verbs(uri));
         }
         #[cfg(feature = "verbs")]
         Addr::Verbs(a) => {
@@ -1022,6 +1060,12 @@ async fn listen_auto_verbs(
     if !crate::verbs::device_available() {
         return;
     }
+    if config.tls.is_some() {
+        tracing::info!(
+            "listen_auto: Config::tls is set, and verbs traffic cannot be encrypted; serving shm and tcp only"
+        );
+        return;
+    }
     let host = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
     let Some(bootstrap) = port.checked_add(1) else {
         return;
@@ -1043,6 +1087,7 @@ pub async fn connect(uri: &str, config: Config) -> Result<Connection> {
     let link: Box<dyn Link> = match Addr::parse(uri)? {
         Addr::Shm(p) => Box::new(crate::shm::connect(&p, &config).await?),
         Addr::Tcp(a) => Box::new(crate::tcp::connect(&a, &config).await?),
+        Addr::Verbs(_) if config.tls.is_some() => return Err(crate::tls::refuse_on_verbs(uri)),
         #[cfg(feature = "verbs")]
         Addr::Verbs(a) => Box::new(crate::verbs::connect(&a, &config).await?),
         #[cfg(not(feature = "verbs"))]
@@ -1101,7 +1146,9 @@ pub fn choose_auto(host_port: &str, config: &Config) -> Result<String> {
     if is_local_host(host) && shm.exists() {
         return Ok(format!("shm://{}", shm.display()));
     }
-    if verbs_device_present() {
+    // Verbs traffic cannot be encrypted: with TLS set, only a forced choice goes there
+    // (and is refused with the reason).
+    if config.tls.is_none() && verbs_device_present() {
         return Ok(verbs());
     }
     Ok(format!("tcp://{host_port}"))

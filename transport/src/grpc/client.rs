@@ -802,6 +802,11 @@ impl Channel {
     /// and one client type serve both kinds of deployment. Over HTTP/2 there is no
     /// one-sided access: [`Channel::expose`] fails and [`Channel::connection`] is `None`.
     pub async fn connect_any(uri: &str, config: Config) -> Result<Channel> {
+        if uri.starts_with("https://") {
+            return Err(Error::Config(format!(
+                "{uri}: connect_any speaks plain HTTP/2; for https:// use Endpoint::from_shared(uri)?.tls_config(ClientTlsConfig::new().ca_certificate(..))"
+            )));
+        }
         if !uri.starts_with("http://") {
             return Channel::connect_with_config(uri, config).await;
         }

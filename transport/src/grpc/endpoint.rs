@@ -31,6 +31,8 @@ pub struct Endpoint {
     /// Settings that only stock HTTP/2 has, passed on for `http://` addresses.
     stream_window: Option<u32>,
     buffer_size: Option<usize>,
+    /// TLS as given (for `http(s)://`), and as the transport takes it (for `tcp://`).
+    tls: Option<(super::ClientTlsConfig, crate::tls::Tls)>,
     origin: Option<http::Uri>,
     http2_reset: Http2Reset,
     /// At most this many calls per period.
@@ -209,6 +211,7 @@ impl Endpoint {
             connection_window: None,
             stream_window: None,
             buffer_size: None,
+            tls: None,
             rate: None,
             origin: None,
             http2_reset: Http2Reset::default(),
@@ -411,6 +414,15 @@ impl Endpoint {
         self
     }
 
+    /// Connects over TLS, as tonic's `Endpoint::tls_config`: on `tcp://` the handshake runs
+    /// before the Ibex preface; on `http://`/`https://` stock tonic's TLS. shm ignores it;
+    /// verbs refuses it. The settings are checked here.
+    pub fn tls_config(mut self, tls: super::ClientTlsConfig) -> Result<Endpoint> {
+        let transport = tls.transport()?;
+        self.tls = Some((tls, transport));
+        Ok(self)
+    }
+
     fn transport_config(&self) -> Config {
         let mut c = match &self.config {
             Some(c) => c.clone(),
@@ -427,6 +439,12 @@ impl Endpoint {
         }
         if let Some(w) = self.connection_window {
             c.rndv_recv_budget = w as usize;
+        }
+        if let Some((t, transport)) = &self.tls {
+            c.tls = Some(transport.clone());
+            if let Some(d) = t.handshake_timeout() {
+                c.handshake_timeout = d;
+            }
         }
         c
     }
@@ -476,6 +494,11 @@ impl Endpoint {
         }
         if let Some(m) = self.http2_reset.max_local_error {
             ep = ep.http2_max_local_error_reset_streams(m);
+        }
+        if let Some((t, _)) = &self.tls {
+            ep = ep
+                .tls_config(t.tonic()?)
+                .map_err(|e| Error::Config(format!("TLS settings for HTTP/2: {e}")))?;
         }
         Ok(ep
             .initial_connection_window_size(self.connection_window)

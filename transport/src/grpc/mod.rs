@@ -28,6 +28,7 @@ mod endpoint;
 pub(crate) mod pump;
 mod router;
 pub mod server;
+mod tls;
 pub(crate) mod wire;
 
 use std::future::Future;
@@ -45,6 +46,7 @@ pub use direct::{DirectClient, DirectRoute, UnaryFuture};
 pub use endpoint::Endpoint;
 pub use router::{AddService, Generated, Services, Tower};
 pub use server::{Builder, ConnectInfo, PeerHandle, RouteCounts, Server, ServerStats};
+pub use tls::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 /// The channel's types under tonic's paths (`tonic::transport::channel::Change`).
 pub mod channel {

@@ -54,6 +54,8 @@ pub struct Builder {
     keepalive_timeout: Option<std::time::Duration>,
     stats: ServerStats,
     limits: ServeLimits,
+    /// TLS for tcp and HTTP/2 addresses ([`Builder::tls_config`]).
+    tls: Option<super::ServerTlsConfig>,
 }
 
 /// What one client connection may ask of the server.
@@ -222,6 +224,17 @@ impl Builder {
         self
     }
 
+    /// Serves over TLS, as tonic's `Server::builder().tls_config(..)`: on `tcp://` the
+    /// handshake runs before the Ibex preface; on `http://`/`https://` ([`Builder::serve_any`])
+    /// stock tonic serves TLS. shm ignores it (a local peer, checked by the kernel's
+    /// credentials); verbs refuses it. The settings are checked here: a missing identity or
+    /// a key that is no PEM key is an error now, not at the first client.
+    pub fn tls_config(mut self, tls: super::ServerTlsConfig) -> Result<Self> {
+        tls.rustls()?;
+        self.tls = Some(tls);
+        Ok(self)
+    }
+
     /// Calls one client connection may have in flight (default 4096). A call past it is
     /// answered `ResourceExhausted` at once, naming this setting.
     pub fn max_concurrent_calls(mut self, n: usize) -> Self {
@@ -350,18 +363,33 @@ impl Builder {
         if let Some(w) = self.connection_window {
             config.rndv_recv_budget = w as usize;
         }
+        if let Some(t) = &self.tls {
+            config.tls = Some(crate::tls::Tls::server(t.rustls()?));
+            if let Some(d) = t.handshake_timeout() {
+                config.handshake_timeout = d;
+            }
+        }
         let listener = crate::conn::listen(uri, config).await?;
         self.serve_with_listener(listener, signal).await
     }
 
     /// Serves on any address: an Ibex one (`shm://`, `tcp://`, `verbs://`) like
     /// [`Builder::serve_uri_with_shutdown`], or `http://host:port` with stock tonic's HTTP/2
-    /// server and the same services, so one program serves both kinds of deployment.
+    /// server and the same services, so one program serves both kinds of deployment
+    /// (`https://host:port` too, with [`Builder::tls_config`], which applies to both).
     /// Over HTTP/2 requests carry no [`PeerHandle`] and [`Builder::stats`] stays empty.
     pub async fn serve_any<F: Future<Output = ()>>(self, uri: &str, signal: F) -> Result<()> {
-        let Some(host_port) = uri.strip_prefix("http://") else {
+        let Some(host_port) = uri
+            .strip_prefix("http://")
+            .or_else(|| uri.strip_prefix("https://"))
+        else {
             return self.serve_uri_with_shutdown(uri, signal).await;
         };
+        if uri.starts_with("https://") && self.tls.is_none() {
+            return Err(Error::Config(format!(
+                "{uri}: an https:// address needs TLS settings; add Builder::tls_config(ServerTlsConfig::new().identity(..))"
+            )));
+        }
         let bad = |why: String| Error::Address {
             addr: uri.into(),
             why,
@@ -375,7 +403,13 @@ impl Builder {
         let keepalive = self.keepalive();
         let routes = self.services.routes();
         let stats = self.stats.routes.clone();
-        tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder();
+        if let Some(t) = &self.tls {
+            server = server
+                .tls_config(t.tonic())
+                .map_err(|e| Error::Config(format!("TLS settings for HTTP/2: {e}")))?;
+        }
+        server
             .tcp_nodelay(true)
             .tcp_keepalive(self.tcp_keepalive.flatten())
             .http2_keepalive_interval(keepalive.map(|k| k.0))
@@ -397,12 +431,22 @@ impl Builder {
             })
     }
 
-    /// Serves on a listener made beforehand (e.g. to learn its `local_uri` first).
+    /// Serves on a listener made beforehand (e.g. to learn its `local_uri` first). The
+    /// listener's own [`Config::tls`] applies ([`ServerTlsConfig::transport`](super::ServerTlsConfig::transport)
+    /// makes one); with [`Builder::tls_config`] set, a listener made without TLS is an
+    /// error rather than served in clear.
     pub async fn serve_with_listener<F: Future<Output = ()>>(
         self,
         listener: Listener,
         signal: F,
     ) -> Result<()> {
+        if self.tls.is_some() && !listener.is_tls() && listener.local_uri().starts_with("tcp://") {
+            // Serving in clear what the caller asked to be encrypted is never the intent.
+            return Err(Error::Config(format!(
+                "Builder::tls_config is set, but the listener at {} was made without TLS: make it with Config {{ tls: Some(server_tls.transport()?), .. }}, or let the builder listen (serve, serve_any)",
+                listener.local_uri()
+            )));
+        }
         let mut limits = self.limits;
         limits.keepalive = self.keepalive();
         let max_memory = match (limits.max_memory, &self.config) {
@@ -683,15 +727,20 @@ struct ConnCtx<F> {
 }
 
 /// The extensions every request on `conn` carries: the peer, as `PeerHandle` and
-/// [`ConnectInfo`], and as tonic's `TcpConnectInfo` where it has a socket address.
+/// [`ConnectInfo`], as tonic's `TcpConnectInfo` where it has a socket address, and as
+/// tonic's `TlsConnectInfo` over TLS.
 fn request_extensions(conn: &Connection) -> http::Extensions {
     let info = ConnectInfo::of(conn);
     let mut extensions = http::Extensions::new();
     if let Some(a) = info.remote_addr {
         extensions.insert(tonic::transport::server::TcpConnectInfo {
-            local_addr: None,
+            local_addr: conn.local_addr(),
             remote_addr: Some(a),
         });
+    }
+    // Over TLS, as tonic's TLS server does: `Request::peer_certs()` reads it.
+    if let Some(info) = conn.tls_peer().and_then(|t| t.connect_info.clone()) {
+        extensions.insert(info);
     }
     extensions.insert(info);
     extensions.insert(PeerHandle {

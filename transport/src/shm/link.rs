@@ -370,6 +370,8 @@ impl ShmLink {
             max_read: usize::MAX,
             max_push: 0,
             registrar: None,
+            local_addr: None,
+            tls: None,
         };
         Ok(ShmLink {
             sock: p.sock,

@@ -125,6 +125,11 @@ enum Recv {
 /// [`super::TcpListener::accept`]; see the module docs of [`crate::tcp`].
 pub struct TcpLink {
     stream: TcpStream,
+    /// The rustls session where the link runs over TLS: every byte to and from `stream`
+    /// passes through it.
+    tls: Option<Box<TlsIo>>,
+    local_addr: Option<std::net::SocketAddr>,
+    tls_peer: Option<Arc<crate::tls::TlsPeer>>,
     peer: String,
     /// Largest frame the peer accepts (its slot size).
     peer_slot: usize,
@@ -196,6 +201,7 @@ impl std::fmt::Debug for TcpLink {
 impl TcpLink {
     pub(crate) fn new(
         stream: TcpStream,
+        session: Option<crate::tls::Session>,
         peer: String,
         config: &Config,
         peer_slot: usize,
@@ -205,8 +211,26 @@ impl TcpLink {
         // floor are accepted too so a mismatch in what "slot size" covers is never fatal.
         let max_in_frame =
             config.slot_size.max(peer_slot).max(wire::MIN_FRAME_LIMIT) + wire::FRAME_SLACK;
+        let local_addr = stream.local_addr().ok();
+        let (tls, tls_peer) = match session {
+            Some(s) => {
+                let mut conn = s.conn;
+                conn.set_buffer_limit(Some(TLS_SEND_LIMIT));
+                let io = TlsIo {
+                    conn,
+                    raw: BytesMut::new(),
+                    eof: false,
+                    notified: false,
+                };
+                (Some(Box::new(io)), Some(Arc::new(s.peer)))
+            }
+            None => (None, None),
+        };
         TcpLink {
             stream,
+            tls,
+            local_addr,
+            tls_peer,
             peer,
             peer_slot,
             max_in_frame,
@@ -347,6 +371,9 @@ impl TcpLink {
     /// registered, so an earlier registration by the driver stays in place.
     fn poll_write_out(&mut self, mut cx: Option<&mut Context<'_>>) -> Poll<Result<()>> {
         self.release_pushes();
+        if self.tls.is_some() {
+            return self.poll_write_out_tls(cx);
+        }
         while self.queued > 0 {
             let mut iov = [IoSlice::new(&[]); MAX_IOVECS];
             let mut n = 0;
@@ -389,6 +416,83 @@ impl TcpLink {
         Poll::Ready(Ok(()))
     }
 
+    /// [`Self::poll_write_out`] through the TLS session: its records go out first, then
+    /// the queue's plaintext goes in, as much as the session takes ([`TLS_SEND_LIMIT`]),
+    /// so that neither it nor the queue holds more than its bound. Out of line, so that
+    /// plain tcp's path stays as small as it was.
+    #[inline(never)]
+    fn poll_write_out_tls(&mut self, mut cx: Option<&mut Context<'_>>) -> Poll<Result<()>> {
+        loop {
+            let Some(tls) = self.tls.as_deref_mut() else {
+                return Poll::Ready(Ok(()));
+            };
+            while tls.conn.wants_write() {
+                match tls.conn.write_tls(&mut SockWriter(&self.stream)) {
+                    Ok(0) => {
+                        return Poll::Ready(Err(Error::PeerGone(format!(
+                            "connection to {} accepts no more data",
+                            self.peer
+                        ))));
+                    }
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => match cx.as_deref_mut() {
+                        Some(cx) => match self.stream.poll_write_ready(cx) {
+                            Poll::Ready(Ok(())) => {}
+                            Poll::Ready(Err(e)) => return Poll::Ready(Err(self.gone(e))),
+                            Poll::Pending => return Poll::Pending,
+                        },
+                        None => return Poll::Pending,
+                    },
+                    Err(e) => return Poll::Ready(Err(self.gone(e))),
+                }
+            }
+            if self.queued == 0 {
+                if self.closing && !tls.notified {
+                    // The peer's session sees a clean end rather than a truncation.
+                    tls.notified = true;
+                    tls.conn.send_close_notify();
+                    continue;
+                }
+                break;
+            }
+            let mut iov = [IoSlice::new(&[]); MAX_IOVECS];
+            let mut n = 0;
+            for b in self.out.iter().take(MAX_IOVECS) {
+                iov[n] = IoSlice::new(b);
+                n += 1;
+            }
+            if n < MAX_IOVECS && n == self.out.len() && !self.staging.is_empty() {
+                iov[n] = IoSlice::new(&self.staging);
+                n += 1;
+            }
+            match io::Write::write_vectored(&mut tls.conn.writer(), &iov[..n]) {
+                // Its records were all written above, so it has room: nothing taken means
+                // a session that can no longer send.
+                Ok(0) => {
+                    return Poll::Ready(Err(Error::PeerGone(format!(
+                        "the TLS session with {} takes no more data",
+                        self.peer
+                    ))));
+                }
+                Ok(w) => self.consume(w),
+                Err(e) => {
+                    return Poll::Ready(Err(Error::PeerGone(format!(
+                        "TLS with {} failed: {e}",
+                        self.peer
+                    ))));
+                }
+            }
+        }
+        if self.closing && !self.shut {
+            self.shut = true;
+            let waker = std::task::Waker::noop();
+            let mut ncx = Context::from_waker(waker);
+            let _ = Pin::new(&mut self.stream).poll_shutdown(&mut ncx);
+        }
+        Poll::Ready(Ok(()))
+    }
+
     /// Queues the pushes whose RTS may be staged by now: those exposed before the last frame
     /// staged. A push is never queued ahead of the frame that follows its exposure, so its
     /// reader has normally posted the reads before the bytes come.
@@ -418,6 +522,9 @@ impl TcpLink {
 
     /// Makes `rbuf` hold at least `n` bytes.
     fn poll_fill(&mut self, cx: &mut Context<'_>, n: usize) -> Poll<Result<()>> {
+        if self.tls.is_some() {
+            return self.poll_fill_tls(cx, n);
+        }
         while self.rbuf.len() < n {
             let want = (n - self.rbuf.len()).max(READ_CHUNK);
             self.rbuf.reserve(want);
@@ -436,6 +543,47 @@ impl TcpLink {
             }
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// [`Self::poll_fill`] from the TLS session's plaintext. Out of line, so that plain
+    /// tcp's path stays as small as it was.
+    #[inline(never)]
+    fn poll_fill_tls(&mut self, cx: &mut Context<'_>, n: usize) -> Poll<Result<()>> {
+        if let Some(tls) = self.tls.as_deref_mut() {
+            while self.rbuf.len() < n {
+                let want = (n - self.rbuf.len()).max(READ_CHUNK);
+                match ready!(tls.poll_plain(&self.stream, cx)) {
+                    Ok(true) => {}
+                    Ok(false) => return Poll::Ready(Err(self.eof())),
+                    Err(e) => return Poll::Ready(Err(self.tls_failed(e))),
+                }
+                let mut r = tls.conn.reader();
+                let k = match io::BufRead::fill_buf(&mut r) {
+                    Ok(b) => {
+                        let k = b.len().min(want);
+                        self.rbuf.extend_from_slice(&b[..k]);
+                        k
+                    }
+                    Err(e) => return Poll::Ready(Err(self.tls_failed(e))),
+                };
+                io::BufRead::consume(&mut r, k);
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// A failure of the TLS session or of the socket under it.
+    fn tls_failed(&self, e: io::Error) -> Error {
+        match e.kind() {
+            // The peer's TCP closed without a close_notify: as good as the end of stream
+            // for the record parser, which knows whether a record was cut.
+            io::ErrorKind::UnexpectedEof => self.eof(),
+            io::ErrorKind::InvalidData => Error::Protocol(format!(
+                "TLS with {} failed: {e} (a corrupted or forged record)",
+                self.peer
+            )),
+            _ => self.gone(e),
+        }
     }
 
     fn eof(&self) -> Error {
@@ -624,7 +772,17 @@ impl TcpLink {
         };
         // SAFETY: `dst` is memory lent by `post_read`, valid for `dst.len` writes and ours
         // alone until this read's `ReadDone`.
-        let r = unsafe { fill(&mut self.stream, &mut self.rbuf, cx, dst.ptr, dst.len, done) };
+        let r = unsafe {
+            fill(
+                &mut self.stream,
+                self.tls.as_deref_mut(),
+                &mut self.rbuf,
+                cx,
+                dst.ptr,
+                dst.len,
+                done,
+            )
+        };
         if let Err(e) = ready!(r) {
             return Poll::Ready(Err(self.cut_off(e, "a read response")));
         }
@@ -728,6 +886,7 @@ impl TcpLink {
         let r = unsafe {
             fill(
                 &mut self.stream,
+                self.tls.as_deref_mut(),
                 &mut self.rbuf,
                 cx,
                 front.dst.ptr,
@@ -758,6 +917,7 @@ impl TcpLink {
         let r = unsafe {
             fill(
                 &mut self.stream,
+                self.tls.as_deref_mut(),
                 &mut self.rbuf,
                 cx,
                 buf.as_mut_ptr(),
@@ -924,12 +1084,15 @@ impl TcpLink {
 }
 
 /// Fills `ptr..ptr+len` from `done` on: first with what `rbuf` read ahead, then straight
-/// from the socket. `Err(None)` is end of stream.
+/// from the socket, or from the TLS session's plaintext where there is one. `Err(None)`
+/// is end of stream.
 ///
 /// # Safety
 /// `ptr..ptr+len` must be valid for writes and touched by nobody else during the call.
+#[allow(clippy::too_many_arguments)]
 unsafe fn fill(
     stream: &mut TcpStream,
+    tls: Option<&mut TlsIo>,
     rbuf: &mut BytesMut,
     cx: &mut Context<'_>,
     ptr: *mut u8,
@@ -944,6 +1107,10 @@ unsafe fn fill(
         rbuf.advance(n);
         *done += n;
     }
+    if let Some(tls) = tls {
+        // SAFETY: the caller's contract, passed on.
+        return unsafe { fill_tls(tls, stream, cx, ptr, len, done) };
+    }
     while *done < len {
         // SAFETY: as above; the slice covers exactly the part not yet filled, and
         // `MaybeUninit` makes no claim that it holds initialised bytes.
@@ -957,6 +1124,131 @@ unsafe fn fill(
             Poll::Ready(Err(e)) => return Poll::Ready(Err(Some(e))),
             Poll::Pending => return Poll::Pending,
         }
+    }
+    Poll::Ready(Ok(()))
+}
+
+/// The most ciphertext the TLS session holds for sending: once its records reach it, it
+/// takes no more plaintext until the socket has taken them. Large enough that one writev
+/// carries many records.
+const TLS_SEND_LIMIT: usize = 256 << 10;
+/// The most ciphertext read from the socket at once ahead of the session.
+const TLS_READ_CHUNK: usize = 256 << 10;
+
+/// The link's TLS session and the ciphertext read ahead for it.
+struct TlsIo {
+    conn: rustls::Connection,
+    /// Ciphertext read from the socket that the session has not taken yet.
+    raw: BytesMut,
+    /// The socket has reached its end.
+    eof: bool,
+    /// The close_notify alert is queued.
+    notified: bool,
+}
+
+impl TlsIo {
+    /// Makes the session hold plaintext: `Ok(true)` when it does, `Ok(false)` at the
+    /// peer's clean end (its close_notify); an `UnexpectedEof` error where the socket ended
+    /// without one.
+    fn poll_plain(&mut self, stream: &TcpStream, cx: &mut Context<'_>) -> Poll<io::Result<bool>> {
+        loop {
+            match io::BufRead::fill_buf(&mut self.conn.reader()) {
+                Ok([]) => return Poll::Ready(Ok(false)),
+                Ok(_) => return Poll::Ready(Ok(true)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+            if self.raw.is_empty() && !self.eof {
+                self.raw.reserve(TLS_READ_CHUNK);
+                match stream.try_read_buf(&mut (&mut self.raw).limit(TLS_READ_CHUNK)) {
+                    Ok(0) => self.eof = true,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        ready!(stream.poll_read_ready(cx))?;
+                        continue;
+                    }
+                    Err(e) => return Poll::Ready(Err(e)),
+                }
+            }
+            let mut rest: &[u8] = &self.raw;
+            let taken = self.conn.read_tls(&mut rest)?;
+            self.raw.advance(taken);
+            let state = self
+                .conn
+                .process_new_packets()
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            if taken == 0 && state.plaintext_bytes_to_read() == 0 && !self.eof {
+                // The session took nothing and gave nothing: it is full of records it
+                // cannot decrypt yet, which rustls bounds; never spin on it.
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "the TLS session stalled on its input",
+                )));
+            }
+            if self.conn.wants_write() {
+                // Alerts and key updates leave from the write side, which `poll_event`
+                // runs before it reads.
+                cx.waker().wake_by_ref();
+            }
+        }
+    }
+}
+
+/// Non-blocking writes to the socket, for rustls' `write_tls`.
+struct SockWriter<'a>(&'a TcpStream);
+
+impl io::Write for SockWriter<'_> {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        self.0.try_write(b)
+    }
+
+    fn write_vectored(&mut self, b: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.0.try_write_vectored(b)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// [`fill`] from the TLS session's plaintext: one copy out of the session's buffer, where
+/// plain tcp reads the socket straight into the destination. Out of line, so that plain
+/// tcp's path stays as small as it was.
+///
+/// # Safety
+/// As [`fill`].
+#[inline(never)]
+unsafe fn fill_tls(
+    tls: &mut TlsIo,
+    stream: &TcpStream,
+    cx: &mut Context<'_>,
+    ptr: *mut u8,
+    len: usize,
+    done: &mut usize,
+) -> Poll<std::result::Result<(), Option<io::Error>>> {
+    while *done < len {
+        match ready!(tls.poll_plain(stream, cx)) {
+            Ok(true) => {}
+            Ok(false) => return Poll::Ready(Err(None)),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                return Poll::Ready(Err(None));
+            }
+            Err(e) => return Poll::Ready(Err(Some(e))),
+        }
+        let mut r = tls.conn.reader();
+        let k = match io::BufRead::fill_buf(&mut r) {
+            Ok(b) => {
+                let k = b.len().min(len - *done);
+                // SAFETY: `*done + k <= len` lies inside the destination (the caller's
+                // contract), and `b` is the session's own buffer, so they cannot overlap.
+                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), ptr.add(*done), k) };
+                k
+            }
+            Err(e) => return Poll::Ready(Err(Some(e))),
+        };
+        io::BufRead::consume(&mut r, k);
+        *done += k;
     }
     Poll::Ready(Ok(()))
 }
@@ -1004,6 +1296,8 @@ impl Link for TcpLink {
             max_read: usize::MAX,
             max_push: if self.push_to_peer { wire::MAX_PUSH } else { 0 },
             registrar: None,
+            local_addr: self.local_addr,
+            tls: self.tls_peer.clone(),
         }
     }
 

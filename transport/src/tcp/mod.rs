@@ -30,6 +30,7 @@ use tokio::net::TcpStream;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::preface::{self, Preface, Provider};
+pub(crate) use crate::tls::Role;
 
 pub use link::TcpLink;
 
@@ -103,7 +104,8 @@ impl TcpListener {
     /// [`crate::listen`]'s listener sets each peer up in a task of its own instead.
     pub async fn accept(&self) -> Result<TcpLink> {
         let (stream, peer) = self.accept_stream().await?;
-        match tokio::time::timeout(SETUP_TIMEOUT, setup(stream, &self.config, peer.clone())).await {
+        let work = setup(stream, &self.config, peer.clone(), Role::Server);
+        match tokio::time::timeout(SETUP_TIMEOUT, work).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout(format!(
                 "tcp peer {peer} connected but did not complete the Ibex preface within {} s",
@@ -132,7 +134,10 @@ pub async fn connect(addr: &str, config: &Config) -> Result<TcpLink> {
         let mut last = None;
         for a in resolve(addr).await? {
             match TcpStream::connect(a).await {
-                Ok(stream) => return setup(stream, config, a.to_string()).await,
+                Ok(stream) => {
+                    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+                    return setup(stream, config, a.to_string(), Role::Client { host }).await;
+                }
                 Err(e) => last = Some((a, e)),
             }
         }
@@ -214,9 +219,14 @@ fn keepalive(stream: &TcpStream, idle: std::time::Duration) -> std::io::Result<(
     Ok(())
 }
 
-/// Runs the preface on a fresh stream (either side); `peer` names the other end in errors.
-/// No deadline of its own: callers bound it.
-pub(crate) async fn setup(mut stream: TcpStream, config: &Config, peer: String) -> Result<TcpLink> {
+/// Runs the preface on a fresh stream (either side), inside TLS where [`Config::tls`] is
+/// set; `peer` names the other end in errors. No deadline of its own: callers bound it.
+pub(crate) async fn setup(
+    mut stream: TcpStream,
+    config: &Config,
+    peer: String,
+    role: Role<'_>,
+) -> Result<TcpLink> {
     // Frames are latency-bound and already batched by the link's write queue.
     stream.set_nodelay(true).map_err(|e| {
         Error::io(
@@ -234,13 +244,24 @@ pub(crate) async fn setup(mut stream: TcpStream, config: &Config, peer: String) 
     }
     let mut ours = Preface::ours(config, Vec::new())?;
     ours.features |= preface::FEATURE_TCP_PUSH;
-    let who = format!("peer at {peer}");
-    let theirs = preface::exchange(&mut stream, Provider::Tcp, &ours, &who)
-        .await?
-        .ok_or_else(|| preface::closed_during_setup(&who))?;
-    tracing::debug!(%peer, peer_slot = theirs.slot_size, "tcp link set up");
+    let (stream, session, theirs) = match &config.tls {
+        Some(tls) => {
+            let (stream, session, theirs) =
+                crate::tls::handshake(stream, tls, role, &peer, &ours).await?;
+            (stream, Some(session), theirs)
+        }
+        None => {
+            let who = format!("peer at {peer}");
+            let theirs = preface::exchange(&mut stream, Provider::Tcp, &ours, &who)
+                .await?
+                .ok_or_else(|| preface::closed_during_setup(&who))?;
+            (stream, None, theirs)
+        }
+    };
+    tracing::debug!(%peer, peer_slot = theirs.slot_size, tls = session.is_some(), "tcp link set up");
     Ok(TcpLink::new(
         stream,
+        session,
         peer,
         config,
         theirs.slot_size as usize,

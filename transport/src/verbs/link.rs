@@ -734,6 +734,8 @@ impl Link for VerbsLink {
             max_read: MAX_READ,
             max_push: 0,
             registrar: Some(Arc::new(DomainRegistrar(self.domain.clone()))),
+            local_addr: None,
+            tls: None,
         }
     }
 

@@ -115,6 +115,9 @@ pub async fn listen(addr: &str, config: &Config) -> Result<VerbsListener> {
 /// [`listen`] with explicit device options.
 pub async fn listen_with(addr: &str, config: &Config, opts: VerbsOptions) -> Result<VerbsListener> {
     config.validate()?;
+    if config.tls.is_some() {
+        return Err(crate::tls::refuse_on_verbs(addr));
+    }
     // Open the device now: a server without RDMA should fail at start, not at first accept.
     domain::get(&opts, config)?;
     let a = strip_scheme(addr);
@@ -140,6 +143,9 @@ pub async fn connect(addr: &str, config: &Config) -> Result<VerbsLink> {
 /// [`connect`] with explicit device options.
 pub async fn connect_with(addr: &str, config: &Config, opts: VerbsOptions) -> Result<VerbsLink> {
     config.validate()?;
+    if config.tls.is_some() {
+        return Err(crate::tls::refuse_on_verbs(addr));
+    }
     // Fail on a missing device before touching the network.
     domain::get(&opts, config)?;
     let a = strip_scheme(addr);

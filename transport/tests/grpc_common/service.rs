@@ -191,6 +191,17 @@ impl Bench for BenchImpl {
             if let Some(ua) = req.metadata().get("user-agent") {
                 md.insert("x-user-agent", ua.clone());
             }
+            if let Some(a) = req.local_addr() {
+                md.insert("x-local-addr", a.to_string().parse().unwrap());
+            }
+            // tonic's view of the client's TLS certificates: the leaf's length and count.
+            if let Some(certs) = req.peer_certs() {
+                md.insert("x-peer-certs", certs.len().to_string().parse().unwrap());
+                md.insert(
+                    "x-peer-cert-len",
+                    certs[0].len().to_string().parse().unwrap(),
+                );
+            }
             for (from, to) in [("te", "x-te"), ("content-type", "x-content-type")] {
                 if let Some(v) = req.metadata().get(from) {
                     md.insert(to, v.clone());

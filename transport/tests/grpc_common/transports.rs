@@ -458,3 +458,135 @@ impl Transport for IbexVerbs {
         format!("verbs://{}", Stock::dead_addr().await)
     }
 }
+
+/// The test certificates (`tests/data/tls`).
+pub fn tls_file(name: &str) -> Vec<u8> {
+    std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/data/tls/{name}")),
+    )
+    .unwrap()
+}
+
+/// The server's TLS settings, with tonic's names; clients must present a certificate of
+/// the test CA when `mutual`.
+pub fn server_tls(mutual: bool) -> ibex_transport::grpc::ServerTlsConfig {
+    use ibex_transport::grpc::{Certificate, Identity, ServerTlsConfig};
+    let t = ServerTlsConfig::new().identity(Identity::from_pem(
+        tls_file("server.pem"),
+        tls_file("server.key"),
+    ));
+    if mutual {
+        t.client_ca_root(Certificate::from_pem(tls_file("ca.pem")))
+    } else {
+        t
+    }
+}
+
+/// The client's TLS settings, with tonic's names; with the client certificate when `mutual`.
+pub fn client_tls(mutual: bool) -> ibex_transport::grpc::ClientTlsConfig {
+    use ibex_transport::grpc::{Certificate, ClientTlsConfig, Identity};
+    let t = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(tls_file("ca.pem")));
+    if mutual {
+        t.identity(Identity::from_pem(
+            tls_file("client.pem"),
+            tls_file("client.key"),
+        ))
+    } else {
+        t
+    }
+}
+
+/// Serves through `Builder::tls_config` and `serve_any` at `uri` (a `tcp://` or `https://`
+/// address whose port is free), once it accepts connections.
+pub async fn tls_serve_any(uri: String, services: Services, mutual: bool) -> ServerHandle {
+    let builder = (services.add)(ibex_transport::grpc::Server::builder().config(ibex_config()))
+        .tls_config(server_tls(mutual))
+        .unwrap();
+    let (tx, rx) = oneshot::channel::<()>();
+    let at = uri.clone();
+    let task = tokio::spawn(async move {
+        builder
+            .serve_any(&at, async {
+                let _ = rx.await;
+            })
+            .await
+            .map_err(|e| chain(&e))
+    });
+    let host_port = uri.split("://").nth(1).unwrap().to_string();
+    for _ in 0..500 {
+        if tokio::net::TcpStream::connect(&host_port).await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    ServerHandle::new(uri, tx, task)
+}
+
+/// Connects through `Endpoint::tls_config`.
+pub async fn tls_connect(addr: &str, mutual: bool) -> Result<Chan, String> {
+    let ch = ibex_transport::grpc::Endpoint::new(addr)
+        .map_err(|e| chain(&e))?
+        .config(ibex_config())
+        .tls_config(client_tls(mutual))
+        .map_err(|e| chain(&e))?
+        .connect()
+        .await
+        .map_err(|e| chain(&e))?;
+    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| {
+        r.map(tonic::body::Body::new)
+    });
+    let ch =
+        ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
+    Ok(Chan::new(ch))
+}
+
+/// gRPC over Ibex, tcp provider with TLS, through `serve_any` and `Endpoint::tls_config`.
+pub struct IbexTcpTls;
+
+impl Transport for IbexTcpTls {
+    const DEADLINE_CODE: Code = Code::DeadlineExceeded;
+    const GONE_CODES: &'static [Code] = &[Code::Unavailable];
+
+    async fn serve(services: Services) -> ServerHandle {
+        let port = ibex_test_support::free_port();
+        tls_serve_any(format!("tcp://127.0.0.1:{port}"), services, false).await
+    }
+
+    async fn serve_at(addr: &str, services: Services) -> ServerHandle {
+        tls_serve_any(addr.to_string(), services, false).await
+    }
+
+    async fn connect(addr: &str) -> Result<Chan, String> {
+        tls_connect(addr, false).await
+    }
+
+    async fn dead_addr() -> String {
+        format!("tcp://{}", Stock::dead_addr().await)
+    }
+}
+
+/// Stock tonic's HTTP/2 with TLS (`https://`), through the same `serve_any` and
+/// `Endpoint::tls_config`.
+pub struct TonicTls;
+
+impl Transport for TonicTls {
+    const DEADLINE_CODE: Code = Code::Cancelled;
+    const GONE_CODES: &'static [Code] = &[Code::Unavailable, Code::Cancelled];
+
+    async fn serve(services: Services) -> ServerHandle {
+        let port = ibex_test_support::free_port();
+        tls_serve_any(format!("https://127.0.0.1:{port}"), services, false).await
+    }
+
+    async fn serve_at(addr: &str, services: Services) -> ServerHandle {
+        tls_serve_any(addr.to_string(), services, false).await
+    }
+
+    async fn connect(addr: &str) -> Result<Chan, String> {
+        tls_connect(addr, false).await
+    }
+
+    async fn dead_addr() -> String {
+        format!("https://{}", Stock::dead_addr().await)
+    }
+}
