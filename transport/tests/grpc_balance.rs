@@ -138,7 +138,8 @@ fn endpoints_are_made_as_tonic_makes_them() {
 }
 
 /// The two lines of a migration: the generated client's `connect` and `serve` on a
-/// `SocketAddr`, as a tonic program writes them.
+/// `SocketAddr`, as a tonic program writes them; the server is reachable over tcp and,
+/// from this host, over shm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generated_connect_and_a_socket_address() {
     within(async {
@@ -147,7 +148,8 @@ async fn generated_connect_and_a_socket_address() {
             .local_addr()
             .unwrap()
             .port();
-        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        // As tonic's examples write it: the type comes from `serve`.
+        let addr = format!("127.0.0.1:{port}").parse().unwrap();
         let (svc, _ev) = BenchImpl::new();
         let (stop, rx) = oneshot::channel::<()>();
         let server = tokio::spawn(
@@ -178,6 +180,20 @@ async fn generated_connect_and_a_socket_address() {
             tonic_client.echo(want.clone()).await.unwrap().into_inner(),
             want
         );
+        // The server listens on every provider: a client on this host that asks for the
+        // best one gets shm.
+        let auto = Endpoint::new(format!("ibex://127.0.0.1:{port}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        assert_eq!(auto.connection().unwrap().provider(), "shm");
+        let mut auto_client = BenchClient::new(auto);
+        assert_eq!(
+            auto_client.echo(want.clone()).await.unwrap().into_inner(),
+            want
+        );
+        drop(auto_client);
         let e = BenchClient::connect("tcp://127.0.0.1:1").await.unwrap_err();
         assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
         drop((client, tonic_client));

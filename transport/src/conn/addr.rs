@@ -15,6 +15,10 @@ pub enum Addr {
     Tcp(String),
     /// `host:port` of a verbs listener.
     Verbs(String),
+    /// `host:port` served over the best provider each side has ([`crate::listen_auto`],
+    /// [`crate::connect_auto`]): shm for a peer on this host, verbs where there is an RDMA
+    /// device, tcp otherwise.
+    Auto(String),
 }
 
 impl Addr {
@@ -40,8 +44,13 @@ impl Addr {
             check_host_port(rest).map_err(|w| bad(&w))?;
             return Ok(Addr::Verbs(rest.to_string()));
         }
+        if let Some(rest) = uri.strip_prefix("ibex://") {
+            check_host_port(rest).map_err(|w| bad(&w))?;
+            return Ok(Addr::Auto(rest.to_string()));
+        }
         Err(bad(
-            "unknown scheme; use shm:///path.sock, tcp://host:port or verbs://host:port",
+            "unknown scheme; use shm:///path.sock, tcp://host:port, verbs://host:port or \
+             ibex://host:port (the best of the three)",
         ))
     }
 
@@ -51,6 +60,7 @@ impl Addr {
             Addr::Shm(p) => format!("shm://{}", p.display()),
             Addr::Tcp(a) => format!("tcp://{a}"),
             Addr::Verbs(a) => format!("verbs://{a}"),
+            Addr::Auto(a) => format!("ibex://{a}"),
         }
     }
 }

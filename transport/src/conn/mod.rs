@@ -1004,10 +1004,12 @@ fn tcp_uri(l: &crate::tcp::TcpListener) -> Result<String> {
     Ok(format!("tcp://{}", l.local_addr()?))
 }
 
-/// Listens on `uri`: `shm:///path.sock` or `tcp://host:port` (port 0 picks one).
+/// Listens on `uri`: `shm:///path.sock`, `tcp://host:port` (port 0 picks one),
+/// `verbs://host:port`, or `ibex://host:port` ([`listen_auto`]).
 pub async fn listen(uri: &str, config: Config) -> Result<Listener> {
     config.validate()?;
     let (source, local, shm) = match Addr::parse(uri)? {
+        Addr::Auto(a) => return listen_auto(&a, config).await,
         Addr::Shm(p) => (
             accept::Source::Shm(crate::shm::listen(&p, &config).await?),
             uri.to_string(),
@@ -1081,10 +1083,12 @@ async fn listen_auto_verbs(
 #[cfg(not(feature = "verbs"))]
 async fn listen_auto_verbs(_: &str, _: u16, _: &Config, _: &mut Vec<accept::Source>) {}
 
-/// Connects to `uri` (`shm:///path.sock`, `tcp://host:port`).
+/// Connects to `uri` (`shm:///path.sock`, `tcp://host:port`, `verbs://host:port`, or
+/// `ibex://host:port`: [`connect_auto`]).
 pub async fn connect(uri: &str, config: Config) -> Result<Connection> {
     config.validate()?;
     let link: Box<dyn Link> = match Addr::parse(uri)? {
+        Addr::Auto(a) => return Box::pin(connect_auto(&a, config)).await,
         Addr::Shm(p) => Box::new(crate::shm::connect(&p, &config).await?),
         Addr::Tcp(a) => Box::new(crate::tcp::connect(&a, &config).await?),
         Addr::Verbs(_) if config.tls.is_some() => return Err(crate::tls::refuse_on_verbs(uri)),

@@ -27,8 +27,8 @@ use crate::error::{Error, Result};
 use crate::link::RecvBuf;
 use crate::pool::Pool;
 
-/// tonic's connect info, under tonic's path (`tonic::transport::server::TcpConnectInfo`).
-pub use tonic::transport::server::TcpConnectInfo;
+/// tonic's connect info, under tonic's paths (`tonic::transport::server::TcpConnectInfo`).
+pub use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
 /// The gRPC server over Ibex. Start with [`Server::builder`].
 #[derive(Debug)]
@@ -321,11 +321,13 @@ impl Builder {
         self
     }
 
-    /// Listens on `addr` over Ibex tcp and serves until an error, as tonic's `serve`
-    /// (`let addr = "[::1]:50051".parse()?;` works unchanged). For the other providers,
-    /// or a host name, see [`Builder::serve_uri`].
+    /// Listens on `addr` and serves until an error, as tonic's `serve` (so
+    /// `let addr = "[::1]:50051".parse()?;` works unchanged): over every provider a client
+    /// may come by, as `ibex://addr` ([`crate::listen_auto`]): tcp at `addr`, shm for
+    /// clients on this host, and verbs where there is an RDMA device. A client connecting
+    /// to `ibex://host:port` takes the best of them; `tcp://host:port` takes tcp.
     pub async fn serve(self, addr: std::net::SocketAddr) -> Result<()> {
-        self.serve_uri(&format!("tcp://{addr}")).await
+        self.serve_uri(&format!("ibex://{addr}")).await
     }
 
     /// Like [`Builder::serve`], until `signal` completes; then stops accepting, tells
@@ -335,12 +337,12 @@ impl Builder {
         addr: std::net::SocketAddr,
         signal: F,
     ) -> Result<()> {
-        self.serve_uri_with_shutdown(&format!("tcp://{addr}"), signal)
+        self.serve_uri_with_shutdown(&format!("ibex://{addr}"), signal)
             .await
     }
 
     /// Listens on an Ibex address (`shm:///path.sock`, `tcp://host:port`,
-    /// `verbs://host:port`) and serves until an error.
+    /// `verbs://host:port`, `ibex://host:port`) and serves until an error.
     pub async fn serve_uri(self, uri: &str) -> Result<()> {
         self.serve_uri_with_shutdown(uri, std::future::pending())
             .await

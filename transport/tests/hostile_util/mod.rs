@@ -311,6 +311,7 @@ impl Peer {
             Addr::Shm(_) => "shm",
             Addr::Tcp(_) => "tcp",
             Addr::Verbs(_) => "verbs",
+            Addr::Auto(_) => panic!("hostile peers speak one provider: give a concrete address"),
         };
         let config = client_config(provider);
         let link: Box<dyn Link> = match addr {
@@ -332,6 +333,7 @@ impl Peer {
             ),
             #[cfg(not(feature = "verbs"))]
             Addr::Verbs(_) => panic!("verbs needs the `verbs` feature"),
+            Addr::Auto(_) => unreachable!("refused above"),
         };
         Peer {
             link,
