@@ -9,13 +9,14 @@
 //! reconnect, never keep an honest peer out (see [`admit`]). Connections once made count
 //! against [`Config::max_connections`] until they close (see [`Conns`]).
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::io::Interest;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::Id as TaskId;
 use tokio::task::{AbortHandle, JoinSet};
 
 use super::Connection;
@@ -544,9 +545,18 @@ struct Acceptor {
     min_age: Duration,
     per_source: usize,
     cap: usize,
-    /// Newcomers waiting without a slot, oldest first, and whether their preface is in.
-    lobby: VecDeque<(AbortHandle, bool)>,
+    /// Newcomers waiting without a slot, oldest first: their tasks, and whether their
+    /// preface is in. An entry whose task is no longer in `lobby_live` has ended and leaves
+    /// once it comes to the front.
+    lobby: VecDeque<(TaskId, AbortHandle, bool)>,
+    /// The lobby's tasks not yet seen to end (the acceptor reaps them from `setups`).
+    /// Under a flood every newcomer finds the lobby full, so its fullness is a count kept
+    /// as tasks end, not a look over every place.
+    lobby_live: HashSet<TaskId>,
     lobby_done: mpsc::Sender<Raw>,
+    /// [`admit`]'s view of the set-ups in progress, kept to spare an allocation per
+    /// newcomer.
+    views: Vec<View>,
 }
 
 impl Acceptor {
@@ -586,19 +596,20 @@ impl Acceptor {
                 return self.warn_refused(&raw.peer(), &why);
             }
         }
-        self.pending.retain(|s| lock(s).permit.is_some());
-        let views: Vec<View> = self
-            .pending
-            .iter()
-            .map(|s| {
-                let g = lock(s);
-                View {
+        // Ended claims leave, and what is left is what `admit` sees, in one pass.
+        let mut views = std::mem::take(&mut self.views);
+        views.clear();
+        self.pending.retain(|s| {
+            let g = lock(s);
+            if g.permit.is_some() {
+                views.push(View {
                     stage: g.stage,
                     age: now.saturating_duration_since(g.started),
                     source: g.source,
-                }
-            })
-            .collect();
+                });
+            }
+            g.permit.is_some()
+        });
         let opened = retried || raw.opened_now();
         let source = raw.source();
         let free = self.shared.slots.clone().try_acquire_owned().ok();
@@ -611,6 +622,7 @@ impl Acceptor {
             self.per_source,
             self.min_age,
         );
+        self.views = views;
         let permit = match decision {
             Admit::Free => free,
             Admit::Evict(i) => {
@@ -668,17 +680,6 @@ impl Acceptor {
         };
         lock(&slot).abort = Some(abort);
         self.pending.push_back(slot);
-        // Ended claims leave; at most a few times the cap stay listed.
-        while self
-            .pending
-            .front()
-            .is_some_and(|s| lock(s).permit.is_none())
-        {
-            self.pending.pop_front();
-        }
-        if self.pending.len() > 2 * max {
-            self.pending.retain(|s| lock(s).permit.is_some());
-        }
     }
 
     /// Lets a newcomer with no slot wait, holding only its socket, and then takes it in
@@ -687,21 +688,31 @@ impl Acceptor {
     /// is waiting for its own preface is behind. A newcomer to a full lobby closes the
     /// longest-waiting peer there that has sent no preface (or else the longest-waiting).
     fn send_to_lobby(&mut self, raw: Raw, opened: bool) {
-        while self.lobby.front().is_some_and(|(a, _)| a.is_finished()) {
+        let live = &self.lobby_live;
+        while self
+            .lobby
+            .front()
+            .is_some_and(|(id, ..)| !live.contains(id))
+        {
             self.lobby.pop_front();
         }
         let places = self.shared.config.max_handshakes * LOBBY_PER_SLOT;
-        if self.lobby.len() >= places {
-            self.lobby.retain(|(a, _)| !a.is_finished());
-        }
-        if self.lobby.len() >= places {
-            let i = self.lobby.iter().position(|(_, o)| !o).unwrap_or(0);
-            if let Some((oldest, _)) = self.lobby.remove(i) {
+        if live.len() >= places {
+            // Under a flood the front is a peer with no preface, so this looks at one place.
+            let i = (self.lobby.iter())
+                .position(|(id, _, o)| !o && live.contains(id))
+                .or_else(|| self.lobby.iter().position(|(id, ..)| live.contains(id)));
+            if let Some((id, oldest, _)) = i.and_then(|i| self.lobby.remove(i)) {
                 oldest.abort();
+                self.lobby_live.remove(&id);
             }
         }
+        // Ended entries behind the front leave too, before they outnumber the places.
+        if self.lobby.len() > 2 * places {
+            let live = &self.lobby_live;
+            self.lobby.retain(|(id, ..)| live.contains(id));
+        }
         let back = self.lobby_done.clone();
-        let peer = raw.peer();
         let shared = self.shared.clone();
         let abort = self.setups.spawn(async move {
             let ready = if opened {
@@ -716,10 +727,12 @@ impl Acceptor {
                 // Full only when the acceptor is gone.
                 let _ = back.try_send(raw);
             } else if let Some(held_back) = shared.warnings.allow() {
+                let peer = raw.peer();
                 tracing::warn!(%peer, held_back, "refused a connection: every set-up slot was taken and it sent no preface within {LOBBY_WAIT:?} (Config::max_handshakes, IBEX_MAX_HANDSHAKES)")
             }
         });
-        self.lobby.push_back((abort, opened));
+        self.lobby_live.insert(abort.id());
+        self.lobby.push_back((abort.id(), abort, opened));
     }
 }
 
@@ -757,7 +770,9 @@ pub(super) async fn run(source: Source, shared: Arc<Shared>) {
         setups: JoinSet::new(),
         pending: VecDeque::new(),
         lobby: VecDeque::new(),
+        lobby_live: HashSet::new(),
         lobby_done,
+        views: Vec::new(),
     };
     let mut spare = spare_descriptor();
     let mut backoff = Duration::ZERO;
@@ -796,7 +811,13 @@ pub(super) async fn run(source: Source, shared: Arc<Shared>) {
                 }
             },
             Some(raw) = from_lobby.recv() => a.take(raw, true),
-            Some(_) = a.setups.join_next(), if !a.setups.is_empty() => {}
+            Some(ended) = a.setups.join_next_with_id(), if !a.setups.is_empty() => {
+                let id = match ended {
+                    Ok((id, ())) => id,
+                    Err(e) => e.id(),
+                };
+                a.lobby_live.remove(&id);
+            }
         }
     }
 }
