@@ -913,7 +913,7 @@ conformance!(
 /// client's certificate through tonic's `Request::peer_certs()`, and its socket addresses.
 mod mutual_tls {
     use super::*;
-    use grpc_common::transports::{tls_connect, tls_file, tls_serve_any};
+    use grpc_common::transports::{tls_connect, tls_connect_any, tls_file, tls_serve_any};
 
     async fn peer_certs_reach_the_handler(scheme: &str) {
         let (svc, _ev) = BenchImpl::new();
@@ -932,6 +932,18 @@ mod mutual_tls {
         assert_eq!(get("x-peer-cert-len"), Some(client_der.to_string()));
         let local = get("x-local-addr").expect("local_addr()");
         assert_eq!(local, format!("127.0.0.1:{port}"));
+        // The same through `connect_any` with the client setting in `Config::tls`.
+        let mut c2 = BenchClient::new(tls_connect_any(&uri, true).await.unwrap());
+        let r = c2
+            .echo(with_mode(Payload::default(), "whoami"))
+            .await
+            .unwrap();
+        let certs = r
+            .metadata()
+            .get("x-peer-certs")
+            .map(|v| v.to_str().unwrap().to_string());
+        assert_eq!(certs.as_deref(), Some("1"));
+        drop(c2);
         // Without a client certificate, no call gets through.
         match tls_connect(&uri, false).await {
             Err(_) => {}
@@ -1347,6 +1359,11 @@ mod ibex_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn connect_any_and_serve_any_speak_http2_and_ibex() {
         within(async {
+            // `https://` without a client TLS setting says what to set.
+            let e = Channel::connect_any("https://127.0.0.1:1", ibex_config())
+                .await
+                .unwrap_err();
+            assert!(e.to_string().contains("Config::tls"), "{e}");
             let port = ibex_test_support::free_port();
             for uri in [format!("http://127.0.0.1:{port}"), shm_uri()] {
                 let (svc, _ev) = BenchImpl::new();

@@ -797,33 +797,55 @@ impl Channel {
         }
     }
 
-    /// Connects to any gRPC server: an Ibex address (`shm://`, `tcp://`, `verbs://`) over
-    /// Ibex, or `http://host:port` over stock HTTP/2 (tonic's own channel), so one program
-    /// and one client type serve both kinds of deployment. Over HTTP/2 there is no
-    /// one-sided access: [`Channel::expose`] fails and [`Channel::connection`] is `None`.
+    /// Connects to any gRPC server: an Ibex address (`shm://`, `tcp://`, `verbs://`,
+    /// `ibex://`) over Ibex, or `http://host:port` over stock HTTP/2 (tonic's own channel),
+    /// so one program and one client type serve both kinds of deployment. With a client
+    /// [`Config::tls`], `tcp://` runs TLS and so does `https://host:port` (HTTP/2 over the
+    /// same rustls settings). Over HTTP/2 there is no one-sided access:
+    /// [`Channel::expose`] fails and [`Channel::connection`] is `None`.
     pub async fn connect_any(uri: &str, config: Config) -> Result<Channel> {
-        if uri.starts_with("https://") {
-            return Err(Error::Config(format!(
-                "{uri}: connect_any speaks plain HTTP/2; for https:// use Endpoint::from_shared(uri)?.tls_config(ClientTlsConfig::new().ca_certificate(..))"
-            )));
-        }
-        if !uri.starts_with("http://") {
+        let https = uri.starts_with("https://");
+        if !https && !uri.starts_with("http://") {
             return Channel::connect_with_config(uri, config).await;
         }
         let bad = |why: String| Error::Address {
             addr: uri.into(),
             why,
         };
-        let ch = tonic::transport::Endpoint::from_shared(uri.to_string())
-            .map_err(|e| bad(format!("not an http:// URI: {e}")))?
-            .tcp_nodelay(true)
-            .connect()
-            .await
-            .map_err(|e| Error::Io {
-                context: format!("connecting to the gRPC server at {uri} over HTTP/2"),
-                source: std::io::Error::new(std::io::ErrorKind::ConnectionRefused, e.to_string())
-                    .into(),
-            })?;
+        let failed = |e: tonic::transport::Error| Error::Io {
+            context: format!("connecting to the gRPC server at {uri} over HTTP/2"),
+            source: std::io::Error::new(std::io::ErrorKind::ConnectionRefused, error_chain(&e))
+                .into(),
+        };
+        let ch = if https {
+            let Some(crate::tls::Tls::Client {
+                config: tls,
+                server_name,
+            }) = &config.tls
+            else {
+                return Err(Error::Config(format!(
+                    "{uri}: an https:// address needs a client TLS setting: Config::tls = \
+                     Some(ClientTlsConfig::new().ca_certificate(..).transport()?)"
+                )));
+            };
+            // tonic's channel sees a plain address; the connector below makes the TLS
+            // stream (so tonic's own TLS, which takes no rustls configuration, stays out).
+            let plain = format!("http://{}", &uri["https://".len()..]);
+            let connector = TlsConnector::new(tls, server_name.clone());
+            tonic::transport::Endpoint::from_shared(plain)
+                .map_err(|e| bad(format!("not an https:// URI: {e}")))?
+                .tcp_nodelay(true)
+                .connect_with_connector(connector)
+                .await
+                .map_err(failed)?
+        } else {
+            tonic::transport::Endpoint::from_shared(uri.to_string())
+                .map_err(|e| bad(format!("not an http:// URI: {e}")))?
+                .tcp_nodelay(true)
+                .connect()
+                .await
+                .map_err(failed)?
+        };
         Ok(Channel {
             kind: Kind::Http(ch),
         })
@@ -1209,6 +1231,57 @@ where
                 })
             }
         }
+    }
+}
+
+/// Makes the TLS streams an `https://` channel of [`Channel::connect_any`] runs HTTP/2 on:
+/// TCP to the address, then the handshake with the transport's rustls client settings,
+/// offering `h2` as HTTP/2 over TLS requires.
+#[derive(Clone)]
+struct TlsConnector {
+    tls: tokio_rustls::TlsConnector,
+    /// The name the server's certificate must hold; `None`: the host connected to.
+    server_name: Option<String>,
+}
+
+impl TlsConnector {
+    fn new(config: &Arc<rustls::ClientConfig>, server_name: Option<String>) -> TlsConnector {
+        let mut config = (**config).clone();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        TlsConnector {
+            tls: tokio_rustls::TlsConnector::from(Arc::new(config)),
+            server_name,
+        }
+    }
+}
+
+impl tower::Service<http::Uri> for TlsConnector {
+    type Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
+    type Error = BoxError;
+    type Future =
+        Pin<Box<dyn Future<Output = std::result::Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<std::result::Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let host = uri.host().ok_or("the address has no host")?;
+            let port = uri.port_u16().unwrap_or(443);
+            let host = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string();
+            let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+            tcp.set_nodelay(true)?;
+            let name = this.server_name.clone().unwrap_or(host);
+            let name = rustls::pki_types::ServerName::try_from(name)
+                .map_err(|e| format!("not a server name to verify: {e}"))?;
+            let stream = this.tls.connect(name, tcp).await?;
+            Ok(hyper_util::rt::TokioIo::new(stream))
+        })
     }
 }
 

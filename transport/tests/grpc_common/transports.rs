@@ -540,7 +540,23 @@ pub async fn tls_connect(addr: &str, mutual: bool) -> Result<Chan, String> {
     Ok(Chan::new(ch))
 }
 
-/// gRPC over Ibex, tcp provider with TLS, through `serve_any` and `Endpoint::tls_config`.
+/// Connects through `Channel::connect_any` with the client TLS setting in the transport
+/// configuration (`Config::tls`): Ibex tcp for `tcp://`, stock HTTP/2 for `https://`.
+pub async fn tls_connect_any(addr: &str, mutual: bool) -> Result<Chan, String> {
+    let mut config = ibex_config();
+    config.tls = Some(client_tls(mutual).transport().map_err(|e| chain(&e))?);
+    let ch = ibex_transport::grpc::Channel::connect_any(addr, config)
+        .await
+        .map_err(|e| chain(&e))?;
+    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| {
+        r.map(tonic::body::Body::new)
+    });
+    let ch =
+        ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
+    Ok(Chan::new(ch))
+}
+
+/// gRPC over Ibex, tcp provider with TLS, through `serve_any` and `connect_any`.
 pub struct IbexTcpTls;
 
 impl Transport for IbexTcpTls {
@@ -557,7 +573,7 @@ impl Transport for IbexTcpTls {
     }
 
     async fn connect(addr: &str) -> Result<Chan, String> {
-        tls_connect(addr, false).await
+        tls_connect_any(addr, false).await
     }
 
     async fn dead_addr() -> String {
@@ -566,7 +582,7 @@ impl Transport for IbexTcpTls {
 }
 
 /// Stock tonic's HTTP/2 with TLS (`https://`), through the same `serve_any` and
-/// `Endpoint::tls_config`.
+/// `connect_any`.
 pub struct TonicTls;
 
 impl Transport for TonicTls {
@@ -583,7 +599,7 @@ impl Transport for TonicTls {
     }
 
     async fn connect(addr: &str) -> Result<Chan, String> {
-        tls_connect(addr, false).await
+        tls_connect_any(addr, false).await
     }
 
     async fn dead_addr() -> String {
