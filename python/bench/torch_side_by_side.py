@@ -77,6 +77,21 @@ def batches(model: str, rank: int, steps: int):
     return out
 
 
+def sgd_step(net, opt):
+    """One training step of `net` with `opt`, the same for every system that has an
+    optimizer on the worker."""
+    import torch
+
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(x, y):
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+
+    return step
+
+
 def train(model, step_fn, data) -> List[float]:
     """Runs `step_fn(x, y)` over `data`, returning each step's seconds."""
     times = []
@@ -104,13 +119,7 @@ def ibex_worker(rank: int, spec_path: str, model: str, overlap, q) -> None:
         torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM), net.named_parameters(), w,
         overlap=overlap,
     )
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step(x, y):
-        opt.zero_grad()
-        loss_fn(net(x), y).backward()
-        opt.step()
-
+    step = sgd_step(net, opt)
     t = train(net, step, batches(model, rank, warm + timed))
     if rank == 0:
         q.put({"times": t[warm:], "overlap": opt.overlap_chosen})
@@ -149,13 +158,7 @@ def ddp_worker(rank: int, port: int, model: str, q) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     net = torch.nn.parallel.DistributedDataParallel(build(model))
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step(x, y):
-        opt.zero_grad()
-        loss_fn(net(x), y).backward()
-        opt.step()
-
+    step = sgd_step(net, opt)
     t = train(net, step, batches(model, rank, warm + timed))
     if rank == 0:
         q.put({"times": t[warm:]})
@@ -278,13 +281,7 @@ def local_worker(rank: int, model: str, q) -> None:
     _, _, warm, timed = MODELS[model]
     net = build(model)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step(x, y):
-        opt.zero_grad()
-        loss_fn(net(x), y).backward()
-        opt.step()
-
+    step = sgd_step(net, opt)
     t = train(net, step, batches(model, rank, warm + timed))
     if rank == 0:
         q.put({"times": t[warm:]})

@@ -276,16 +276,21 @@ async fn ibex_connect(addr: &str) -> Result<Chan, String> {
     ibex_connect_with(addr, ibex_config()).await
 }
 
-async fn ibex_connect_with(addr: &str, config: ibex_transport::Config) -> Result<Chan, String> {
-    let ch = ibex_transport::grpc::Channel::connect_with_config(addr, config)
-        .await
-        .map_err(|e| chain(&e))?;
+/// An Ibex channel as the cases' one client type.
+fn boxed(ch: ibex_transport::grpc::Channel) -> Chan {
     let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| {
         r.map(tonic::body::Body::new)
     });
     let ch =
         ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
-    Ok(Chan::new(ch))
+    Chan::new(ch)
+}
+
+async fn ibex_connect_with(addr: &str, config: ibex_transport::Config) -> Result<Chan, String> {
+    let ch = ibex_transport::grpc::Channel::connect_with_config(addr, config)
+        .await
+        .map_err(|e| chain(&e))?;
+    Ok(boxed(ch))
 }
 
 /// A socket path unique to this process and call.
@@ -532,12 +537,7 @@ pub async fn tls_connect(addr: &str, mutual: bool) -> Result<Chan, String> {
         .connect()
         .await
         .map_err(|e| chain(&e))?;
-    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| {
-        r.map(tonic::body::Body::new)
-    });
-    let ch =
-        ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
-    Ok(Chan::new(ch))
+    Ok(boxed(ch))
 }
 
 /// Connects through `Channel::connect_any` with the client TLS setting in the transport
@@ -548,12 +548,7 @@ pub async fn tls_connect_any(addr: &str, mutual: bool) -> Result<Chan, String> {
     let ch = ibex_transport::grpc::Channel::connect_any(addr, config)
         .await
         .map_err(|e| chain(&e))?;
-    let ch = ServiceExt::<http::Request<tonic::body::Body>>::map_response(ch, |r| {
-        r.map(tonic::body::Body::new)
-    });
-    let ch =
-        ServiceExt::<http::Request<tonic::body::Body>>::map_err(ch, |s| ChanError(Box::new(s)));
-    Ok(Chan::new(ch))
+    Ok(boxed(ch))
 }
 
 /// gRPC over Ibex, tcp provider with TLS, through `serve_any` and `connect_any`.
