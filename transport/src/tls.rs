@@ -181,19 +181,16 @@ pub(crate) async fn handshake(
                 then(&mut io).await.map_err(|e| reexplain(e, Side::Server, peer))?
             };
             let (tcp, conn) = s.into_inner();
-            let peer_certs = certs(conn.peer_certificates());
-            Ok((
-                tcp,
-                Session {
-                    conn: conn.into(),
-                    peer: TlsPeer {
-                        peer_certs,
-                        #[cfg(feature = "grpc")]
-                        connect_info,
-                    },
+            let session = Session::new(conn.into());
+            #[cfg(feature = "grpc")]
+            let session = Session {
+                peer: TlsPeer {
+                    connect_info,
+                    ..session.peer
                 },
-                out,
-            ))
+                ..session
+            };
+            Ok((tcp, session, out))
         }
         (
             Tls::Client {
@@ -223,19 +220,7 @@ pub(crate) async fn handshake(
                 then(&mut io).await.map_err(|e| reexplain(e, Side::Client, peer))?
             };
             let (tcp, conn) = s.into_inner();
-            let peer_certs = certs(conn.peer_certificates());
-            Ok((
-                tcp,
-                Session {
-                    conn: conn.into(),
-                    peer: TlsPeer {
-                        peer_certs,
-                        #[cfg(feature = "grpc")]
-                        connect_info: None,
-                    },
-                },
-                out,
-            ))
+            Ok((tcp, Session::new(conn.into()), out))
         }
         (Tls::Client { .. }, Role::Server) => Err(Error::Config(
             "Config::tls holds a client setting (Tls::client) on a listener; a listener needs Tls::server with its certificate and key".into(),
@@ -246,8 +231,21 @@ pub(crate) async fn handshake(
     }
 }
 
-fn certs(c: Option<&[CertificateDer<'_>]>) -> Option<Arc<Vec<CertificateDer<'static>>>> {
-    c.map(|c| Arc::new(c.iter().map(|c| c.clone().into_owned()).collect()))
+impl Session {
+    /// The session of a finished handshake, with the certificates the peer presented.
+    fn new(conn: rustls::Connection) -> Session {
+        let peer_certs = conn
+            .peer_certificates()
+            .map(|c| Arc::new(c.iter().map(|c| c.clone().into_owned()).collect()));
+        Session {
+            conn,
+            peer: TlsPeer {
+                peer_certs,
+                #[cfg(feature = "grpc")]
+                connect_info: None,
+            },
+        }
+    }
 }
 
 /// A listener that requires TLS sees what the peer opened with before the handshake: a

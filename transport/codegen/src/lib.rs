@@ -379,6 +379,19 @@ fn client_items(s: &Service, snake: &str, service_name: &str) -> TokenStream {
             }
         }
     });
+    // tonic's generated `connect`, over an Ibex channel: on tonic's client type and on ours.
+    let connect = quote! {
+        /// Connects to `dst` (an Ibex address such as `tcp://host:port`, an `http://` one,
+        /// or an `Endpoint`), as tonic's generated `connect`.
+        pub async fn connect<D>(dst: D) -> std::result::Result<Self, ::ibex_transport::Error>
+        where
+            D: TryInto<::ibex_transport::grpc::Endpoint>,
+            D::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        {
+            let channel = ::ibex_transport::grpc::Endpoint::new(dst)?.connect().await?;
+            Ok(Self::new(channel))
+        }
+    };
     quote! {
         pub use super::#tonic_mod::*;
 
@@ -391,29 +404,11 @@ fn client_items(s: &Service, snake: &str, service_name: &str) -> TokenStream {
 
         /// tonic's client over an Ibex channel connects as tonic's generated `connect` does.
         impl super::#tonic_mod::#client<::ibex_transport::grpc::Channel> {
-            /// Connects to `dst` (an Ibex address such as `tcp://host:port`, an `http://`
-            /// one, or an `Endpoint`).
-            pub async fn connect<D>(dst: D) -> std::result::Result<Self, ::ibex_transport::Error>
-            where
-                D: TryInto<::ibex_transport::grpc::Endpoint>,
-                D::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-            {
-                let channel = ::ibex_transport::grpc::Endpoint::new(dst)?.connect().await?;
-                Ok(Self::new(channel))
-            }
+            #connect
         }
 
         impl #client<::ibex_transport::grpc::Channel> {
-            /// Connects to `dst` (an Ibex address such as `tcp://host:port`, an `http://`
-            /// one, or an `Endpoint`), as tonic's generated `connect`.
-            pub async fn connect<D>(dst: D) -> std::result::Result<Self, ::ibex_transport::Error>
-            where
-                D: TryInto<::ibex_transport::grpc::Endpoint>,
-                D::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-            {
-                let channel = ::ibex_transport::grpc::Endpoint::new(dst)?.connect().await?;
-                Ok(Self::new(channel))
-            }
+            #connect
 
             pub fn new(channel: ::ibex_transport::grpc::Channel) -> Self {
                 Self {

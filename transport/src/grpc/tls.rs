@@ -39,7 +39,7 @@ impl Identity {
         )?;
         let key = PrivateKeyDer::from_pem_slice(&self.key).map_err(|e| {
             Error::Config(format!(
-                "the {whose} identity's key is no PEM private key ({e}); pass the key file (PKCS#8, PKCS#1 or SEC1) as the second argument of Identity::from_pem"
+                "the {whose} identity's key is no PEM private key ({e}); pass the key file (a PKCS8, PKCS1 or SEC1 PEM key) as the second argument of Identity::from_pem"
             ))
         })?;
         Ok((chain, key))
